@@ -1,0 +1,3 @@
+//! kvplan's CubeCL kernels and the constants they share with the host. No Burn types here.
+
+pub mod status;

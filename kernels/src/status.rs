@@ -1,0 +1,48 @@
+//! The status record: how a kernel (or the host reference) reports a data-dependent error.
+//!
+//! A status is `STATUS_LEN` i64 words, read back in one transfer:
+//! `[code, count, fact0, fact1, fact2, fact3, 0, 0]`. `code == OK` means success; `count` is the
+//! op's element count (gathered values; unused by the plan). The facts of each code are listed next
+//! to it, and the host turns them into a typed error.
+
+/// Number of i64 words in a status record.
+pub const STATUS_LEN: usize = 8;
+/// Word index of the error code.
+pub const CODE: usize = 0;
+/// Word index of the element count.
+pub const COUNT: usize = 1;
+/// Word index of the first fact.
+pub const FACTS: usize = 2;
+
+/// No error.
+pub const OK: i64 = 0;
+
+// Gather codes (spec gather.md §3/§4). Facts in brackets.
+/// `cols == 0` under a non-empty mask. []
+pub const GATHER_EMPTY_TABLE: i64 = 1;
+/// Segments: `S != P`. [S, P, L]
+pub const GATHER_SEGMENT_SHAPE: i64 = 2;
+/// `n` pairs with neither `R` nor 1, `R > 1`. [n, R, C]
+pub const GATHER_INDEX_SHAPE: i64 = 3;
+/// `n` pairs with neither `R` nor 1, `R == 1`. [n, R, C]
+pub const GATHER_MASK_INDEX_SHAPE: i64 = 4;
+/// A pos row names no row of the table. [i, value, rows]
+pub const GATHER_ROW: i64 = 5;
+/// A true cell's position is outside the table width. [i, j, position, cols]
+pub const GATHER_POSITION: i64 = 6;
+/// More values than the caller's capacity. [count, capacity]
+pub const GATHER_CAPACITY: i64 = 7;
+
+// Plan codes (spec canary-plan.md §5, rules 12-17). Facts in brackets.
+/// Rule 12. [r, q, rows]
+pub const PLAN_ROW: i64 = 12;
+/// Rule 13. [r, p, cols]
+pub const PLAN_POSITION: i64 = 13;
+/// Rule 14. [slot, lut_len, r, c]
+pub const PLAN_SWA_SLOT: i64 = 14;
+/// Rule 15. [r, q, pool_rows]
+pub const PLAN_POOL_ROW: i64 = 15;
+/// Rule 16. [r, column, pool_cols, valid_len]
+pub const PLAN_POOL_POSITION: i64 = 16;
+/// Rule 17. [r]
+pub const PLAN_WRITE_OFFSETS_OVERFLOW: i64 = 17;

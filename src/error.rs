@@ -1,0 +1,347 @@
+//! The library's one error type.
+//!
+//! Every variant carries the offending values; `kind()` gives the snake_case kind used by the specs and
+//! the conformance files. Gather messages start with the caller's `context`, plan messages with
+//! `kv-canary:`.
+
+use core::fmt;
+
+/// Context prefix of every kv-canary plan error message.
+pub const PLAN_CONTEXT: &str = "kv-canary:";
+/// Fixed context of `segment_gather` errors (the op takes no context argument).
+pub const SEGMENT_CONTEXT: &str = "DFLASH req_to_token segment gather";
+
+/// Where a data-dependent error was found: names the offender the way the op's spec does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Site {
+    /// Gather pos row `i` (or segment `i`).
+    Row(usize),
+    /// Gather cell `[i, j]` (for segments, `j` is the offset inside segment `i`).
+    Cell(usize, usize),
+    /// Plan request `r`.
+    Request(usize),
+}
+
+impl fmt::Display for Site {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Site::Row(i) => write!(f, "row {i}"),
+            Site::Cell(i, j) => write!(f, "[{i},{j}]"),
+            Site::Request(r) => write!(f, "request {r}"),
+        }
+    }
+}
+
+/// A shape, printed like `[2, 3]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dims(pub Vec<usize>);
+
+impl fmt::Display for Dims {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+/// Every failure kvplan reports. Nothing in kvplan panics on bad input: it returns one of these.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    // ---- gather (spec gather.md §6) ----
+    /// The table has no columns but the mask selects a cell.
+    #[error("{context} req_to_token table is empty but gather mask is non-empty.")]
+    EmptyTableNonemptyMask {
+        /// Message prefix.
+        context: String,
+    },
+    /// `pos2d` is not 2-D.
+    #[error("{context} pos2d must be 2-D, got shape {shape}.")]
+    PosNot2d {
+        /// Message prefix.
+        context: String,
+        /// Shape of `pos2d`.
+        shape: Dims,
+    },
+    /// `mask` and `pos2d` differ in shape (for segments: `S` lengths vs `P` starts).
+    #[error("{context} mask shape {mask} differs from pos2d shape {pos2d}.")]
+    MaskShapeMismatch {
+        /// Message prefix.
+        context: String,
+        /// Shape of the mask.
+        mask: Dims,
+        /// Shape of the positions.
+        pos2d: Dims,
+    },
+    /// `n` row indices pair with neither the `R` pos rows nor 1.
+    #[error("{context} {n} req_pool_indices cannot pair with {rows} pos2d rows (need {rows} or 1).")]
+    IndexShapeMismatch {
+        /// Message prefix.
+        context: String,
+        /// Length of `req_pool_indices`.
+        n: usize,
+        /// Pos rows `R`.
+        rows: usize,
+        /// Pos columns `C`.
+        cols: usize,
+    },
+    /// A single pos row cannot serve several row indices.
+    #[error("{context} a single pos2d row cannot serve {n} req_pool_indices.")]
+    MaskIndexShapeMismatch {
+        /// Message prefix.
+        context: String,
+        /// Length of `req_pool_indices`.
+        n: usize,
+        /// Pos rows `R` (1).
+        rows: usize,
+        /// Pos columns `C`.
+        cols: usize,
+    },
+    /// A row index names no row of `req_to_token`.
+    #[error("{context} {site}: req_pool_index {value} is not a row of req_to_token (rows={rows}).")]
+    ReqPoolIndexOutOfRange {
+        /// Message prefix.
+        context: String,
+        /// Pos row, segment or request.
+        site: Site,
+        /// The offending index.
+        value: i64,
+        /// Rows of `req_to_token`.
+        rows: usize,
+    },
+    /// A position is outside the table width (plan: the prefix length exceeds it).
+    #[error("{context} {site}: position {position} is outside req_to_token width {cols}.")]
+    PositionOutOfRange {
+        /// Message prefix.
+        context: String,
+        /// Cell (gather) or request (plan).
+        site: Site,
+        /// The offending position (plan: the prefix length).
+        position: i64,
+        /// Columns of `req_to_token`.
+        cols: usize,
+    },
+    /// More gathered values than the caller's capacity.
+    #[error("{context} {count} gathered values do not fit capacity {capacity}.")]
+    CapacityExceeded {
+        /// Message prefix.
+        context: String,
+        /// Values the gather produces.
+        count: u64,
+        /// Capacity given.
+        capacity: usize,
+    },
+    /// A tensor that must be 1-D is not.
+    #[error("{context} {name} must be 1-D, got shape {shape}.")]
+    Not1d {
+        /// Message prefix.
+        context: String,
+        /// Argument name.
+        name: &'static str,
+        /// Its shape.
+        shape: Dims,
+    },
+    /// A tensor that must be 2-D is not.
+    #[error("{context} {name} must be 2-D, got shape {shape}.")]
+    Not2d {
+        /// Message prefix.
+        context: String,
+        /// Argument name.
+        name: &'static str,
+        /// Its shape.
+        shape: Dims,
+    },
+    /// A tensor has a dtype the op does not accept.
+    #[error("{context} {name} has dtype {got}; accepted: {accepted}.")]
+    DtypeMismatch {
+        /// Message prefix.
+        context: String,
+        /// Argument name.
+        name: &'static str,
+        /// Its dtype.
+        got: String,
+        /// The accepted dtypes.
+        accepted: &'static str,
+    },
+    /// A tensor is on another device than the rest.
+    #[error("{context} {name} is on {device}, expected {expected}.")]
+    DeviceMismatch {
+        /// Message prefix.
+        context: String,
+        /// Argument name.
+        name: &'static str,
+        /// Its device.
+        device: String,
+        /// The device of the first tensor (gather) or of the plans (plan).
+        expected: String,
+    },
+
+    // ---- kv-canary plan (spec canary-plan.md §2, §5) ----
+    /// `VerifyPlan::allocate(0)`.
+    #[error("kv-canary: verify capacity must be positive, got {value}")]
+    NonPositiveVerifyCapacity {
+        /// The capacity given.
+        value: usize,
+    },
+    /// `WritePlan::allocate(0)`.
+    #[error("kv-canary: write request capacity must be positive, got {value}")]
+    NonPositiveWriteCapacity {
+        /// The capacity given.
+        value: usize,
+    },
+    /// A capacity above `2^31-1` (counts are stored as i32).
+    #[error("kv-canary: {field} {value} exceeds 2^31-1")]
+    CapacityTooLarge {
+        /// Which capacity.
+        field: &'static str,
+        /// The capacity given.
+        value: usize,
+    },
+    /// Rule 1: a window needs the LUT.
+    #[error("kv-canary: swa_window_size {window} > 0 requires full_to_swa_index_mapping")]
+    MissingLutForSwa {
+        /// The window.
+        window: i32,
+    },
+    /// Rule 2: `verify_capacity` differs from the plan's.
+    #[error("kv-canary: verify_capacity {argument} differs from the VerifyPlan capacity {plan}")]
+    CapacityMismatch {
+        /// The argument.
+        argument: usize,
+        /// The plan's capacity.
+        plan: usize,
+    },
+    /// Rule 3: a pool without `valid_lens`.
+    #[error(
+        "kv-canary: req_to_verify_expected_tokens requires req_to_verify_expected_tokens_valid_lens"
+    )]
+    MissingValidLens,
+    /// Rule 4: `valid_lens` without a pool.
+    #[error(
+        "kv-canary: req_to_verify_expected_tokens_valid_lens given without req_to_verify_expected_tokens"
+    )]
+    ValidLensWithoutPool,
+    /// Rule 8: a per-request tensor's length differs from `bs`.
+    #[error("kv-canary: {name} has length {len}, expected bs={bs}")]
+    LengthMismatch {
+        /// Argument name.
+        name: &'static str,
+        /// Its length.
+        len: usize,
+        /// The batch size.
+        bs: usize,
+    },
+    /// Rule 9: the LUT is empty.
+    #[error("kv-canary: full_to_swa_index_mapping is empty")]
+    EmptyLut,
+    /// Rule 10: more requests than the write plan holds.
+    #[error("kv-canary: bs {bs} exceeds the WritePlan capacity {capacity}")]
+    BsExceedsWriteCapacity {
+        /// The batch size.
+        bs: usize,
+        /// The write plan's capacity.
+        capacity: usize,
+    },
+    /// Rule 11: a zero (broadcast) row stride of `req_to_token`.
+    #[error("kv-canary: req_to_token_stride0 must be positive, got {stride}")]
+    ReqToTokenStride {
+        /// The row stride, in elements.
+        stride: i64,
+    },
+    /// Rule 14: a slot to translate is outside the LUT.
+    #[error(
+        "kv-canary: SWA slot {slot} is outside full_to_swa_index_mapping length {lut_len} (request {request}, position {position})"
+    )]
+    SwaSlotOutsideLut {
+        /// The slot.
+        slot: i64,
+        /// LUT length.
+        lut_len: usize,
+        /// Request index.
+        request: usize,
+        /// Column of `req_to_token` it was read from.
+        position: usize,
+    },
+    /// Rule 15: the request's pool row does not exist.
+    #[error(
+        "kv-canary: request {request}: req_pool_index {row} is not a row of req_to_verify_expected_tokens (rows={pool_rows})"
+    )]
+    ExpectedPoolRowOutOfRange {
+        /// Request index.
+        request: usize,
+        /// Its row index.
+        row: i64,
+        /// Pool rows.
+        pool_rows: usize,
+    },
+    /// Rule 16: the pool is narrower than the columns read.
+    #[error(
+        "kv-canary: request {request}: expected-token column {column} is outside req_to_verify_expected_tokens width {pool_cols} (valid_len {valid_len})"
+    )]
+    ExpectedPoolPositionOutOfRange {
+        /// Request index.
+        request: usize,
+        /// Largest column read.
+        column: i64,
+        /// Pool columns.
+        pool_cols: usize,
+        /// The request's valid length.
+        valid_len: i64,
+    },
+    /// Rule 17: the write offsets overflow i64.
+    #[error("kv-canary: write offsets overflow i64 at request {request}")]
+    WriteOffsetsOverflow {
+        /// First request where the running sum overflows.
+        request: usize,
+    },
+
+    /// The device failed to run or read back an op (not an input error).
+    #[error("kvplan: device execution failed: {detail}")]
+    Execution {
+        /// What the backend said.
+        detail: String,
+    },
+    /// A status record with a code kvplan never writes: a bug, or memory overwritten by someone else.
+    #[error("kvplan: status record holds unknown code {code}")]
+    CorruptStatus {
+        /// The code found.
+        code: i64,
+    },
+}
+
+impl Error {
+    /// The snake_case kind of the specs and conformance files.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::EmptyTableNonemptyMask { .. } => "empty_table_nonempty_mask",
+            Error::PosNot2d { .. } => "pos_not_2d",
+            Error::MaskShapeMismatch { .. } => "mask_shape_mismatch",
+            Error::IndexShapeMismatch { .. } => "index_shape_mismatch",
+            Error::MaskIndexShapeMismatch { .. } => "mask_index_shape_mismatch",
+            Error::ReqPoolIndexOutOfRange { .. } => "req_pool_index_out_of_range",
+            Error::PositionOutOfRange { .. } => "position_out_of_range",
+            Error::CapacityExceeded { .. } => "capacity_exceeded",
+            Error::Not1d { .. } => "not_1d",
+            Error::Not2d { .. } => "not_2d",
+            Error::DtypeMismatch { .. } => "dtype_mismatch",
+            Error::DeviceMismatch { .. } => "device_mismatch",
+            Error::NonPositiveVerifyCapacity { .. } => "non_positive_verify_capacity",
+            Error::NonPositiveWriteCapacity { .. } => "non_positive_write_capacity",
+            Error::CapacityTooLarge { .. } => "capacity_too_large",
+            Error::MissingLutForSwa { .. } => "missing_lut_for_swa",
+            Error::CapacityMismatch { .. } => "capacity_mismatch",
+            Error::MissingValidLens => "missing_valid_lens",
+            Error::ValidLensWithoutPool => "valid_lens_without_pool",
+            Error::LengthMismatch { .. } => "length_mismatch",
+            Error::EmptyLut => "empty_lut",
+            Error::BsExceedsWriteCapacity { .. } => "bs_exceeds_write_capacity",
+            Error::ReqToTokenStride { .. } => "req_to_token_stride",
+            Error::SwaSlotOutsideLut { .. } => "swa_slot_outside_lut",
+            Error::ExpectedPoolRowOutOfRange { .. } => "expected_pool_row_out_of_range",
+            Error::ExpectedPoolPositionOutOfRange { .. } => "expected_pool_position_out_of_range",
+            Error::WriteOffsetsOverflow { .. } => "write_offsets_overflow",
+            Error::CorruptStatus { .. } => "corrupt_status",
+            Error::Execution { .. } => "execution",
+        }
+    }
+}
+
+/// Result alias of the crate.
+pub type Result<T> = core::result::Result<T, Error>;

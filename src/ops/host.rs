@@ -1,0 +1,188 @@
+//! The default bodies of `KvPlanBackend`: read the inputs back, run the reference, upload.
+
+use burn_tensor::backend::Backend;
+use burn_tensor::ops::{BoolTensor, IntTensor};
+use burn_tensor::{TensorData, TensorMetadata, try_read_sync};
+
+use super::{GatherOutput, PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
+use crate::error::Error;
+use crate::reference::{self, ExpectedTokens, PlanArgs, PlanBuffers, Table};
+use crate::status::{self, StatusWords};
+
+/// An int tensor's values as i64, row-major, with its shape.
+fn read_int<B: Backend>(tensor: IntTensor<B>) -> Result<(Vec<usize>, Vec<i64>), Error> {
+    let shape = tensor.shape().to_vec();
+    let data = read(B::int_into_data(tensor))?;
+    Ok((shape, data.iter::<i64>().collect()))
+}
+
+fn read_bool<B: Backend>(tensor: BoolTensor<B>) -> Result<Vec<bool>, Error> {
+    Ok(read(B::bool_into_data(tensor))?.iter::<bool>().collect())
+}
+
+fn read<F, E>(future: F) -> Result<TensorData, Error>
+where
+    F: Future<Output = Result<TensorData, E>>,
+    E: core::fmt::Debug,
+{
+    try_read_sync(future)
+        .ok_or_else(|| Error::Execution { detail: "cannot block on a read here".into() })?
+        .map_err(|error| Error::Execution { detail: format!("{error:?}") })
+}
+
+fn upload_i64<B: Backend>(values: Vec<i64>, device: &B::Device) -> IntTensor<B> {
+    let len = values.len();
+    B::int_from_data(TensorData::new(values, [len]), device)
+}
+
+fn upload_i32<B: Backend>(value: i32, device: &B::Device) -> IntTensor<B> {
+    B::int_from_data(TensorData::new(vec![value], [1]), device)
+}
+
+/// Packs a reference outcome as the kernels would: `out` padded to `capacity`, `count` 0 on error.
+fn gather_output<B: Backend>(
+    outcome: Result<Vec<i64>, Error>,
+    capacity: usize,
+    device: &B::Device,
+) -> GatherOutput<IntTensor<B>> {
+    let (mut out, words) = match outcome {
+        Ok(values) => {
+            let words = status::encode(&Ok(values.len()));
+            (values, words)
+        }
+        Err(error) => (Vec::new(), status::encode(&Err(error))),
+    };
+    out.resize(capacity, 0);
+    GatherOutput {
+        out: upload_i64::<B>(out, device),
+        count: upload_i64::<B>(vec![words[kvplan_kernels::status::COUNT]], device),
+        status: upload_i64::<B>(words.to_vec(), device),
+    }
+}
+
+/// `[rows, cols]` of a validated 2-D tensor.
+fn rows_cols(shape: &[usize]) -> (usize, usize) {
+    (shape.first().copied().unwrap_or(0), shape.get(1).copied().unwrap_or(0))
+}
+
+pub(super) fn masked_gather<B: Backend>(
+    req_to_token: IntTensor<B>,
+    req_pool_indices: IntTensor<B>,
+    pos2d: IntTensor<B>,
+    mask: BoolTensor<B>,
+    capacity: usize,
+) -> Result<GatherOutput<IntTensor<B>>, Error> {
+    let device = B::int_device(&req_to_token);
+    let (table_shape, table) = read_int::<B>(req_to_token)?;
+    let (_, req_pool_indices) = read_int::<B>(req_pool_indices)?;
+    let (pos_shape, pos2d) = read_int::<B>(pos2d)?;
+    let mask = read_bool::<B>(mask)?;
+    let (rows, cols) = rows_cols(&table_shape);
+    let (pos_rows, pos_cols) = rows_cols(&pos_shape);
+    // The context is re-attached when the status is decoded.
+    let outcome = reference::masked_gather(
+        Table::new(rows, cols, &table),
+        &req_pool_indices,
+        &pos2d,
+        &mask,
+        [pos_rows, pos_cols],
+        Some(capacity),
+        "",
+    );
+    Ok(gather_output::<B>(outcome, capacity, &device))
+}
+
+pub(super) fn segment_gather<B: Backend>(
+    req_to_token: IntTensor<B>,
+    req_pool_indices: IntTensor<B>,
+    start: Option<IntTensor<B>>,
+    lengths: IntTensor<B>,
+    capacity: usize,
+) -> Result<GatherOutput<IntTensor<B>>, Error> {
+    let device = B::int_device(&req_to_token);
+    let (table_shape, table) = read_int::<B>(req_to_token)?;
+    let (_, req_pool_indices) = read_int::<B>(req_pool_indices)?;
+    let start = start.map(read_int::<B>).transpose()?.map(|(_, values)| values);
+    let (_, lengths) = read_int::<B>(lengths)?;
+    let (rows, cols) = rows_cols(&table_shape);
+    let outcome = reference::segment_gather(
+        Table::new(rows, cols, &table),
+        &req_pool_indices,
+        start.as_deref(),
+        &lengths,
+        Some(capacity),
+    );
+    Ok(gather_output::<B>(outcome, capacity, &device))
+}
+
+pub(super) fn canary_plan<B: Backend>(
+    verify: VerifyPlanPrimitive<IntTensor<B>>,
+    write: WritePlanPrimitive<IntTensor<B>>,
+    inputs: PlanInputsPrimitive<IntTensor<B>>,
+) -> Result<PlanOutput<IntTensor<B>>, Error> {
+    let device = B::int_device(&verify.slot_indices);
+    let scalar = |tensor| -> Result<i32, Error> {
+        Ok(read_int::<B>(tensor)?.1.first().copied().unwrap_or(0) as i32)
+    };
+    let mut buffers = PlanBuffers {
+        verify_slot_indices: read_int::<B>(verify.slot_indices)?.1,
+        verify_expected_tokens: read_int::<B>(verify.expected_tokens)?.1,
+        verify_expected_positions: read_int::<B>(verify.expected_positions)?.1,
+        verify_prev_slot_indices: read_int::<B>(verify.prev_slot_indices)?.1,
+        verify_num_valid: scalar(verify.num_valid)?,
+        enable: scalar(verify.enable)?,
+        write_offsets: read_int::<B>(write.offsets)?.1,
+        write_seed_slot_indices: read_int::<B>(write.seed_slot_indices)?.1,
+        write_num_valid_reqs: scalar(write.num_valid_reqs)?,
+    };
+    let (_, req_pool_indices) = read_int::<B>(inputs.req_pool_indices)?;
+    let (_, prefix_lens) = read_int::<B>(inputs.prefix_lens)?;
+    let (_, extend_seq_lens) = read_int::<B>(inputs.extend_seq_lens)?;
+    let (table_shape, table) = read_int::<B>(inputs.req_to_token)?;
+    let lut = inputs.full_to_swa.map(read_int::<B>).transpose()?.map(|(_, values)| values);
+    let pool = match inputs.expected_tokens {
+        Some((pool, valid_lens)) => Some((read_int::<B>(pool)?, read_int::<B>(valid_lens)?.1)),
+        None => None,
+    };
+    let (rows, cols) = rows_cols(&table_shape);
+    let args = PlanArgs {
+        req_pool_indices: &req_pool_indices,
+        prefix_lens: &prefix_lens,
+        extend_seq_lens: &extend_seq_lens,
+        req_to_token: Table::new(rows, cols, &table),
+        swa_window_size: inputs.swa_window_size,
+        full_to_swa: lut.as_deref(),
+        expected_tokens: pool.as_ref().map(|((shape, values), valid_lens)| {
+            let (prow, pcol) = rows_cols(shape);
+            ExpectedTokens { pool: Table::new(prow, pcol, values), valid_lens }
+        }),
+        position_offset: inputs.position_offset,
+    };
+    let outcome = reference::plan(&args, &mut buffers).map(|()| 0);
+    let words = status::encode(&outcome);
+    Ok(PlanOutput {
+        verify: VerifyPlanPrimitive {
+            slot_indices: upload_i64::<B>(buffers.verify_slot_indices, &device),
+            expected_tokens: upload_i64::<B>(buffers.verify_expected_tokens, &device),
+            expected_positions: upload_i64::<B>(buffers.verify_expected_positions, &device),
+            prev_slot_indices: upload_i64::<B>(buffers.verify_prev_slot_indices, &device),
+            num_valid: upload_i32::<B>(buffers.verify_num_valid, &device),
+            enable: upload_i32::<B>(buffers.enable, &device),
+        },
+        write: WritePlanPrimitive {
+            offsets: upload_i64::<B>(buffers.write_offsets, &device),
+            seed_slot_indices: upload_i64::<B>(buffers.write_seed_slot_indices, &device),
+            num_valid_reqs: upload_i32::<B>(buffers.write_num_valid_reqs, &device),
+        },
+        status: upload_i64::<B>(words.to_vec(), &device),
+    })
+}
+
+pub(super) fn read_status<B: Backend>(status: IntTensor<B>) -> Result<StatusWords, Error> {
+    let (_, words) = read_int::<B>(status)?;
+    let mut record = [0; kvplan_kernels::status::STATUS_LEN];
+    for (slot, word) in record.iter_mut().zip(words) {
+        *slot = word;
+    }
+    Ok(record)
+}

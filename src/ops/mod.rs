@@ -1,0 +1,143 @@
+//! The backend extension trait: kvplan's ops on Burn primitives.
+//!
+//! Every method has a default body that runs the host reference (read inputs back, compute, upload
+//! results), so the trait works on any Burn backend. CubeCL backends override the bodies with
+//! kernels. The public API (`crate::gather`, `crate::canary`) validates inputs before calling in
+//! here, so implementations may rely on the host rules having passed.
+
+mod host;
+mod impls;
+
+use burn_tensor::TensorMetadata;
+use burn_tensor::backend::Backend;
+use burn_tensor::ops::{BoolTensor, IntTensor};
+
+use crate::error::Error;
+
+// The structs below are generic over the int primitive `T` (`IntTensor<B>`) rather than the
+// backend, so that backends sharing a primitive (`Autodiff<B>` and `B`) share the types too.
+
+/// The device-side result of a gather.
+#[derive(Debug, Clone)]
+pub struct GatherOutput<T> {
+    /// i64 `[capacity]`; the first `count` values are the gathered slots.
+    pub out: T,
+    /// i64 `[1]`: the number of gathered values (0 after a deferred error).
+    pub count: T,
+    /// i64 status record (`kvplan_kernels::status`).
+    pub status: T,
+}
+
+/// A `VerifyPlan`'s tensors, in the spec's field order.
+#[derive(Debug, Clone)]
+pub struct VerifyPlanPrimitive<T> {
+    /// i64 `[V]`.
+    pub slot_indices: T,
+    /// i64 `[V]`.
+    pub expected_tokens: T,
+    /// i64 `[V]`.
+    pub expected_positions: T,
+    /// i64 `[V]`.
+    pub prev_slot_indices: T,
+    /// i32 `[1]`.
+    pub num_valid: T,
+    /// i32 `[1]`.
+    pub enable: T,
+}
+
+/// A `WritePlan`'s tensors, in the spec's field order.
+#[derive(Debug, Clone)]
+pub struct WritePlanPrimitive<T> {
+    /// i64 `[K+1]`.
+    pub offsets: T,
+    /// i64 `[K]`.
+    pub seed_slot_indices: T,
+    /// i32 `[1]`.
+    pub num_valid_reqs: T,
+}
+
+/// The inputs of one plan step as primitives (dtype i32 or i64 each, validated).
+#[derive(Debug, Clone)]
+pub struct PlanInputsPrimitive<T> {
+    /// `[bs]`; 0 marks a padding row.
+    pub req_pool_indices: T,
+    /// `[bs]`.
+    pub prefix_lens: T,
+    /// `[bs]`.
+    pub extend_seq_lens: T,
+    /// `[rows, cols]`.
+    pub req_to_token: T,
+    /// `W`; `<= 0` means no window.
+    pub swa_window_size: i32,
+    /// `[lut_len]`, non-empty.
+    pub full_to_swa: Option<T>,
+    /// The pool `[prow, pcol]` and its valid lengths `[bs]`.
+    pub expected_tokens: Option<(T, T)>,
+    /// Column shift into the pool.
+    pub position_offset: i32,
+}
+
+/// The result of one plan step: the plans (filled in place) and the i64 status record.
+#[derive(Debug, Clone)]
+pub struct PlanOutput<T> {
+    /// The verify plan.
+    pub verify: VerifyPlanPrimitive<T>,
+    /// The write plan.
+    pub write: WritePlanPrimitive<T>,
+    /// i64 status record (`kvplan_kernels::status`).
+    pub status: T,
+}
+
+/// kvplan's ops as a Burn backend extension (burn-vision style).
+///
+/// Implemented for every backend kvplan knows: the CubeCL ones (`CubeBackend`, `Fusion`,
+/// `Autodiff`) and the host ones, which use the default bodies. A custom backend opts in with an
+/// empty `impl KvPlanBackend for MyBackend {}`.
+pub trait KvPlanBackend: Backend {
+    /// Masked gather (spec `gather.md` §3, rules 6-10) into an output of `capacity` values.
+    ///
+    /// `capacity` is also the bound of rule 10. Rules 1-5 have been checked by the caller.
+    fn masked_gather(
+        req_to_token: IntTensor<Self>,
+        req_pool_indices: IntTensor<Self>,
+        pos2d: IntTensor<Self>,
+        mask: BoolTensor<Self>,
+        capacity: usize,
+    ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
+        host::masked_gather::<Self>(req_to_token, req_pool_indices, pos2d, mask, capacity)
+    }
+
+    /// Segment gather (spec `gather.md` §4, rules 4-10) into an output of `capacity` values.
+    fn segment_gather(
+        req_to_token: IntTensor<Self>,
+        req_pool_indices: IntTensor<Self>,
+        start: Option<IntTensor<Self>>,
+        lengths: IntTensor<Self>,
+        capacity: usize,
+    ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
+        host::segment_gather::<Self>(req_to_token, req_pool_indices, start, lengths, capacity)
+    }
+
+    /// One kv-canary plan step (spec `canary-plan.md` §4 and rules 12-17), filling the plans in
+    /// place. Rules 1-11 have been checked by the caller.
+    fn canary_plan(
+        verify: VerifyPlanPrimitive<IntTensor<Self>>,
+        write: WritePlanPrimitive<IntTensor<Self>>,
+        inputs: PlanInputsPrimitive<IntTensor<Self>>,
+    ) -> Result<PlanOutput<IntTensor<Self>>, Error> {
+        host::canary_plan::<Self>(verify, write, inputs)
+    }
+
+    /// Elements between `T[q][c]` and `T[q+1][c]` in the buffer of a 2-D int tensor, as passed in.
+    ///
+    /// The default assumes a contiguous layout: backends that cannot express strided views have
+    /// no other.
+    fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {
+        tensor.shape().as_slice().get(1).map_or(1, |&cols| cols as i64)
+    }
+
+    /// Reads a status record back to the host: the single transfer of a checked call.
+    fn read_status(status: IntTensor<Self>) -> Result<crate::status::StatusWords, Error> {
+        host::read_status::<Self>(status)
+    }
+}
