@@ -6,7 +6,10 @@
 
 #![warn(missing_docs)]
 
+pub mod backends;
 pub mod canary;
+pub mod conformance;
+pub mod demo;
 pub mod error;
 pub mod gather;
 pub mod ops;

@@ -1,1 +1,58 @@
-fn main(){}
+//! `kvplan`: the demo serving trace (default), the conformance runner and the benchmarks.
+
+use std::process::ExitCode;
+
+use kvplan::backends::BackendName;
+
+const USAGE: &str = "usage:
+  kvplan [demo] [--backend NAME]             synthetic speculative-decoding trace (default)
+  kvplan check FILE.jsonl [--backend NAME]   run conformance vectors
+backends: reference, flex, vulkan, vulkan-unfused, cuda, cuda-unfused";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(code) => code,
+        Err(message) => {
+            eprintln!("kvplan: {message}\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(args: &[String]) -> Result<ExitCode, String> {
+    let mut positional = Vec::new();
+    let mut backend = None;
+    let mut rest = args.iter();
+    while let Some(arg) = rest.next() {
+        match arg.as_str() {
+            "--backend" => {
+                let name = rest.next().ok_or("--backend needs a name")?;
+                backend = Some(name.parse::<BackendName>()?);
+            }
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                return Ok(ExitCode::SUCCESS);
+            }
+            _ => positional.push(arg.as_str()),
+        }
+    }
+    match positional.as_slice() {
+        ["check", file] => check(file, backend.unwrap_or(BackendName::Reference)),
+        [] | ["demo"] => kvplan::demo::run(backend),
+        _ => Err(format!("unexpected arguments {positional:?}")),
+    }
+}
+
+fn check(file: &str, backend: BackendName) -> Result<ExitCode, String> {
+    let text = std::fs::read_to_string(file).map_err(|error| format!("cannot read {file}: {error}"))?;
+    let report = kvplan::with_backend!(backend, |device: B| {
+        kvplan::conformance::check_file::<B>(&text, &device)
+    })?;
+    for (id, mismatch) in &report.failures {
+        println!("FAIL {id} {mismatch}");
+    }
+    println!("{file} on {backend}: {}", report.summary());
+    println!("{}", report.summary());
+    Ok(if report.failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
