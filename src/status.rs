@@ -148,6 +148,7 @@ pub fn decode(words: &StatusWords, context: &str) -> Result<usize, Error> {
             valid_len: fact(3),
         },
         PLAN_WRITE_OFFSETS_OVERFLOW => Error::WriteOffsetsOverflow { request: index(0) },
+        EXECUTION => Error::Execution { detail: "a fused kvplan op failed on the device".into() },
         code => Error::CorruptStatus { code },
     };
     Err(error)

@@ -16,6 +16,8 @@ pub const FACTS: usize = 2;
 
 /// No error.
 pub const OK: i64 = 0;
+/// The op failed to execute inside a lazily executed (fused) stream. []
+pub const EXECUTION: i64 = 99;
 
 // Gather codes (spec gather.md §3/§4). Facts in brackets.
 /// `cols == 0` under a non-empty mask. []

@@ -6,7 +6,6 @@
 use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use burn_fusion::{Fusion, FusionBackend};
 use burn_tensor::ops::{BoolTensor, IntTensor};
 
 use super::{
@@ -29,8 +28,6 @@ where
         tensor.meta.strides().first().map_or(1, |&stride| stride as i64)
     }
 }
-
-impl<B: FusionBackend> KvPlanBackend for Fusion<B> {}
 
 impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
     fn masked_gather(

@@ -1,0 +1,252 @@
+//! `KvPlanBackend` for `Fusion<B>`: every op is a registered custom operation whose `execute`
+//! runs the inner backend's op on the inner tensors.
+//!
+//! Inputs are consumed (`into_ir`), so a plan buffer that the caller holds uniquely reaches the
+//! inner op uniquely owned and CubeCL can write it in place; outputs are re-registered with the
+//! shapes and dtypes that the inner op is guaranteed to return (i64 arrays, i32 counters).
+
+use core::marker::PhantomData;
+
+use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+use burn_tensor::ops::{BoolTensor, IntTensor};
+use burn_tensor::ops::IntTensorOps;
+use burn_tensor::{DType, Shape, TensorData};
+use kvplan_kernels::status::{CODE, EXECUTION, STATUS_LEN};
+
+use super::{
+    GatherOutput, KvPlanBackend, PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive,
+    WritePlanPrimitive,
+};
+use crate::error::Error;
+
+type Handles<B> = HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
+
+/// The registered op: which kvplan op, and its scalar arguments.
+#[derive(Debug, Clone)]
+enum Op {
+    MaskedGather { capacity: usize },
+    SegmentGather { capacity: usize, has_start: bool },
+    Plan { swa_window_size: i32, has_lut: bool, has_pool: bool, position_offset: i32 },
+}
+
+#[derive(Debug)]
+struct CustomOp<B: FusionBackend> {
+    desc: CustomOpIr,
+    op: Op,
+    device: B::Device,
+    _backend: PhantomData<B>,
+}
+
+impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        let inputs = &self.desc.inputs;
+        let outputs = &self.desc.outputs;
+        let mut int = |k: usize| handles.get_int_tensor::<B>(&inputs[k]);
+        let result: Result<Vec<IntTensor<B>>, Error> = match self.op {
+            Op::MaskedGather { capacity } => {
+                let (table, rows, pos2d) = (int(0), int(1), int(2));
+                let mask = handles.get_bool_tensor::<B>(&inputs[3]);
+                B::masked_gather(table, rows, pos2d, mask, capacity)
+                    .map(|out| vec![out.out, out.count, out.status])
+            }
+            Op::SegmentGather { capacity, has_start } => {
+                let (table, rows) = (int(0), int(1));
+                let start = has_start.then(|| int(2));
+                let lengths = int(2 + usize::from(has_start));
+                B::segment_gather(table, rows, start, lengths, capacity)
+                    .map(|out| vec![out.out, out.count, out.status])
+            }
+            Op::Plan { swa_window_size, has_lut, has_pool, position_offset } => {
+                let plans: Vec<IntTensor<B>> = (0..9).map(&mut int).collect();
+                let mut next = 13;
+                let mut optional = |present: bool| {
+                    present.then(|| {
+                        next += 1;
+                        int(next - 1)
+                    })
+                };
+                let full_to_swa = optional(has_lut);
+                let pool = optional(has_pool);
+                let valid_lens = optional(has_pool);
+                let [slot, tokens, positions, prev, num_valid, enable, offsets, seeds, reqs] =
+                    <[IntTensor<B>; 9]>::try_from(plans).ok().expect("nine plan tensors");
+                let inputs = PlanInputsPrimitive {
+                    req_pool_indices: int(9),
+                    prefix_lens: int(10),
+                    extend_seq_lens: int(11),
+                    req_to_token: int(12),
+                    swa_window_size,
+                    full_to_swa,
+                    expected_tokens: pool.zip(valid_lens),
+                    position_offset,
+                };
+                let verify = VerifyPlanPrimitive {
+                    slot_indices: slot,
+                    expected_tokens: tokens,
+                    expected_positions: positions,
+                    prev_slot_indices: prev,
+                    num_valid,
+                    enable,
+                };
+                let write =
+                    WritePlanPrimitive { offsets, seed_slot_indices: seeds, num_valid_reqs: reqs };
+                B::canary_plan(verify, write, inputs).map(|out| {
+                    let (v, w) = (out.verify, out.write);
+                    vec![
+                        v.slot_indices,
+                        v.expected_tokens,
+                        v.expected_positions,
+                        v.prev_slot_indices,
+                        v.num_valid,
+                        v.enable,
+                        w.offsets,
+                        w.seed_slot_indices,
+                        w.num_valid_reqs,
+                        out.status,
+                    ]
+                })
+            }
+        };
+        // A lazily executed op cannot return its error: it becomes the status record instead,
+        // next to outputs of the declared shapes.
+        let tensors = result.unwrap_or_else(|_| failed_outputs::<B>(outputs, &self.device));
+        for (ir, tensor) in outputs.iter().zip(tensors) {
+            handles.register_int_tensor::<B>(&ir.id, tensor);
+        }
+    }
+}
+
+/// Outputs of the declared shapes and dtypes, the status saying the execution failed.
+fn failed_outputs<B: FusionBackend>(outputs: &[TensorIr], device: &B::Device) -> Vec<IntTensor<B>> {
+    outputs
+        .iter()
+        .enumerate()
+        .map(|(k, ir)| {
+            let len = ir.shape.num_elements();
+            let is_status = k + 1 == outputs.len();
+            let mut data = TensorData::new(vec![0i64; len], ir.shape.clone());
+            if is_status && len == STATUS_LEN {
+                let mut words = vec![0i64; STATUS_LEN];
+                words[CODE] = EXECUTION;
+                data = TensorData::new(words, ir.shape.clone());
+            }
+            B::int_from_data(data.convert_dtype(ir.dtype), device)
+        })
+        .collect()
+}
+
+fn output_ir<R: FusionRuntime>(tensor_client: &FusionTensor<R>, len: usize, dtype: DType) -> TensorIr {
+    TensorIr::uninit(tensor_client.client.create_empty_handle(), Shape::new([len]), dtype)
+}
+
+/// Registers `op` on `inputs` with `outputs` declared; returns the output tensors.
+fn register<B: FusionBackend + KvPlanBackend>(
+    op: Op,
+    name: &'static str,
+    inputs: Vec<FusionTensor<B::FusionRuntime>>,
+    outputs: Vec<TensorIr>,
+) -> Vec<FusionTensor<B::FusionRuntime>> {
+    let client = inputs[0].client.clone();
+    let device = Fusion::<B>::int_device(&inputs[0]);
+    let streams = OperationStreams::with_inputs(inputs.iter());
+    let inputs: Vec<TensorIr> = inputs.into_iter().map(FusionTensor::into_ir).collect();
+    let desc = CustomOpIr::new(name, &inputs, &outputs);
+    client.register(
+        streams,
+        OperationIr::Custom(desc.clone()),
+        CustomOp::<B> { desc, op, device, _backend: PhantomData },
+    )
+}
+
+fn gather_outputs<R: FusionRuntime>(first: &FusionTensor<R>, capacity: usize) -> Vec<TensorIr> {
+    vec![
+        output_ir(first, capacity, DType::I64),
+        output_ir(first, 1, DType::I64),
+        output_ir(first, STATUS_LEN, DType::I64),
+    ]
+}
+
+fn into_gather<T>(outputs: Vec<T>) -> GatherOutput<T> {
+    let [out, count, status] = <[T; 3]>::try_from(outputs).ok().expect("three gather outputs");
+    GatherOutput { out, count, status }
+}
+
+impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
+    fn masked_gather(
+        req_to_token: IntTensor<Self>,
+        req_pool_indices: IntTensor<Self>,
+        pos2d: IntTensor<Self>,
+        mask: BoolTensor<Self>,
+        capacity: usize,
+    ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
+        let outputs = gather_outputs(&req_to_token, capacity);
+        let inputs = vec![req_to_token, req_pool_indices, pos2d, mask];
+        let op = Op::MaskedGather { capacity };
+        Ok(into_gather(register::<B>(op, "kvplan::masked_gather", inputs, outputs)))
+    }
+
+    fn segment_gather(
+        req_to_token: IntTensor<Self>,
+        req_pool_indices: IntTensor<Self>,
+        start: Option<IntTensor<Self>>,
+        lengths: IntTensor<Self>,
+        capacity: usize,
+    ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
+        let outputs = gather_outputs(&req_to_token, capacity);
+        let op = Op::SegmentGather { capacity, has_start: start.is_some() };
+        let inputs = [Some(req_to_token), Some(req_pool_indices), start, Some(lengths)];
+        let inputs = inputs.into_iter().flatten().collect();
+        Ok(into_gather(register::<B>(op, "kvplan::segment_gather", inputs, outputs)))
+    }
+
+    fn canary_plan(
+        verify: VerifyPlanPrimitive<IntTensor<Self>>,
+        write: WritePlanPrimitive<IntTensor<Self>>,
+        inputs: PlanInputsPrimitive<IntTensor<Self>>,
+    ) -> Result<PlanOutput<IntTensor<Self>>, Error> {
+        let plans = vec![
+            verify.slot_indices,
+            verify.expected_tokens,
+            verify.expected_positions,
+            verify.prev_slot_indices,
+            verify.num_valid,
+            verify.enable,
+            write.offsets,
+            write.seed_slot_indices,
+            write.num_valid_reqs,
+        ];
+        // The plans come back with their own shapes and dtypes, then the status record.
+        let mut outputs: Vec<TensorIr> = plans
+            .iter()
+            .map(|plan| output_ir(plan, plan.shape.num_elements(), plan.dtype))
+            .collect();
+        outputs.push(output_ir(&plans[0], STATUS_LEN, DType::I64));
+        let op = Op::Plan {
+            swa_window_size: inputs.swa_window_size,
+            has_lut: inputs.full_to_swa.is_some(),
+            has_pool: inputs.expected_tokens.is_some(),
+            position_offset: inputs.position_offset,
+        };
+        let (pool, valid_lens) = inputs.expected_tokens.unzip();
+        let mut all = plans;
+        all.extend([inputs.req_pool_indices, inputs.prefix_lens, inputs.extend_seq_lens, inputs.req_to_token]);
+        all.extend([inputs.full_to_swa, pool, valid_lens].into_iter().flatten());
+        let outputs = register::<B>(op, "kvplan::canary_plan", all, outputs);
+        let [slot, tokens, positions, prev, num_valid, enable, offsets, seeds, reqs, status] =
+            <[IntTensor<Self>; 10]>::try_from(outputs).ok().expect("ten plan outputs");
+        Ok(PlanOutput {
+            verify: VerifyPlanPrimitive {
+                slot_indices: slot,
+                expected_tokens: tokens,
+                expected_positions: positions,
+                prev_slot_indices: prev,
+                num_valid,
+                enable,
+            },
+            write: WritePlanPrimitive { offsets, seed_slot_indices: seeds, num_valid_reqs: reqs },
+            status,
+        })
+    }
+}
