@@ -1,3 +1,5 @@
 //! kvplan's CubeCL kernels and the constants they share with the host. No Burn types here.
 
+pub mod gather;
+pub mod scan;
 pub mod status;

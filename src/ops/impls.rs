@@ -24,6 +24,16 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn masked_gather(
+        req_to_token: IntTensor<Self>,
+        req_pool_indices: IntTensor<Self>,
+        pos2d: IntTensor<Self>,
+        mask: BoolTensor<Self>,
+        capacity: usize,
+    ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
+        Ok(super::cube::masked_gather(req_to_token, req_pool_indices, pos2d, mask, capacity))
+    }
+
     fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {
         tensor.meta.strides().first().map_or(1, |&stride| stride as i64)
     }

@@ -5,6 +5,7 @@
 //! kernels. The public API (`crate::gather`, `crate::canary`) validates inputs before calling in
 //! here, so implementations may rely on the host rules having passed.
 
+mod cube;
 mod fusion;
 mod host;
 mod impls;

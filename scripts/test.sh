@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test command (README, CI): installs Mesa's software Vulkan device when it is missing, then runs
+# every test with the Vulkan requirement on, so that the real kernels run on the CPU (lavapipe).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! ldconfig -p | grep -q 'libvulkan.so.1' || ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
+    echo "installing Mesa's software Vulkan device (mesa-vulkan-drivers, libvulkan1)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >/dev/null
+fi
+
+# Tests that need a Vulkan adapter fail (never skip) when it is missing.
+export KVPLAN_REQUIRE_VULKAN=1
+# lavapipe wants a runtime dir; without one it only prints a warning.
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}"
+cargo test --release --workspace "$@"

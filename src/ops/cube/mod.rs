@@ -1,0 +1,62 @@
+//! `KvPlanBackend` for `CubeBackend`: the CubeCL launchers. Each talks to the CubeCL client
+//! directly: allocate outputs, launch once, never read back (the public API reads the status).
+
+mod gather;
+
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_tensor::{DType, Shape, TensorMetadata};
+use cubecl::prelude::*;
+
+pub(crate) use gather::{masked_gather, segment_gather};
+
+/// A contiguous i64 tensor of `len` values (uninitialised).
+fn empty_i64<R: CubeRuntime>(like: &CubeTensor<R>, len: usize) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), Shape::new([len]), DType::I64)
+}
+
+/// `len` values backed by at least one element: zero-sized bindings are not valid everywhere.
+fn output_i64<R: CubeRuntime>(like: &CubeTensor<R>, len: usize) -> CubeTensor<R> {
+    let buffer = empty_i64(like, len.max(1));
+    CubeTensor::new_contiguous(buffer.client, buffer.device, Shape::new([len]), buffer.handle, DType::I64)
+}
+
+/// A u64 buffer uploaded from the host (scratch words that must start at known values).
+fn upload_u64<R: CubeRuntime>(like: &CubeTensor<R>, words: &[u64]) -> CubeTensor<R> {
+    let handle = like.client.create_from_slice(bytemuck::cast_slice(words));
+    CubeTensor::new_contiguous(like.client.clone(), like.device.clone(), Shape::new([words.len()]), handle, DType::U64)
+}
+
+/// The tensor itself, or a one-element stand-in when it is empty (kernels never read it then:
+/// the real shape travels as a scalar).
+fn bindable<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+    if tensor.shape().num_elements() > 0 {
+        return tensor;
+    }
+    let dtype = tensor.dtype;
+    let rank = tensor.shape().num_dims().max(1);
+    let buffer = empty_device_contiguous_dtype(tensor.client.clone(), tensor.device.clone(), Shape::new([1]), dtype);
+    let shape = Shape::from(vec![1; rank]);
+    CubeTensor::new_contiguous(buffer.client, buffer.device, shape, buffer.handle, dtype)
+}
+
+/// A grid of at least `cubes` cubes that every runtime accepts (Vulkan caps each axis at 65,535).
+fn grid(cubes: usize) -> (CubeCount, usize) {
+    const AXIS: usize = 65_535;
+    let cubes = cubes.max(1);
+    let x = cubes.min(AXIS);
+    let y = cubes.div_ceil(x);
+    (CubeCount::Static(x as u32, y as u32, 1), x * y)
+}
+
+/// A tensor's dtype as a kernel storage type.
+fn storage(tensor: &CubeTensor<impl CubeRuntime>) -> StorageType {
+    tensor.dtype.into()
+}
+
+/// `[rows, cols]` of a 2-D tensor.
+fn dims2(tensor: &CubeTensor<impl CubeRuntime>) -> (usize, usize) {
+    let shape = tensor.shape();
+    (shape[0], shape[1])
+}
