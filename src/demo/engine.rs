@@ -1,0 +1,252 @@
+//! The device side of the demo: one step's calls through kvplan's public API on backend `B`,
+//! each timed, plus the read-backs that the cross-check needs (not timed).
+
+use std::time::Instant;
+
+use burn_tensor::{Bool, DType, Int, Tensor, TensorData};
+
+use super::timing::{Op, Timings};
+use super::trace::{Step, Workload};
+use crate::canary::read_plans;
+use crate::reference::PlanBuffers;
+use crate::{
+    Error, KvPlanBackend, PlanInputs, VerifyPlan, WritePlan, masked_gather, masked_gather_with_capacity,
+    plan, plan_deferred, segment_gather, segment_gather_with_capacity,
+};
+
+/// Context of the draft-window gather: sglang's DFlash call site, whose messages users search for.
+pub const DRAFT_CONTEXT: &str = "DFLASH target hidden KV append";
+
+/// A capacity-mode gather, read back: the first `count` values and both views of `count`.
+#[derive(Debug, Clone)]
+pub struct CapacityResult {
+    /// `out[0..count]` (the tail past `count` is unspecified, so it is dropped).
+    pub values: Vec<i64>,
+    /// `count` as `status.check()` returned it.
+    pub checked_count: usize,
+    /// `count` as the device tensor holds it.
+    pub count_tensor: i64,
+}
+
+/// Everything one step produced on the device, as host copies.
+#[derive(Debug, Clone)]
+pub struct StepOutputs {
+    /// `masked_gather` over the draft window.
+    pub draft_slots: Vec<i64>,
+    /// `masked_gather_with_capacity` over the draft window (default capacity `R * C`).
+    pub draft_slots_capacity: CapacityResult,
+    /// `segment_gather` over the accepted suffix.
+    pub accepted_slots: Vec<i64>,
+    /// `segment_gather_with_capacity` over the accepted suffix (capacity: the step's extends).
+    pub accepted_slots_capacity: CapacityResult,
+    /// The full group's plans after `plan`.
+    pub full_plan: PlanBuffers,
+    /// The SWA group's plans after `plan_deferred`.
+    pub swa_plan: PlanBuffers,
+}
+
+/// A verify/write plan pair: allocated once, filled in place every step.
+struct PlanPair<B: KvPlanBackend> {
+    verify: VerifyPlan<B>,
+    write: WritePlan<B>,
+}
+
+impl<B: KvPlanBackend> PlanPair<B> {
+    fn allocate(verify_capacity: usize, write_capacity: usize, device: &B::Device) -> Result<Self, String> {
+        Ok(Self {
+            verify: VerifyPlan::allocate(verify_capacity, device)
+                .map_err(op_error("VerifyPlan::allocate"))?,
+            write: WritePlan::allocate(write_capacity, device).map_err(op_error("WritePlan::allocate"))?,
+        })
+    }
+}
+
+/// The device-resident state of the demo: two plan pairs and the timings.
+pub struct Engine<B: KvPlanBackend> {
+    device: B::Device,
+    table_shape: [usize; 2],
+    kv_slots: usize,
+    swa_window: i32,
+    full: PlanPair<B>,
+    swa: PlanPair<B>,
+    timings: Timings,
+}
+
+impl<B: KvPlanBackend> Engine<B> {
+    /// Allocates the full group's and the SWA group's plans on `device`.
+    pub fn new(device: B::Device, workload: &Workload) -> Result<Self, String> {
+        let write_capacity = workload.write_capacity();
+        let full = PlanPair::allocate(workload.full_verify_capacity, write_capacity, &device)?;
+        let swa = PlanPair::allocate(workload.swa_verify_capacity(), write_capacity, &device)?;
+        Ok(Self {
+            table_shape: [workload.table_rows(), workload.table_cols()],
+            kv_slots: workload.kv_slots(),
+            swa_window: workload.swa_window_size(),
+            device,
+            full,
+            swa,
+            timings: Timings::default(),
+        })
+    }
+
+    /// Everything timed, once the run is over.
+    pub fn into_timings(self) -> Timings {
+        self.timings
+    }
+
+    /// Uploads the step's inputs, runs every op on them and reads the results back.
+    pub fn run_step(&mut self, step: &Step) -> Result<StepOutputs, String> {
+        let Self { device, table_shape, kv_slots, swa_window, full, swa, timings } = self;
+        let batch = step.batch_size();
+
+        // Dtypes as a serving engine holds them (sglang: int32 tables, int64 per-request
+        // lengths); the ops take either, so nothing is cast at the call sites.
+        let req_to_token = upload::<B, 2>(&step.req_to_token, *table_shape, DType::I32, device);
+        let expected_tokens = upload::<B, 2>(&step.expected_tokens, *table_shape, DType::I32, device);
+        let full_to_swa = upload::<B, 1>(&step.full_to_swa, [*kv_slots], DType::I64, device);
+        let req_pool_indices = upload::<B, 1>(&step.req_pool_indices, [batch], DType::I64, device);
+        let prefix_lens = upload::<B, 1>(&step.prefix_lens, [batch], DType::I64, device);
+        let extend_seq_lens = upload::<B, 1>(&step.extend_seq_lens, [batch], DType::I64, device);
+        let valid_lens = upload::<B, 1>(&step.expected_tokens_valid_lens, [batch], DType::I64, device);
+        let draft_shape = [batch, step.draft_cols];
+        let draft_pos2d = upload::<B, 2>(&step.draft_pos2d, draft_shape, DType::I64, device);
+        let draft_mask: Tensor<B, 2, Bool> =
+            Tensor::from_data(TensorData::new(step.draft_mask.clone(), draft_shape), &*device);
+        let accepted_start = upload::<B, 1>(&step.accepted_start, [batch], DType::I64, device);
+        let accepted_lengths = upload::<B, 1>(&step.accepted_lengths, [batch], DType::I64, device);
+
+        // Draft window: exact mode (one read-back), then capacity mode at the static
+        // CUDA-graph shape (no read-back until its status is checked).
+        let draft_slots = timed::<B, _>(timings, device, Op::MaskedGather, || {
+            masked_gather(
+                req_to_token.clone(),
+                req_pool_indices.clone(),
+                draft_pos2d.clone(),
+                draft_mask.clone(),
+                DRAFT_CONTEXT,
+            )
+        })?;
+        let draft_capacity = timed::<B, _>(timings, device, Op::MaskedGatherCapacity, || {
+            masked_gather_with_capacity(
+                req_to_token.clone(),
+                req_pool_indices.clone(),
+                draft_pos2d,
+                draft_mask,
+                None,
+                DRAFT_CONTEXT,
+            )
+        })?;
+
+        // Accepted suffix: one run per request starting at its prefix length.
+        let accepted_slots = timed::<B, _>(timings, device, Op::SegmentGather, || {
+            segment_gather(
+                req_to_token.clone(),
+                req_pool_indices.clone(),
+                Some(accepted_start.clone()),
+                accepted_lengths.clone(),
+            )
+        })?;
+        let accepted_capacity = timed::<B, _>(timings, device, Op::SegmentGatherCapacity, || {
+            segment_gather_with_capacity(
+                req_to_token.clone(),
+                req_pool_indices.clone(),
+                Some(accepted_start),
+                accepted_lengths,
+                Some(step.accepted_capacity()),
+            )
+        })?;
+
+        // Full group: checked plan with the expected-token pool (target model, offset 0).
+        timed::<B, _>(timings, device, Op::PlanFull, || {
+            let inputs = PlanInputs::new(
+                req_pool_indices.clone(),
+                prefix_lens.clone(),
+                extend_seq_lens.clone(),
+                req_to_token.clone(),
+            )
+            .expected_tokens(expected_tokens)
+            .expected_tokens_valid_lens(valid_lens);
+            plan(&mut full.verify, &mut full.write, inputs)
+        })?;
+        // SWA group: deferred plan through the LUT; its status is checked with the others.
+        let swa_status = timed::<B, _>(timings, device, Op::PlanDeferredSwa, || {
+            let inputs = PlanInputs::new(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token)
+                .swa_window_size(*swa_window)
+                .full_to_swa_index_mapping(full_to_swa);
+            plan_deferred(&mut swa.verify, &mut swa.write, inputs)
+        })?;
+
+        // End of step: the deferred statuses, one transfer each.
+        let draft_count = timed::<B, _>(timings, device, Op::StatusCheck, || draft_capacity.status.check())
+            .map_err(|error| format!("{} {error}", Op::MaskedGatherCapacity.name()))?;
+        let accepted_count =
+            timed::<B, _>(timings, device, Op::StatusCheck, || accepted_capacity.status.check())
+                .map_err(|error| format!("{} {error}", Op::SegmentGatherCapacity.name()))?;
+        timed::<B, _>(timings, device, Op::StatusCheck, || swa_status.check())
+            .map_err(|error| format!("{} {error}", Op::PlanDeferredSwa.name()))?;
+
+        Ok(StepOutputs {
+            draft_slots: host_values(draft_slots)?,
+            draft_slots_capacity: read_capacity(draft_capacity.out, draft_capacity.count, draft_count)?,
+            accepted_slots: host_values(accepted_slots)?,
+            accepted_slots_capacity: read_capacity(
+                accepted_capacity.out,
+                accepted_capacity.count,
+                accepted_count,
+            )?,
+            full_plan: read_plans(&full.verify, &full.write).map_err(op_error("read_plans [full]"))?,
+            swa_plan: read_plans(&swa.verify, &swa.write).map_err(op_error("read_plans [swa]"))?,
+        })
+    }
+}
+
+/// Times one public call. Earlier work (the uploads, the previous op) is drained first so it is
+/// not billed to this call; calls that read nothing back are synced before the clock stops.
+fn timed<B: KvPlanBackend, T>(
+    timings: &mut Timings,
+    device: &B::Device,
+    op: Op,
+    call: impl FnOnce() -> Result<T, Error>,
+) -> Result<T, String> {
+    sync::<B>(device)?;
+    let start = Instant::now();
+    let value = call().map_err(op_error(op.name()))?;
+    if op.needs_sync() {
+        sync::<B>(device)?;
+    }
+    timings.record(op, start.elapsed());
+    Ok(value)
+}
+
+fn sync<B: KvPlanBackend>(device: &B::Device) -> Result<(), String> {
+    B::sync(device).map_err(|error| format!("device sync failed: {error:?}"))
+}
+
+fn op_error(op: &'static str) -> impl Fn(Error) -> String {
+    move |error| format!("{op} failed: {error}")
+}
+
+fn upload<B: KvPlanBackend, const D: usize>(
+    values: &[i64],
+    shape: [usize; D],
+    dtype: DType,
+    device: &B::Device,
+) -> Tensor<B, D, Int> {
+    Tensor::from_data(TensorData::new(values.to_vec(), shape), (device, dtype))
+}
+
+fn host_values<B: KvPlanBackend, const D: usize>(tensor: Tensor<B, D, Int>) -> Result<Vec<i64>, String> {
+    let data = tensor.try_into_data().map_err(|error| format!("read-back failed: {error:?}"))?;
+    Ok(data.iter::<i64>().collect())
+}
+
+fn read_capacity<B: KvPlanBackend>(
+    out: Tensor<B, 1, Int>,
+    count: Tensor<B, 1, Int>,
+    checked_count: usize,
+) -> Result<CapacityResult, String> {
+    let mut values = host_values(out)?;
+    values.truncate(checked_count);
+    let count_tensor = host_values(count)?.first().copied().unwrap_or(-1);
+    Ok(CapacityResult { values, checked_count, count_tensor })
+}

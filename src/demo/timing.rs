@@ -1,0 +1,108 @@
+//! Host wall time per public call, and the summary table.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+/// The timed public calls of one step, in table order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// `masked_gather` on the draft window (exact mode: includes its status read-back).
+    MaskedGather,
+    /// `masked_gather_with_capacity` on the draft window, launch + `B::sync`.
+    MaskedGatherCapacity,
+    /// `segment_gather` on the accepted suffix (exact mode: includes its status read-back).
+    SegmentGather,
+    /// `segment_gather_with_capacity` on the accepted suffix, launch + `B::sync`.
+    SegmentGatherCapacity,
+    /// `plan` for the full group (checked: includes its status read-back).
+    PlanFull,
+    /// `plan_deferred` for the SWA group, launch + `B::sync`.
+    PlanDeferredSwa,
+    /// `status.check()` of the three capacity/deferred calls above (one transfer each).
+    StatusCheck,
+}
+
+impl Op {
+    const ALL: [Op; 7] = [
+        Op::MaskedGather,
+        Op::MaskedGatherCapacity,
+        Op::SegmentGather,
+        Op::SegmentGatherCapacity,
+        Op::PlanFull,
+        Op::PlanDeferredSwa,
+        Op::StatusCheck,
+    ];
+
+    /// The name in the table and in error messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::MaskedGather => "masked_gather",
+            Op::MaskedGatherCapacity => "masked_gather_with_capacity",
+            Op::SegmentGather => "segment_gather",
+            Op::SegmentGatherCapacity => "segment_gather_with_capacity",
+            Op::PlanFull => "plan [full]",
+            Op::PlanDeferredSwa => "plan_deferred [swa]",
+            Op::StatusCheck => "status.check",
+        }
+    }
+
+    /// Calls that read nothing back: their time only means something after a device sync.
+    pub fn needs_sync(self) -> bool {
+        matches!(self, Op::MaskedGatherCapacity | Op::SegmentGatherCapacity | Op::PlanDeferredSwa)
+    }
+
+    fn slot(self) -> usize {
+        Op::ALL.iter().position(|&op| op == self).unwrap_or(0)
+    }
+}
+
+/// Every recorded duration, per op.
+#[derive(Debug, Default)]
+pub struct Timings {
+    samples: [Vec<Duration>; Op::ALL.len()],
+}
+
+impl Timings {
+    /// Records one call of `op`.
+    pub fn record(&mut self, op: Op, elapsed: Duration) {
+        self.samples[op.slot()].push(elapsed);
+    }
+
+    /// The table: op | calls | median us | p90 us | total ms.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{:<30} {:>6} {:>10} {:>10} {:>10}",
+            "op", "calls", "median us", "p90 us", "total ms"
+        );
+        for op in Op::ALL {
+            let mut samples = self.samples[op.slot()].clone();
+            if samples.is_empty() {
+                continue;
+            }
+            samples.sort_unstable();
+            let total: Duration = samples.iter().sum();
+            let _ = writeln!(
+                out,
+                "{:<30} {:>6} {:>10.0} {:>10.0} {:>10.1}",
+                op.name(),
+                samples.len(),
+                micros(percentile(&samples, 50)),
+                micros(percentile(&samples, 90)),
+                total.as_secs_f64() * 1e3,
+            );
+        }
+        out
+    }
+}
+
+/// Nearest-rank percentile of sorted, non-empty samples.
+fn percentile(sorted: &[Duration], percent: usize) -> Duration {
+    let rank = (sorted.len() * percent).div_ceil(100).max(1);
+    sorted[rank - 1]
+}
+
+fn micros(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1e6
+}
