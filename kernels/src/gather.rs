@@ -5,8 +5,8 @@
 use cubecl::prelude::*;
 
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, VALUE_MASK, cube_exclusive_scan, look_back, publish_block_done,
-    report_error, take_ticket,
+    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOT_PREFIX, SLOTS, TILE_ROWS, VALUE_MASK,
+    cube_exclusive_scan, look_back, publish_block_done, report_error, scan_rows, take_ticket,
 };
 use crate::status::{
     CODE, COUNT, FACTS, GATHER_CAPACITY, GATHER_EMPTY_TABLE, GATHER_POSITION, GATHER_ROW,
@@ -67,7 +67,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     #[define(T, Q, P, M)] _dtypes: [StorageType; 4],
 ) {
     let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
-    let mut broadcast = SharedMemory::<u64>::new(2usize);
+    let mut broadcast = SharedMemory::<u64>::new(SLOTS);
     let tile = take_ticket(&scratch[SCRATCH_TICKETS], &mut broadcast);
     let cells = shape.pos_rows * shape.pos_cols;
     let first = tile * TILE_CELLS + (UNIT_POS * CELLS_PER_UNIT) as u64;
@@ -89,13 +89,13 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     }
     let (unit_rank, tile_total) = cube_exclusive_scan(selected, &mut shared);
     if UNIT_POS == 0 {
-        broadcast[0] = look_back(scratch, SCRATCH_TILES, tile as usize, tile_total);
-        broadcast[1] = 0;
+        broadcast[SLOT_PREFIX] = look_back(scratch, SCRATCH_TILES, tile as usize, tile_total);
+        broadcast[SLOT_DEPENDENCY] = 0;
     }
     sync_cube();
 
     // Checks, then the scatter. Nothing is read before its bounds check passes.
-    let mut rank = broadcast[0] + unit_rank;
+    let mut rank = broadcast[SLOT_PREFIX] + unit_rank;
     let mut dependency = 0u64;
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
@@ -129,11 +129,12 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
         }
     }
     if dependency != 0 {
-        broadcast[1] = dependency;
+        broadcast[SLOT_DEPENDENCY] = dependency;
     }
     sync_cube();
-    let last = publish_block_done(&scratch[SCRATCH_DONE], shape.tiles, broadcast[1]);
-    if last {
+    let dependency = broadcast[SLOT_DEPENDENCY];
+    let last = publish_block_done(&scratch[SCRATCH_DONE], shape.tiles, dependency, &mut broadcast);
+    if last && UNIT_POS == 0 {
         let total = scratch[SCRATCH_TILES + shape.tiles as usize - 1].load() & VALUE_MASK;
         let key = scratch[SCRATCH_ERROR].load();
         finish_masked(req_pool_indices, pos2d, count, status, shape, total, key);
@@ -198,5 +199,229 @@ pub fn clear_status(status: &mut Tensor<i64>) {
     #[unroll]
     for word in 0..8usize {
         status[word] = 0;
+    }
+}
+
+// ---- segment gather (spec `gather.md` §4) ----
+//
+// Two launches. The scan launch gives each cube one tile of segments: lengths are scanned with a
+// look-back across tiles, every segment is checked and its output offset stored. The expand
+// launch then runs a grid-stride loop over values, each unit finding its segment by bisection
+// over the offsets; its first unit also writes the count and the status. The kernel boundary
+// orders the two (CubeCL 0.10 exposes no device-wide fence), and no barrier sits inside a loop
+// (lavapipe was seen to serve stale shared memory across barriers in loops).
+
+/// Segment gather scratch: ticket counter.
+pub const SEG_TICKETS: usize = 0;
+/// Smallest error key.
+pub const SEG_ERROR: usize = 1;
+/// First tile state.
+pub const SEG_TILES: usize = 4;
+
+const KEY_SEGMENT_ROW: u64 = 8 << RULE_SHIFT;
+const KEY_SEGMENT_POSITION: u64 = 9 << RULE_SHIFT;
+
+/// Shapes of one segment gather.
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+pub struct SegmentShape {
+    /// Rows of `req_to_token`.
+    pub rows: u64,
+    /// Columns of `req_to_token`.
+    pub cols: u64,
+    /// Segments `S` (= `len(lengths)`).
+    pub segments: u64,
+    /// 1 when a single `req_pool_indices` entry serves every segment.
+    pub shared_row: u64,
+    /// Status code of a shape rule (5, 6 or 7) that fails unless the early exit applies; 0 if none.
+    pub shape_error: i64,
+    /// First fact of that shape error (the third, the longest length, is found on the device).
+    pub shape_fact0: i64,
+    /// Second fact of that shape error.
+    pub shape_fact1: i64,
+    /// Values `out` can take.
+    pub capacity: u64,
+    /// Tiles of segments.
+    pub tiles: u64,
+}
+
+/// Scan launch: one tile of segments per cube.
+#[cube(launch_unchecked)]
+pub fn segment_scan_kernel<Q: Int, S: Int, L: Int>(
+    req_pool_indices: &Tensor<Q>,
+    start: &Tensor<S>,
+    lengths: &Tensor<L>,
+    offsets: &mut Tensor<i64>,
+    scratch: &Tensor<Atomic<u64>>,
+    shape: SegmentShape,
+    #[comptime] has_start: bool,
+    #[define(Q, S, L)] _dtypes: [StorageType; 3],
+) {
+    let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
+    let mut broadcast = SharedMemory::<u64>::new(SLOTS);
+    let tile = take_ticket(&scratch[SEG_TICKETS], &mut broadcast);
+    if tile >= shape.tiles {
+        terminate!();
+    }
+    let i = tile * TILE_ROWS + UNIT_POS as u64;
+    let mut length = 0u64;
+    if i < shape.segments {
+        let len = i64::cast_from(lengths[i as usize * lengths.stride(0)]);
+        if len > 0 {
+            length = len as u64;
+        }
+        // Rules 8 and 9 (the shape rules 5-7 come first; then nothing is read).
+        if shape.shape_error == 0 {
+            let row = row_of(req_pool_indices, i, shape.shared_row);
+            if row < 0 || row as u64 >= shape.rows {
+                report_error(&scratch[SEG_ERROR], KEY_SEGMENT_ROW | i);
+            } else if len > 0 {
+                let first = segment_start(start, i, has_start);
+                if first < 0 || first > shape.cols as i64 - len {
+                    report_error(&scratch[SEG_ERROR], KEY_SEGMENT_POSITION | i);
+                }
+            }
+        }
+    }
+    let offset = scan_rows(scratch, SEG_TILES, tile, length, &mut shared, &mut broadcast);
+    if i < shape.segments {
+        offsets[i as usize] = offset as i64;
+    }
+}
+
+/// Expand launch: `T[row(i)][start_i + j]` for `j < lengths[i]`, segments in order, into
+/// `out[..capacity]`; unit 0 of cube 0 writes the count and the status.
+#[cube(launch_unchecked)]
+pub fn segment_expand_kernel<T: Int, Q: Int, S: Int, L: Int>(
+    table: &Tensor<T>,
+    req_pool_indices: &Tensor<Q>,
+    start: &Tensor<S>,
+    lengths: &Tensor<L>,
+    offsets: &Tensor<i64>,
+    out: &mut Tensor<i64>,
+    count: &mut Tensor<i64>,
+    status: &mut Tensor<i64>,
+    scratch: &Tensor<Atomic<u64>>,
+    shape: SegmentShape,
+    #[comptime] has_start: bool,
+    #[define(T, Q, S, L)] _dtypes: [StorageType; 4],
+) {
+    let total = scratch[SEG_TILES + shape.tiles as usize - 1].load() & VALUE_MASK;
+    let key = scratch[SEG_ERROR].load();
+    if ABSOLUTE_POS == 0 {
+        finish_segments(req_pool_indices, start, lengths, count, status, shape, total, key, has_start);
+    }
+    // Nothing is gathered after an error: its count is 0 and `out` unspecified.
+    let clean = key == NO_ERROR && shape.shape_error == 0;
+    let end = select(clean, total.min(shape.capacity), 0u64);
+    let stride = (CUBE_COUNT * CUBE_SIZE as usize) as u64;
+    let mut k = ABSOLUTE_POS as u64;
+    while k < end {
+        let i = find_segment(offsets, shape.segments, k);
+        let row = row_of(req_pool_indices, i, shape.shared_row);
+        let first = segment_start(start, i, has_start);
+        let position = first as u64 + (k - offsets[i as usize] as u64);
+        let at = row as usize * table.stride(0) + position as usize * table.stride(1);
+        out[k as usize] = i64::cast_from(table[at]);
+        k += stride;
+    }
+}
+
+/// The segment owning value `k`: the largest `i < segments` with `offsets[i] <= k`.
+#[cube]
+fn find_segment(offsets: &Tensor<i64>, segments: u64, k: u64) -> u64 {
+    let mut low = 0u64;
+    let mut high = segments;
+    while high - low > 1 {
+        let mid = (low + high) / 2;
+        if offsets[mid as usize] as u64 <= k {
+            low = mid;
+        } else {
+            high = mid;
+        }
+    }
+    low
+}
+
+/// `start[i]`, or 0 without starts.
+#[cube]
+fn segment_start<S: Int>(start: &Tensor<S>, i: u64, #[comptime] has_start: bool) -> i64 {
+    let mut first = 0i64;
+    if has_start {
+        first = i64::cast_from(start[i as usize * start.stride(0)]);
+    }
+    first
+}
+
+/// The last cube of a segment gather: count and status, rules in the spec's order.
+#[cube]
+fn finish_segments<Q: Int, S: Int, L: Int>(
+    req_pool_indices: &Tensor<Q>,
+    start: &Tensor<S>,
+    lengths: &Tensor<L>,
+    count: &mut Tensor<i64>,
+    status: &mut Tensor<i64>,
+    shape: SegmentShape,
+    total: u64,
+    key: u64,
+    #[comptime] has_start: bool,
+) {
+    // Written as one pass of flat `if`s: deep `else if` chains were miscompiled by cubecl 0.10's
+    // SPIR-V optimiser.
+    let i = key & CELL_MASK;
+    let gathers = total > 0;
+    let shape_fails = gathers && shape.shape_error != 0;
+    let row_fails = gathers && !shape_fails && key != NO_ERROR && key < KEY_SEGMENT_POSITION;
+    let position_fails = gathers && !shape_fails && key != NO_ERROR && key >= KEY_SEGMENT_POSITION;
+    let capacity_fails =
+        gathers && !shape_fails && key == NO_ERROR && total > shape.capacity;
+    let mut words = Array::<i64>::new(8usize);
+    #[unroll]
+    for word in 0..8usize {
+        words[word] = 0;
+    }
+    if shape_fails {
+        words[CODE] = shape.shape_error;
+        if shape.shape_error != GATHER_EMPTY_TABLE {
+            // `L`, the longest segment: only needed on this error path.
+            let mut longest = 0i64;
+            for segment in 0..shape.segments {
+                let length = i64::cast_from(lengths[segment as usize * lengths.stride(0)]);
+                if length > longest {
+                    longest = length;
+                }
+            }
+            words[FACTS] = shape.shape_fact0;
+            words[FACTS + 1] = shape.shape_fact1;
+            words[FACTS + 2] = longest;
+        }
+    }
+    if row_fails {
+        words[CODE] = GATHER_ROW;
+        words[FACTS] = i as i64;
+        words[FACTS + 1] = row_of(req_pool_indices, i, shape.shared_row);
+        words[FACTS + 2] = shape.rows as i64;
+    }
+    if position_fails {
+        let first = segment_start(start, i, has_start);
+        let cols = shape.cols as i64;
+        let position = select(first < 0 || first > cols, first, cols);
+        words[CODE] = GATHER_POSITION;
+        words[FACTS] = i as i64;
+        words[FACTS + 1] = position - first;
+        words[FACTS + 2] = position;
+        words[FACTS + 3] = cols;
+    }
+    if capacity_fails {
+        words[CODE] = GATHER_CAPACITY;
+        words[FACTS] = total as i64;
+        words[FACTS + 1] = shape.capacity as i64;
+    }
+    let fails = shape_fails || row_fails || position_fails || capacity_fails;
+    let counted = select(fails, 0i64, total as i64);
+    words[COUNT] = counted;
+    count[0] = counted;
+    #[unroll]
+    for word in 0..8usize {
+        status[word] = words[word];
     }
 }

@@ -19,6 +19,19 @@ pub const VALUE_MASK: u64 = (1 << 62) - 1;
 /// us but not to the compiler (see [`publish_block_done`]).
 pub const NO_ERROR: u64 = (1 << 63) - 1;
 
+// Per-cube broadcast slots, one per purpose: cubecl 0.10 on SPIR-V was seen to serve some lanes
+// a stale value when one shared slot carried different values at different points of a kernel.
+/// Shared slot: this cube's tile ticket.
+pub const SLOT_TICKET: usize = 0;
+/// Shared slot: the exclusive prefix of this cube's tile.
+pub const SLOT_PREFIX: usize = 1;
+/// Shared slot: the `old >> 63` dependency word (see [`publish_block_done`]).
+pub const SLOT_DEPENDENCY: usize = 2;
+/// Shared slot: the done-counter value this cube saw.
+pub const SLOT_DONE: usize = 3;
+/// Shared slots per cube.
+pub const SLOTS: usize = 8;
+
 /// Exclusive scan of one `u64` per unit over the cube (Hillis-Steele in shared memory).
 /// Returns `(exclusive prefix of this unit, cube total)`.
 #[cube]
@@ -48,10 +61,10 @@ pub fn cube_exclusive_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, 
 #[cube]
 pub fn take_ticket(counter: &Atomic<u64>, broadcast: &mut SharedMemory<u64>) -> u64 {
     if UNIT_POS == 0 {
-        broadcast[0] = counter.fetch_add(1u64);
+        broadcast[SLOT_TICKET] = counter.fetch_add(1u64);
     }
     sync_cube();
-    let ticket = broadcast[0];
+    let ticket = broadcast[SLOT_TICKET];
     sync_cube();
     ticket
 }
@@ -90,16 +103,46 @@ pub fn report_error(key_word: &Atomic<u64>, key: u64) -> u64 {
     key_word.fetch_min(key)
 }
 
-/// Counts this cube as done; returns true in the one unit of the last cube to finish.
+/// Counts this cube as done; returns true, in every unit, for the last cube to finish.
 ///
-/// `dependency` is `old >> 63` of the cube's error reports (always 0): adding it makes the
-/// increment wait for those atomics, so the last cube sees every error key.
+/// `dependency` is `old >> 63` of the cube's error reports and ordered stores (always 0): adding
+/// it makes the increment wait for those atomics, so the last cube sees every one of them.
 #[cube]
-pub fn publish_block_done(done: &Atomic<u64>, cubes: u64, dependency: u64) -> bool {
-    let mut last = false;
+pub fn publish_block_done(
+    done: &Atomic<u64>,
+    cubes: u64,
+    dependency: u64,
+    broadcast: &mut SharedMemory<u64>,
+) -> bool {
     if UNIT_POS == 0 {
-        let finished = done.fetch_add(1u64 + dependency);
-        last = finished + 1 == cubes;
+        broadcast[SLOT_DONE] = done.fetch_add(1u64 + dependency);
     }
-    last
+    sync_cube();
+    let finished = broadcast[SLOT_DONE];
+    sync_cube();
+    finished + 1u64 == cubes
+}
+
+/// Rows per tile of a row scan (one per unit).
+pub const TILE_ROWS: u64 = CUBE_SIZE as u64;
+
+/// Scans one tile of row counts: unit `u` holds the count of row `tile * TILE_ROWS + u`. Returns
+/// the row's exclusive offset over all rows; the tile's state lives at `states[base + tile]`.
+#[cube]
+pub fn scan_rows(
+    states: &Tensor<Atomic<u64>>,
+    base: usize,
+    tile: u64,
+    count: u64,
+    shared: &mut SharedMemory<u64>,
+    broadcast: &mut SharedMemory<u64>,
+) -> u64 {
+    let (rank, total) = cube_exclusive_scan(count, shared);
+    if UNIT_POS == 0 {
+        broadcast[SLOT_PREFIX] = look_back(states, base, tile as usize, total);
+    }
+    sync_cube();
+    let prefix = broadcast[SLOT_PREFIX];
+    sync_cube();
+    prefix + rank
 }

@@ -34,6 +34,16 @@ where
         Ok(super::cube::masked_gather(req_to_token, req_pool_indices, pos2d, mask, capacity))
     }
 
+    fn segment_gather(
+        req_to_token: IntTensor<Self>,
+        req_pool_indices: IntTensor<Self>,
+        start: Option<IntTensor<Self>>,
+        lengths: IntTensor<Self>,
+        capacity: usize,
+    ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
+        Ok(super::cube::segment_gather(req_to_token, req_pool_indices, start, lengths, capacity))
+    }
+
     fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {
         tensor.meta.strides().first().map_or(1, |&stride| stride as i64)
     }

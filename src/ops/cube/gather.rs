@@ -5,12 +5,16 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::TensorMetadata;
 use cubecl::prelude::*;
 use kvplan_kernels::gather::{
-    MaskedShapeLaunch, SCRATCH_ERROR, SCRATCH_TILES, TILE_CELLS, masked_gather_kernel,
+    MaskedShapeLaunch, SCRATCH_ERROR, SCRATCH_TILES, SEG_ERROR, SEG_TILES, SegmentShapeLaunch,
+    TILE_CELLS, masked_gather_kernel, segment_expand_kernel, segment_scan_kernel,
 };
-use kvplan_kernels::scan::{CUBE_SIZE, NO_ERROR};
-use kvplan_kernels::status::STATUS_LEN;
+use kvplan_kernels::scan::{CUBE_SIZE, NO_ERROR, TILE_ROWS};
+use kvplan_kernels::status::{
+    GATHER_EMPTY_TABLE, GATHER_INDEX_SHAPE, GATHER_MASK_INDEX_SHAPE, GATHER_SEGMENT_SHAPE,
+    STATUS_LEN,
+};
 
-use super::{bindable, dims2, grid, output_i64, storage, upload_u64};
+use super::{bindable, dims2, grid, output_i64, resident_cubes, storage, upload_u64};
 use crate::ops::GatherOutput;
 
 pub(crate) fn masked_gather<R: CubeRuntime>(
@@ -64,11 +68,89 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
 }
 
 pub(crate) fn segment_gather<R: CubeRuntime>(
-    _req_to_token: CubeTensor<R>,
-    _req_pool_indices: CubeTensor<R>,
-    _start: Option<CubeTensor<R>>,
-    _lengths: CubeTensor<R>,
-    _capacity: usize,
+    req_to_token: CubeTensor<R>,
+    req_pool_indices: CubeTensor<R>,
+    start: Option<CubeTensor<R>>,
+    lengths: CubeTensor<R>,
+    capacity: usize,
 ) -> GatherOutput<CubeTensor<R>> {
-    unimplemented!()
+    let (rows, cols) = dims2(&req_to_token);
+    let n = req_pool_indices.shape()[0];
+    let segments = lengths.shape()[0];
+    let starts = start.as_ref().map_or(n, |start| start.shape()[0]);
+    // Rules 5-7 depend on shapes only, but apply only when some length is positive: the kernel
+    // decides, from the code computed here.
+    let (shape_error, facts) = if segments != starts {
+        (GATHER_SEGMENT_SHAPE, [segments as i64, starts as i64])
+    } else if cols == 0 {
+        (GATHER_EMPTY_TABLE, [0, 0])
+    } else if n != starts && n != 1 {
+        let code = if starts == 1 { GATHER_MASK_INDEX_SHAPE } else { GATHER_INDEX_SHAPE };
+        (code, [n as i64, starts as i64])
+    } else {
+        (0, [0, 0])
+    };
+    let out = output_i64(&req_to_token, capacity);
+    let count = output_i64(&req_to_token, 1);
+    let status = output_i64(&req_to_token, STATUS_LEN);
+    let offsets = output_i64(&req_to_token, segments);
+    let tiles = segments.div_ceil(TILE_ROWS as usize).max(1);
+    let (scan_grid, _) = grid(tiles);
+    let (expand_grid, _) = grid(resident_cubes(&req_to_token, capacity));
+    // Fresh scratch: no tickets taken, no error, every tile state empty.
+    let mut words = vec![0u64; SEG_TILES + tiles];
+    words[SEG_ERROR] = NO_ERROR;
+    let scratch = upload_u64(&req_to_token, &words);
+    let client = req_to_token.client.clone();
+    let has_start = start.is_some();
+    let (req_pool_indices, lengths) = (bindable(req_pool_indices), bindable(lengths));
+    let start = start.map_or_else(|| lengths.clone(), bindable);
+    let types = [storage(&req_pool_indices), storage(&start), storage(&lengths)];
+    let shape = || {
+        SegmentShapeLaunch::new(
+            rows as u64,
+            cols as u64,
+            segments as u64,
+            u64::from(n == 1 && starts != 1),
+            shape_error,
+            facts[0],
+            facts[1],
+            capacity as u64,
+            tiles as u64,
+        )
+    };
+    // SAFETY: every index the kernels form is bounds-checked against the shapes passed here.
+    unsafe {
+        segment_scan_kernel::launch_unchecked::<R>(
+            &client,
+            scan_grid,
+            CubeDim::new_1d(CUBE_SIZE),
+            req_pool_indices.clone().into_tensor_arg(),
+            start.clone().into_tensor_arg(),
+            lengths.clone().into_tensor_arg(),
+            bindable(offsets.clone()).into_tensor_arg(),
+            scratch.clone().into_tensor_arg(),
+            shape(),
+            has_start,
+            types,
+        );
+        segment_expand_kernel::launch_unchecked::<R>(
+            &client,
+            expand_grid,
+            CubeDim::new_1d(CUBE_SIZE),
+            bindable(req_to_token.clone()).into_tensor_arg(),
+            req_pool_indices.into_tensor_arg(),
+            start.into_tensor_arg(),
+            lengths.into_tensor_arg(),
+            bindable(offsets).into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            count.clone().into_tensor_arg(),
+            status.clone().into_tensor_arg(),
+            scratch.into_tensor_arg(),
+            shape(),
+            has_start,
+            [storage(&req_to_token), types[0], types[1], types[2]],
+        );
+    }
+    GatherOutput { out, count, status }
 }
