@@ -59,6 +59,7 @@ pub fn encode(outcome: &Result<usize, Error>) -> StatusWords {
                 PLAN_POOL_POSITION,
                 vec![request as i64, column, pool_cols as i64, valid_len],
             ),
+            Error::ReqToTokenStride { stride } => (PLAN_STRIDE, vec![stride]),
             Error::WriteOffsetsOverflow { request } => {
                 (PLAN_WRITE_OFFSETS_OVERFLOW, vec![request as i64])
             }
@@ -118,6 +119,7 @@ pub fn decode(words: &StatusWords, context: &str) -> Result<usize, Error> {
             count: fact(0).max(0) as u64,
             capacity: index(1),
         },
+        PLAN_STRIDE => Error::ReqToTokenStride { stride: fact(0) },
         PLAN_ROW => Error::ReqPoolIndexOutOfRange {
             context: plan_context(),
             site: Site::Request(index(0)),

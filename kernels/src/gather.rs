@@ -282,7 +282,7 @@ pub fn segment_scan_kernel<Q: Int, S: Int, L: Int>(
             }
         }
     }
-    let offset = scan_rows(scratch, SEG_TILES, tile, length, &mut shared, &mut broadcast);
+    let offset = scan_rows(scratch, SEG_TILES, tile, length, &mut shared, &mut broadcast, SLOT_PREFIX);
     if i < shape.segments {
         offsets[i as usize] = offset as i64;
     }

@@ -1,5 +1,6 @@
 //! kvplan's CubeCL kernels and the constants they share with the host. No Burn types here.
 
 pub mod gather;
+pub mod plan;
 pub mod scan;
 pub mod status;

@@ -19,6 +19,10 @@ pub const VALUE_MASK: u64 = (1 << 62) - 1;
 /// us but not to the compiler (see [`publish_block_done`]).
 pub const NO_ERROR: u64 = (1 << 63) - 1;
 
+// A mutable local must start from a runtime value (`x.runtime()`): a literal start makes it a
+// compile-time value in cubecl 0.10, and a later assignment under a runtime `if` then applies
+// unconditionally (seen with bools).
+//
 // Per-cube broadcast slots, one per purpose: cubecl 0.10 on SPIR-V was seen to serve some lanes
 // a stale value when one shared slot carried different values at different points of a kernel.
 /// Shared slot: this cube's tile ticket.
@@ -32,15 +36,16 @@ pub const SLOT_DONE: usize = 3;
 /// Shared slots per cube.
 pub const SLOTS: usize = 8;
 
-/// Exclusive scan of one `u64` per unit over the cube (Hillis-Steele in shared memory).
-/// Returns `(exclusive prefix of this unit, cube total)`.
+/// Exclusive scan of one `u64` per unit over the cube (Hillis-Steele in shared memory, unrolled:
+/// no barrier sits inside a runtime loop). Returns `(exclusive prefix of this unit, cube total)`.
 #[cube]
 pub fn cube_exclusive_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
     let unit = UNIT_POS as usize;
     shared[unit] = value;
     sync_cube();
-    let mut offset = 1usize;
-    while offset < CUBE_SIZE as usize {
+    #[unroll]
+    for level in 0..8u32 {
+        let offset = comptime!(1usize << level);
         let mut add = 0u64;
         if unit >= offset {
             add = shared[unit - offset];
@@ -48,7 +53,6 @@ pub fn cube_exclusive_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, 
         sync_cube();
         shared[unit] += add;
         sync_cube();
-        offset *= 2;
     }
     let inclusive = shared[unit];
     let total = shared[CUBE_SIZE as usize - 1];
@@ -79,7 +83,7 @@ pub fn look_back(states: &Tensor<Atomic<u64>>, base: usize, tile: usize, aggrega
     } else {
         states[base + tile].store(FLAG_AGGREGATE | aggregate);
         let mut look = base + tile - 1;
-        let mut searching = true;
+        let mut searching = true.runtime();
         while searching {
             let state = states[look].load();
             let flag = state & !VALUE_MASK;
@@ -128,6 +132,7 @@ pub const TILE_ROWS: u64 = CUBE_SIZE as u64;
 
 /// Scans one tile of row counts: unit `u` holds the count of row `tile * TILE_ROWS + u`. Returns
 /// the row's exclusive offset over all rows; the tile's state lives at `states[base + tile]`.
+/// `slot` is the broadcast slot of this scan (one per scan of a kernel).
 #[cube]
 pub fn scan_rows(
     states: &Tensor<Atomic<u64>>,
@@ -136,13 +141,14 @@ pub fn scan_rows(
     count: u64,
     shared: &mut SharedMemory<u64>,
     broadcast: &mut SharedMemory<u64>,
+    #[comptime] slot: usize,
 ) -> u64 {
     let (rank, total) = cube_exclusive_scan(count, shared);
     if UNIT_POS == 0 {
-        broadcast[SLOT_PREFIX] = look_back(states, base, tile as usize, total);
+        broadcast[slot] = look_back(states, base, tile as usize, total);
     }
     sync_cube();
-    let prefix = broadcast[SLOT_PREFIX];
+    let prefix = broadcast[slot];
     sync_cube();
     prefix + rank
 }

@@ -36,6 +36,8 @@ pub const GATHER_POSITION: i64 = 6;
 pub const GATHER_CAPACITY: i64 = 7;
 
 // Plan codes (spec canary-plan.md §5, rules 12-17). Facts in brackets.
+/// Rule 11, found on the device where the host could not see strides (fused backends). [stride]
+pub const PLAN_STRIDE: i64 = 11;
 /// Rule 12. [r, q, rows]
 pub const PLAN_ROW: i64 = 12;
 /// Rule 13. [r, p, cols]

@@ -44,6 +44,14 @@ where
         Ok(super::cube::segment_gather(req_to_token, req_pool_indices, start, lengths, capacity))
     }
 
+    fn canary_plan(
+        verify: VerifyPlanPrimitive<IntTensor<Self>>,
+        write: WritePlanPrimitive<IntTensor<Self>>,
+        inputs: PlanInputsPrimitive<IntTensor<Self>>,
+    ) -> Result<PlanOutput<IntTensor<Self>>, Error> {
+        Ok(super::cube::canary_plan(verify, write, inputs))
+    }
+
     fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {
         tensor.meta.strides().first().map_or(1, |&stride| stride as i64)
     }

@@ -2,6 +2,7 @@
 //! directly: allocate outputs, launch once, never read back (the public API reads the status).
 
 mod gather;
+mod plan;
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -10,6 +11,7 @@ use burn_tensor::{DType, Shape, TensorMetadata};
 use cubecl::prelude::*;
 
 pub(crate) use gather::{masked_gather, segment_gather};
+pub(crate) use plan::canary_plan;
 
 /// A contiguous i64 tensor of `len` values (uninitialised).
 fn empty_i64<R: CubeRuntime>(like: &CubeTensor<R>, len: usize) -> CubeTensor<R> {
@@ -26,6 +28,12 @@ fn output_i64<R: CubeRuntime>(like: &CubeTensor<R>, len: usize) -> CubeTensor<R>
 fn upload_u64<R: CubeRuntime>(like: &CubeTensor<R>, words: &[u64]) -> CubeTensor<R> {
     let handle = like.client.create_from_slice(bytemuck::cast_slice(words));
     CubeTensor::new_contiguous(like.client.clone(), like.device.clone(), Shape::new([words.len()]), handle, DType::U64)
+}
+
+/// An i64 buffer uploaded from the host.
+fn upload_i64<R: CubeRuntime>(like: &CubeTensor<R>, words: &[i64]) -> CubeTensor<R> {
+    let handle = like.client.create_from_slice(bytemuck::cast_slice(words));
+    CubeTensor::new_contiguous(like.client.clone(), like.device.clone(), Shape::new([words.len()]), handle, DType::I64)
 }
 
 /// The tensor itself, or a one-element stand-in when it is empty (kernels never read it then:

@@ -1,0 +1,166 @@
+//! Launcher of the kv-canary plan kernels.
+
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use burn_tensor::TensorMetadata;
+use cubecl::prelude::*;
+use kvplan_kernels::plan::{
+    PLAN_ERRORS, PLAN_SCRATCH, PlanFeatures, PlanShapeLaunch, plan_entries_kernel,
+    plan_requests_kernel,
+};
+use kvplan_kernels::scan::{CUBE_SIZE, NO_ERROR};
+use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
+
+use super::{bindable, dims2, grid, output_i64, resident_cubes, storage, upload_i64, upload_u64};
+use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
+
+/// A plan buffer the kernels may write: the caller's own buffer when no one else holds it,
+/// otherwise a copy (Burn tensors are values: a clone elsewhere must not change).
+fn writable<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+    if tensor.can_mut() { tensor } else { tensor.copy() }
+}
+
+pub(crate) fn canary_plan<R: CubeRuntime>(
+    verify: VerifyPlanPrimitive<CubeTensor<R>>,
+    write: WritePlanPrimitive<CubeTensor<R>>,
+    inputs: PlanInputsPrimitive<CubeTensor<R>>,
+) -> PlanOutput<CubeTensor<R>> {
+    let table = inputs.req_to_token;
+    let (rows, cols) = dims2(&table);
+    // Rule 11 again, on the real strides: through `Fusion` the host could not see them. The plans
+    // are handed back untouched, as for every host rule.
+    let stride = table.meta.strides().first().map_or(1, |&s| s as i64);
+    if rows >= 1 && cols >= 1 && stride <= 0 {
+        let mut words = [0i64; STATUS_LEN];
+        words[CODE] = PLAN_STRIDE;
+        words[FACTS] = stride;
+        let status = upload_i64(&table, &words);
+        return PlanOutput { verify, write, status };
+    }
+    let requests = inputs.req_pool_indices.shape()[0];
+    let verify_capacity = verify.slot_indices.shape()[0];
+    let write_capacity = write.seed_slot_indices.shape()[0];
+    let features = PlanFeatures {
+        window: inputs.swa_window_size > 0,
+        lut: inputs.full_to_swa.is_some(),
+        pool: inputs.expected_tokens.is_some(),
+    };
+    // Without a LUT every slot counts as inside it (the kernels compare against this length).
+    let lut_len = inputs.full_to_swa.as_ref().map_or(i64::MAX as usize, |lut| lut.shape()[0]);
+    let (pool_rows, pool_cols) = inputs.expected_tokens.as_ref().map_or((0, 0), |(pool, _)| dims2(pool));
+    let (entries_grid, cubes) = grid(resident_cubes(&table, verify_capacity.max(write_capacity)));
+    let shape = || {
+        PlanShapeLaunch::new(
+            requests as u64,
+            rows as u64,
+            cols as u64,
+            i64::from(inputs.swa_window_size),
+            lut_len as u64,
+            pool_rows as u64,
+            pool_cols as u64,
+            i64::from(inputs.position_offset),
+            verify_capacity as u64,
+            write_capacity as u64,
+            cubes as u64,
+        )
+    };
+    // Fresh scratch: no error, no slow path.
+    let mut words = vec![0u64; PLAN_SCRATCH];
+    words[PLAN_ERRORS..PLAN_ERRORS + 5].fill(NO_ERROR);
+    let scratch = upload_u64(&table, &words);
+    let verify_offsets = output_i64(&table, requests);
+    let status = output_i64(&table, STATUS_LEN);
+
+    let req_pool_indices = bindable(inputs.req_pool_indices);
+    let prefix_lens = bindable(inputs.prefix_lens);
+    let extend_seq_lens = bindable(inputs.extend_seq_lens);
+    let table = bindable(table);
+    // Absent inputs are bound to a stand-in that the compile-time switches never read.
+    let stand_in = || req_pool_indices.clone();
+    let lut = inputs.full_to_swa.map_or_else(stand_in, bindable);
+    let (pool, valid_lens) = match inputs.expected_tokens {
+        Some((pool, valid_lens)) => (bindable(pool), bindable(valid_lens)),
+        None => (stand_in(), stand_in()),
+    };
+    let [slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_valid, enable] = [
+        verify.slot_indices,
+        verify.expected_tokens,
+        verify.expected_positions,
+        verify.prev_slot_indices,
+        verify.num_valid,
+        verify.enable,
+    ]
+    .map(writable);
+    let [offsets, seeds, num_valid_reqs] =
+        [write.offsets, write.seed_slot_indices, write.num_valid_reqs].map(writable);
+
+    let client = table.client.clone();
+    let (q, p, e, t, u, o, v) = (
+        storage(&req_pool_indices),
+        storage(&prefix_lens),
+        storage(&extend_seq_lens),
+        storage(&table),
+        storage(&lut),
+        storage(&pool),
+        storage(&valid_lens),
+    );
+    // SAFETY: every index the kernels form is bounds-checked against the shapes passed here.
+    unsafe {
+        plan_requests_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(CUBE_SIZE),
+            req_pool_indices.clone().into_tensor_arg(),
+            prefix_lens.clone().into_tensor_arg(),
+            extend_seq_lens.clone().into_tensor_arg(),
+            table.clone().into_tensor_arg(),
+            lut.clone().into_tensor_arg(),
+            valid_lens.clone().into_tensor_arg(),
+            offsets.clone().into_tensor_arg(),
+            seeds.clone().into_tensor_arg(),
+            bindable(verify_offsets.clone()).into_tensor_arg(),
+            scratch.clone().into_tensor_arg(),
+            shape(),
+            features,
+            [q, p, e, t, u, v],
+        );
+        plan_entries_kernel::launch_unchecked::<R>(
+            &client,
+            entries_grid,
+            CubeDim::new_1d(CUBE_SIZE),
+            req_pool_indices.into_tensor_arg(),
+            prefix_lens.into_tensor_arg(),
+            extend_seq_lens.into_tensor_arg(),
+            table.into_tensor_arg(),
+            lut.into_tensor_arg(),
+            pool.into_tensor_arg(),
+            valid_lens.into_tensor_arg(),
+            bindable(verify_offsets).into_tensor_arg(),
+            slot_indices.clone().into_tensor_arg(),
+            expected_tokens.clone().into_tensor_arg(),
+            expected_positions.clone().into_tensor_arg(),
+            prev_slot_indices.clone().into_tensor_arg(),
+            num_valid.clone().into_tensor_arg(),
+            enable.clone().into_tensor_arg(),
+            offsets.clone().into_tensor_arg(),
+            num_valid_reqs.clone().into_tensor_arg(),
+            status.clone().into_tensor_arg(),
+            scratch.into_tensor_arg(),
+            shape(),
+            features,
+            [q, p, e, t, u, o, v],
+        );
+    }
+    PlanOutput {
+        verify: VerifyPlanPrimitive {
+            slot_indices,
+            expected_tokens,
+            expected_positions,
+            prev_slot_indices,
+            num_valid,
+            enable,
+        },
+        write: WritePlanPrimitive { offsets, seed_slot_indices: seeds, num_valid_reqs },
+        status,
+    }
+}
