@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 
 pub mod backends;
+pub mod bench;
 pub mod canary;
 pub mod conformance;
 pub mod demo;

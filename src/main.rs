@@ -7,6 +7,7 @@ use kvplan::backends::BackendName;
 const USAGE: &str = "usage:
   kvplan [demo] [--backend NAME]             synthetic speculative-decoding trace (default)
   kvplan check FILE.jsonl [--backend NAME]   run conformance vectors
+  kvplan bench gather|plan [--backend NAME] [--reps N]   time the anchor grids
 backends: reference, flex, vulkan, vulkan-unfused, cuda, cuda-unfused";
 
 fn main() -> ExitCode {
@@ -23,12 +24,16 @@ fn main() -> ExitCode {
 fn run(args: &[String]) -> Result<ExitCode, String> {
     let mut positional = Vec::new();
     let mut backend = None;
+    let mut reps = 50usize;
     let mut rest = args.iter();
     while let Some(arg) = rest.next() {
         match arg.as_str() {
             "--backend" => {
                 let name = rest.next().ok_or("--backend needs a name")?;
                 backend = Some(name.parse::<BackendName>()?);
+            }
+            "--reps" => {
+                reps = rest.next().and_then(|n| n.parse().ok()).ok_or("--reps needs a number")?;
             }
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -40,6 +45,17 @@ fn run(args: &[String]) -> Result<ExitCode, String> {
     match positional.as_slice() {
         ["check", file] => check(file, backend.unwrap_or(BackendName::Reference)),
         [] | ["demo"] => kvplan::demo::run(backend),
+        ["bench", which] => {
+            let backend = backend.unwrap_or(BackendName::Reference);
+            let which = which.to_string();
+            println!("kvplan bench {which} on {backend}, {reps} reps");
+            kvplan::with_backend!(backend, |device: B| match which.as_str() {
+                "gather" => kvplan::bench::gather::<B>(&device, reps),
+                "plan" => kvplan::bench::plan::<B>(&device, reps),
+                other => Err(format!("unknown bench {other:?} (gather, plan)")),
+            })??;
+            Ok(ExitCode::SUCCESS)
+        }
         _ => Err(format!("unexpected arguments {positional:?}")),
     }
 }

@@ -1,0 +1,209 @@
+//! `kvplan bench`: the shape grids of `shared/anchors/h200.md`, timed through the public API.
+//!
+//! Per shape and mode it reports the host wall time per call (the caller's view, one read-back
+//! per exact/checked call), the pipelined time per call (N calls queued back to back, one sync:
+//! the device-bound cost once launches overlap), and the effective bandwidth over the bytes the op
+//! must move (inputs read once, outputs written once). Every shape is first checked against the
+//! host reference.
+
+use std::time::Instant;
+
+use burn_tensor::{Bool, DType, Int, Tensor, TensorData};
+
+use crate::reference::{self, PlanArgs, PlanBuffers, Table};
+use crate::{KvPlanBackend, PlanInputs, VerifyPlan, WritePlan};
+
+/// Deterministic inputs (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next() % n }
+    }
+}
+
+fn int<B: KvPlanBackend, const D: usize>(values: Vec<i64>, shape: [usize; D], dtype: DType, device: &B::Device) -> Tensor<B, D, Int> {
+    Tensor::from_data(TensorData::new(values, shape), (device, dtype))
+}
+
+/// Median of per-call microseconds.
+fn median(mut samples: Vec<f64>) -> f64 {
+    samples.sort_by(|a, b| a.total_cmp(b));
+    samples[samples.len() / 2]
+}
+
+/// Times `call` `reps` times one by one (host wall, median) and `reps` times queued (one sync).
+fn time<B: KvPlanBackend>(device: &B::Device, reps: usize, mut call: impl FnMut() -> Result<(), crate::Error>) -> Result<(f64, f64), crate::Error> {
+    for _ in 0..3 {
+        call()?;
+    }
+    B::sync(device).ok();
+    let mut host = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let start = Instant::now();
+        call()?;
+        host.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    B::sync(device).ok();
+    let start = Instant::now();
+    for _ in 0..reps {
+        call()?;
+    }
+    B::sync(device).ok();
+    let pipelined = start.elapsed().as_secs_f64() * 1e6 / reps as f64;
+    Ok((median(host), pipelined))
+}
+
+/// One row of a result table.
+fn row(label: &str, host_us: f64, pipelined_us: f64, bytes: f64) {
+    println!(
+        "| {label} | {host_us:.1} | {pipelined_us:.1} | {:.0} |",
+        bytes / (pipelined_us * 1e-6) / 1e9
+    );
+}
+
+/// The gather grid: masked (exact, capacity) and segments (exact, capacity).
+pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), String> {
+    println!("| shape (bs, W, valid) op/mode | host us/call | pipelined us/call | GB/s |");
+    println!("|---|---:|---:|---:|");
+    for (bs, width) in [(1usize, 8usize), (64, 16), (1024, 64), (4096, 128), (4096, 2048)] {
+        let mut rng = Rng(bs as u64 * 31 + width as u64);
+        let rows = 2 * bs.max(64);
+        let cols = 8192.max(2 * width);
+        let table: Vec<i64> = (0..rows * cols).map(|_| rng.below(1 << 31) as i64).collect();
+        let rpi: Vec<i64> = (0..bs).map(|_| rng.below(rows as u64) as i64).collect();
+        let lengths: Vec<i64> = (0..bs).map(|_| rng.below(width as u64 + 1) as i64).collect();
+        let start: Vec<i64> = lengths.iter().map(|&len| rng.below((cols as i64 - len) as u64) as i64).collect();
+        let mut pos2d = vec![0i64; bs * width];
+        let mut mask = vec![false; bs * width];
+        for i in 0..bs {
+            for j in 0..width {
+                pos2d[i * width + j] = start[i] + j as i64;
+                mask[i * width + j] = (j as i64) < lengths[i];
+            }
+        }
+        let valid: i64 = lengths.iter().sum();
+        let expected = reference::segment_gather(Table::new(rows, cols, &table), &rpi, Some(&start), &lengths, None)
+            .map_err(|error| error.to_string())?;
+        let t = int::<B, 2>(table, [rows, cols], DType::I32, device);
+        let q = int::<B, 1>(rpi, [bs], DType::I32, device);
+        let p = int::<B, 2>(pos2d, [bs, width], DType::I32, device);
+        let m = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [bs, width]), device);
+        let s = int::<B, 1>(start, [bs], DType::I32, device);
+        let l = int::<B, 1>(lengths, [bs], DType::I32, device);
+        let got: Vec<i64> = crate::masked_gather(t.clone(), q.clone(), p.clone(), m.clone(), "bench")
+            .map_err(|error| error.to_string())?
+            .into_data()
+            .iter::<i64>()
+            .collect();
+        let got_segments: Vec<i64> = crate::segment_gather(t.clone(), q.clone(), Some(s.clone()), l.clone())
+            .map_err(|error| error.to_string())?
+            .into_data()
+            .iter::<i64>()
+            .collect();
+        if got != expected || got_segments != expected {
+            return Err(format!("gather ({bs}, {width}) differs from the reference"));
+        }
+        // Bytes: pos2d (i32) + mask (1 B) + rpi read, values written (i64) and read from the table (i32).
+        let cells = (bs * width) as f64;
+        let masked_bytes = cells * 5.0 + bs as f64 * 4.0 + valid as f64 * 12.0;
+        let segment_bytes = bs as f64 * 12.0 + valid as f64 * 12.0;
+        let label = |op: &str| format!("({bs}, {width}, {valid}) {op}");
+        let run = |f: &mut dyn FnMut() -> Result<(), crate::Error>| time::<B>(device, reps, f);
+        let (h, d) = run(&mut || crate::masked_gather(t.clone(), q.clone(), p.clone(), m.clone(), "b").map(drop)).map_err(|e| e.to_string())?;
+        row(&label("masked exact"), h, d, masked_bytes);
+        let (h, d) = run(&mut || crate::masked_gather_with_capacity(t.clone(), q.clone(), p.clone(), m.clone(), None, "b").map(drop)).map_err(|e| e.to_string())?;
+        row(&label("masked capacity"), h, d, masked_bytes);
+        let (h, d) = run(&mut || crate::segment_gather(t.clone(), q.clone(), Some(s.clone()), l.clone()).map(drop)).map_err(|e| e.to_string())?;
+        row(&label("segments exact"), h, d, segment_bytes);
+        let (h, d) = run(&mut || crate::segment_gather_with_capacity(t.clone(), q.clone(), Some(s.clone()), l.clone(), Some(valid as usize)).map(drop)).map_err(|e| e.to_string())?;
+        row(&label("segments capacity"), h, d, segment_bytes);
+    }
+    Ok(())
+}
+
+/// The plan grid: FULL and SWA (window 1024, LUT), with and without the expected-token pool.
+pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), String> {
+    println!("| shape (bs, L, mode, entries) | host us/call | pipelined us/call | GB/s |");
+    println!("|---|---:|---:|---:|");
+    let grid = [
+        (1usize, 512usize, false), (8, 4096, false), (64, 4096, false), (256, 4096, true),
+        (1024, 4096, false), (4096, 512, false), (4096, 4096, false), (4096, 32768, true),
+    ];
+    for (bs, max_prefix, swa) in grid {
+        for pool in [false, true] {
+            let mut rng = Rng(bs as u64 * 7 + max_prefix as u64 + u64::from(pool));
+            let rows = bs + 1;
+            let cols = max_prefix + 1;
+            let slots = rows * cols;
+            let table: Vec<i64> = (0..slots).map(|_| rng.below(slots as u64) as i64).collect();
+            let rpi: Vec<i64> = (1..=bs as i64).collect();
+            let prefix: Vec<i64> = (0..bs).map(|_| rng.below(max_prefix as u64 + 1) as i64).collect();
+            let extend = vec![1i64; bs];
+            let window = if swa { 1024 } else { 0 };
+            let lut: Vec<i64> = (0..slots).map(|_| rng.below(slots as u64) as i64).collect();
+            let pool_values: Vec<i64> = (0..slots).map(|_| rng.below(1 << 31) as i64).collect();
+            let valid_lens: Vec<i64> = prefix.iter().map(|&p| p - rng.below(4) as i64).collect();
+            let args = PlanArgs {
+                req_pool_indices: &rpi,
+                prefix_lens: &prefix,
+                extend_seq_lens: &extend,
+                req_to_token: Table::new(rows, cols, &table),
+                swa_window_size: window,
+                full_to_swa: swa.then_some(&lut[..]),
+                expected_tokens: pool.then(|| reference::ExpectedTokens { pool: Table::new(rows, cols, &pool_values), valid_lens: &valid_lens }),
+                position_offset: 0,
+            };
+            let entries: usize = prefix.iter().map(|&p| if swa { p.min(window as i64) } else { p } as usize).sum();
+            let capacity = entries.max(1);
+            let mut want = PlanBuffers::fresh(capacity, bs);
+            reference::plan(&args, &mut want).map_err(|error| error.to_string())?;
+            let t = int::<B, 2>(table, [rows, cols], DType::I32, device);
+            let q = int::<B, 1>(rpi, [bs], DType::I32, device);
+            let p = int::<B, 1>(prefix, [bs], DType::I32, device);
+            let e = int::<B, 1>(extend, [bs], DType::I32, device);
+            let lut_t = int::<B, 1>(lut, [slots], DType::I32, device);
+            let pool_t = int::<B, 2>(pool_values, [rows, cols], DType::I32, device);
+            let lens_t = int::<B, 1>(valid_lens, [bs], DType::I32, device);
+            let inputs = || {
+                let mut inputs = PlanInputs::new(q.clone(), p.clone(), e.clone(), t.clone());
+                if swa {
+                    inputs = inputs.swa_window_size(window).full_to_swa_index_mapping(lut_t.clone());
+                }
+                if pool {
+                    inputs = inputs.expected_tokens(pool_t.clone()).expected_tokens_valid_lens(lens_t.clone());
+                }
+                inputs
+            };
+            let mut verify = VerifyPlan::<B>::allocate(capacity, device).map_err(|e| e.to_string())?;
+            let mut write = WritePlan::<B>::allocate(bs, device).map_err(|e| e.to_string())?;
+            crate::plan(&mut verify, &mut write, inputs()).map_err(|e| e.to_string())?;
+            let got = crate::canary::read_plans(&verify, &write).map_err(|e| e.to_string())?;
+            if got.verify_slot_indices[..entries] != want.verify_slot_indices[..entries]
+                || got.verify_prev_slot_indices[..entries] != want.verify_prev_slot_indices[..entries]
+                || got.verify_expected_tokens[..entries] != want.verify_expected_tokens[..entries]
+                || got.write_offsets != want.write_offsets
+            {
+                return Err(format!("plan ({bs}, {max_prefix}) differs from the reference"));
+            }
+            // Bytes: 4 i64 fields per entry written, 2 table reads (+ LUT, + pool) per entry.
+            let per_entry = 32.0 + 8.0 + if swa { 8.0 } else { 0.0 } + if pool { 4.0 } else { 0.0 };
+            let bytes = entries as f64 * per_entry + bs as f64 * 28.0;
+            let mode = format!("{}{}", if swa { "SWA" } else { "FULL" }, if pool { "+pool" } else { "" });
+            let label = format!("({bs}, {max_prefix}, {mode}, {entries})");
+            let (h, d) = time::<B>(device, reps, || crate::plan_deferred(&mut verify, &mut write, inputs()).map(drop)).map_err(|e| e.to_string())?;
+            row(&format!("{label} deferred"), h, d, bytes);
+            let (h, _) = time::<B>(device, reps, || crate::plan(&mut verify, &mut write, inputs())).map_err(|e| e.to_string())?;
+            println!("| {label} checked | {h:.1} | - | - |");
+        }
+    }
+    Ok(())
+}
