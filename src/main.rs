@@ -10,18 +10,39 @@ const USAGE: &str = "usage:
   kvplan bench gather|plan [--backend NAME] [--reps N]   time the anchor grids
 backends: reference, flex, vulkan, vulkan-unfused, cuda, cuda-unfused";
 
+/// Why the binary stopped: a usage mistake (usage is printed) or a failure while running.
+enum Failure {
+    Usage(String),
+    Run(String),
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure::Run(message)
+    }
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match run(&args) {
         Ok(code) => code,
-        Err(message) => {
+        Err(Failure::Usage(message)) => {
             eprintln!("kvplan: {message}\n{USAGE}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Run(message)) => {
+            eprintln!("kvplan: {message}");
             ExitCode::from(2)
         }
     }
 }
 
-fn run(args: &[String]) -> Result<ExitCode, String> {
+/// `name` after a probe: a missing device is an error line, not a panic.
+fn usable(name: BackendName) -> Result<BackendName, String> {
+    kvplan::demo::choose(Some(name)).map(|choice| choice.name)
+}
+
+fn run(args: &[String]) -> Result<ExitCode, Failure> {
     let mut positional = Vec::new();
     let mut backend = None;
     let mut reps = 50usize;
@@ -29,11 +50,14 @@ fn run(args: &[String]) -> Result<ExitCode, String> {
     while let Some(arg) = rest.next() {
         match arg.as_str() {
             "--backend" => {
-                let name = rest.next().ok_or("--backend needs a name")?;
-                backend = Some(name.parse::<BackendName>()?);
+                let name = rest.next().ok_or(Failure::Usage("--backend needs a name".into()))?;
+                backend = Some(name.parse::<BackendName>().map_err(Failure::Usage)?);
             }
             "--reps" => {
-                reps = rest.next().and_then(|n| n.parse().ok()).ok_or("--reps needs a number")?;
+                reps = rest
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .ok_or(Failure::Usage("--reps needs a number".into()))?;
             }
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -43,10 +67,10 @@ fn run(args: &[String]) -> Result<ExitCode, String> {
         }
     }
     match positional.as_slice() {
-        ["check", file] => check(file, backend.unwrap_or(BackendName::Reference)),
-        [] | ["demo"] => kvplan::demo::run(backend),
+        ["check", file] => Ok(check(file, usable(backend.unwrap_or(BackendName::Reference))?)?),
+        [] | ["demo"] => Ok(kvplan::demo::run(backend)?),
         ["bench", which] => {
-            let backend = backend.unwrap_or(BackendName::Reference);
+            let backend = usable(backend.unwrap_or(BackendName::Reference))?;
             let which = which.to_string();
             println!("kvplan bench {which} on {backend}, {reps} reps");
             kvplan::with_backend!(backend, |device: B| match which.as_str() {
@@ -56,7 +80,7 @@ fn run(args: &[String]) -> Result<ExitCode, String> {
             })??;
             Ok(ExitCode::SUCCESS)
         }
-        _ => Err(format!("unexpected arguments {positional:?}")),
+        _ => Err(Failure::Usage(format!("unexpected arguments {positional:?}"))),
     }
 }
 

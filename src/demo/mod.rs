@@ -12,6 +12,8 @@ mod check;
 mod engine;
 mod rng;
 mod select;
+
+pub use select::{Choice, choose};
 mod timing;
 mod trace;
 
