@@ -99,16 +99,14 @@ pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), S
         let m = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [bs, width]), device);
         let s = int::<B, 1>(start, [bs], DType::I32, device);
         let l = int::<B, 1>(lengths, [bs], DType::I32, device);
-        let got: Vec<i64> = crate::masked_gather(t.clone(), q.clone(), p.clone(), m.clone(), "bench")
+        let got = crate::masked_gather(t.clone(), q.clone(), p.clone(), m.clone(), "bench")
             .map_err(|error| error.to_string())?
-            .into_data()
-            .iter::<i64>()
-            .collect();
-        let got_segments: Vec<i64> = crate::segment_gather(t.clone(), q.clone(), Some(s.clone()), l.clone())
+            .into_data();
+        let got = crate::ops::data_to_i64(&got);
+        let got_segments = crate::segment_gather(t.clone(), q.clone(), Some(s.clone()), l.clone())
             .map_err(|error| error.to_string())?
-            .into_data()
-            .iter::<i64>()
-            .collect();
+            .into_data();
+        let got_segments = crate::ops::data_to_i64(&got_segments);
         if got != expected || got_segments != expected {
             return Err(format!("gather ({bs}, {width}) differs from the reference"));
         }

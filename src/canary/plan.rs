@@ -345,7 +345,7 @@ pub fn read_plans<B: KvPlanBackend>(
         let data = tensor
             .try_into_data()
             .map_err(|error| Error::Execution { detail: format!("{error:?}") })?;
-        Ok(data.iter::<i64>().collect())
+        Ok(crate::ops::data_to_i64(&data))
     };
     let scalar = |tensor| -> Result<i32, Error> { Ok(values(tensor)?.first().copied().unwrap_or(0) as i32) };
     Ok(PlanBuffers {

@@ -161,7 +161,7 @@ impl Dense {
 
 /// The i64 values of an int tensor.
 fn values<B: KvPlanBackend, const D: usize>(tensor: Tensor<B, D, Int>) -> Vec<i64> {
-    tensor.into_data().iter::<i64>().collect()
+    crate::ops::data_to_i64(&tensor.into_data())
 }
 
 fn mismatch_kind(mode: &'static str, expected: &str, got: String) -> Mismatch {

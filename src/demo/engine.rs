@@ -237,7 +237,7 @@ fn upload<B: KvPlanBackend, const D: usize>(
 
 fn host_values<B: KvPlanBackend, const D: usize>(tensor: Tensor<B, D, Int>) -> Result<Vec<i64>, String> {
     let data = tensor.try_into_data().map_err(|error| format!("read-back failed: {error:?}"))?;
-    Ok(data.iter::<i64>().collect())
+    Ok(crate::ops::data_to_i64(&data))
 }
 
 fn read_capacity<B: KvPlanBackend>(

@@ -124,7 +124,7 @@ fn probe_gather<B: KvPlanBackend>(device: &B::Device) -> Result<(), String> {
     let gathered =
         crate::masked_gather(table, rows, pos2d, mask, "probe").map_err(|error| error.to_string())?;
     let data = gathered.try_into_data().map_err(|error| format!("read-back failed: {error:?}"))?;
-    let values: Vec<i64> = data.iter::<i64>().collect();
+    let values: Vec<i64> = crate::ops::data_to_i64(&data);
     if values == [15, 13] {
         Ok(())
     } else {

@@ -13,11 +13,11 @@ use crate::status::{self, StatusWords};
 fn read_int<B: Backend>(tensor: IntTensor<B>) -> Result<(Vec<usize>, Vec<i64>), Error> {
     let shape = tensor.shape().to_vec();
     let data = read(B::int_into_data(tensor))?;
-    Ok((shape, data.iter::<i64>().collect()))
+    Ok((shape, data_to_i64(&data)))
 }
 
 fn read_bool<B: Backend>(tensor: BoolTensor<B>) -> Result<Vec<bool>, Error> {
-    Ok(read(B::bool_into_data(tensor))?.iter::<bool>().collect())
+    Ok(data_to_i64(&read(B::bool_into_data(tensor))?).into_iter().map(|v| v != 0).collect())
 }
 
 fn read<F, E>(future: F) -> Result<TensorData, Error>
@@ -185,4 +185,32 @@ pub(super) fn read_status<B: Backend>(status: IntTensor<B>) -> Result<StatusWord
         *slot = word;
     }
     Ok(record)
+}
+
+/// The values of int or bool tensor data as i64, whatever the dtype, without assuming the bytes
+/// are aligned (`TensorData::iter` panics on unaligned bytes, which CUDA read-backs can give).
+pub fn data_to_i64(data: &TensorData) -> Vec<i64> {
+    use burn_tensor::DType;
+    let bytes: &[u8] = &data.bytes;
+    macro_rules! read {
+        ($t:ty) => {
+            bytes
+                .chunks_exact(size_of::<$t>())
+                .map(|chunk| <$t>::from_le_bytes(chunk.try_into().unwrap_or_default()) as i64)
+                .collect()
+        };
+    }
+    match data.dtype {
+        DType::I64 => read!(i64),
+        DType::I32 => read!(i32),
+        DType::I16 => read!(i16),
+        DType::I8 => read!(i8),
+        DType::U64 => read!(u64),
+        DType::U32 => read!(u32),
+        DType::U16 => read!(u16),
+        DType::U8 => read!(u8),
+        DType::Bool(burn_tensor::BoolStore::U32) => read!(u32),
+        DType::Bool(_) => read!(u8),
+        _ => data.iter::<i64>().collect(),
+    }
 }

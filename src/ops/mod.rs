@@ -10,6 +10,8 @@ mod fusion;
 mod host;
 mod impls;
 
+pub use host::data_to_i64;
+
 use burn_tensor::TensorMetadata;
 use burn_tensor::backend::Backend;
 use burn_tensor::ops::{BoolTensor, IntTensor};

@@ -38,3 +38,6 @@ impl<'a> Table<'a> {
         usize::try_from(row).ok().filter(|&q| q < self.rows)
     }
 }
+
+#[cfg(test)]
+mod tests;

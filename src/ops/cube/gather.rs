@@ -14,7 +14,7 @@ use kvplan_kernels::status::{
     STATUS_LEN,
 };
 
-use super::{bindable, dims2, grid, output_i64, resident_cubes, storage, upload_u64};
+use super::{bindable, dims2, grid, output_i64, resident_cubes, storage, upload_u64, widened};
 use crate::ops::GatherOutput;
 
 pub(crate) fn masked_gather<R: CubeRuntime>(
@@ -103,8 +103,8 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
     let has_start = start.is_some();
-    let (req_pool_indices, lengths) = (bindable(req_pool_indices), bindable(lengths));
-    let start = start.map_or_else(|| lengths.clone(), bindable);
+    let (req_pool_indices, lengths) = (bindable(widened(req_pool_indices)), bindable(widened(lengths)));
+    let start = start.map_or_else(|| lengths.clone(), |start| bindable(widened(start)));
     let types = [storage(&req_pool_indices), storage(&start), storage(&lengths)];
     let shape = || {
         SegmentShapeLaunch::new(

@@ -49,6 +49,18 @@ fn bindable<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
     CubeTensor::new_contiguous(buffer.client, buffer.device, shape, buffer.handle, dtype)
 }
 
+/// A per-request int input widened to i64 on the device (a copy only when it is i32).
+///
+/// cubecl 0.10's SPIR-V path was seen to compare widened negative i32 values as if they were
+/// zero-extended (a length of -2 taken as positive), so values whose sign matters reach the
+/// kernels as i64. These inputs are `[bs]`-sized: the copy is one small launch.
+fn widened<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+    if tensor.dtype == DType::I64 || tensor.shape().num_elements() == 0 {
+        return tensor;
+    }
+    burn_cubecl::kernel::cast(tensor, DType::I64)
+}
+
 /// A grid of at least `cubes` cubes that every runtime accepts (Vulkan caps each axis at 65,535).
 fn grid(cubes: usize) -> (CubeCount, usize) {
     const AXIS: usize = 65_535;

@@ -11,7 +11,9 @@ use kvplan_kernels::plan::{
 use kvplan_kernels::scan::{CUBE_SIZE, NO_ERROR};
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
-use super::{bindable, dims2, grid, output_i64, resident_cubes, storage, upload_i64, upload_u64};
+use super::{
+    bindable, dims2, grid, output_i64, resident_cubes, storage, upload_i64, upload_u64, widened,
+};
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
 
 /// A plan buffer the kernels may write: the caller's own buffer when no one else holds it,
@@ -71,15 +73,15 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
     let verify_offsets = output_i64(&table, requests);
     let status = output_i64(&table, STATUS_LEN);
 
-    let req_pool_indices = bindable(inputs.req_pool_indices);
-    let prefix_lens = bindable(inputs.prefix_lens);
-    let extend_seq_lens = bindable(inputs.extend_seq_lens);
+    let req_pool_indices = bindable(widened(inputs.req_pool_indices));
+    let prefix_lens = bindable(widened(inputs.prefix_lens));
+    let extend_seq_lens = bindable(widened(inputs.extend_seq_lens));
     let table = bindable(table);
     // Absent inputs are bound to a stand-in that the compile-time switches never read.
     let stand_in = || req_pool_indices.clone();
     let lut = inputs.full_to_swa.map_or_else(stand_in, bindable);
     let (pool, valid_lens) = match inputs.expected_tokens {
-        Some((pool, valid_lens)) => (bindable(pool), bindable(valid_lens)),
+        Some((pool, valid_lens)) => (bindable(pool), bindable(widened(valid_lens))),
         None => (stand_in(), stand_in()),
     };
     let [slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_valid, enable] = [

@@ -1,0 +1,185 @@
+//! Shared helpers: a tiny deterministic RNG, tensor builders, read-backs, the conformance files.
+
+use std::path::PathBuf;
+
+use burn_tensor::{Bool, DType, Int, Tensor, TensorData};
+use kvplan::KvPlanBackend;
+use kvplan::reference::PlanBuffers;
+
+/// splitmix64: small, fast, deterministic.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (0 when `n == 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next_u64() % n }
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: i64, hi: i64) -> i64 {
+        assert!(lo <= hi);
+        let span = (hi as i128 - lo as i128 + 1) as u128;
+        (lo as i128 + (self.next_u64() as u128 % span) as i128) as i64
+    }
+
+    /// Uniform in `lo..=hi`, as usize.
+    pub fn urange(&mut self, lo: usize, hi: usize) -> usize {
+        self.range(lo as i64, hi as i64) as usize
+    }
+
+    /// True with probability `num / den`.
+    pub fn chance(&mut self, num: u64, den: u64) -> bool {
+        self.below(den) < num
+    }
+
+    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len() as u64) as usize]
+    }
+
+    /// I32 or I64.
+    pub fn int_dtype(&mut self) -> DType {
+        self.pick(&[DType::I32, DType::I64])
+    }
+
+    /// Any value that fits i32.
+    pub fn i32_value(&mut self) -> i64 {
+        self.range(i32::MIN as i64, i32::MAX as i64)
+    }
+
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            let j = self.below(i as u64 + 1) as usize;
+            items.swap(i, j);
+        }
+    }
+}
+
+/// An int tensor of `dtype` (values must fit it).
+pub fn ints<B: KvPlanBackend, const D: usize>(
+    data: &[i64],
+    shape: [usize; D],
+    dtype: DType,
+    device: &B::Device,
+) -> Tensor<B, D, Int> {
+    Tensor::from_data(TensorData::new(data.to_vec(), shape), (device, dtype))
+}
+
+/// A 1-D int tensor.
+pub fn list<B: KvPlanBackend>(data: &[i64], dtype: DType, device: &B::Device) -> Tensor<B, 1, Int> {
+    ints::<B, 1>(data, [data.len()], dtype, device)
+}
+
+pub fn bools<B: KvPlanBackend, const D: usize>(
+    data: &[bool],
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D, Bool> {
+    Tensor::from_data(TensorData::new(data.to_vec(), shape), device)
+}
+
+/// The values of an int tensor, as i64, row-major.
+pub fn values<B: KvPlanBackend, const D: usize>(tensor: Tensor<B, D, Int>) -> Vec<i64> {
+    kvplan::ops::data_to_i64(&tensor.into_data())
+}
+
+/// Where the conformance files are: `$KVPLAN_CONFORMANCE_DIR`, else `../shared/conformance`.
+pub fn conformance_dir() -> PathBuf {
+    match std::env::var_os("KVPLAN_CONFORMANCE_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/conformance"),
+    }
+}
+
+/// The text of a conformance file; panics (fails the test) with a clear message when missing.
+pub fn conformance_file(name: &str) -> String {
+    let path = conformance_dir().join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|error| {
+        panic!(
+            "conformance file {} cannot be read ({error}); set KVPLAN_CONFORMANCE_DIR to the folder \
+             holding gather.jsonl and plan.jsonl",
+            path.display()
+        )
+    })
+}
+
+/// Compares two plan states field by field; the panic names the first differing field and index.
+#[track_caller]
+pub fn assert_plans_eq(got: &PlanBuffers, want: &PlanBuffers, what: &str) {
+    let scalars = [
+        (
+            "verify_num_valid",
+            got.verify_num_valid,
+            want.verify_num_valid,
+        ),
+        ("enable", got.enable, want.enable),
+        (
+            "write_num_valid_reqs",
+            got.write_num_valid_reqs,
+            want.write_num_valid_reqs,
+        ),
+    ];
+    for (field, g, w) in scalars {
+        assert_eq!(g, w, "{what}: {field}");
+    }
+    let arrays: [(&str, &[i64], &[i64]); 6] = [
+        (
+            "verify_slot_indices",
+            &got.verify_slot_indices,
+            &want.verify_slot_indices,
+        ),
+        (
+            "verify_expected_tokens",
+            &got.verify_expected_tokens,
+            &want.verify_expected_tokens,
+        ),
+        (
+            "verify_expected_positions",
+            &got.verify_expected_positions,
+            &want.verify_expected_positions,
+        ),
+        (
+            "verify_prev_slot_indices",
+            &got.verify_prev_slot_indices,
+            &want.verify_prev_slot_indices,
+        ),
+        ("write_offsets", &got.write_offsets, &want.write_offsets),
+        (
+            "write_seed_slot_indices",
+            &got.write_seed_slot_indices,
+            &want.write_seed_slot_indices,
+        ),
+    ];
+    for (field, g, w) in arrays {
+        assert_eq!(g.len(), w.len(), "{what}: {field} length");
+        if let Some(i) = g.iter().zip(w).position(|(a, b)| a != b) {
+            panic!("{what}: {field}[{i}]: got {}, want {}", g[i], w[i]);
+        }
+    }
+}
+
+/// `enable = 0`, `verify_num_valid = 0`, `write_num_valid_reqs = 0`.
+#[track_caller]
+pub fn assert_disabled(plans: &PlanBuffers, what: &str) {
+    assert_eq!(
+        (
+            plans.enable,
+            plans.verify_num_valid,
+            plans.write_num_valid_reqs
+        ),
+        (0, 0, 0),
+        "{what}: a device-checked error must leave the plans disabled"
+    );
+}

@@ -1,0 +1,542 @@
+//! Masked and segment gather through the public tensor API, against the host reference.
+
+use burn_tensor::{DType, Int, Tensor};
+use kvplan::error::{Error, SEGMENT_CONTEXT};
+use kvplan::reference::{self, Table};
+use kvplan::{CapacityGather, KvPlanBackend};
+
+use crate::common::{Rng, bools, ints, list, values};
+
+pub const CTX: &str = "DFLASH target hidden KV append";
+
+/// One masked gather: host data plus the dtypes of the three int inputs.
+#[derive(Debug, Clone)]
+pub struct MaskedCase {
+    pub rows: usize,
+    pub cols: usize,
+    pub table: Vec<i64>,
+    pub rpi: Vec<i64>,
+    pub r: usize,
+    pub c: usize,
+    pub pos2d: Vec<i64>,
+    pub mask: Vec<bool>,
+    pub dtypes: [DType; 3],
+}
+
+impl MaskedCase {
+    pub fn reference(&self, capacity: Option<usize>) -> Result<Vec<i64>, Error> {
+        reference::masked_gather(
+            Table::new(self.rows, self.cols, &self.table),
+            &self.rpi,
+            &self.pos2d,
+            &self.mask,
+            [self.r, self.c],
+            capacity,
+            CTX,
+        )
+    }
+
+    pub fn tensors<B: KvPlanBackend>(
+        &self,
+        device: &B::Device,
+    ) -> (
+        Tensor<B, 2, Int>,
+        Tensor<B, 1, Int>,
+        Tensor<B, 2, Int>,
+        Tensor<B, 2, burn_tensor::Bool>,
+    ) {
+        (
+            ints::<B, 2>(&self.table, [self.rows, self.cols], self.dtypes[0], device),
+            list::<B>(&self.rpi, self.dtypes[1], device),
+            ints::<B, 2>(&self.pos2d, [self.r, self.c], self.dtypes[2], device),
+            bools::<B, 2>(&self.mask, [self.r, self.c], device),
+        )
+    }
+}
+
+/// One segment gather.
+#[derive(Debug, Clone)]
+pub struct SegmentCase {
+    pub rows: usize,
+    pub cols: usize,
+    pub table: Vec<i64>,
+    pub rpi: Vec<i64>,
+    pub start: Option<Vec<i64>>,
+    pub lengths: Vec<i64>,
+    pub dtypes: [DType; 4],
+}
+
+impl SegmentCase {
+    pub fn reference(&self, capacity: Option<usize>) -> Result<Vec<i64>, Error> {
+        reference::segment_gather(
+            Table::new(self.rows, self.cols, &self.table),
+            &self.rpi,
+            self.start.as_deref(),
+            &self.lengths,
+            capacity,
+        )
+    }
+
+    #[allow(clippy::type_complexity)]
+    pub fn tensors<B: KvPlanBackend>(
+        &self,
+        device: &B::Device,
+    ) -> (
+        Tensor<B, 2, Int>,
+        Tensor<B, 1, Int>,
+        Option<Tensor<B, 1, Int>>,
+        Tensor<B, 1, Int>,
+    ) {
+        (
+            ints::<B, 2>(&self.table, [self.rows, self.cols], self.dtypes[0], device),
+            list::<B>(&self.rpi, self.dtypes[1], device),
+            self.start
+                .as_ref()
+                .map(|start| list::<B>(start, self.dtypes[2], device)),
+            list::<B>(&self.lengths, self.dtypes[3], device),
+        )
+    }
+
+    pub fn default_capacity(&self) -> usize {
+        self.lengths.len() * self.cols
+    }
+}
+
+/// Exact mode against the reference (values and shape, or the exact error).
+#[track_caller]
+pub fn check_exact<B: KvPlanBackend>(
+    got: Result<Tensor<B, 1, Int>, Error>,
+    want: &Result<Vec<i64>, Error>,
+    what: &str,
+) {
+    match (got, want) {
+        (Ok(out), Ok(want)) => {
+            assert_eq!(out.dims(), [want.len()], "{what}: exact-mode shape");
+            assert_eq!(out.dtype(), DType::I64, "{what}: exact-mode dtype");
+            assert_eq!(&values(out), want, "{what}: exact-mode values");
+        }
+        (Err(error), Err(want)) => assert_eq!(&error, want, "{what}: exact-mode error"),
+        (Ok(out), Err(want)) => panic!("{what}: expected {want:?}, got Ok({:?})", values(out)),
+        (Err(error), Ok(_)) => panic!("{what}: expected Ok, got {error:?}"),
+    }
+}
+
+/// Capacity mode against the reference: `check()`, the count tensor, the out length, the prefix.
+#[track_caller]
+pub fn check_capacity<B: KvPlanBackend>(
+    got: CapacityGather<B>,
+    want: &Result<Vec<i64>, Error>,
+    capacity: usize,
+    what: &str,
+) {
+    assert_eq!(got.out.dims(), [capacity], "{what}: out length");
+    assert_eq!(got.count.dims(), [1], "{what}: count shape");
+    let count = values(got.count.clone());
+    let out = values(got.out.clone());
+    match (got.status.check(), want) {
+        (Ok(n), Ok(want)) => {
+            assert_eq!(n, want.len(), "{what}: check()");
+            assert_eq!(count, vec![want.len() as i64], "{what}: count tensor");
+            assert_eq!(&out[..n], &want[..], "{what}: out[..count]");
+        }
+        (Err(error), Err(want)) => {
+            assert_eq!(&error, want, "{what}: deferred error");
+            assert_eq!(count, vec![0], "{what}: count after a deferred error");
+        }
+        (Ok(n), Err(want)) => panic!("{what}: expected {want:?}, check() gave Ok({n})"),
+        (Err(error), Ok(_)) => panic!("{what}: expected Ok, check() gave {error:?}"),
+    }
+}
+
+/// Runs a masked case in exact mode and in capacity mode (default and `extra` capacities).
+pub fn run_masked<B: KvPlanBackend>(
+    case: &MaskedCase,
+    device: &B::Device,
+    extra: &[usize],
+    what: &str,
+) {
+    let (table, rpi, pos2d, mask) = case.tensors::<B>(device);
+    let got = kvplan::masked_gather(table.clone(), rpi.clone(), pos2d.clone(), mask.clone(), CTX);
+    check_exact(got, &case.reference(None), what);
+    let default = case.r * case.c;
+    for capacity in std::iter::once(None).chain(extra.iter().map(|&c| Some(c))) {
+        let got = kvplan::masked_gather_with_capacity(
+            table.clone(),
+            rpi.clone(),
+            pos2d.clone(),
+            mask.clone(),
+            capacity,
+            CTX,
+        )
+        .unwrap_or_else(|error| panic!("{what}: capacity mode refused at once: {error}"));
+        let want = case.reference(Some(capacity.unwrap_or(default)));
+        check_capacity(
+            got,
+            &want,
+            capacity.unwrap_or(default),
+            &format!("{what} capacity {capacity:?}"),
+        );
+    }
+}
+
+pub fn run_segments<B: KvPlanBackend>(
+    case: &SegmentCase,
+    device: &B::Device,
+    extra: &[usize],
+    what: &str,
+) {
+    let (table, rpi, start, lengths) = case.tensors::<B>(device);
+    let got = kvplan::segment_gather(table.clone(), rpi.clone(), start.clone(), lengths.clone());
+    check_exact(got, &case.reference(None), what);
+    let default = case.default_capacity();
+    for capacity in std::iter::once(None).chain(extra.iter().map(|&c| Some(c))) {
+        let got = kvplan::segment_gather_with_capacity(
+            table.clone(),
+            rpi.clone(),
+            start.clone(),
+            lengths.clone(),
+            capacity,
+        )
+        .unwrap_or_else(|error| panic!("{what}: capacity mode refused at once: {error}"));
+        let want = case.reference(Some(capacity.unwrap_or(default)));
+        check_capacity(
+            got,
+            &want,
+            capacity.unwrap_or(default),
+            &format!("{what} capacity {capacity:?}"),
+        );
+    }
+}
+
+fn random_table(rng: &mut Rng, rows: usize, cols: usize) -> Vec<i64> {
+    (0..rows * cols)
+        .map(|_| match rng.below(8) {
+            0 => i32::MAX as i64,
+            1 => i32::MIN as i64,
+            2 => rng.range(-5, 5),
+            _ => rng.range(0, i32::MAX as i64),
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone, Copy)]
+enum MaskKind {
+    AllFalse,
+    AllTrue,
+    Ragged,
+    Random,
+}
+
+fn random_masked(rng: &mut Rng, r: usize, c: usize, kind: MaskKind) -> MaskedCase {
+    let rows = rng.urange(1, 6);
+    let cols = rng.urange(1, 20);
+    let table = random_table(rng, rows, cols);
+    let shared = r <= 1 || rng.chance(1, 4);
+    let n = if shared { 1 } else { r };
+    let rpi = (0..n).map(|_| rng.range(0, rows as i64 - 1)).collect();
+    let mut mask = vec![false; r * c];
+    for i in 0..r {
+        let ragged = rng.urange(0, c);
+        for j in 0..c {
+            mask[i * c + j] = match kind {
+                MaskKind::AllFalse => false,
+                MaskKind::AllTrue => true,
+                MaskKind::Ragged => j < ragged,
+                MaskKind::Random => rng.chance(1, 2),
+            };
+        }
+    }
+    let dtypes = [rng.int_dtype(), rng.int_dtype(), rng.int_dtype()];
+    let pos2d = mask
+        .iter()
+        .map(|&m| {
+            if m {
+                // Often the last column.
+                if rng.chance(1, 3) {
+                    cols as i64 - 1
+                } else {
+                    rng.range(0, cols as i64 - 1)
+                }
+            } else if dtypes[2] == DType::I64 {
+                rng.range(i64::MIN, i64::MAX)
+            } else {
+                rng.i32_value()
+            }
+        })
+        .collect();
+    MaskedCase {
+        rows,
+        cols,
+        table,
+        rpi,
+        r,
+        c,
+        pos2d,
+        mask,
+        dtypes,
+    }
+}
+
+fn random_segments(rng: &mut Rng, s: usize) -> SegmentCase {
+    let rows = rng.urange(1, 6);
+    let cols = rng.urange(1, 20);
+    let table = random_table(rng, rows, cols);
+    let has_start = rng.chance(2, 3);
+    let shared = has_start && (s == 1 || rng.chance(1, 3));
+    let n = if shared { 1 } else { s };
+    let rpi = (0..n).map(|_| rng.range(0, rows as i64 - 1)).collect();
+    let lengths: Vec<i64> = (0..s)
+        .map(|_| match rng.below(6) {
+            0 => cols as i64,
+            1 => rng.range(-3, 0),
+            _ => rng.range(1, cols as i64),
+        })
+        .collect();
+    let start = has_start.then(|| {
+        lengths
+            .iter()
+            .map(|&len| {
+                if len > 0 {
+                    rng.range(0, cols as i64 - len)
+                } else {
+                    rng.range(-1000, 1000)
+                }
+            })
+            .collect()
+    });
+    let dtypes = [
+        rng.int_dtype(),
+        rng.int_dtype(),
+        rng.int_dtype(),
+        rng.int_dtype(),
+    ];
+    SegmentCase {
+        rows,
+        cols,
+        table,
+        rpi,
+        start,
+        lengths,
+        dtypes,
+    }
+}
+
+pub fn random_masked_cases<B: KvPlanBackend>(device: &B::Device) {
+    let mut rng = Rng::new(0x6d61_736b);
+    let kinds = [
+        MaskKind::AllFalse,
+        MaskKind::AllTrue,
+        MaskKind::Ragged,
+        MaskKind::Random,
+    ];
+    for r in [0, 1, 7, 33] {
+        for c in [0, 1, 5, 17] {
+            for kind in kinds {
+                let case = random_masked(&mut rng, r, c, kind);
+                run_masked::<B>(
+                    &case,
+                    device,
+                    &[],
+                    &format!("masked R={r} C={c} {kind:?} {case:?}"),
+                );
+            }
+        }
+    }
+}
+
+pub fn random_segment_cases<B: KvPlanBackend>(device: &B::Device) {
+    let mut rng = Rng::new(0x7365_6773);
+    for s in [0, 1, 7, 33] {
+        for round in 0..8 {
+            let case = random_segments(&mut rng, s);
+            run_segments::<B>(
+                &case,
+                device,
+                &[],
+                &format!("segments S={s} round {round} {case:?}"),
+            );
+        }
+    }
+}
+
+/// Caller-given capacities: tight, one short, and roomy.
+pub fn caller_capacities<B: KvPlanBackend>(device: &B::Device) {
+    let mut rng = Rng::new(0x6361_7073);
+    for round in 0..6 {
+        let case = random_masked(&mut rng, 7, 5, MaskKind::AllTrue);
+        let n = 35;
+        run_masked::<B>(
+            &case,
+            device,
+            &[n, n - 1, n + 9, 0],
+            &format!("masked round {round}"),
+        );
+        let case = random_masked(&mut rng, 7, 5, MaskKind::Random);
+        let n = case.mask.iter().filter(|&&m| m).count();
+        let mut capacities = vec![n, n + 3];
+        if n > 0 {
+            capacities.push(n - 1);
+        }
+        run_masked::<B>(
+            &case,
+            device,
+            &capacities,
+            &format!("masked random round {round}"),
+        );
+        let mut case = random_segments(&mut rng, 7);
+        case.lengths[0] = case.lengths[0].max(1);
+        if let Some(start) = case.start.as_mut() {
+            start[0] = start[0].clamp(0, case.cols as i64 - case.lengths[0]);
+        }
+        let n: usize = case.lengths.iter().map(|&l| l.max(0) as usize).sum();
+        run_segments::<B>(
+            &case,
+            device,
+            &[n, n - 1, n + 4],
+            &format!("segments round {round} {case:?}"),
+        );
+    }
+    // The exact facts of a short capacity.
+    let case = random_masked(&mut rng, 7, 5, MaskKind::AllTrue);
+    let (table, rpi, pos2d, mask) = case.tensors::<B>(device);
+    let got = kvplan::masked_gather_with_capacity(table, rpi, pos2d, mask, Some(30), CTX).unwrap();
+    assert_eq!(
+        got.status.check(),
+        Err(Error::CapacityExceeded {
+            context: CTX.into(),
+            count: 35,
+            capacity: 30
+        })
+    );
+    assert_eq!(values(got.count), vec![0]);
+}
+
+/// The spec's worked examples, exactly.
+pub fn spec_examples<B: KvPlanBackend>(device: &B::Device) {
+    let table: Vec<i64> = (0..24).map(|k| 100 + k).collect();
+    let t = || ints::<B, 2>(&table, [4, 6], DType::I32, device);
+    let l = |data: &[i64]| list::<B>(data, DType::I64, device);
+    let got = kvplan::masked_gather(
+        t(),
+        l(&[1, 3]),
+        ints::<B, 2>(&[0, 1, 2, 99, 5, 4, 9, -7], [2, 4], DType::I64, device),
+        bools::<B, 2>(
+            &[true, true, true, false, true, true, false, false],
+            [2, 4],
+            device,
+        ),
+        CTX,
+    )
+    .unwrap();
+    assert_eq!(values(got), vec![106, 107, 108, 123, 122]);
+    let got = kvplan::masked_gather_with_capacity(
+        t(),
+        l(&[1, 3]),
+        ints::<B, 2>(&[0, 1, 2, 99, 5, 4, 9, -7], [2, 4], DType::I64, device),
+        bools::<B, 2>(
+            &[true, true, true, false, true, true, false, false],
+            [2, 4],
+            device,
+        ),
+        None,
+        CTX,
+    )
+    .unwrap();
+    assert_eq!(got.out.dims(), [8]);
+    assert_eq!(got.status.check(), Ok(5));
+    assert_eq!(&values(got.out)[..5], &[106, 107, 108, 123, 122]);
+    let got =
+        kvplan::segment_gather(t(), l(&[1, 2, 3]), Some(l(&[0, 2, 5])), l(&[3, 4, 1])).unwrap();
+    assert_eq!(values(got), vec![106, 107, 108, 114, 115, 116, 117, 123]);
+    let got = kvplan::segment_gather(t(), l(&[1, 2]), None, l(&[2, 6])).unwrap();
+    assert_eq!(values(got), vec![106, 107, 112, 113, 114, 115, 116, 117]);
+    let got =
+        kvplan::segment_gather(t(), l(&[1, 2, 3]), Some(l(&[0, 1, 2])), l(&[-3, 2, 0])).unwrap();
+    assert_eq!(values(got), vec![113, 114]);
+    // An empty result is a [0] tensor.
+    let got = kvplan::segment_gather(t(), l(&[1, 99]), Some(l(&[1000, -5])), l(&[0, 0])).unwrap();
+    assert_eq!(got.dims(), [0]);
+    let got = kvplan::segment_gather_with_capacity(
+        t(),
+        l(&[1, 99]),
+        Some(l(&[1000, -5])),
+        l(&[0, 0]),
+        None,
+    )
+    .unwrap();
+    assert_eq!(got.out.dims(), [12]);
+    assert_eq!(got.status.check(), Ok(0));
+    assert_eq!(values(got.count), vec![0]);
+    // The segment context.
+    let error = kvplan::segment_gather(t(), l(&[1]), Some(l(&[4])), l(&[3])).unwrap_err();
+    assert!(error.to_string().starts_with(SEGMENT_CONTEXT), "{error}");
+}
+
+/// Non-contiguous inputs (broadcast rows, transposed blocks, offset slices) are read through
+/// their layout: the result equals the gather over the materialised values.
+pub fn strided_inputs<B: KvPlanBackend>(device: &B::Device) {
+    let mut rng = Rng::new(0x7374_7269);
+    for round in 0..4 {
+        let (rows, cols, r, c) = (5, 9, 6, 4);
+        let row: Vec<i64> = (0..cols).map(|_| rng.range(0, i32::MAX as i64)).collect();
+        // Broadcast table: every row is `row`.
+        let table = ints::<B, 2>(&row, [1, cols], rng.int_dtype(), device).expand([rows, cols]);
+        // Transposed pos2d and mask, built as [c, r].
+        let pos_t: Vec<i64> = (0..r * c).map(|_| rng.range(0, cols as i64 - 1)).collect();
+        let mask_t: Vec<bool> = (0..r * c).map(|_| rng.chance(2, 3)).collect();
+        let pos2d = ints::<B, 2>(&pos_t, [c, r], rng.int_dtype(), device).transpose();
+        let mask = bools::<B, 2>(&mask_t, [c, r], device).transpose();
+        // req_pool_indices as an offset slice of a longer vector.
+        let long: Vec<i64> = (0..r + 3).map(|_| rng.range(0, rows as i64 - 1)).collect();
+        let rpi = list::<B>(&long, rng.int_dtype(), device).slice(2..2 + r);
+        let case = MaskedCase {
+            rows,
+            cols,
+            table: values(table.clone()),
+            rpi: long[2..2 + r].to_vec(),
+            r,
+            c,
+            pos2d: values(pos2d.clone()),
+            mask: mask.clone().into_data().iter::<bool>().collect(),
+            dtypes: [DType::I64; 3],
+        };
+        assert_eq!(case.table, row.repeat(rows), "expanded table");
+        let want = case.reference(None);
+        let got =
+            kvplan::masked_gather(table.clone(), rpi.clone(), pos2d.clone(), mask.clone(), CTX);
+        check_exact(got, &want, &format!("strided masked round {round}"));
+        let got =
+            kvplan::masked_gather_with_capacity(table.clone(), rpi.clone(), pos2d, mask, None, CTX)
+                .unwrap();
+        check_capacity(
+            got,
+            &case.reference(Some(r * c)),
+            r * c,
+            &format!("strided masked capacity round {round}"),
+        );
+        // Segments over the broadcast table and a sliced start.
+        let lengths: Vec<i64> = (0..r).map(|_| rng.range(0, 4)).collect();
+        let start_long: Vec<i64> = (0..r + 1).map(|_| rng.range(0, cols as i64 - 4)).collect();
+        let start = list::<B>(&start_long, DType::I64, device).slice(1..1 + r);
+        let seg = SegmentCase {
+            rows,
+            cols,
+            table: case.table.clone(),
+            rpi: case.rpi.clone(),
+            start: Some(start_long[1..].to_vec()),
+            lengths: lengths.clone(),
+            dtypes: [DType::I64; 4],
+        };
+        let got = kvplan::segment_gather(
+            table,
+            rpi,
+            Some(start),
+            list::<B>(&lengths, DType::I32, device),
+        );
+        check_exact(
+            got,
+            &seg.reference(None),
+            &format!("strided segments round {round}"),
+        );
+    }
+}
