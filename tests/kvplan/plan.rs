@@ -479,24 +479,25 @@ pub fn spec_examples<B: KvPlanBackend>(device: &B::Device) {
     }
 }
 
-/// A batch far past one block (no 4096 cap), mixed with padding rows.
+/// Batches far past one block (no 4096 cap; the bs = 65,536), mixed with padding rows.
 pub fn large_batch<B: KvPlanBackend>(device: &B::Device) {
     let mut rng = Rng::new(0x6c61_7267);
-    let bs = 5000;
-    let mut step = random_step(&mut rng, bs);
-    step = with_batch(&mut rng, step, bs);
-    let total = step.verify_total();
-    for (mode, capacity) in [
-        (Mode::Checked, total + 3),
-        (Mode::Deferred, total.max(2) - 1),
-    ] {
-        let mut mirror = Mirror::<B>::new(capacity.max(1), bs + 1, device);
-        mirror
-            .step(&step, mode, &format!("bs={bs} V={capacity}"))
-            .unwrap();
-        let smaller = with_batch(&mut rng, step.clone(), 4097);
-        mirror
-            .step(&smaller, mode, "bs=4097 after bs=5000")
-            .unwrap();
+    for bs in [5000, 65_536] {
+        let mut step = random_step(&mut rng, bs);
+        step = with_batch(&mut rng, step, bs);
+        let total = step.verify_total();
+        for (mode, capacity) in [
+            (Mode::Checked, total + 3),
+            (Mode::Deferred, total.max(2) - 1),
+        ] {
+            let mut mirror = Mirror::<B>::new(capacity.max(1), bs + 1, device);
+            mirror
+                .step(&step, mode, &format!("bs={bs} V={capacity}"))
+                .unwrap();
+            let smaller = with_batch(&mut rng, step.clone(), 4097);
+            mirror
+                .step(&smaller, mode, &format!("bs=4097 after bs={bs}"))
+                .unwrap();
+        }
     }
 }
