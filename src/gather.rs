@@ -177,9 +177,5 @@ fn capacity_gather<B: KvPlanBackend>(
 /// Exact mode: one read-back of the status, then the first `count` values.
 fn exact<B: KvPlanBackend>(gathered: CapacityGather<B>) -> Result<Tensor<B, 1, Int>, Error> {
     let count = gathered.status.check()?;
-    if count == 0 {
-        // `Tensor::slice` answers an empty range with the backend's default int dtype, not i64.
-        return Ok(Tensor::empty([0], (&gathered.out.device(), burn_tensor::DType::I64)));
-    }
-    Ok(gathered.out.slice(0..count))
+    Ok(Tensor::from_primitive(B::int_prefix(gathered.out.into_primitive(), count)))
 }

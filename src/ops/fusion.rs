@@ -29,6 +29,7 @@ enum Op {
     MaskedGather { capacity: usize },
     SegmentGather { capacity: usize, has_start: bool },
     Plan { swa_window_size: i32, has_lut: bool, has_pool: bool, position_offset: i32 },
+    Prefix { len: usize },
 }
 
 #[derive(Debug)]
@@ -58,6 +59,7 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
                 B::segment_gather(table, rows, start, lengths, capacity)
                     .map(|out| vec![out.out, out.count, out.status])
             }
+            Op::Prefix { len } => Ok(vec![B::int_prefix(int(0), len)]),
             Op::Plan { swa_window_size, has_lut, has_pool, position_offset } => {
                 let plans: Vec<IntTensor<B>> = (0..9).map(&mut int).collect();
                 let mut next = 13;
@@ -199,6 +201,12 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
         let inputs = [Some(req_to_token), Some(req_pool_indices), start, Some(lengths)];
         let inputs = inputs.into_iter().flatten().collect();
         Ok(into_gather(register::<B>(op, "kvplan::segment_gather", inputs, outputs)))
+    }
+
+    fn int_prefix(tensor: IntTensor<Self>, len: usize) -> IntTensor<Self> {
+        let outputs = vec![output_ir(&tensor, len, DType::I64)];
+        let mut outputs = register::<B>(Op::Prefix { len }, "kvplan::prefix", vec![tensor], outputs);
+        outputs.remove(0)
     }
 
     fn canary_plan(

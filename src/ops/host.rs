@@ -178,6 +178,14 @@ pub(super) fn canary_plan<B: Backend>(
     })
 }
 
+pub(super) fn int_prefix<B: Backend>(tensor: IntTensor<B>, len: usize) -> IntTensor<B> {
+    if len == 0 {
+        // `slice` answers an empty range with the backend's default int dtype, not i64.
+        return upload_i64::<B>(Vec::new(), &B::int_device(&tensor));
+    }
+    burn_tensor::Tensor::<B, 1, burn_tensor::Int>::from_primitive(tensor).slice(0..len).into_primitive()
+}
+
 pub(super) fn read_status<B: Backend>(status: IntTensor<B>) -> Result<StatusWords, Error> {
     let (_, words) = read_int::<B>(status)?;
     let mut record = [0; kvplan_kernels::status::STATUS_LEN];

@@ -55,6 +55,16 @@ where
     fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {
         tensor.meta.strides().first().map_or(1, |&stride| stride as i64)
     }
+
+    fn int_prefix(tensor: IntTensor<Self>, len: usize) -> IntTensor<Self> {
+        burn_cubecl::tensor::CubeTensor::new_contiguous(
+            tensor.client.clone(),
+            tensor.device.clone(),
+            burn_tensor::Shape::new([len]),
+            tensor.handle.clone(),
+            tensor.dtype,
+        )
+    }
 }
 
 impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
@@ -88,6 +98,10 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
 
     fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {
         B::int_row_stride(tensor)
+    }
+
+    fn int_prefix(tensor: IntTensor<Self>, len: usize) -> IntTensor<Self> {
+        B::int_prefix(tensor, len)
     }
 
     fn read_status(status: IntTensor<Self>) -> Result<StatusWords, Error> {

@@ -140,6 +140,13 @@ pub trait KvPlanBackend: Backend {
         tensor.shape().as_slice().get(1).map_or(1, |&cols| cols as i64)
     }
 
+    /// The first `len` values of a 1-D i64 tensor, as an i64 tensor of exactly `len` values (exact
+    /// mode's output). CubeCL backends answer with a view of the same buffer: no copy, and no
+    /// zero-sized allocation when `len` is 0.
+    fn int_prefix(tensor: IntTensor<Self>, len: usize) -> IntTensor<Self> {
+        host::int_prefix::<Self>(tensor, len)
+    }
+
     /// Reads a status record back to the host: the single transfer of a checked call.
     fn read_status(status: IntTensor<Self>) -> Result<crate::status::StatusWords, Error> {
         host::read_status::<Self>(status)
