@@ -11,8 +11,7 @@ use cubecl::prelude::*;
 
 use crate::gather::clear_status;
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOTS, cube_exclusive_scan, publish_block_done,
-    report_error,
+    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOT_DONE, SLOTS, cube_exclusive_scan, report_error,
 };
 use crate::status::{
     CODE, FACTS, PLAN_POOL_POSITION, PLAN_POOL_ROW, PLAN_POSITION, PLAN_ROW, PLAN_SWA_SLOT,
@@ -32,6 +31,18 @@ pub const PLAN_ERRORS: usize = 4;
 pub const PLAN_TOTAL: usize = 3;
 /// Scratch words.
 pub const PLAN_SCRATCH: usize = 12;
+
+/// The scratch of a fresh plan; every call leaves it this way again, except the done counter,
+/// which only grows (the last cube is the one that brings it to a multiple of the grid).
+pub fn fresh_scratch() -> [u64; PLAN_SCRATCH] {
+    let mut words = [0u64; PLAN_SCRATCH];
+    let mut rule = 0;
+    while rule < 5 {
+        words[PLAN_ERRORS + rule] = NO_ERROR;
+        rule += 1;
+    }
+    words
+}
 
 /// Column bits of a rule-14 key (`r << 32 | column`).
 const COLUMN_MASK: u64 = (1 << 32) - 1;
@@ -405,7 +416,7 @@ pub fn plan_entries_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: In
     }
     sync_cube();
     let dependency = broadcast[SLOT_DEPENDENCY];
-    let last = publish_block_done(&scratch[PLAN_DONE], shape.cubes, dependency, &mut broadcast);
+    let last = publish_block_done_modular(&scratch[PLAN_DONE], shape.cubes, dependency, &mut broadcast);
     if last && UNIT_POS == 0 {
         let total = scratch[PLAN_TOTAL].load();
         finish_plan(
@@ -425,6 +436,24 @@ pub fn plan_entries_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: In
             features,
         );
     }
+}
+
+/// [`publish_block_done`] for a counter that is never reset: each call adds exactly `cubes`, so
+/// the last cube of a call is the one whose increment reaches a multiple of `cubes`.
+#[cube]
+fn publish_block_done_modular(
+    done: &Atomic<u64>,
+    cubes: u64,
+    dependency: u64,
+    broadcast: &mut SharedMemory<u64>,
+) -> bool {
+    if UNIT_POS == 0 {
+        broadcast[SLOT_DONE] = done.fetch_add(1u64 + dependency);
+    }
+    sync_cube();
+    let finished = broadcast[SLOT_DONE];
+    sync_cube();
+    (finished + 1) % cubes == 0
 }
 
 /// Keeps `old >> 63` (always 0) of an error report in the cube's dependency slot.
@@ -474,7 +503,7 @@ fn finish_plan<Q: Int, P: Int, E: Int, T: Int, V: Int>(
     clear_status(status);
     // Rule 17 and the exact offsets, only when some extend length was too large to scan.
     let mut overflow_at = NONE.runtime();
-    if scratch[PLAN_SLOW_WRITE].load() != 0 {
+    if scratch[PLAN_SLOW_WRITE].swap(0u64.runtime()) != 0u64 {
         let mut sum = 0i64;
         let mut r = 0u64;
         while r < shape.requests {
@@ -496,7 +525,8 @@ fn finish_plan<Q: Int, P: Int, E: Int, T: Int, V: Int>(
     let mut key = NO_ERROR.runtime();
     #[unroll]
     for rule in 0..5u32 {
-        let candidate = scratch[PLAN_ERRORS + rule as usize].load();
+        // Read and reset: the scratch belongs to the plan and must be clean for the next call.
+        let candidate = scratch[PLAN_ERRORS + rule as usize].swap(NO_ERROR.runtime());
         if code == 0 && candidate != NO_ERROR {
             code = PLAN_ROW + rule as i64;
             key = candidate;

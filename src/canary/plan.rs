@@ -150,10 +150,13 @@ impl<B: KvPlanBackend> WritePlan<B> {
 }
 
 fn fresh_write<B: KvPlanBackend>(capacity: usize, device: &B::Device) -> WritePlanPrimitive<IntTensor<B>> {
+    let scratch = kvplan_kernels::plan::fresh_scratch().map(|word| word as i64).to_vec();
+    let len = scratch.len();
     WritePlanPrimitive {
         offsets: i64_tensor::<B>(0, capacity + 1, device),
         seed_slot_indices: i64_tensor::<B>(0, capacity, device),
         num_valid_reqs: i32_scalar::<B>(0, device),
+        scratch: B::int_from_data(TensorData::new(scratch, [len]), device),
     }
 }
 

@@ -61,8 +61,8 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
             }
             Op::Prefix { len } => Ok(vec![B::int_prefix(int(0), len)]),
             Op::Plan { swa_window_size, has_lut, has_pool, position_offset } => {
-                let plans: Vec<IntTensor<B>> = (0..9).map(&mut int).collect();
-                let mut next = 13;
+                let plans: Vec<IntTensor<B>> = (0..10).map(&mut int).collect();
+                let mut next = 14;
                 let mut optional = |present: bool| {
                     present.then(|| {
                         next += 1;
@@ -72,13 +72,13 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
                 let full_to_swa = optional(has_lut);
                 let pool = optional(has_pool);
                 let valid_lens = optional(has_pool);
-                let [slot, tokens, positions, prev, num_valid, enable, offsets, seeds, reqs] =
-                    <[IntTensor<B>; 9]>::try_from(plans).ok().expect("nine plan tensors");
+                let [slot, tokens, positions, prev, num_valid, enable, offsets, seeds, reqs, scratch] =
+                    <[IntTensor<B>; 10]>::try_from(plans).ok().expect("ten plan tensors");
                 let inputs = PlanInputsPrimitive {
-                    req_pool_indices: int(9),
-                    prefix_lens: int(10),
-                    extend_seq_lens: int(11),
-                    req_to_token: int(12),
+                    req_pool_indices: int(10),
+                    prefix_lens: int(11),
+                    extend_seq_lens: int(12),
+                    req_to_token: int(13),
                     swa_window_size,
                     full_to_swa,
                     expected_tokens: pool.zip(valid_lens),
@@ -92,8 +92,12 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
                     num_valid,
                     enable,
                 };
-                let write =
-                    WritePlanPrimitive { offsets, seed_slot_indices: seeds, num_valid_reqs: reqs };
+                let write = WritePlanPrimitive {
+                    offsets,
+                    seed_slot_indices: seeds,
+                    num_valid_reqs: reqs,
+                    scratch,
+                };
                 B::canary_plan(verify, write, inputs).map(|out| {
                     let (v, w) = (out.verify, out.write);
                     vec![
@@ -106,6 +110,7 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
                         w.offsets,
                         w.seed_slot_indices,
                         w.num_valid_reqs,
+                        w.scratch,
                         out.status,
                     ]
                 })
@@ -224,6 +229,7 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
             write.offsets,
             write.seed_slot_indices,
             write.num_valid_reqs,
+            write.scratch,
         ];
         // The plans come back with their own shapes and dtypes, then the status record.
         let mut outputs: Vec<TensorIr> = plans
@@ -242,8 +248,8 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
         all.extend([inputs.req_pool_indices, inputs.prefix_lens, inputs.extend_seq_lens, inputs.req_to_token]);
         all.extend([inputs.full_to_swa, pool, valid_lens].into_iter().flatten());
         let outputs = register::<B>(op, "kvplan::canary_plan", all, outputs);
-        let [slot, tokens, positions, prev, num_valid, enable, offsets, seeds, reqs, status] =
-            <[IntTensor<Self>; 10]>::try_from(outputs).ok().expect("ten plan outputs");
+        let [slot, tokens, positions, prev, num_valid, enable, offsets, seeds, reqs, scratch, status] =
+            <[IntTensor<Self>; 11]>::try_from(outputs).ok().expect("eleven plan outputs");
         Ok(PlanOutput {
             verify: VerifyPlanPrimitive {
                 slot_indices: slot,
@@ -253,7 +259,12 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
                 num_valid,
                 enable,
             },
-            write: WritePlanPrimitive { offsets, seed_slot_indices: seeds, num_valid_reqs: reqs },
+            write: WritePlanPrimitive {
+                offsets,
+                seed_slot_indices: seeds,
+                num_valid_reqs: reqs,
+                scratch,
+            },
             status,
         })
     }

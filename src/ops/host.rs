@@ -124,6 +124,7 @@ pub(super) fn canary_plan<B: Backend>(
     let scalar = |tensor| -> Result<i32, Error> {
         Ok(read_int::<B>(tensor)?.1.first().copied().unwrap_or(0) as i32)
     };
+    let scratch = write.scratch;
     let mut buffers = PlanBuffers {
         verify_slot_indices: read_int::<B>(verify.slot_indices)?.1,
         verify_expected_tokens: read_int::<B>(verify.expected_tokens)?.1,
@@ -173,6 +174,7 @@ pub(super) fn canary_plan<B: Backend>(
             offsets: upload_i64::<B>(buffers.write_offsets, &device),
             seed_slot_indices: upload_i64::<B>(buffers.write_seed_slot_indices, &device),
             num_valid_reqs: upload_i32::<B>(buffers.write_num_valid_reqs, &device),
+            scratch,
         },
         status: upload_i64::<B>(words.to_vec(), &device),
     })

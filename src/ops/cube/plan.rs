@@ -4,15 +4,12 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::TensorMetadata;
 use cubecl::prelude::*;
-use kvplan_kernels::plan::{
-    PLAN_ERRORS, PLAN_SCRATCH, PlanFeatures, PlanShapeLaunch, plan_entries_kernel,
-    plan_requests_kernel,
-};
-use kvplan_kernels::scan::{CUBE_SIZE, NO_ERROR};
+use kvplan_kernels::plan::{PlanFeatures, PlanShapeLaunch, plan_entries_kernel, plan_requests_kernel};
+use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
 use super::{
-    bindable, dims2, grid, output_i64, resident_cubes, storage, upload_i64, upload_u64, widened,
+    bindable, dims2, grid, output_i64, resident_cubes, storage, upload_i64, widened,
 };
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
 
@@ -66,10 +63,8 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             cubes as u64,
         )
     };
-    // Fresh scratch: no error, no slow path.
-    let mut words = vec![0u64; PLAN_SCRATCH];
-    words[PLAN_ERRORS..PLAN_ERRORS + 5].fill(NO_ERROR);
-    let scratch = upload_u64(&table, &words);
+    // The plan's own scratch, left ready by the previous call: nothing is uploaded.
+    let scratch = writable(write.scratch);
     let verify_offsets = output_i64(&table, requests);
     let status = output_i64(&table, STATUS_LEN);
 
@@ -147,7 +142,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             offsets.clone().into_tensor_arg(),
             num_valid_reqs.clone().into_tensor_arg(),
             status.clone().into_tensor_arg(),
-            scratch.into_tensor_arg(),
+            scratch.clone().into_tensor_arg(),
             shape(),
             features,
             [q, p, e, t, u, o, v],
@@ -162,7 +157,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             num_valid,
             enable,
         },
-        write: WritePlanPrimitive { offsets, seed_slot_indices: seeds, num_valid_reqs },
+        write: WritePlanPrimitive { offsets, seed_slot_indices: seeds, num_valid_reqs, scratch },
         status,
     }
 }
