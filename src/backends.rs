@@ -104,7 +104,9 @@ macro_rules! with_backend {
                 let $device = burn_cuda::CudaDevice::default();
                 Ok($body)
             }
-            other => Err(format!("backend {other} is not compiled in (enable its cargo feature)")),
+            other => Err(format!(
+                "backend {other} is not compiled in (enable its cargo feature)"
+            )),
         }
     }};
 }

@@ -30,7 +30,12 @@ impl Rng {
     }
 }
 
-fn int<B: KvPlanBackend, const D: usize>(values: Vec<i64>, shape: [usize; D], dtype: DType, device: &B::Device) -> Tensor<B, D, Int> {
+fn int<B: KvPlanBackend, const D: usize>(
+    values: Vec<i64>,
+    shape: [usize; D],
+    dtype: DType,
+    device: &B::Device,
+) -> Tensor<B, D, Int> {
     Tensor::from_data(TensorData::new(values, shape), (device, dtype))
 }
 
@@ -41,7 +46,11 @@ fn median(mut samples: Vec<f64>) -> f64 {
 }
 
 /// Times `call` `reps` times one by one (host wall, median) and `reps` times queued (one sync).
-fn time<B: KvPlanBackend>(device: &B::Device, reps: usize, mut call: impl FnMut() -> Result<(), crate::Error>) -> Result<(f64, f64), crate::Error> {
+fn time<B: KvPlanBackend>(
+    device: &B::Device,
+    reps: usize,
+    mut call: impl FnMut() -> Result<(), crate::Error>,
+) -> Result<(f64, f64), crate::Error> {
     for _ in 0..3 {
         call()?;
     }
@@ -74,14 +83,27 @@ fn row(label: &str, host_us: f64, pipelined_us: f64, bytes: f64) {
 pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), String> {
     println!("| shape (bs, W, valid) op/mode | host us/call | pipelined us/call | GB/s |");
     println!("|---|---:|---:|---:|");
-    for (bs, width) in [(1usize, 8usize), (64, 16), (1024, 64), (4096, 128), (4096, 2048)] {
+    for (bs, width) in [
+        (1usize, 8usize),
+        (64, 16),
+        (1024, 64),
+        (4096, 128),
+        (4096, 2048),
+    ] {
         let mut rng = Rng(bs as u64 * 31 + width as u64);
         let rows = 2 * bs.max(64);
         let cols = 8192.max(2 * width);
-        let table: Vec<i64> = (0..rows * cols).map(|_| rng.below(1 << 31) as i64).collect();
+        let table: Vec<i64> = (0..rows * cols)
+            .map(|_| rng.below(1 << 31) as i64)
+            .collect();
         let rpi: Vec<i64> = (0..bs).map(|_| rng.below(rows as u64) as i64).collect();
-        let lengths: Vec<i64> = (0..bs).map(|_| rng.below(width as u64 + 1) as i64).collect();
-        let start: Vec<i64> = lengths.iter().map(|&len| rng.below((cols as i64 - len) as u64) as i64).collect();
+        let lengths: Vec<i64> = (0..bs)
+            .map(|_| rng.below(width as u64 + 1) as i64)
+            .collect();
+        let start: Vec<i64> = lengths
+            .iter()
+            .map(|&len| rng.below((cols as i64 - len) as u64) as i64)
+            .collect();
         let mut pos2d = vec![0i64; bs * width];
         let mut mask = vec![false; bs * width];
         for i in 0..bs {
@@ -91,8 +113,14 @@ pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), S
             }
         }
         let valid: i64 = lengths.iter().sum();
-        let expected = reference::segment_gather(Table::new(rows, cols, &table), &rpi, Some(&start), &lengths, None)
-            .map_err(|error| error.to_string())?;
+        let expected = reference::segment_gather(
+            Table::new(rows, cols, &table),
+            &rpi,
+            Some(&start),
+            &lengths,
+            None,
+        )
+        .map_err(|error| error.to_string())?;
         let t = int::<B, 2>(table, [rows, cols], DType::I32, device);
         let q = int::<B, 1>(rpi, [bs], DType::I32, device);
         let p = int::<B, 2>(pos2d, [bs, width], DType::I32, device);
@@ -116,13 +144,40 @@ pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), S
         let segment_bytes = bs as f64 * 12.0 + valid as f64 * 12.0;
         let label = |op: &str| format!("({bs}, {width}, {valid}) {op}");
         let run = |f: &mut dyn FnMut() -> Result<(), crate::Error>| time::<B>(device, reps, f);
-        let (h, d) = run(&mut || crate::masked_gather(t.clone(), q.clone(), p.clone(), m.clone(), "b").map(drop)).map_err(|e| e.to_string())?;
+        let (h, d) = run(&mut || {
+            crate::masked_gather(t.clone(), q.clone(), p.clone(), m.clone(), "b").map(drop)
+        })
+        .map_err(|e| e.to_string())?;
         row(&label("masked exact"), h, d, masked_bytes);
-        let (h, d) = run(&mut || crate::masked_gather_with_capacity(t.clone(), q.clone(), p.clone(), m.clone(), None, "b").map(drop)).map_err(|e| e.to_string())?;
+        let (h, d) = run(&mut || {
+            crate::masked_gather_with_capacity(
+                t.clone(),
+                q.clone(),
+                p.clone(),
+                m.clone(),
+                None,
+                "b",
+            )
+            .map(drop)
+        })
+        .map_err(|e| e.to_string())?;
         row(&label("masked capacity"), h, d, masked_bytes);
-        let (h, d) = run(&mut || crate::segment_gather(t.clone(), q.clone(), Some(s.clone()), l.clone()).map(drop)).map_err(|e| e.to_string())?;
+        let (h, d) = run(&mut || {
+            crate::segment_gather(t.clone(), q.clone(), Some(s.clone()), l.clone()).map(drop)
+        })
+        .map_err(|e| e.to_string())?;
         row(&label("segments exact"), h, d, segment_bytes);
-        let (h, d) = run(&mut || crate::segment_gather_with_capacity(t.clone(), q.clone(), Some(s.clone()), l.clone(), Some(valid as usize)).map(drop)).map_err(|e| e.to_string())?;
+        let (h, d) = run(&mut || {
+            crate::segment_gather_with_capacity(
+                t.clone(),
+                q.clone(),
+                Some(s.clone()),
+                l.clone(),
+                Some(valid as usize),
+            )
+            .map(drop)
+        })
+        .map_err(|e| e.to_string())?;
         row(&label("segments capacity"), h, d, segment_bytes);
     }
     Ok(())
@@ -133,8 +188,14 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     println!("| shape (bs, L, mode, entries) | host us/call | pipelined us/call | GB/s |");
     println!("|---|---:|---:|---:|");
     let grid = [
-        (1usize, 512usize, false), (8, 4096, false), (64, 4096, false), (256, 4096, true),
-        (1024, 4096, false), (4096, 512, false), (4096, 4096, false), (4096, 32768, true),
+        (1usize, 512usize, false),
+        (8, 4096, false),
+        (64, 4096, false),
+        (256, 4096, true),
+        (1024, 4096, false),
+        (4096, 512, false),
+        (4096, 4096, false),
+        (4096, 32768, true),
     ];
     for (bs, max_prefix, swa) in grid {
         for pool in [false, true] {
@@ -144,7 +205,9 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
             let slots = rows * cols;
             let table: Vec<i64> = (0..slots).map(|_| rng.below(slots as u64) as i64).collect();
             let rpi: Vec<i64> = (1..=bs as i64).collect();
-            let prefix: Vec<i64> = (0..bs).map(|_| rng.below(max_prefix as u64 + 1) as i64).collect();
+            let prefix: Vec<i64> = (0..bs)
+                .map(|_| rng.below(max_prefix as u64 + 1) as i64)
+                .collect();
             let extend = vec![1i64; bs];
             let window = if swa { 1024 } else { 0 };
             let lut: Vec<i64> = (0..slots).map(|_| rng.below(slots as u64) as i64).collect();
@@ -157,10 +220,16 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
                 req_to_token: Table::new(rows, cols, &table),
                 swa_window_size: window,
                 full_to_swa: swa.then_some(&lut[..]),
-                expected_tokens: pool.then(|| reference::ExpectedTokens { pool: Table::new(rows, cols, &pool_values), valid_lens: &valid_lens }),
+                expected_tokens: pool.then(|| reference::ExpectedTokens {
+                    pool: Table::new(rows, cols, &pool_values),
+                    valid_lens: &valid_lens,
+                }),
                 position_offset: 0,
             };
-            let entries: usize = prefix.iter().map(|&p| if swa { p.min(window as i64) } else { p } as usize).sum();
+            let entries: usize = prefix
+                .iter()
+                .map(|&p| if swa { p.min(window as i64) } else { p } as usize)
+                .sum();
             let capacity = entries.max(1);
             let mut want = PlanBuffers::fresh(capacity, bs);
             reference::plan(&args, &mut want).map_err(|error| error.to_string())?;
@@ -174,32 +243,50 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
             let inputs = || {
                 let mut inputs = PlanInputs::new(q.clone(), p.clone(), e.clone(), t.clone());
                 if swa {
-                    inputs = inputs.swa_window_size(window).full_to_swa_index_mapping(lut_t.clone());
+                    inputs = inputs
+                        .swa_window_size(window)
+                        .full_to_swa_index_mapping(lut_t.clone());
                 }
                 if pool {
-                    inputs = inputs.expected_tokens(pool_t.clone()).expected_tokens_valid_lens(lens_t.clone());
+                    inputs = inputs
+                        .expected_tokens(pool_t.clone())
+                        .expected_tokens_valid_lens(lens_t.clone());
                 }
                 inputs
             };
-            let mut verify = VerifyPlan::<B>::allocate(capacity, device).map_err(|e| e.to_string())?;
+            let mut verify =
+                VerifyPlan::<B>::allocate(capacity, device).map_err(|e| e.to_string())?;
             let mut write = WritePlan::<B>::allocate(bs, device).map_err(|e| e.to_string())?;
             crate::plan(&mut verify, &mut write, inputs()).map_err(|e| e.to_string())?;
             let got = crate::canary::read_plans(&verify, &write).map_err(|e| e.to_string())?;
             if got.verify_slot_indices[..entries] != want.verify_slot_indices[..entries]
-                || got.verify_prev_slot_indices[..entries] != want.verify_prev_slot_indices[..entries]
+                || got.verify_prev_slot_indices[..entries]
+                    != want.verify_prev_slot_indices[..entries]
                 || got.verify_expected_tokens[..entries] != want.verify_expected_tokens[..entries]
                 || got.write_offsets != want.write_offsets
             {
-                return Err(format!("plan ({bs}, {max_prefix}) differs from the reference"));
+                return Err(format!(
+                    "plan ({bs}, {max_prefix}) differs from the reference"
+                ));
             }
             // Bytes: 4 i64 fields per entry written, 2 table reads (+ LUT, + pool) per entry.
             let per_entry = 32.0 + 8.0 + if swa { 8.0 } else { 0.0 } + if pool { 4.0 } else { 0.0 };
             let bytes = entries as f64 * per_entry + bs as f64 * 28.0;
-            let mode = format!("{}{}", if swa { "SWA" } else { "FULL" }, if pool { "+pool" } else { "" });
+            let mode = format!(
+                "{}{}",
+                if swa { "SWA" } else { "FULL" },
+                if pool { "+pool" } else { "" }
+            );
             let label = format!("({bs}, {max_prefix}, {mode}, {entries})");
-            let (h, d) = time::<B>(device, reps, || crate::plan_deferred(&mut verify, &mut write, inputs()).map(drop)).map_err(|e| e.to_string())?;
+            let (h, d) = time::<B>(device, reps, || {
+                crate::plan_deferred(&mut verify, &mut write, inputs()).map(drop)
+            })
+            .map_err(|e| e.to_string())?;
             row(&format!("{label} deferred"), h, d, bytes);
-            let (h, _) = time::<B>(device, reps, || crate::plan(&mut verify, &mut write, inputs())).map_err(|e| e.to_string())?;
+            let (h, _) = time::<B>(device, reps, || {
+                crate::plan(&mut verify, &mut write, inputs())
+            })
+            .map_err(|e| e.to_string())?;
             println!("| {label} checked | {h:.1} | - | - |");
         }
     }

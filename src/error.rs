@@ -71,7 +71,9 @@ pub enum Error {
         pos2d: Dims,
     },
     /// `n` row indices pair with neither the `R` pos rows nor 1.
-    #[error("{context} {n} req_pool_indices cannot pair with {rows} pos2d rows (need {rows} or 1).")]
+    #[error(
+        "{context} {n} req_pool_indices cannot pair with {rows} pos2d rows (need {rows} or 1)."
+    )]
     IndexShapeMismatch {
         /// Message prefix.
         context: String,

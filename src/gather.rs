@@ -61,7 +61,12 @@ pub(crate) fn arg<B: KvPlanBackend, const D: usize, K>(
 where
     K: burn_tensor::BasicOps<B>,
 {
-    Arg { name, shape: tensor.shape().to_vec(), dtype: tensor.dtype(), device: tensor.device() }
+    Arg {
+        name,
+        shape: tensor.shape().to_vec(),
+        dtype: tensor.dtype(),
+        device: tensor.device(),
+    }
 }
 
 /// `req_to_token[req_pool_indices[i], pos2d[i, j]]` for every true `mask[i, j]`, row-major, as a
@@ -79,7 +84,8 @@ pub fn masked_gather<B, const DT: usize, const DP: usize, const DM: usize>(
 where
     B: KvPlanBackend,
 {
-    let gathered = masked_gather_with_capacity(req_to_token, req_pool_indices, pos2d, mask, None, context)?;
+    let gathered =
+        masked_gather_with_capacity(req_to_token, req_pool_indices, pos2d, mask, None, context)?;
     exact(gathered)
 }
 
@@ -129,7 +135,13 @@ pub fn segment_gather<B, const DT: usize>(
 where
     B: KvPlanBackend,
 {
-    exact(segment_gather_with_capacity(req_to_token, req_pool_indices, start, lengths, None)?)
+    exact(segment_gather_with_capacity(
+        req_to_token,
+        req_pool_indices,
+        start,
+        lengths,
+        None,
+    )?)
 }
 
 /// `segment_gather` into a fixed-capacity output, without any transfer to the host (spec §5).
@@ -170,12 +182,18 @@ fn capacity_gather<B: KvPlanBackend>(
     CapacityGather {
         out: Tensor::from_primitive(output.out),
         count: Tensor::from_primitive(output.count),
-        status: GatherStatus { words: Tensor::from_primitive(output.status), context: context.into() },
+        status: GatherStatus {
+            words: Tensor::from_primitive(output.status),
+            context: context.into(),
+        },
     }
 }
 
 /// Exact mode: one read-back of the status, then the first `count` values.
 fn exact<B: KvPlanBackend>(gathered: CapacityGather<B>) -> Result<Tensor<B, 1, Int>, Error> {
     let count = gathered.status.check()?;
-    Ok(Tensor::from_primitive(B::int_prefix(gathered.out.into_primitive(), count)))
+    Ok(Tensor::from_primitive(B::int_prefix(
+        gathered.out.into_primitive(),
+        count,
+    )))
 }

@@ -50,7 +50,9 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
     while let Some(arg) = rest.next() {
         match arg.as_str() {
             "--backend" => {
-                let name = rest.next().ok_or(Failure::Usage("--backend needs a name".into()))?;
+                let name = rest
+                    .next()
+                    .ok_or(Failure::Usage("--backend needs a name".into()))?;
                 backend = Some(name.parse::<BackendName>().map_err(Failure::Usage)?);
             }
             "--reps" => {
@@ -67,7 +69,10 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
         }
     }
     match positional.as_slice() {
-        ["check", file] => Ok(check(file, usable(backend.unwrap_or(BackendName::Reference))?)?),
+        ["check", file] => Ok(check(
+            file,
+            usable(backend.unwrap_or(BackendName::Reference))?,
+        )?),
         [] | ["demo"] => Ok(kvplan::demo::run(backend)?),
         ["bench", which] => {
             let backend = usable(backend.unwrap_or(BackendName::Reference))?;
@@ -80,12 +85,15 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
             })??;
             Ok(ExitCode::SUCCESS)
         }
-        _ => Err(Failure::Usage(format!("unexpected arguments {positional:?}"))),
+        _ => Err(Failure::Usage(format!(
+            "unexpected arguments {positional:?}"
+        ))),
     }
 }
 
 fn check(file: &str, backend: BackendName) -> Result<ExitCode, String> {
-    let text = std::fs::read_to_string(file).map_err(|error| format!("cannot read {file}: {error}"))?;
+    let text =
+        std::fs::read_to_string(file).map_err(|error| format!("cannot read {file}: {error}"))?;
     let report = kvplan::with_backend!(backend, |device: B| {
         kvplan::conformance::check_file::<B>(&text, &device)
     })?;
@@ -94,5 +102,9 @@ fn check(file: &str, backend: BackendName) -> Result<ExitCode, String> {
     }
     println!("{file} on {backend}: {}", report.summary());
     println!("{}", report.summary());
-    Ok(if report.failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if report.failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

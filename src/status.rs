@@ -24,38 +24,71 @@ pub fn encode(outcome: &Result<usize, Error>) -> StatusWords {
         }
         Err(error) => match *error {
             Error::EmptyTableNonemptyMask { .. } => (GATHER_EMPTY_TABLE, vec![]),
-            Error::MaskShapeMismatch { ref mask, ref pos2d, .. } => (
+            Error::MaskShapeMismatch {
+                ref mask,
+                ref pos2d,
+                ..
+            } => (
                 GATHER_SEGMENT_SHAPE,
                 vec![dim(mask, 0), dim(pos2d, 0), dim(mask, 1)],
             ),
             Error::IndexShapeMismatch { n, rows, cols, .. } => {
                 (GATHER_INDEX_SHAPE, vec![n as i64, rows as i64, cols as i64])
             }
-            Error::MaskIndexShapeMismatch { n, rows, cols, .. } => {
-                (GATHER_MASK_INDEX_SHAPE, vec![n as i64, rows as i64, cols as i64])
-            }
-            Error::ReqPoolIndexOutOfRange { site: Site::Row(i), value, rows, .. } => {
-                (GATHER_ROW, vec![i as i64, value, rows as i64])
-            }
-            Error::ReqPoolIndexOutOfRange { site: Site::Request(r), value, rows, .. } => {
-                (PLAN_ROW, vec![r as i64, value, rows as i64])
-            }
-            Error::PositionOutOfRange { site: Site::Cell(i, j), position, cols, .. } => {
-                (GATHER_POSITION, vec![i as i64, j as i64, position, cols as i64])
-            }
-            Error::PositionOutOfRange { site: Site::Request(r), position, cols, .. } => {
-                (PLAN_POSITION, vec![r as i64, position, cols as i64])
-            }
-            Error::CapacityExceeded { count, capacity, .. } => {
-                (GATHER_CAPACITY, vec![count as i64, capacity as i64])
-            }
-            Error::SwaSlotOutsideLut { slot, lut_len, request, position } => {
-                (PLAN_SWA_SLOT, vec![slot, lut_len as i64, request as i64, position as i64])
-            }
-            Error::ExpectedPoolRowOutOfRange { request, row, pool_rows } => {
-                (PLAN_POOL_ROW, vec![request as i64, row, pool_rows as i64])
-            }
-            Error::ExpectedPoolPositionOutOfRange { request, column, pool_cols, valid_len } => (
+            Error::MaskIndexShapeMismatch { n, rows, cols, .. } => (
+                GATHER_MASK_INDEX_SHAPE,
+                vec![n as i64, rows as i64, cols as i64],
+            ),
+            Error::ReqPoolIndexOutOfRange {
+                site: Site::Row(i),
+                value,
+                rows,
+                ..
+            } => (GATHER_ROW, vec![i as i64, value, rows as i64]),
+            Error::ReqPoolIndexOutOfRange {
+                site: Site::Request(r),
+                value,
+                rows,
+                ..
+            } => (PLAN_ROW, vec![r as i64, value, rows as i64]),
+            Error::PositionOutOfRange {
+                site: Site::Cell(i, j),
+                position,
+                cols,
+                ..
+            } => (
+                GATHER_POSITION,
+                vec![i as i64, j as i64, position, cols as i64],
+            ),
+            Error::PositionOutOfRange {
+                site: Site::Request(r),
+                position,
+                cols,
+                ..
+            } => (PLAN_POSITION, vec![r as i64, position, cols as i64]),
+            Error::CapacityExceeded {
+                count, capacity, ..
+            } => (GATHER_CAPACITY, vec![count as i64, capacity as i64]),
+            Error::SwaSlotOutsideLut {
+                slot,
+                lut_len,
+                request,
+                position,
+            } => (
+                PLAN_SWA_SLOT,
+                vec![slot, lut_len as i64, request as i64, position as i64],
+            ),
+            Error::ExpectedPoolRowOutOfRange {
+                request,
+                row,
+                pool_rows,
+            } => (PLAN_POOL_ROW, vec![request as i64, row, pool_rows as i64]),
+            Error::ExpectedPoolPositionOutOfRange {
+                request,
+                column,
+                pool_cols,
+                valid_len,
+            } => (
                 PLAN_POOL_POSITION,
                 vec![request as i64, column, pool_cols as i64, valid_len],
             ),
@@ -150,7 +183,9 @@ pub fn decode(words: &StatusWords, context: &str) -> Result<usize, Error> {
             valid_len: fact(3),
         },
         PLAN_WRITE_OFFSETS_OVERFLOW => Error::WriteOffsetsOverflow { request: index(0) },
-        EXECUTION => Error::Execution { detail: "a fused kvplan op failed on the device".into() },
+        EXECUTION => Error::Execution {
+            detail: "a fused kvplan op failed on the device".into(),
+        },
         code => Error::CorruptStatus { code },
     };
     Err(error)

@@ -118,9 +118,11 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
                     );
                     let position_ok = position >= 0 && (position as u64) < shape.cols;
                     if !position_ok {
-                        dependency |= report_error(&scratch[SCRATCH_ERROR], KEY_POSITION | cell) >> 63;
+                        dependency |=
+                            report_error(&scratch[SCRATCH_ERROR], KEY_POSITION | cell) >> 63;
                     } else if row_ok && rank < shape.capacity {
-                        let at = row as usize * table.stride(0) + position as usize * table.stride(1);
+                        let at =
+                            row as usize * table.stride(0) + position as usize * table.stride(1);
                         out[rank as usize] = i64::cast_from(table[at]);
                     }
                 }
@@ -133,7 +135,12 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     }
     sync_cube();
     let dependency = broadcast[SLOT_DEPENDENCY];
-    let last = publish_block_done(&scratch[SCRATCH_DONE], shape.tiles, dependency, &mut broadcast);
+    let last = publish_block_done(
+        &scratch[SCRATCH_DONE],
+        shape.tiles,
+        dependency,
+        &mut broadcast,
+    );
     if last && UNIT_POS == 0 {
         let total = scratch[SCRATCH_TILES + shape.tiles as usize - 1].load() & VALUE_MASK;
         let key = scratch[SCRATCH_ERROR].load();
@@ -282,7 +289,15 @@ pub fn segment_scan_kernel<Q: Int, S: Int, L: Int>(
             }
         }
     }
-    let offset = scan_rows(scratch, SEG_TILES, tile, length, &mut shared, &mut broadcast, SLOT_PREFIX);
+    let offset = scan_rows(
+        scratch,
+        SEG_TILES,
+        tile,
+        length,
+        &mut shared,
+        &mut broadcast,
+        SLOT_PREFIX,
+    );
     if i < shape.segments {
         offsets[i as usize] = offset as i64;
     }
@@ -308,7 +323,17 @@ pub fn segment_expand_kernel<T: Int, Q: Int, S: Int, L: Int>(
     let total = scratch[SEG_TILES + shape.tiles as usize - 1].load() & VALUE_MASK;
     let key = scratch[SEG_ERROR].load();
     if ABSOLUTE_POS == 0 {
-        finish_segments(req_pool_indices, start, lengths, count, status, shape, total, key, has_start);
+        finish_segments(
+            req_pool_indices,
+            start,
+            lengths,
+            count,
+            status,
+            shape,
+            total,
+            key,
+            has_start,
+        );
     }
     // Nothing is gathered after an error: its count is 0 and `out` unspecified.
     let clean = key == NO_ERROR && shape.shape_error == 0;
@@ -372,8 +397,7 @@ fn finish_segments<Q: Int, S: Int, L: Int>(
     let shape_fails = gathers && shape.shape_error != 0;
     let row_fails = gathers && !shape_fails && key != NO_ERROR && key < KEY_SEGMENT_POSITION;
     let position_fails = gathers && !shape_fails && key != NO_ERROR && key >= KEY_SEGMENT_POSITION;
-    let capacity_fails =
-        gathers && !shape_fails && key == NO_ERROR && total > shape.capacity;
+    let capacity_fails = gathers && !shape_fails && key == NO_ERROR && total > shape.capacity;
     let mut words = Array::<i64>::new(8usize);
     #[unroll]
     for word in 0..8usize {

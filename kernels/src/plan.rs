@@ -120,7 +120,12 @@ fn load_request<Q: Int, P: Int, E: Int>(
             window_start = prefix - window;
         }
     }
-    Request { row, prefix, extend, window_start }
+    Request {
+        row,
+        prefix,
+        extend,
+        window_start,
+    }
 }
 
 /// A live request reads the table; only live requests are checked.
@@ -205,15 +210,29 @@ pub fn plan_requests_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, V: Int>(
     let mut verify_shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut write_shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let per_unit = (shape.requests + CUBE_SIZE as u64 - 1) / CUBE_SIZE as u64;
-    let first = select(UNIT_POS as u64 * per_unit < shape.requests, UNIT_POS as u64 * per_unit, shape.requests);
-    let end = select(first + per_unit < shape.requests, first + per_unit, shape.requests);
+    let first = select(
+        UNIT_POS as u64 * per_unit < shape.requests,
+        UNIT_POS as u64 * per_unit,
+        shape.requests,
+    );
+    let end = select(
+        first + per_unit < shape.requests,
+        first + per_unit,
+        shape.requests,
+    );
 
     let mut verify_sum = 0u64;
     let mut write_sum = 0u64;
     let mut r = first;
     while r < end {
-        let request =
-            load_request(req_pool_indices, prefix_lens, extend_seq_lens, r, shape.window, features.window);
+        let request = load_request(
+            req_pool_indices,
+            prefix_lens,
+            extend_seq_lens,
+            r,
+            shape.window,
+            features.window,
+        );
         verify_sum += verify_length(request);
         write_sum += write_length(request);
         r += 1;
@@ -231,8 +250,14 @@ pub fn plan_requests_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, V: Int>(
     let mut write_offset = write_rank;
     let mut r = first;
     while r < end {
-        let request =
-            load_request(req_pool_indices, prefix_lens, extend_seq_lens, r, shape.window, features.window);
+        let request = load_request(
+            req_pool_indices,
+            prefix_lens,
+            extend_seq_lens,
+            r,
+            shape.window,
+            features.window,
+        );
         if request.row != 0 && request.extend > 0 && request.extend as u64 > EXACT_EXTEND {
             slow_write = true;
         }
@@ -294,7 +319,11 @@ fn verify_length(request: Request) -> u64 {
 /// `wlen`, capped at [`EXACT_EXTEND`] for the scan (the slow path redoes larger ones exactly).
 #[cube]
 fn write_length(request: Request) -> u64 {
-    let length = select(request.row != 0 && request.extend > 0, request.extend as u64, 0u64);
+    let length = select(
+        request.row != 0 && request.extend > 0,
+        request.extend as u64,
+        0u64,
+    );
     select(length > EXACT_EXTEND, EXACT_EXTEND, length)
 }
 
@@ -309,7 +338,11 @@ fn seed_of<T: Int, U: Int>(
     #[comptime] features: PlanFeatures,
 ) -> i64 {
     let mut seed = NONE.runtime();
-    if request.row != 0 && request.extend > 0 && request.prefix > 0 && in_table(request, shape.rows, shape.cols) {
+    if request.row != 0
+        && request.extend > 0
+        && request.prefix > 0
+        && in_table(request, shape.rows, shape.cols)
+    {
         let slot = table_at(table, request.row, request.prefix - 1);
         if features.lut {
             if slot_in_lut(slot, shape.lut_len) {
@@ -370,8 +403,14 @@ pub fn plan_entries_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: In
     let mut k = ABSOLUTE_POS as u64;
     while k < total {
         let r = find_request(verify_offsets, shape.requests, k);
-        let request =
-            load_request(req_pool_indices, prefix_lens, extend_seq_lens, r, shape.window, features.window);
+        let request = load_request(
+            req_pool_indices,
+            prefix_lens,
+            extend_seq_lens,
+            r,
+            shape.window,
+            features.window,
+        );
         if in_table(request, shape.rows, shape.cols) {
             let position = request.window_start + (k - verify_offsets[r as usize] as u64) as i64;
             let raw = table_at(table, request.row, position);
@@ -393,14 +432,20 @@ pub fn plan_entries_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: In
                     let valid_len = i64::cast_from(valid_lens[r as usize * valid_lens.stride(0)]);
                     let column = position + shape.position_offset;
                     let last = last_pool_column(request, shape.position_offset, valid_len);
-                    let pool_ok = (request.row as u64) < shape.pool_rows && last < shape.pool_cols as i64;
+                    let pool_ok =
+                        (request.row as u64) < shape.pool_rows && last < shape.pool_cols as i64;
                     if pool_ok && column >= 0 && column < valid_len {
                         token = i64::cast_from(
-                            pool[request.row as usize * pool.stride(0) + column as usize * pool.stride(1)],
+                            pool[request.row as usize * pool.stride(0)
+                                + column as usize * pool.stride(1)],
                         );
                     }
                 }
-                let prev = select(position > 0i64.runtime(), translate(lut, raw_prev, features.lut), NONE.runtime());
+                let prev = select(
+                    position > 0i64.runtime(),
+                    translate(lut, raw_prev, features.lut),
+                    NONE.runtime(),
+                );
                 slot_indices[k as usize] = translate(lut, raw, features.lut);
                 expected_tokens[k as usize] = token;
                 expected_positions[k as usize] = position;
@@ -416,7 +461,8 @@ pub fn plan_entries_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: In
     }
     sync_cube();
     let dependency = broadcast[SLOT_DEPENDENCY];
-    let last = publish_block_done_modular(&scratch[PLAN_DONE], shape.cubes, dependency, &mut broadcast);
+    let last =
+        publish_block_done_modular(&scratch[PLAN_DONE], shape.cubes, dependency, &mut broadcast);
     if last && UNIT_POS == 0 {
         let total = scratch[PLAN_TOTAL].load();
         finish_plan(
@@ -507,7 +553,14 @@ fn finish_plan<Q: Int, P: Int, E: Int, T: Int, V: Int>(
         let mut sum = 0i64;
         let mut r = 0u64;
         while r < shape.requests {
-            let request = load_request(req_pool_indices, prefix_lens, extend_seq_lens, r, shape.window, features.window);
+            let request = load_request(
+                req_pool_indices,
+                prefix_lens,
+                extend_seq_lens,
+                r,
+                shape.window,
+                features.window,
+            );
             write_offsets[r as usize] = sum;
             let mut length = 0i64;
             if request.row != 0 && request.extend > 0 {
@@ -540,7 +593,14 @@ fn finish_plan<Q: Int, P: Int, E: Int, T: Int, V: Int>(
     let r = select(code == PLAN_SWA_SLOT, key >> 32, key);
     status[CODE] = code;
     if code != 0 {
-        let request = load_request(req_pool_indices, prefix_lens, extend_seq_lens, r, shape.window, features.window);
+        let request = load_request(
+            req_pool_indices,
+            prefix_lens,
+            extend_seq_lens,
+            r,
+            shape.window,
+            features.window,
+        );
         if code == PLAN_ROW {
             status[FACTS] = r as i64;
             status[FACTS + 1] = request.row;

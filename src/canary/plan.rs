@@ -54,7 +54,11 @@ impl<B: KvPlanBackend> VerifyPlan<B> {
     /// Allocates a plan for `capacity` entries (`1..=2^31-1`) with the spec's fresh contents.
     pub fn allocate(capacity: usize, device: &B::Device) -> Result<Self, Error> {
         validate::allocation("verify_capacity", capacity)?;
-        Ok(Self { tensors: Some(fresh_verify::<B>(capacity, 1, device)), capacity, device: device.clone() })
+        Ok(Self {
+            tensors: Some(fresh_verify::<B>(capacity, 1, device)),
+            capacity,
+            device: device.clone(),
+        })
     }
 
     /// The capacity `V`.
@@ -68,7 +72,9 @@ impl<B: KvPlanBackend> VerifyPlan<B> {
     }
 
     fn tensors(&self) -> &VerifyPlanPrimitive<IntTensor<B>> {
-        self.tensors.as_ref().expect("VerifyPlan tensors are only lent out during plan")
+        self.tensors
+            .as_ref()
+            .expect("VerifyPlan tensors are only lent out during plan")
     }
 
     /// `verify_slot_indices`, i64 `[V]`.
@@ -121,7 +127,11 @@ impl<B: KvPlanBackend> WritePlan<B> {
     /// Allocates a plan for `capacity` requests (`1..=2^31-1`) with the spec's fresh contents.
     pub fn allocate(capacity: usize, device: &B::Device) -> Result<Self, Error> {
         validate::allocation("write_req_capacity", capacity)?;
-        Ok(Self { tensors: Some(fresh_write::<B>(capacity, device)), capacity, device: device.clone() })
+        Ok(Self {
+            tensors: Some(fresh_write::<B>(capacity, device)),
+            capacity,
+            device: device.clone(),
+        })
     }
 
     /// The capacity `K`.
@@ -130,7 +140,9 @@ impl<B: KvPlanBackend> WritePlan<B> {
     }
 
     fn tensors(&self) -> &WritePlanPrimitive<IntTensor<B>> {
-        self.tensors.as_ref().expect("WritePlan tensors are only lent out during plan")
+        self.tensors
+            .as_ref()
+            .expect("WritePlan tensors are only lent out during plan")
     }
 
     /// `write_offsets`, i64 `[K+1]`.
@@ -149,8 +161,13 @@ impl<B: KvPlanBackend> WritePlan<B> {
     }
 }
 
-fn fresh_write<B: KvPlanBackend>(capacity: usize, device: &B::Device) -> WritePlanPrimitive<IntTensor<B>> {
-    let scratch = kvplan_kernels::plan::fresh_scratch().map(|word| word as i64).to_vec();
+fn fresh_write<B: KvPlanBackend>(
+    capacity: usize,
+    device: &B::Device,
+) -> WritePlanPrimitive<IntTensor<B>> {
+    let scratch = kvplan_kernels::plan::fresh_scratch()
+        .map(|word| word as i64)
+        .to_vec();
     let len = scratch.len();
     WritePlanPrimitive {
         offsets: i64_tensor::<B>(0, capacity + 1, device),
@@ -234,7 +251,11 @@ impl<B: KvPlanBackend> PlanInputs<B> {
         self
     }
 
-    fn host_args(&self, verify: &VerifyPlan<B>, write: &WritePlan<B>) -> validate::PlanArgs<B::Device> {
+    fn host_args(
+        &self,
+        verify: &VerifyPlan<B>,
+        write: &WritePlan<B>,
+    ) -> validate::PlanArgs<B::Device> {
         validate::PlanArgs {
             req_pool_indices: arg("req_pool_indices", &self.req_pool_indices),
             prefix_lens: arg("prefix_lens", &self.prefix_lens),
@@ -247,7 +268,10 @@ impl<B: KvPlanBackend> PlanInputs<B> {
             },
             req_to_token_row_stride: B::int_row_stride(&self.req_to_token),
             swa_window_size: self.swa_window_size,
-            full_to_swa: self.full_to_swa.as_ref().map(|lut| arg("full_to_swa_index_mapping", lut)),
+            full_to_swa: self
+                .full_to_swa
+                .as_ref()
+                .map(|lut| arg("full_to_swa_index_mapping", lut)),
             expected_tokens: self
                 .expected_tokens
                 .as_ref()
@@ -328,7 +352,9 @@ pub fn plan_deferred<B: KvPlanBackend>(
         Ok(output) => {
             verify.tensors = Some(output.verify);
             write.tensors = Some(output.write);
-            Ok(PlanStatus { words: Tensor::from_primitive(output.status) })
+            Ok(PlanStatus {
+                words: Tensor::from_primitive(output.status),
+            })
         }
         Err(error) => {
             // The device failed mid-op: start over from disabled plans rather than stale halves.
@@ -345,12 +371,13 @@ pub fn read_plans<B: KvPlanBackend>(
     write: &WritePlan<B>,
 ) -> Result<PlanBuffers, Error> {
     let values = |tensor: Tensor<B, 1, Int>| -> Result<Vec<i64>, Error> {
-        let data = tensor
-            .try_into_data()
-            .map_err(|error| Error::Execution { detail: format!("{error:?}") })?;
+        let data = tensor.try_into_data().map_err(|error| Error::Execution {
+            detail: format!("{error:?}"),
+        })?;
         Ok(crate::ops::data_to_i64(&data))
     };
-    let scalar = |tensor| -> Result<i32, Error> { Ok(values(tensor)?.first().copied().unwrap_or(0) as i32) };
+    let scalar =
+        |tensor| -> Result<i32, Error> { Ok(values(tensor)?.first().copied().unwrap_or(0) as i32) };
     Ok(PlanBuffers {
         verify_slot_indices: values(verify.slot_indices())?,
         verify_expected_tokens: values(verify.expected_tokens())?,

@@ -3,7 +3,9 @@
 use burn_tensor::{DType, Int, Tensor};
 use serde_json::Value;
 
-use super::{Dense, Mismatch, expect_eq, expect_slice, int_list, mismatch_kind, parse_error, values};
+use super::{
+    Dense, Mismatch, expect_eq, expect_slice, int_list, mismatch_kind, parse_error, values,
+};
 use crate::{CapacityGather, Error, KvPlanBackend};
 
 struct Case {
@@ -37,7 +39,10 @@ impl Case {
         let table = self.table.int::<B, 2>(DType::I32, device);
         let rows = self.req_pool_indices.int::<B, 1>(DType::I64, device);
         if !self.masked {
-            let start = self.start.as_ref().map(|start| start.int::<B, 1>(DType::I64, device));
+            let start = self
+                .start
+                .as_ref()
+                .map(|start| start.int::<B, 1>(DType::I64, device));
             let lengths = self.lengths.as_ref().map_or_else(
                 || Dense::list(vec![]).int::<B, 1>(DType::I64, device),
                 |lengths| lengths.int::<B, 1>(DType::I64, device),
@@ -49,7 +54,10 @@ impl Case {
                     .map(Gathered::Capacity)
             };
         }
-        let empty = Dense { shape: vec![0, 0], data: vec![] };
+        let empty = Dense {
+            shape: vec![0, 0],
+            data: vec![],
+        };
         let pos2d = self.pos2d.as_ref().unwrap_or(&empty);
         let mask = self.mask.as_ref().unwrap_or(&empty);
         let context = self.context.as_str();
@@ -85,7 +93,10 @@ impl Case {
         if self.masked {
             self.mask.as_ref().map_or(0, |mask| mask.data.len())
         } else {
-            let segments = self.lengths.as_ref().map_or(0, |lengths| lengths.data.len());
+            let segments = self
+                .lengths
+                .as_ref()
+                .map_or(0, |lengths| lengths.data.len());
             segments * self.table.shape.get(1).copied().unwrap_or(0)
         }
     }
@@ -98,16 +109,24 @@ enum Gathered<B: KvPlanBackend> {
 
 pub(super) fn check<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Result<(), Mismatch> {
     let case = Case::parse(record).ok_or_else(|| parse_error("gather inputs"))?;
-    let supported = |dense: &Option<Dense>| dense.as_ref().is_none_or(|d| (1..=3).contains(&d.shape.len()));
+    let supported = |dense: &Option<Dense>| {
+        dense
+            .as_ref()
+            .is_none_or(|d| (1..=3).contains(&d.shape.len()))
+    };
     if !supported(&case.pos2d) || !supported(&case.mask) {
-        return Err(parse_error("pos2d/mask ranks above 3 are not supported by the runner"));
+        return Err(parse_error(
+            "pos2d/mask ranks above 3 are not supported by the runner",
+        ));
     }
     let expected_kind = record["error_kind"].as_str();
     let expected_out = int_list(&record["expected"]["out"]).unwrap_or_default();
 
     // Exact mode.
     match (case.run::<B>(device, true), expected_kind) {
-        (Ok(Gathered::Exact(out)), None) => expect_slice("exact", "out", &expected_out, &values(out))?,
+        (Ok(Gathered::Exact(out)), None) => {
+            expect_slice("exact", "out", &expected_out, &values(out))?
+        }
         (Err(error), Some(kind)) => expect_eq("exact", "error kind", kind, error.kind())?,
         (Ok(_), Some(kind)) => return Err(mismatch_kind("exact", kind, "Ok".into())),
         (Err(error), None) => return Err(mismatch_kind("exact", "Ok", error.to_string())),
@@ -130,9 +149,19 @@ pub(super) fn check<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Res
         (Ok(checked), None) => {
             expect_eq("capacity", "check()", expected_out.len(), checked)?;
             expect_eq("capacity", "count", expected_out.len() as i64, count)?;
-            expect_eq("capacity", "out capacity", case.default_capacity(), gathered.out.dims()[0])?;
+            expect_eq(
+                "capacity",
+                "out capacity",
+                case.default_capacity(),
+                gathered.out.dims()[0],
+            )?;
             let out = values(gathered.out);
-            expect_slice("capacity", "out", &expected_out, &out[..checked.min(out.len())])
+            expect_slice(
+                "capacity",
+                "out",
+                &expected_out,
+                &out[..checked.min(out.len())],
+            )
         }
         (Err(error), Some(kind)) => {
             expect_eq("capacity", "error kind", kind, error.kind())?;

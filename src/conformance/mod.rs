@@ -55,7 +55,11 @@ impl Report {
 /// Runs every record of a JSON Lines conformance file (plan, gather or canary records).
 pub fn check_file<B: KvPlanBackend>(text: &str, device: &B::Device) -> Report {
     let mut report = Report::default();
-    for (line_no, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
+    for (line_no, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, line)| !line.trim().is_empty())
+    {
         let (id, outcome) = match serde_json::from_str::<Value>(line) {
             Ok(record) => {
                 let id = record["id"].as_str().unwrap_or("?").to_string();
@@ -110,7 +114,12 @@ fn expect_eq<T: PartialEq + fmt::Debug>(
 }
 
 /// Compares two arrays; `Err` names the first differing index (or the length).
-fn expect_slice(mode: &'static str, field: &str, expected: &[i64], got: &[i64]) -> Result<(), Mismatch> {
+fn expect_slice(
+    mode: &'static str,
+    field: &str,
+    expected: &[i64],
+    got: &[i64],
+) -> Result<(), Mismatch> {
     if let Some(index) = expected.iter().zip(got).position(|(e, g)| e != g) {
         return Err(Mismatch {
             mode,
@@ -125,7 +134,12 @@ fn expect_slice(mode: &'static str, field: &str, expected: &[i64], got: &[i64]) 
 
 /// An i64 list of a record (`null` or absent is `None`).
 fn int_list(value: &Value) -> Option<Vec<i64>> {
-    value.as_array().map(|items| items.iter().map(|item| item.as_i64().unwrap_or(0)).collect())
+    value.as_array().map(|items| {
+        items
+            .iter()
+            .map(|item| item.as_i64().unwrap_or(0))
+            .collect()
+    })
 }
 
 /// A tensor description of a record: `{rows, cols, data}` or `{shape, data}`.
@@ -139,16 +153,26 @@ impl Dense {
         let data = int_list(&value["data"])?;
         let shape = match value.get("shape") {
             Some(shape) => int_list(shape)?.into_iter().map(|d| d as usize).collect(),
-            None => vec![value["rows"].as_u64()? as usize, value["cols"].as_u64()? as usize],
+            None => vec![
+                value["rows"].as_u64()? as usize,
+                value["cols"].as_u64()? as usize,
+            ],
         };
         Some(Dense { shape, data })
     }
 
     fn list(values: Vec<i64>) -> Dense {
-        Dense { shape: vec![values.len()], data: values }
+        Dense {
+            shape: vec![values.len()],
+            data: values,
+        }
     }
 
-    fn int<B: KvPlanBackend, const D: usize>(&self, dtype: DType, device: &B::Device) -> Tensor<B, D, Int> {
+    fn int<B: KvPlanBackend, const D: usize>(
+        &self,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Tensor<B, D, Int> {
         let data = TensorData::new(self.data.clone(), self.shape.clone());
         Tensor::from_data(data, (device, dtype))
     }
@@ -165,5 +189,11 @@ fn values<B: KvPlanBackend, const D: usize>(tensor: Tensor<B, D, Int>) -> Vec<i6
 }
 
 fn mismatch_kind(mode: &'static str, expected: &str, got: String) -> Mismatch {
-    Mismatch { mode, field: "error kind".into(), index: None, expected: expected.into(), got }
+    Mismatch {
+        mode,
+        field: "error kind".into(),
+        index: None,
+        expected: expected.into(),
+        got,
+    }
 }

@@ -28,20 +28,53 @@ pub(super) fn check<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Res
     for mode in ["checked", "deferred"] {
         let outcome = run::<B>(inputs, device, mode)?;
         match (outcome, expected_kind) {
-            (Run { result: Ok(()), after, .. }, None) => compare(mode, &record["expected"], &after)?,
-            (Run { result: Err(error), before, after }, Some(kind)) => {
+            (
+                Run {
+                    result: Ok(()),
+                    after,
+                    ..
+                },
+                None,
+            ) => compare(mode, &record["expected"], &after)?,
+            (
+                Run {
+                    result: Err(error),
+                    before,
+                    after,
+                },
+                Some(kind),
+            ) => {
                 expect_eq(mode, "error kind", kind, error.kind())?;
                 if DEVICE_KINDS.contains(&kind) {
-                    let disabled = (after.enable, after.verify_num_valid, after.write_num_valid_reqs);
-                    expect_eq(mode, "disabled plan (enable, num_valid, reqs)", (0, 0, 0), disabled)?;
+                    let disabled = (
+                        after.enable,
+                        after.verify_num_valid,
+                        after.write_num_valid_reqs,
+                    );
+                    expect_eq(
+                        mode,
+                        "disabled plan (enable, num_valid, reqs)",
+                        (0, 0, 0),
+                        disabled,
+                    )?;
                 } else {
-                    expect_eq(mode, "plans unchanged by a host-rule error", true, before == after)?;
+                    expect_eq(
+                        mode,
+                        "plans unchanged by a host-rule error",
+                        true,
+                        before == after,
+                    )?;
                 }
             }
             (Run { result: Ok(()), .. }, Some(kind)) => {
                 return Err(mismatch_kind(mode, kind, "Ok".into()));
             }
-            (Run { result: Err(error), .. }, None) => {
+            (
+                Run {
+                    result: Err(error), ..
+                },
+                None,
+            ) => {
                 return Err(mismatch_kind(mode, "Ok", error.to_string()));
             }
         }
@@ -49,11 +82,19 @@ pub(super) fn check<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Res
     Ok(())
 }
 
-fn check_allocate<B: KvPlanBackend>(inputs: &Value, kind: &str, device: &B::Device) -> Result<(), Mismatch> {
+fn check_allocate<B: KvPlanBackend>(
+    inputs: &Value,
+    kind: &str,
+    device: &B::Device,
+) -> Result<(), Mismatch> {
     let capacity = |key: &str| inputs[key].as_u64().unwrap_or(0) as usize;
     let result = match inputs["allocate"].as_str() {
-        Some("VerifyPlan") => VerifyPlan::<B>::allocate(capacity("verify_capacity"), device).map(|_| ()),
-        Some("WritePlan") => WritePlan::<B>::allocate(capacity("write_req_capacity"), device).map(|_| ()),
+        Some("VerifyPlan") => {
+            VerifyPlan::<B>::allocate(capacity("verify_capacity"), device).map(|_| ())
+        }
+        Some("WritePlan") => {
+            WritePlan::<B>::allocate(capacity("write_req_capacity"), device).map(|_| ())
+        }
         other => return Err(parse_error(format!("unknown allocate target {other:?}"))),
     };
     match result {
@@ -69,11 +110,17 @@ struct Run {
     after: PlanBuffers,
 }
 
-fn run<B: KvPlanBackend>(inputs: &Value, device: &B::Device, mode: &'static str) -> Result<Run, Mismatch> {
+fn run<B: KvPlanBackend>(
+    inputs: &Value,
+    device: &B::Device,
+    mode: &'static str,
+) -> Result<Run, Mismatch> {
     let capacity = |key: &str| inputs[key].as_u64().map(|v| v as usize);
-    let verify_capacity = capacity("verify_capacity").ok_or_else(|| parse_error("verify_capacity"))?;
+    let verify_capacity =
+        capacity("verify_capacity").ok_or_else(|| parse_error("verify_capacity"))?;
     let plan_capacity = capacity("plan_verify_capacity").unwrap_or(verify_capacity);
-    let write_capacity = capacity("write_req_capacity").ok_or_else(|| parse_error("write_req_capacity"))?;
+    let write_capacity =
+        capacity("write_req_capacity").ok_or_else(|| parse_error("write_req_capacity"))?;
     let setup = |error: Error| Mismatch {
         mode,
         field: "setup".into(),
@@ -93,22 +140,33 @@ fn run<B: KvPlanBackend>(inputs: &Value, device: &B::Device, mode: &'static str)
     for prior in inputs["prior_runs"].as_array().into_iter().flatten() {
         call(&mut verify, &mut write, prior)?.map_err(setup)?;
     }
-    let read = |verify: &VerifyPlan<B>, write: &WritePlan<B>| read_plans(verify, write).map_err(setup);
+    let read =
+        |verify: &VerifyPlan<B>, write: &WritePlan<B>| read_plans(verify, write).map_err(setup);
     let before = read(&verify, &write)?;
     let result = call(&mut verify, &mut write, inputs)?;
     let after = read(&verify, &write)?;
-    Ok(Run { result, before, after })
+    Ok(Run {
+        result,
+        before,
+        after,
+    })
 }
 
 /// The record's inputs as `PlanInputs`, with the three per-request lists taken from `batch`.
-fn build<B: KvPlanBackend>(inputs: &Value, batch: &Value, device: &B::Device) -> Result<PlanInputs<B>, Mismatch> {
+fn build<B: KvPlanBackend>(
+    inputs: &Value,
+    batch: &Value,
+    device: &B::Device,
+) -> Result<PlanInputs<B>, Mismatch> {
     let dtype = |name: &str, default: DType| match inputs["dtype_overrides"][name].as_str() {
         Some("int32") => DType::I32,
         Some("int64") => DType::I64,
         _ => default,
     };
     let list = |source: &Value, name: &str| -> Result<Dense, Mismatch> {
-        int_list(&source[name]).map(Dense::list).ok_or_else(|| parse_error(name))
+        int_list(&source[name])
+            .map(Dense::list)
+            .ok_or_else(|| parse_error(name))
     };
     let vector = |source: &Value, name: &str| -> Result<_, Mismatch> {
         Ok(list(source, name)?.int::<B, 1>(dtype(name, DType::I64), device))
@@ -128,10 +186,15 @@ fn build<B: KvPlanBackend>(inputs: &Value, batch: &Value, device: &B::Device) ->
     };
     plan_inputs = plan_inputs
         .swa_window_size(inputs["swa_window_size"].as_i64().unwrap_or(0) as i32)
-        .position_offset(inputs["kv_token_id_vs_position_offset"].as_i64().unwrap_or(0) as i32)
+        .position_offset(
+            inputs["kv_token_id_vs_position_offset"]
+                .as_i64()
+                .unwrap_or(0) as i32,
+        )
         .verify_capacity(inputs["verify_capacity"].as_u64().unwrap_or(0) as usize);
     if !inputs["full_to_swa_index_mapping"].is_null() {
-        plan_inputs = plan_inputs.full_to_swa_index_mapping(vector(inputs, "full_to_swa_index_mapping")?);
+        plan_inputs =
+            plan_inputs.full_to_swa_index_mapping(vector(inputs, "full_to_swa_index_mapping")?);
     }
     if let Some(pool) = Dense::parse(&inputs["req_to_verify_expected_tokens"]) {
         plan_inputs = plan_inputs.expected_tokens(pool.int::<B, 2>(DType::I32, device));
@@ -146,9 +209,19 @@ fn build<B: KvPlanBackend>(inputs: &Value, batch: &Value, device: &B::Device) ->
 /// Compares a successful run with `expected`, as the conformance README's step 4 says.
 fn compare(mode: &'static str, expected: &Value, got: &PlanBuffers) -> Result<(), Mismatch> {
     let scalar = |key: &str| expected[key].as_i64().unwrap_or(i64::MIN);
-    expect_eq(mode, "verify_num_valid", scalar("verify_num_valid"), i64::from(got.verify_num_valid))?;
+    expect_eq(
+        mode,
+        "verify_num_valid",
+        scalar("verify_num_valid"),
+        i64::from(got.verify_num_valid),
+    )?;
     expect_eq(mode, "enable", scalar("enable"), i64::from(got.enable))?;
-    expect_eq(mode, "write_num_valid_reqs", scalar("write_num_valid_reqs"), i64::from(got.write_num_valid_reqs))?;
+    expect_eq(
+        mode,
+        "write_num_valid_reqs",
+        scalar("write_num_valid_reqs"),
+        i64::from(got.write_num_valid_reqs),
+    )?;
     let valid = got.verify_num_valid.max(0) as usize;
     let verify_fields: [(&str, &[i64]); 4] = [
         ("verify_slot_indices", &got.verify_slot_indices),
@@ -166,7 +239,12 @@ fn compare(mode: &'static str, expected: &Value, got: &PlanBuffers) -> Result<()
     expect_slice(mode, "write_offsets", &offsets, &got.write_offsets)?;
     let seeds = int_list(&expected["write_seed_slot_indices"]).unwrap_or_default();
     let bs = seeds.len().min(got.write_seed_slot_indices.len());
-    expect_slice(mode, "write_seed_slot_indices", &seeds, &got.write_seed_slot_indices[..bs])?;
+    expect_slice(
+        mode,
+        "write_seed_slot_indices",
+        &seeds,
+        &got.write_seed_slot_indices[..bs],
+    )?;
     let full = &expected["plan_state_full"];
     if !full.is_null() {
         for (field, values) in verify_fields {
@@ -174,7 +252,12 @@ fn compare(mode: &'static str, expected: &Value, got: &PlanBuffers) -> Result<()
             expect_slice(mode, &format!("plan_state_full.{field}"), &want, values)?;
         }
         let want = int_list(&full["write_seed_slot_indices"]).unwrap_or_default();
-        expect_slice(mode, "plan_state_full.write_seed_slot_indices", &want, &got.write_seed_slot_indices)?;
+        expect_slice(
+            mode,
+            "plan_state_full.write_seed_slot_indices",
+            &want,
+            &got.write_seed_slot_indices,
+        )?;
     }
     Ok(())
 }

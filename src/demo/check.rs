@@ -106,21 +106,48 @@ impl Tally {
 
     fn capacity(&mut self, step: usize, op: &'static str, expected: &[i64], got: &CapacityResult) {
         self.scalar(step, op, "status count", expected.len(), got.checked_count);
-        self.scalar(step, op, "count tensor", expected.len() as i64, got.count_tensor);
+        self.scalar(
+            step,
+            op,
+            "count tensor",
+            expected.len() as i64,
+            got.count_tensor,
+        );
         self.slice(step, op, "out[..count]", expected, &got.values);
     }
 
     /// The fields a downstream verify/write reads: stale entries past `verify_num_valid` and
     /// seeds past `bs` are left out (spec `canary-plan.md` §4 leaves them stale).
-    fn plan(&mut self, step: usize, op: &'static str, expected: &PlanBuffers, got: &PlanBuffers, bs: usize) {
-        self.scalar(step, op, "verify_num_valid", expected.verify_num_valid, got.verify_num_valid);
+    fn plan(
+        &mut self,
+        step: usize,
+        op: &'static str,
+        expected: &PlanBuffers,
+        got: &PlanBuffers,
+        bs: usize,
+    ) {
+        self.scalar(
+            step,
+            op,
+            "verify_num_valid",
+            expected.verify_num_valid,
+            got.verify_num_valid,
+        );
         self.scalar(step, op, "enable", expected.enable, got.enable);
         if expected.enable == 1 {
             let valid = usize::try_from(expected.verify_num_valid).unwrap_or(0);
             let head = |values: &[i64]| values[..valid.min(values.len())].to_vec();
             let fields = [
-                ("verify_slot_indices", &expected.verify_slot_indices, &got.verify_slot_indices),
-                ("verify_expected_tokens", &expected.verify_expected_tokens, &got.verify_expected_tokens),
+                (
+                    "verify_slot_indices",
+                    &expected.verify_slot_indices,
+                    &got.verify_slot_indices,
+                ),
+                (
+                    "verify_expected_tokens",
+                    &expected.verify_expected_tokens,
+                    &got.verify_expected_tokens,
+                ),
                 (
                     "verify_expected_positions",
                     &expected.verify_expected_positions,
@@ -136,7 +163,13 @@ impl Tally {
                 self.slice(step, op, field, &head(expected), &head(got));
             }
         }
-        self.slice(step, op, "write_offsets", &expected.write_offsets, &got.write_offsets);
+        self.slice(
+            step,
+            op,
+            "write_offsets",
+            &expected.write_offsets,
+            &got.write_offsets,
+        );
         let seeds = |values: &[i64]| values[..bs.min(values.len())].to_vec();
         self.slice(
             step,
@@ -205,13 +238,24 @@ impl CrossCheck {
         match masked(None) {
             Ok(expected) => {
                 tally.slice(n, "masked_gather", "values", &expected, &got.draft_slots);
-                tally.slice(n, "trace", "draft window slots", &step.draft_slots, &expected);
+                tally.slice(
+                    n,
+                    "trace",
+                    "draft window slots",
+                    &step.draft_slots,
+                    &expected,
+                );
             }
             Err(error) => tally.reference_error(n, "masked_gather", error),
         }
         match masked(Some(batch * step.draft_cols)) {
             Ok(expected) => {
-                tally.capacity(n, "masked_gather_with_capacity", &expected, &got.draft_slots_capacity);
+                tally.capacity(
+                    n,
+                    "masked_gather_with_capacity",
+                    &expected,
+                    &got.draft_slots_capacity,
+                );
             }
             Err(error) => tally.reference_error(n, "masked_gather_with_capacity", error),
         }
@@ -228,14 +272,31 @@ impl CrossCheck {
         };
         match segments(None) {
             Ok(expected) => {
-                tally.slice(n, "segment_gather", "values", &expected, &got.accepted_slots);
-                tally.slice(n, "trace", "accepted suffix slots", &step.accepted_slots, &expected);
+                tally.slice(
+                    n,
+                    "segment_gather",
+                    "values",
+                    &expected,
+                    &got.accepted_slots,
+                );
+                tally.slice(
+                    n,
+                    "trace",
+                    "accepted suffix slots",
+                    &step.accepted_slots,
+                    &expected,
+                );
             }
             Err(error) => tally.reference_error(n, "segment_gather", error),
         }
         match segments(Some(step.accepted_capacity())) {
             Ok(expected) => {
-                tally.capacity(n, "segment_gather_with_capacity", &expected, &got.accepted_slots_capacity);
+                tally.capacity(
+                    n,
+                    "segment_gather_with_capacity",
+                    &expected,
+                    &got.accepted_slots_capacity,
+                );
             }
             Err(error) => tally.reference_error(n, "segment_gather_with_capacity", error),
         }
@@ -266,16 +327,21 @@ impl CrossCheck {
         if self.full.enable == 0 {
             self.full_overflows += 1;
         }
-        let swa_args =
-            PlanArgs { swa_window_size: self.swa_window, full_to_swa: Some(&step.full_to_swa), ..base };
+        let swa_args = PlanArgs {
+            swa_window_size: self.swa_window,
+            full_to_swa: Some(&step.full_to_swa),
+            ..base
+        };
         match reference::plan(&swa_args, &mut self.swa) {
             Ok(()) => {
                 tally.plan(n, "plan_deferred [swa]", &self.swa, &got.swa_plan, batch);
                 // Every token inside a window still has its SWA slot: the scheduler's eviction
                 // never outruns the plan.
                 let valid = usize::try_from(self.swa.verify_num_valid).unwrap_or(0);
-                let evicted =
-                    self.swa.verify_slot_indices[..valid].iter().filter(|&&s| s == DUMMY_SLOT).count();
+                let evicted = self.swa.verify_slot_indices[..valid]
+                    .iter()
+                    .filter(|&&s| s == DUMMY_SLOT)
+                    .count();
                 tally.scalar(n, "trace", "SWA verify slots already evicted", 0, evicted);
             }
             Err(error) => tally.reference_error(n, "plan_deferred [swa]", error),

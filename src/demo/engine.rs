@@ -10,8 +10,8 @@ use super::trace::{Step, Workload};
 use crate::canary::read_plans;
 use crate::reference::PlanBuffers;
 use crate::{
-    Error, KvPlanBackend, PlanInputs, VerifyPlan, WritePlan, masked_gather, masked_gather_with_capacity,
-    plan, plan_deferred, segment_gather, segment_gather_with_capacity,
+    Error, KvPlanBackend, PlanInputs, VerifyPlan, WritePlan, masked_gather,
+    masked_gather_with_capacity, plan, plan_deferred, segment_gather, segment_gather_with_capacity,
 };
 
 /// Context of the draft-window gather: sglang's DFlash call site, whose messages users search for.
@@ -52,11 +52,16 @@ struct PlanPair<B: KvPlanBackend> {
 }
 
 impl<B: KvPlanBackend> PlanPair<B> {
-    fn allocate(verify_capacity: usize, write_capacity: usize, device: &B::Device) -> Result<Self, String> {
+    fn allocate(
+        verify_capacity: usize,
+        write_capacity: usize,
+        device: &B::Device,
+    ) -> Result<Self, String> {
         Ok(Self {
             verify: VerifyPlan::allocate(verify_capacity, device)
                 .map_err(op_error("VerifyPlan::allocate"))?,
-            write: WritePlan::allocate(write_capacity, device).map_err(op_error("WritePlan::allocate"))?,
+            write: WritePlan::allocate(write_capacity, device)
+                .map_err(op_error("WritePlan::allocate"))?,
         })
     }
 }
@@ -96,22 +101,38 @@ impl<B: KvPlanBackend> Engine<B> {
 
     /// Uploads the step's inputs, runs every op on them and reads the results back.
     pub fn run_step(&mut self, step: &Step) -> Result<StepOutputs, String> {
-        let Self { device, table_shape, kv_slots, swa_window, full, swa, timings } = self;
+        let Self {
+            device,
+            table_shape,
+            kv_slots,
+            swa_window,
+            full,
+            swa,
+            timings,
+        } = self;
         let batch = step.batch_size();
 
         // Dtypes as a serving engine holds them (sglang: int32 tables, int64 per-request
         // lengths); the ops take either, so nothing is cast at the call sites.
         let req_to_token = upload::<B, 2>(&step.req_to_token, *table_shape, DType::I32, device);
-        let expected_tokens = upload::<B, 2>(&step.expected_tokens, *table_shape, DType::I32, device);
+        let expected_tokens =
+            upload::<B, 2>(&step.expected_tokens, *table_shape, DType::I32, device);
         let full_to_swa = upload::<B, 1>(&step.full_to_swa, [*kv_slots], DType::I64, device);
         let req_pool_indices = upload::<B, 1>(&step.req_pool_indices, [batch], DType::I64, device);
         let prefix_lens = upload::<B, 1>(&step.prefix_lens, [batch], DType::I64, device);
         let extend_seq_lens = upload::<B, 1>(&step.extend_seq_lens, [batch], DType::I64, device);
-        let valid_lens = upload::<B, 1>(&step.expected_tokens_valid_lens, [batch], DType::I64, device);
+        let valid_lens = upload::<B, 1>(
+            &step.expected_tokens_valid_lens,
+            [batch],
+            DType::I64,
+            device,
+        );
         let draft_shape = [batch, step.draft_cols];
         let draft_pos2d = upload::<B, 2>(&step.draft_pos2d, draft_shape, DType::I64, device);
-        let draft_mask: Tensor<B, 2, Bool> =
-            Tensor::from_data(TensorData::new(step.draft_mask.clone(), draft_shape), &*device);
+        let draft_mask: Tensor<B, 2, Bool> = Tensor::from_data(
+            TensorData::new(step.draft_mask.clone(), draft_shape),
+            &*device,
+        );
         let accepted_start = upload::<B, 1>(&step.accepted_start, [batch], DType::I64, device);
         let accepted_lengths = upload::<B, 1>(&step.accepted_lengths, [batch], DType::I64, device);
 
@@ -170,31 +191,40 @@ impl<B: KvPlanBackend> Engine<B> {
         })?;
         // SWA group: deferred plan through the LUT; its status is checked with the others.
         let swa_status = timed::<B, _>(timings, device, Op::PlanDeferredSwa, || {
-            let inputs = PlanInputs::new(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token)
-                .swa_window_size(*swa_window)
-                .full_to_swa_index_mapping(full_to_swa);
+            let inputs =
+                PlanInputs::new(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token)
+                    .swa_window_size(*swa_window)
+                    .full_to_swa_index_mapping(full_to_swa);
             plan_deferred(&mut swa.verify, &mut swa.write, inputs)
         })?;
 
         // End of step: the deferred statuses, one transfer each.
-        let draft_count = timed::<B, _>(timings, device, Op::StatusCheck, || draft_capacity.status.check())
-            .map_err(|error| format!("{} {error}", Op::MaskedGatherCapacity.name()))?;
-        let accepted_count =
-            timed::<B, _>(timings, device, Op::StatusCheck, || accepted_capacity.status.check())
-                .map_err(|error| format!("{} {error}", Op::SegmentGatherCapacity.name()))?;
+        let draft_count = timed::<B, _>(timings, device, Op::StatusCheck, || {
+            draft_capacity.status.check()
+        })
+        .map_err(|error| format!("{} {error}", Op::MaskedGatherCapacity.name()))?;
+        let accepted_count = timed::<B, _>(timings, device, Op::StatusCheck, || {
+            accepted_capacity.status.check()
+        })
+        .map_err(|error| format!("{} {error}", Op::SegmentGatherCapacity.name()))?;
         timed::<B, _>(timings, device, Op::StatusCheck, || swa_status.check())
             .map_err(|error| format!("{} {error}", Op::PlanDeferredSwa.name()))?;
 
         Ok(StepOutputs {
             draft_slots: host_values(draft_slots)?,
-            draft_slots_capacity: read_capacity(draft_capacity.out, draft_capacity.count, draft_count)?,
+            draft_slots_capacity: read_capacity(
+                draft_capacity.out,
+                draft_capacity.count,
+                draft_count,
+            )?,
             accepted_slots: host_values(accepted_slots)?,
             accepted_slots_capacity: read_capacity(
                 accepted_capacity.out,
                 accepted_capacity.count,
                 accepted_count,
             )?,
-            full_plan: read_plans(&full.verify, &full.write).map_err(op_error("read_plans [full]"))?,
+            full_plan: read_plans(&full.verify, &full.write)
+                .map_err(op_error("read_plans [full]"))?,
             swa_plan: read_plans(&swa.verify, &swa.write).map_err(op_error("read_plans [swa]"))?,
         })
     }
@@ -235,8 +265,12 @@ fn upload<B: KvPlanBackend, const D: usize>(
     Tensor::from_data(TensorData::new(values.to_vec(), shape), (device, dtype))
 }
 
-fn host_values<B: KvPlanBackend, const D: usize>(tensor: Tensor<B, D, Int>) -> Result<Vec<i64>, String> {
-    let data = tensor.try_into_data().map_err(|error| format!("read-back failed: {error:?}"))?;
+fn host_values<B: KvPlanBackend, const D: usize>(
+    tensor: Tensor<B, D, Int>,
+) -> Result<Vec<i64>, String> {
+    let data = tensor
+        .try_into_data()
+        .map_err(|error| format!("read-back failed: {error:?}"))?;
     Ok(crate::ops::data_to_i64(&data))
 }
 
@@ -248,5 +282,9 @@ fn read_capacity<B: KvPlanBackend>(
     let mut values = host_values(out)?;
     values.truncate(checked_count);
     let count_tensor = host_values(count)?.first().copied().unwrap_or(-1);
-    Ok(CapacityResult { values, checked_count, count_tensor })
+    Ok(CapacityResult {
+        values,
+        checked_count,
+        count_tensor,
+    })
 }

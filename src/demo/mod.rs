@@ -46,7 +46,9 @@ pub fn run(backend: Option<BackendName>) -> Result<ExitCode, String> {
 
     println!();
     print!("{}", outcome.timings.table());
-    println!("(host wall time per call: exact-mode gathers and `plan` include their one status read-back;");
+    println!(
+        "(host wall time per call: exact-mode gathers and `plan` include their one status read-back;"
+    );
     println!(
         " capacity-mode gathers and `plan_deferred` are launch + sync, their status.check() has its own row)"
     );
@@ -59,8 +61,10 @@ pub fn run(backend: Option<BackendName>) -> Result<ExitCode, String> {
         check.full_overflows(),
         outcome.steps,
     );
-    let summary =
-        format!("demo: {} steps, {} requests, backend {}", outcome.steps, workload.num_requests, choice.name);
+    let summary = format!(
+        "demo: {} steps, {} requests, backend {}",
+        outcome.steps, workload.num_requests, choice.name
+    );
     if check.mismatches() > 0 {
         println!("{} mismatching fields; the first ones:", check.mismatches());
         for mismatch in check.first_mismatches() {
@@ -87,14 +91,20 @@ fn drive<B: KvPlanBackend>(device: B::Device, workload: &Workload) -> Result<Out
     let mut check = CrossCheck::new(workload);
     let mut steps = 0;
     while let Some(step) = trace.next_step()? {
-        let outputs = engine.run_step(&step).map_err(|error| format!("step {}: {error}", step.index))?;
+        let outputs = engine
+            .run_step(&step)
+            .map_err(|error| format!("step {}: {error}", step.index))?;
         check.step(&step, &outputs);
         if step.index % PROGRESS_EVERY == 0 {
             println!("{}", progress(&step, &outputs));
         }
         steps += 1;
     }
-    Ok(Outcome { steps, timings: engine.into_timings(), check })
+    Ok(Outcome {
+        steps,
+        timings: engine.into_timings(),
+        check,
+    })
 }
 
 fn describe(workload: &Workload) {

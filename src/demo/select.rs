@@ -29,17 +29,25 @@ pub struct Choice {
 pub fn choose(requested: Option<BackendName>) -> Result<Choice, String> {
     if let Some(name) = requested {
         if is_gpu(name) {
-            probe(name)
-                .map_err(|why| format!("backend {name} was requested but does not work here: {why}"))?;
+            probe(name).map_err(|why| {
+                format!("backend {name} was requested but does not work here: {why}")
+            })?;
         }
-        return Ok(Choice { name, reason: "requested with --backend".into() });
+        return Ok(Choice {
+            name,
+            reason: "requested with --backend".into(),
+        });
     }
     let mut passed_over = Vec::new();
-    for (name, compiled) in
-        [(BackendName::Cuda, cfg!(feature = "cuda")), (BackendName::Vulkan, cfg!(feature = "vulkan"))]
-    {
+    for (name, compiled) in [
+        (BackendName::Cuda, cfg!(feature = "cuda")),
+        (BackendName::Vulkan, cfg!(feature = "vulkan")),
+    ] {
         if !compiled {
-            passed_over.push(format!("{name}: not compiled in (cargo feature `{}`)", feature(name)));
+            passed_over.push(format!(
+                "{name}: not compiled in (cargo feature `{}`)",
+                feature(name)
+            ));
             continue;
         }
         match probe(name) {
@@ -55,7 +63,10 @@ pub fn choose(requested: Option<BackendName>) -> Result<Choice, String> {
     }
     Ok(Choice {
         name: BackendName::Reference,
-        reason: format!("no GPU backend works ({}); using the host reference", passed_over.join("; ")),
+        reason: format!(
+            "no GPU backend works ({}); using the host reference",
+            passed_over.join("; ")
+        ),
     })
 }
 
@@ -89,8 +100,14 @@ fn probe(name: BackendName) -> Result<(), String> {
         Ok(Err(not_compiled)) => Err(not_compiled),
         Err(_) => {
             // The first message is the root cause (the device thread's); later ones are echoes.
-            let first = messages.lock().ok().and_then(|messages| messages.first().cloned());
-            Err(format!("device initialisation panicked: {}", first.unwrap_or_else(|| "no message".into())))
+            let first = messages
+                .lock()
+                .ok()
+                .and_then(|messages| messages.first().cloned());
+            Err(format!(
+                "device initialisation panicked: {}",
+                first.unwrap_or_else(|| "no message".into())
+            ))
         }
     }
 }
@@ -115,19 +132,27 @@ fn panic_message(info: &PanicHookInfo<'_>) -> String {
 /// `req_to_token[1][[2, 0]]` on a 2x3 table: initialises the device, compiles and runs the
 /// masked-gather kernel and reads the result back.
 fn probe_gather<B: KvPlanBackend>(device: &B::Device) -> Result<(), String> {
-    let table: Tensor<B, 2, Int> =
-        Tensor::from_data(TensorData::new(vec![10i64, 11, 12, 13, 14, 15], [2, 3]), (device, DType::I32));
-    let rows: Tensor<B, 1, Int> = Tensor::from_data(TensorData::new(vec![1i64], [1]), (device, DType::I64));
+    let table: Tensor<B, 2, Int> = Tensor::from_data(
+        TensorData::new(vec![10i64, 11, 12, 13, 14, 15], [2, 3]),
+        (device, DType::I32),
+    );
+    let rows: Tensor<B, 1, Int> =
+        Tensor::from_data(TensorData::new(vec![1i64], [1]), (device, DType::I64));
     let pos2d: Tensor<B, 2, Int> =
         Tensor::from_data(TensorData::new(vec![2i64, 0], [1, 2]), (device, DType::I64));
-    let mask: Tensor<B, 2, Bool> = Tensor::from_data(TensorData::new(vec![true, true], [1, 2]), device);
-    let gathered =
-        crate::masked_gather(table, rows, pos2d, mask, "probe").map_err(|error| error.to_string())?;
-    let data = gathered.try_into_data().map_err(|error| format!("read-back failed: {error:?}"))?;
+    let mask: Tensor<B, 2, Bool> =
+        Tensor::from_data(TensorData::new(vec![true, true], [1, 2]), device);
+    let gathered = crate::masked_gather(table, rows, pos2d, mask, "probe")
+        .map_err(|error| error.to_string())?;
+    let data = gathered
+        .try_into_data()
+        .map_err(|error| format!("read-back failed: {error:?}"))?;
     let values: Vec<i64> = crate::ops::data_to_i64(&data);
     if values == [15, 13] {
         Ok(())
     } else {
-        Err(format!("probe gather returned {values:?}, expected [15, 13]"))
+        Err(format!(
+            "probe gather returned {values:?}, expected [15, 13]"
+        ))
     }
 }

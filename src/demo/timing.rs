@@ -48,7 +48,10 @@ impl Op {
 
     /// Calls that read nothing back: their time only means something after a device sync.
     pub fn needs_sync(self) -> bool {
-        matches!(self, Op::MaskedGatherCapacity | Op::SegmentGatherCapacity | Op::PlanDeferredSwa)
+        matches!(
+            self,
+            Op::MaskedGatherCapacity | Op::SegmentGatherCapacity | Op::PlanDeferredSwa
+        )
     }
 
     fn slot(self) -> usize {

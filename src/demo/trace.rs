@@ -118,7 +118,12 @@ impl Workload {
 
     /// `K` of both `WritePlan`s: the largest padded batch.
     pub fn write_capacity(&self) -> usize {
-        self.batch_buckets.iter().copied().max().unwrap_or(1).max(self.pool_size)
+        self.batch_buckets
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(1)
+            .max(self.pool_size)
     }
 
     /// `W` as the plan takes it.
@@ -133,7 +138,11 @@ impl Workload {
     }
 
     fn padded_batch(&self, real: usize) -> usize {
-        self.batch_buckets.iter().copied().find(|&size| size >= real).unwrap_or(real)
+        self.batch_buckets
+            .iter()
+            .copied()
+            .find(|&size| size >= real)
+            .unwrap_or(real)
     }
 }
 
@@ -193,7 +202,10 @@ impl Step {
     /// segment gather.
     pub fn accepted_capacity(&self) -> usize {
         let real = self.decode_rows + self.prefill_rows;
-        self.extend_seq_lens[..real].iter().map(|&len| len.max(0) as usize).sum()
+        self.extend_seq_lens[..real]
+            .iter()
+            .map(|&len| len.max(0) as usize)
+            .sum()
     }
 }
 
@@ -257,7 +269,9 @@ impl SlotAllocator {
     }
 
     fn alloc(&mut self) -> Result<i64, String> {
-        self.free.pop().ok_or_else(|| format!("{} KV pool exhausted (workload sizing bug)", self.name))
+        self.free
+            .pop()
+            .ok_or_else(|| format!("{} KV pool exhausted (workload sizing bug)", self.name))
     }
 
     fn release(&mut self, slot: i64) {
@@ -305,23 +319,31 @@ impl Trace {
             full_to_swa[slot as usize] = swa.alloc()?;
             shared_slots.push(slot);
         }
-        let shared_tokens: Vec<i64> =
-            (0..workload.shared_prefix_len).map(|_| rng.range(0, VOCAB - 1) as i64).collect();
+        let shared_tokens: Vec<i64> = (0..workload.shared_prefix_len)
+            .map(|_| rng.range(0, VOCAB - 1) as i64)
+            .collect();
 
         let mut waiting = VecDeque::with_capacity(workload.num_requests);
         let mut arrival = 0;
         for _ in 0..workload.num_requests {
             let prompt_len = rng.range(workload.prompt_lens.0, workload.prompt_lens.1);
             let output_len = rng.range(workload.output_lens.0, workload.output_lens.1);
-            let cached_len =
-                if prompt_len > workload.shared_prefix_len && rng.chance(workload.shared_prefix_share) {
-                    workload.shared_prefix_len
-                } else {
-                    0
-                };
+            let cached_len = if prompt_len > workload.shared_prefix_len
+                && rng.chance(workload.shared_prefix_share)
+            {
+                workload.shared_prefix_len
+            } else {
+                0
+            };
             let mut prompt = shared_tokens[..cached_len].to_vec();
             prompt.extend((cached_len..prompt_len).map(|_| rng.range(0, VOCAB - 1) as i64));
-            waiting.push_back(Request { arrival, prompt_len, output_len, cached_len, prompt });
+            waiting.push_back(Request {
+                arrival,
+                prompt_len,
+                output_len,
+                cached_len,
+                prompt,
+            });
             arrival += rng.range(workload.arrival_gap.0, workload.arrival_gap.1);
         }
 
@@ -389,7 +411,8 @@ impl Trace {
             // The cached prefix is in the KV cache already: its slots go straight into the row.
             let base = row * cols;
             self.req_to_token[base..base + running.slots.len()].copy_from_slice(&running.slots);
-            self.expected_tokens[base..base + running.tokens.len()].copy_from_slice(&running.tokens);
+            self.expected_tokens[base..base + running.tokens.len()]
+                .copy_from_slice(&running.tokens);
             self.running.push(running);
             admitted += 1;
         }
@@ -405,7 +428,10 @@ impl Trace {
             let (len, is_draft) = if running.prefilled {
                 // Never draft past the output length: the window always fits the table.
                 let remaining = running.request.output_len - running.generated;
-                (self.rng.range(1, self.workload.max_draft).min(remaining), true)
+                (
+                    self.rng.range(1, self.workload.max_draft).min(remaining),
+                    true,
+                )
             } else {
                 (running.request.prompt_len - prefix_len, false)
             };
@@ -422,7 +448,13 @@ impl Trace {
                     running.request.prompt[position]
                 });
             }
-            windows.push(Window { running: index, prefix_len, slots, tokens, is_draft });
+            windows.push(Window {
+                running: index,
+                prefix_len,
+                slots,
+                tokens,
+                is_draft,
+            });
         }
         Ok(windows)
     }
@@ -432,8 +464,13 @@ impl Trace {
     fn snapshot(&mut self, windows: &[Window]) -> Step {
         let real = windows.len();
         let batch = self.workload.padded_batch(real);
-        let draft_cols =
-            windows.iter().filter(|w| w.is_draft).map(|w| w.slots.len()).max().unwrap_or(0).max(1);
+        let draft_cols = windows
+            .iter()
+            .filter(|w| w.is_draft)
+            .map(|w| w.slots.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
 
         let mut step = Step {
             index: self.steps,
@@ -456,7 +493,8 @@ impl Trace {
         };
         for (r, window) in windows.iter().enumerate() {
             let prefix_len = window.prefix_len as i64;
-            step.req_pool_indices.push(self.running[window.running].row as i64);
+            step.req_pool_indices
+                .push(self.running[window.running].row as i64);
             step.prefix_lens.push(prefix_len);
             step.extend_seq_lens.push(window.slots.len() as i64);
             // Every committed token has a known id.
@@ -478,7 +516,8 @@ impl Trace {
             };
             step.accepted_start.push(prefix_len);
             step.accepted_lengths.push(accepted as i64);
-            step.accepted_slots.extend_from_slice(&window.slots[..accepted]);
+            step.accepted_slots
+                .extend_from_slice(&window.slots[..accepted]);
         }
         for _ in real..batch {
             step.req_pool_indices.push(PADDING_ROW);

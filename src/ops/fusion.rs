@@ -10,8 +10,8 @@ use core::marker::PhantomData;
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
-use burn_tensor::ops::{BoolTensor, IntTensor};
 use burn_tensor::ops::IntTensorOps;
+use burn_tensor::ops::{BoolTensor, IntTensor};
 use burn_tensor::{DType, Shape, TensorData};
 use kvplan_kernels::status::{CODE, EXECUTION, STATUS_LEN};
 
@@ -21,15 +21,28 @@ use super::{
 };
 use crate::error::Error;
 
-type Handles<B> = HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
+type Handles<B> =
+    HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
 
 /// The registered op: which kvplan op, and its scalar arguments.
 #[derive(Debug, Clone)]
 enum Op {
-    MaskedGather { capacity: usize },
-    SegmentGather { capacity: usize, has_start: bool },
-    Plan { swa_window_size: i32, has_lut: bool, has_pool: bool, position_offset: i32 },
-    Prefix { len: usize },
+    MaskedGather {
+        capacity: usize,
+    },
+    SegmentGather {
+        capacity: usize,
+        has_start: bool,
+    },
+    Plan {
+        swa_window_size: i32,
+        has_lut: bool,
+        has_pool: bool,
+        position_offset: i32,
+    },
+    Prefix {
+        len: usize,
+    },
 }
 
 #[derive(Debug)]
@@ -52,7 +65,10 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
                 B::masked_gather(table, rows, pos2d, mask, capacity)
                     .map(|out| vec![out.out, out.count, out.status])
             }
-            Op::SegmentGather { capacity, has_start } => {
+            Op::SegmentGather {
+                capacity,
+                has_start,
+            } => {
                 let (table, rows) = (int(0), int(1));
                 let start = has_start.then(|| int(2));
                 let lengths = int(2 + usize::from(has_start));
@@ -60,7 +76,12 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
                     .map(|out| vec![out.out, out.count, out.status])
             }
             Op::Prefix { len } => Ok(vec![B::int_prefix(int(0), len)]),
-            Op::Plan { swa_window_size, has_lut, has_pool, position_offset } => {
+            Op::Plan {
+                swa_window_size,
+                has_lut,
+                has_pool,
+                position_offset,
+            } => {
                 let plans: Vec<IntTensor<B>> = (0..10).map(&mut int).collect();
                 let mut next = 14;
                 let mut optional = |present: bool| {
@@ -72,8 +93,20 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
                 let full_to_swa = optional(has_lut);
                 let pool = optional(has_pool);
                 let valid_lens = optional(has_pool);
-                let [slot, tokens, positions, prev, num_valid, enable, offsets, seeds, reqs, scratch] =
-                    <[IntTensor<B>; 10]>::try_from(plans).ok().expect("ten plan tensors");
+                let [
+                    slot,
+                    tokens,
+                    positions,
+                    prev,
+                    num_valid,
+                    enable,
+                    offsets,
+                    seeds,
+                    reqs,
+                    scratch,
+                ] = <[IntTensor<B>; 10]>::try_from(plans)
+                    .ok()
+                    .expect("ten plan tensors");
                 let inputs = PlanInputsPrimitive {
                     req_pool_indices: int(10),
                     prefix_lens: int(11),
@@ -144,8 +177,16 @@ fn failed_outputs<B: FusionBackend>(outputs: &[TensorIr], device: &B::Device) ->
         .collect()
 }
 
-fn output_ir<R: FusionRuntime>(tensor_client: &FusionTensor<R>, len: usize, dtype: DType) -> TensorIr {
-    TensorIr::uninit(tensor_client.client.create_empty_handle(), Shape::new([len]), dtype)
+fn output_ir<R: FusionRuntime>(
+    tensor_client: &FusionTensor<R>,
+    len: usize,
+    dtype: DType,
+) -> TensorIr {
+    TensorIr::uninit(
+        tensor_client.client.create_empty_handle(),
+        Shape::new([len]),
+        dtype,
+    )
 }
 
 /// Registers `op` on `inputs` with `outputs` declared; returns the output tensors.
@@ -163,7 +204,12 @@ fn register<B: FusionBackend + KvPlanBackend>(
     client.register(
         streams,
         OperationIr::Custom(desc.clone()),
-        CustomOp::<B> { desc, op, device, _backend: PhantomData },
+        CustomOp::<B> {
+            desc,
+            op,
+            device,
+            _backend: PhantomData,
+        },
     )
 }
 
@@ -176,7 +222,9 @@ fn gather_outputs<R: FusionRuntime>(first: &FusionTensor<R>, capacity: usize) ->
 }
 
 fn into_gather<T>(outputs: Vec<T>) -> GatherOutput<T> {
-    let [out, count, status] = <[T; 3]>::try_from(outputs).ok().expect("three gather outputs");
+    let [out, count, status] = <[T; 3]>::try_from(outputs)
+        .ok()
+        .expect("three gather outputs");
     GatherOutput { out, count, status }
 }
 
@@ -191,7 +239,12 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
         let outputs = gather_outputs(&req_to_token, capacity);
         let inputs = vec![req_to_token, req_pool_indices, pos2d, mask];
         let op = Op::MaskedGather { capacity };
-        Ok(into_gather(register::<B>(op, "kvplan::masked_gather", inputs, outputs)))
+        Ok(into_gather(register::<B>(
+            op,
+            "kvplan::masked_gather",
+            inputs,
+            outputs,
+        )))
     }
 
     fn segment_gather(
@@ -202,15 +255,29 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
         capacity: usize,
     ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
         let outputs = gather_outputs(&req_to_token, capacity);
-        let op = Op::SegmentGather { capacity, has_start: start.is_some() };
-        let inputs = [Some(req_to_token), Some(req_pool_indices), start, Some(lengths)];
+        let op = Op::SegmentGather {
+            capacity,
+            has_start: start.is_some(),
+        };
+        let inputs = [
+            Some(req_to_token),
+            Some(req_pool_indices),
+            start,
+            Some(lengths),
+        ];
         let inputs = inputs.into_iter().flatten().collect();
-        Ok(into_gather(register::<B>(op, "kvplan::segment_gather", inputs, outputs)))
+        Ok(into_gather(register::<B>(
+            op,
+            "kvplan::segment_gather",
+            inputs,
+            outputs,
+        )))
     }
 
     fn int_prefix(tensor: IntTensor<Self>, len: usize) -> IntTensor<Self> {
         let outputs = vec![output_ir(&tensor, len, DType::I64)];
-        let mut outputs = register::<B>(Op::Prefix { len }, "kvplan::prefix", vec![tensor], outputs);
+        let mut outputs =
+            register::<B>(Op::Prefix { len }, "kvplan::prefix", vec![tensor], outputs);
         outputs.remove(0)
     }
 
@@ -245,11 +312,29 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
         };
         let (pool, valid_lens) = inputs.expected_tokens.unzip();
         let mut all = plans;
-        all.extend([inputs.req_pool_indices, inputs.prefix_lens, inputs.extend_seq_lens, inputs.req_to_token]);
+        all.extend([
+            inputs.req_pool_indices,
+            inputs.prefix_lens,
+            inputs.extend_seq_lens,
+            inputs.req_to_token,
+        ]);
         all.extend([inputs.full_to_swa, pool, valid_lens].into_iter().flatten());
         let outputs = register::<B>(op, "kvplan::canary_plan", all, outputs);
-        let [slot, tokens, positions, prev, num_valid, enable, offsets, seeds, reqs, scratch, status] =
-            <[IntTensor<Self>; 11]>::try_from(outputs).ok().expect("eleven plan outputs");
+        let [
+            slot,
+            tokens,
+            positions,
+            prev,
+            num_valid,
+            enable,
+            offsets,
+            seeds,
+            reqs,
+            scratch,
+            status,
+        ] = <[IntTensor<Self>; 11]>::try_from(outputs)
+            .ok()
+            .expect("eleven plan outputs");
         Ok(PlanOutput {
             verify: VerifyPlanPrimitive {
                 slot_indices: slot,

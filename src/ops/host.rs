@@ -4,7 +4,9 @@ use burn_tensor::backend::Backend;
 use burn_tensor::ops::{BoolTensor, IntTensor};
 use burn_tensor::{TensorData, TensorMetadata, try_read_sync};
 
-use super::{GatherOutput, PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
+use super::{
+    GatherOutput, PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive,
+};
 use crate::error::Error;
 use crate::reference::{self, ExpectedTokens, PlanArgs, PlanBuffers, Table};
 use crate::status::{self, StatusWords};
@@ -17,7 +19,10 @@ fn read_int<B: Backend>(tensor: IntTensor<B>) -> Result<(Vec<usize>, Vec<i64>), 
 }
 
 fn read_bool<B: Backend>(tensor: BoolTensor<B>) -> Result<Vec<bool>, Error> {
-    Ok(data_to_i64(&read(B::bool_into_data(tensor))?).into_iter().map(|v| v != 0).collect())
+    Ok(data_to_i64(&read(B::bool_into_data(tensor))?)
+        .into_iter()
+        .map(|v| v != 0)
+        .collect())
 }
 
 fn read<F, E>(future: F) -> Result<TensorData, Error>
@@ -26,8 +31,12 @@ where
     E: core::fmt::Debug,
 {
     try_read_sync(future)
-        .ok_or_else(|| Error::Execution { detail: "cannot block on a read here".into() })?
-        .map_err(|error| Error::Execution { detail: format!("{error:?}") })
+        .ok_or_else(|| Error::Execution {
+            detail: "cannot block on a read here".into(),
+        })?
+        .map_err(|error| Error::Execution {
+            detail: format!("{error:?}"),
+        })
 }
 
 fn upload_i64<B: Backend>(values: Vec<i64>, device: &B::Device) -> IntTensor<B> {
@@ -62,7 +71,10 @@ fn gather_output<B: Backend>(
 
 /// `[rows, cols]` of a validated 2-D tensor.
 fn rows_cols(shape: &[usize]) -> (usize, usize) {
-    (shape.first().copied().unwrap_or(0), shape.get(1).copied().unwrap_or(0))
+    (
+        shape.first().copied().unwrap_or(0),
+        shape.get(1).copied().unwrap_or(0),
+    )
 }
 
 pub(super) fn masked_gather<B: Backend>(
@@ -102,7 +114,10 @@ pub(super) fn segment_gather<B: Backend>(
     let device = B::int_device(&req_to_token);
     let (table_shape, table) = read_int::<B>(req_to_token)?;
     let (_, req_pool_indices) = read_int::<B>(req_pool_indices)?;
-    let start = start.map(read_int::<B>).transpose()?.map(|(_, values)| values);
+    let start = start
+        .map(read_int::<B>)
+        .transpose()?
+        .map(|(_, values)| values);
     let (_, lengths) = read_int::<B>(lengths)?;
     let (rows, cols) = rows_cols(&table_shape);
     let outcome = reference::segment_gather(
@@ -140,7 +155,11 @@ pub(super) fn canary_plan<B: Backend>(
     let (_, prefix_lens) = read_int::<B>(inputs.prefix_lens)?;
     let (_, extend_seq_lens) = read_int::<B>(inputs.extend_seq_lens)?;
     let (table_shape, table) = read_int::<B>(inputs.req_to_token)?;
-    let lut = inputs.full_to_swa.map(read_int::<B>).transpose()?.map(|(_, values)| values);
+    let lut = inputs
+        .full_to_swa
+        .map(read_int::<B>)
+        .transpose()?
+        .map(|(_, values)| values);
     let pool = match inputs.expected_tokens {
         Some((pool, valid_lens)) => Some((read_int::<B>(pool)?, read_int::<B>(valid_lens)?.1)),
         None => None,
@@ -155,7 +174,10 @@ pub(super) fn canary_plan<B: Backend>(
         full_to_swa: lut.as_deref(),
         expected_tokens: pool.as_ref().map(|((shape, values), valid_lens)| {
             let (prow, pcol) = rows_cols(shape);
-            ExpectedTokens { pool: Table::new(prow, pcol, values), valid_lens }
+            ExpectedTokens {
+                pool: Table::new(prow, pcol, values),
+                valid_lens,
+            }
         }),
         position_offset: inputs.position_offset,
     };
@@ -185,7 +207,9 @@ pub(super) fn int_prefix<B: Backend>(tensor: IntTensor<B>, len: usize) -> IntTen
         // `slice` answers an empty range with the backend's default int dtype, not i64.
         return upload_i64::<B>(Vec::new(), &B::int_device(&tensor));
     }
-    burn_tensor::Tensor::<B, 1, burn_tensor::Int>::from_primitive(tensor).slice(0..len).into_primitive()
+    burn_tensor::Tensor::<B, 1, burn_tensor::Int>::from_primitive(tensor)
+        .slice(0..len)
+        .into_primitive()
 }
 
 pub(super) fn read_status<B: Backend>(status: IntTensor<B>) -> Result<StatusWords, Error> {

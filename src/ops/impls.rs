@@ -31,7 +31,13 @@ where
         mask: BoolTensor<Self>,
         capacity: usize,
     ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
-        Ok(super::cube::masked_gather(req_to_token, req_pool_indices, pos2d, mask, capacity))
+        Ok(super::cube::masked_gather(
+            req_to_token,
+            req_pool_indices,
+            pos2d,
+            mask,
+            capacity,
+        ))
     }
 
     fn segment_gather(
@@ -41,7 +47,13 @@ where
         lengths: IntTensor<Self>,
         capacity: usize,
     ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
-        Ok(super::cube::segment_gather(req_to_token, req_pool_indices, start, lengths, capacity))
+        Ok(super::cube::segment_gather(
+            req_to_token,
+            req_pool_indices,
+            start,
+            lengths,
+            capacity,
+        ))
     }
 
     fn canary_plan(
@@ -53,7 +65,11 @@ where
     }
 
     fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {
-        tensor.meta.strides().first().map_or(1, |&stride| stride as i64)
+        tensor
+            .meta
+            .strides()
+            .first()
+            .map_or(1, |&stride| stride as i64)
     }
 
     fn int_prefix(tensor: IntTensor<Self>, len: usize) -> IntTensor<Self> {

@@ -141,7 +141,11 @@ pub trait KvPlanBackend: Backend {
     /// The default assumes a contiguous layout: backends that cannot express strided views have
     /// no other.
     fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {
-        tensor.shape().as_slice().get(1).map_or(1, |&cols| cols as i64)
+        tensor
+            .shape()
+            .as_slice()
+            .get(1)
+            .map_or(1, |&cols| cols as i64)
     }
 
     /// The first `len` values of a 1-D i64 tensor, as an i64 tensor of exactly `len` values (exact

@@ -19,7 +19,9 @@ pub fn masked_gather(
     // Rule 6: an empty table accepts only an all-false mask, and then nothing else is checked.
     if table.cols == 0 {
         if mask.iter().any(|&m| m) {
-            return Err(Error::EmptyTableNonemptyMask { context: context.into() });
+            return Err(Error::EmptyTableNonemptyMask {
+                context: context.into(),
+            });
         }
         return Ok(Vec::new());
     }
@@ -29,12 +31,14 @@ pub fn masked_gather(
     if pos_cols > 0 {
         for i in 0..pos_rows {
             let value = req_pool_indices[row_of(i)];
-            let row = table.row_index(value).ok_or(Error::ReqPoolIndexOutOfRange {
-                context: context.into(),
-                site: Site::Row(i),
-                value,
-                rows: table.rows,
-            })?;
+            let row = table
+                .row_index(value)
+                .ok_or(Error::ReqPoolIndexOutOfRange {
+                    context: context.into(),
+                    site: Site::Row(i),
+                    value,
+                    rows: table.rows,
+                })?;
             rows.push(row);
         }
     }
@@ -47,14 +51,15 @@ pub fn masked_gather(
                 continue;
             }
             let position = pos2d[cell];
-            let col = usize::try_from(position).ok().filter(|&c| c < table.cols).ok_or(
-                Error::PositionOutOfRange {
+            let col = usize::try_from(position)
+                .ok()
+                .filter(|&c| c < table.cols)
+                .ok_or(Error::PositionOutOfRange {
                     context: context.into(),
                     site: Site::Cell(i, j),
                     position,
                     cols: table.cols,
-                },
-            )?;
+                })?;
             out.push(table.at(rows[i], col));
         }
     }
@@ -90,19 +95,23 @@ pub fn segment_gather(
     }
     // Rule 6.
     if table.cols == 0 {
-        return Err(Error::EmptyTableNonemptyMask { context: context.into() });
+        return Err(Error::EmptyTableNonemptyMask {
+            context: context.into(),
+        });
     }
     let row_of = pair_rows(req_pool_indices, starts, width, context)?;
     // Rule 8, over every segment including empty ones.
     let mut rows = Vec::with_capacity(segments);
     for i in 0..segments {
         let value = req_pool_indices[row_of(i)];
-        let row = table.row_index(value).ok_or(Error::ReqPoolIndexOutOfRange {
-            context: context.into(),
-            site: Site::Row(i),
-            value,
-            rows: table.rows,
-        })?;
+        let row = table
+            .row_index(value)
+            .ok_or(Error::ReqPoolIndexOutOfRange {
+                context: context.into(),
+                site: Site::Row(i),
+                value,
+                rows: table.rows,
+            })?;
         rows.push(row);
     }
     // Rule 9: the whole run must lie in [0, cols); the first bad position is reported.
@@ -145,9 +154,19 @@ fn pair_rows(
     } else if n == 1 {
         Ok(identity_or_zero(true))
     } else if pos_rows == 1 {
-        Err(Error::MaskIndexShapeMismatch { context: context.into(), n, rows: pos_rows, cols: pos_cols })
+        Err(Error::MaskIndexShapeMismatch {
+            context: context.into(),
+            n,
+            rows: pos_rows,
+            cols: pos_cols,
+        })
     } else {
-        Err(Error::IndexShapeMismatch { context: context.into(), n, rows: pos_rows, cols: pos_cols })
+        Err(Error::IndexShapeMismatch {
+            context: context.into(),
+            n,
+            rows: pos_rows,
+            cols: pos_cols,
+        })
     }
 }
 

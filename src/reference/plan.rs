@@ -95,8 +95,17 @@ impl Request {
         let window = i64::from(args.swa_window_size);
         let prefix = args.prefix_lens[r];
         // Compare first, so `prefix - window` cannot overflow.
-        let window_start = if window > 0 && prefix > window { prefix - window } else { 0 };
-        Self { row: args.req_pool_indices[r], prefix, extend: args.extend_seq_lens[r], window_start }
+        let window_start = if window > 0 && prefix > window {
+            prefix - window
+        } else {
+            0
+        };
+        Self {
+            row: args.req_pool_indices[r],
+            prefix,
+            extend: args.extend_seq_lens[r],
+            window_start,
+        }
     }
 
     fn is_padding(&self) -> bool {
@@ -109,11 +118,19 @@ impl Request {
     }
 
     fn verify_len(&self) -> i64 {
-        if self.is_padding() { 0 } else { (self.prefix - self.window_start).max(0) }
+        if self.is_padding() {
+            0
+        } else {
+            (self.prefix - self.window_start).max(0)
+        }
     }
 
     fn write_len(&self) -> i64 {
-        if !self.is_padding() && self.extend > 0 { self.extend } else { 0 }
+        if !self.is_padding() && self.extend > 0 {
+            self.extend
+        } else {
+            0
+        }
     }
 
     /// Pool columns `[lo, hi]` read for `valid_len`, if any (`pos + off` in `[0, valid_len)`).
@@ -130,8 +147,9 @@ impl Request {
 /// On a device-checked error (rules 12-17) the buffers are left disabled and the first offender is
 /// returned; the host rules 1-11 are `validate`'s and must have passed.
 pub fn plan(args: &PlanArgs<'_>, buffers: &mut PlanBuffers) -> Result<(), Error> {
-    let requests: Vec<Request> =
-        (0..args.req_pool_indices.len()).map(|r| Request::new(args, r)).collect();
+    let requests: Vec<Request> = (0..args.req_pool_indices.len())
+        .map(|r| Request::new(args, r))
+        .collect();
     if let Err(error) = check(args, &requests) {
         buffers.disable();
         return Err(error);
@@ -141,12 +159,14 @@ pub fn plan(args: &PlanArgs<'_>, buffers: &mut PlanBuffers) -> Result<(), Error>
         Some(lut) if slot >= 0 => lut[slot as usize],
         _ => slot,
     };
-    let slot_at = |request: &Request, position: i64| {
-        xlat(table.at(request.row as usize, position as usize))
-    };
+    let slot_at =
+        |request: &Request, position: i64| xlat(table.at(request.row as usize, position as usize));
 
     // Verify entries, or nothing at all on overflow.
-    let total = requests.iter().map(Request::verify_len).fold(0i64, i64::saturating_add);
+    let total = requests
+        .iter()
+        .map(Request::verify_len)
+        .fold(0i64, i64::saturating_add);
     let capacity = buffers.verify_slot_indices.len();
     if total > capacity as i64 {
         buffers.verify_num_valid = capacity as i32;
@@ -160,8 +180,11 @@ pub fn plan(args: &PlanArgs<'_>, buffers: &mut PlanBuffers) -> Result<(), Error>
             for position in request.window_start..request.prefix {
                 buffers.verify_slot_indices[k] = slot_at(request, position);
                 buffers.verify_expected_positions[k] = position;
-                buffers.verify_prev_slot_indices[k] =
-                    if position == 0 { -1 } else { slot_at(request, position - 1) };
+                buffers.verify_prev_slot_indices[k] = if position == 0 {
+                    -1
+                } else {
+                    slot_at(request, position - 1)
+                };
                 buffers.verify_expected_tokens[k] = expected_token(args, r, request, position);
                 k += 1;
             }
@@ -191,7 +214,9 @@ pub fn plan(args: &PlanArgs<'_>, buffers: &mut PlanBuffers) -> Result<(), Error>
 
 /// `pool[q][pos + off]` when the column is inside the request's valid length, else -1.
 fn expected_token(args: &PlanArgs<'_>, r: usize, request: &Request, position: i64) -> i64 {
-    let Some(expected) = args.expected_tokens else { return -1 };
+    let Some(expected) = args.expected_tokens else {
+        return -1;
+    };
     let column = position + i64::from(args.position_offset);
     if column < 0 || column >= expected.valid_lens[r] {
         return -1;
@@ -202,7 +227,12 @@ fn expected_token(args: &PlanArgs<'_>, r: usize, request: &Request, position: i6
 /// Rules 12-17 in order; within a rule the smallest request (then column) is reported.
 fn check(args: &PlanArgs<'_>, requests: &[Request]) -> Result<(), Error> {
     let table = args.req_to_token;
-    let live = || requests.iter().enumerate().filter(|(_, request)| request.is_live());
+    let live = || {
+        requests
+            .iter()
+            .enumerate()
+            .filter(|(_, request)| request.is_live())
+    };
     for (r, request) in live() {
         if request.row < 0 || request.row as u64 >= table.rows as u64 {
             return Err(Error::ReqPoolIndexOutOfRange {

@@ -17,7 +17,10 @@ pub fn masked_gather<D: PartialEq + Debug>(
     context: &str,
 ) -> Result<(), Error> {
     if pos2d.shape.len() != 2 {
-        return Err(Error::PosNot2d { context: context.into(), shape: pos2d.dims() });
+        return Err(Error::PosNot2d {
+            context: context.into(),
+            shape: pos2d.dims(),
+        });
     }
     if mask.shape != pos2d.shape {
         return Err(Error::MaskShapeMismatch {
@@ -40,9 +43,19 @@ pub fn masked_gather<D: PartialEq + Debug>(
         if n != rows && n != 1 {
             let context = context.to_string();
             return Err(if rows == 1 {
-                Error::MaskIndexShapeMismatch { context, n, rows, cols }
+                Error::MaskIndexShapeMismatch {
+                    context,
+                    n,
+                    rows,
+                    cols,
+                }
             } else {
-                Error::IndexShapeMismatch { context, n, rows, cols }
+                Error::IndexShapeMismatch {
+                    context,
+                    n,
+                    rows,
+                    cols,
+                }
             });
         }
     }

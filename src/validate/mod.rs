@@ -64,9 +64,17 @@ fn require_rank<D>(arg: &Arg<D>, rank: usize, context: &str) -> Result<(), Error
     }
     let (context, name, shape) = (context.to_string(), arg.name, arg.dims());
     Err(if rank == 1 {
-        Error::Not1d { context, name, shape }
+        Error::Not1d {
+            context,
+            name,
+            shape,
+        }
     } else {
-        Error::Not2d { context, name, shape }
+        Error::Not2d {
+            context,
+            name,
+            shape,
+        }
     })
 }
 

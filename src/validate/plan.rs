@@ -53,7 +53,9 @@ pub fn allocation(field: &'static str, capacity: usize) -> Result<(), Error> {
 pub fn plan<D: PartialEq + Debug>(args: &PlanArgs<D>) -> Result<(), Error> {
     let context = PLAN_CONTEXT;
     if args.swa_window_size > 0 && args.full_to_swa.is_none() {
-        return Err(Error::MissingLutForSwa { window: args.swa_window_size });
+        return Err(Error::MissingLutForSwa {
+            window: args.swa_window_size,
+        });
     }
     if args.verify_capacity != args.plan_verify_capacity {
         return Err(Error::CapacityMismatch {
@@ -88,21 +90,34 @@ pub fn plan<D: PartialEq + Debug>(args: &PlanArgs<D>) -> Result<(), Error> {
         }
     }
     let bs = args.req_pool_indices.dim(0);
-    let per_request = [Some(&args.prefix_lens), Some(&args.extend_seq_lens), args.valid_lens.as_ref()];
+    let per_request = [
+        Some(&args.prefix_lens),
+        Some(&args.extend_seq_lens),
+        args.valid_lens.as_ref(),
+    ];
     for arg in per_request.iter().flatten() {
         if arg.dim(0) != bs {
-            return Err(Error::LengthMismatch { name: arg.name, len: arg.dim(0), bs });
+            return Err(Error::LengthMismatch {
+                name: arg.name,
+                len: arg.dim(0),
+                bs,
+            });
         }
     }
     if args.full_to_swa.as_ref().is_some_and(|lut| lut.dim(0) == 0) {
         return Err(Error::EmptyLut);
     }
     if bs > args.write_req_capacity {
-        return Err(Error::BsExceedsWriteCapacity { bs, capacity: args.write_req_capacity });
+        return Err(Error::BsExceedsWriteCapacity {
+            bs,
+            capacity: args.write_req_capacity,
+        });
     }
     let (rows, cols) = (args.req_to_token.dim(0), args.req_to_token.dim(1));
     if rows >= 1 && cols >= 1 && args.req_to_token_row_stride <= 0 {
-        return Err(Error::ReqToTokenStride { stride: args.req_to_token_row_stride });
+        return Err(Error::ReqToTokenStride {
+            stride: args.req_to_token_row_stride,
+        });
     }
     Ok(())
 }

@@ -36,7 +36,12 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
     words[SCRATCH_ERROR] = NO_ERROR;
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
-    let dtypes = [storage(&req_to_token), storage(&req_pool_indices), storage(&pos2d), storage(&mask)];
+    let dtypes = [
+        storage(&req_to_token),
+        storage(&req_pool_indices),
+        storage(&pos2d),
+        storage(&mask),
+    ];
     let shape = MaskedShapeLaunch::new(
         rows as u64,
         cols as u64,
@@ -85,7 +90,11 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     } else if cols == 0 {
         (GATHER_EMPTY_TABLE, [0, 0])
     } else if n != starts && n != 1 {
-        let code = if starts == 1 { GATHER_MASK_INDEX_SHAPE } else { GATHER_INDEX_SHAPE };
+        let code = if starts == 1 {
+            GATHER_MASK_INDEX_SHAPE
+        } else {
+            GATHER_INDEX_SHAPE
+        };
         (code, [n as i64, starts as i64])
     } else {
         (0, [0, 0])
@@ -103,9 +112,16 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
     let has_start = start.is_some();
-    let (req_pool_indices, lengths) = (bindable(widened(req_pool_indices)), bindable(widened(lengths)));
+    let (req_pool_indices, lengths) = (
+        bindable(widened(req_pool_indices)),
+        bindable(widened(lengths)),
+    );
     let start = start.map_or_else(|| lengths.clone(), |start| bindable(widened(start)));
-    let types = [storage(&req_pool_indices), storage(&start), storage(&lengths)];
+    let types = [
+        storage(&req_pool_indices),
+        storage(&start),
+        storage(&lengths),
+    ];
     let shape = || {
         SegmentShapeLaunch::new(
             rows as u64,

@@ -15,25 +15,48 @@ pub(crate) use plan::canary_plan;
 
 /// A contiguous i64 tensor of `len` values (uninitialised).
 fn empty_i64<R: CubeRuntime>(like: &CubeTensor<R>, len: usize) -> CubeTensor<R> {
-    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), Shape::new([len]), DType::I64)
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::new([len]),
+        DType::I64,
+    )
 }
 
 /// `len` values backed by at least one element: zero-sized bindings are not valid everywhere.
 fn output_i64<R: CubeRuntime>(like: &CubeTensor<R>, len: usize) -> CubeTensor<R> {
     let buffer = empty_i64(like, len.max(1));
-    CubeTensor::new_contiguous(buffer.client, buffer.device, Shape::new([len]), buffer.handle, DType::I64)
+    CubeTensor::new_contiguous(
+        buffer.client,
+        buffer.device,
+        Shape::new([len]),
+        buffer.handle,
+        DType::I64,
+    )
 }
 
 /// A u64 buffer uploaded from the host (scratch words that must start at known values).
 fn upload_u64<R: CubeRuntime>(like: &CubeTensor<R>, words: &[u64]) -> CubeTensor<R> {
     let handle = like.client.create_from_slice(bytemuck::cast_slice(words));
-    CubeTensor::new_contiguous(like.client.clone(), like.device.clone(), Shape::new([words.len()]), handle, DType::U64)
+    CubeTensor::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::new([words.len()]),
+        handle,
+        DType::U64,
+    )
 }
 
 /// An i64 buffer uploaded from the host.
 fn upload_i64<R: CubeRuntime>(like: &CubeTensor<R>, words: &[i64]) -> CubeTensor<R> {
     let handle = like.client.create_from_slice(bytemuck::cast_slice(words));
-    CubeTensor::new_contiguous(like.client.clone(), like.device.clone(), Shape::new([words.len()]), handle, DType::I64)
+    CubeTensor::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::new([words.len()]),
+        handle,
+        DType::I64,
+    )
 }
 
 /// The tensor itself, or a one-element stand-in when it is empty (kernels never read it then:
@@ -44,7 +67,12 @@ fn bindable<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
     }
     let dtype = tensor.dtype;
     let rank = tensor.shape().num_dims().max(1);
-    let buffer = empty_device_contiguous_dtype(tensor.client.clone(), tensor.device.clone(), Shape::new([1]), dtype);
+    let buffer = empty_device_contiguous_dtype(
+        tensor.client.clone(),
+        tensor.device.clone(),
+        Shape::new([1]),
+        dtype,
+    );
     let shape = Shape::from(vec![1; rank]);
     CubeTensor::new_contiguous(buffer.client, buffer.device, shape, buffer.handle, dtype)
 }
@@ -73,7 +101,12 @@ fn grid(cubes: usize) -> (CubeCount, usize) {
 /// Cubes for a grid-stride loop over at most `elements` values: enough to fill the device, never
 /// more than the work needs.
 fn resident_cubes<R: CubeRuntime>(like: &CubeTensor<R>, elements: usize) -> usize {
-    let sms = like.client.properties().hardware.num_streaming_multiprocessors.unwrap_or(8) as usize;
+    let sms = like
+        .client
+        .properties()
+        .hardware
+        .num_streaming_multiprocessors
+        .unwrap_or(8) as usize;
     let per_cube = 4 * kvplan_kernels::scan::CUBE_SIZE as usize;
     elements.div_ceil(per_cube).clamp(1, sms * 8)
 }

@@ -4,19 +4,23 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::TensorMetadata;
 use cubecl::prelude::*;
-use kvplan_kernels::plan::{PlanFeatures, PlanShapeLaunch, plan_entries_kernel, plan_requests_kernel};
+use kvplan_kernels::plan::{
+    PlanFeatures, PlanShapeLaunch, plan_entries_kernel, plan_requests_kernel,
+};
 use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
-use super::{
-    bindable, dims2, grid, output_i64, resident_cubes, storage, upload_i64, widened,
-};
+use super::{bindable, dims2, grid, output_i64, resident_cubes, storage, upload_i64, widened};
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
 
 /// A plan buffer the kernels may write: the caller's own buffer when no one else holds it,
 /// otherwise a copy (Burn tensors are values: a clone elsewhere must not change).
 fn writable<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
-    if tensor.can_mut() { tensor } else { tensor.copy() }
+    if tensor.can_mut() {
+        tensor
+    } else {
+        tensor.copy()
+    }
 }
 
 pub(crate) fn canary_plan<R: CubeRuntime>(
@@ -34,7 +38,11 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         words[CODE] = PLAN_STRIDE;
         words[FACTS] = stride;
         let status = upload_i64(&table, &words);
-        return PlanOutput { verify, write, status };
+        return PlanOutput {
+            verify,
+            write,
+            status,
+        };
     }
     let requests = inputs.req_pool_indices.shape()[0];
     let verify_capacity = verify.slot_indices.shape()[0];
@@ -45,8 +53,14 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         pool: inputs.expected_tokens.is_some(),
     };
     // Without a LUT every slot counts as inside it (the kernels compare against this length).
-    let lut_len = inputs.full_to_swa.as_ref().map_or(i64::MAX as usize, |lut| lut.shape()[0]);
-    let (pool_rows, pool_cols) = inputs.expected_tokens.as_ref().map_or((0, 0), |(pool, _)| dims2(pool));
+    let lut_len = inputs
+        .full_to_swa
+        .as_ref()
+        .map_or(i64::MAX as usize, |lut| lut.shape()[0]);
+    let (pool_rows, pool_cols) = inputs
+        .expected_tokens
+        .as_ref()
+        .map_or((0, 0), |(pool, _)| dims2(pool));
     let (entries_grid, cubes) = grid(resident_cubes(&table, verify_capacity.max(write_capacity)));
     let shape = || {
         PlanShapeLaunch::new(
@@ -79,7 +93,14 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         Some((pool, valid_lens)) => (bindable(pool), bindable(widened(valid_lens))),
         None => (stand_in(), stand_in()),
     };
-    let [slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_valid, enable] = [
+    let [
+        slot_indices,
+        expected_tokens,
+        expected_positions,
+        prev_slot_indices,
+        num_valid,
+        enable,
+    ] = [
         verify.slot_indices,
         verify.expected_tokens,
         verify.expected_positions,
@@ -157,7 +178,12 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             num_valid,
             enable,
         },
-        write: WritePlanPrimitive { offsets, seed_slot_indices: seeds, num_valid_reqs, scratch },
+        write: WritePlanPrimitive {
+            offsets,
+            seed_slot_indices: seeds,
+            num_valid_reqs,
+            scratch,
+        },
         status,
     }
 }
