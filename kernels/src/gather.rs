@@ -6,7 +6,8 @@ use cubecl::prelude::*;
 
 use crate::scan::{
     CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOT_PREFIX, SLOTS, TILE_ROWS, VALUE_MASK,
-    cube_exclusive_scan, look_back, publish_block_done, report_error, scan_rows, take_ticket,
+    cube_exclusive_scan, find_row, look_back, publish_block_done, report_error, scan_rows,
+    take_ticket,
 };
 use crate::status::{
     CODE, COUNT, FACTS, GATHER_CAPACITY, GATHER_EMPTY_TABLE, GATHER_POSITION, GATHER_ROW,
@@ -341,7 +342,7 @@ pub fn segment_expand_kernel<T: Int, Q: Int, S: Int, L: Int>(
     let stride = (CUBE_COUNT * CUBE_SIZE as usize) as u64;
     let mut k = ABSOLUTE_POS as u64;
     while k < end {
-        let i = find_segment(offsets, shape.segments, k);
+        let i = find_row(offsets, shape.segments, k);
         let row = row_of(req_pool_indices, i, shape.shared_row);
         let first = segment_start(start, i, has_start);
         let position = first as u64 + (k - offsets[i as usize] as u64);
@@ -349,22 +350,6 @@ pub fn segment_expand_kernel<T: Int, Q: Int, S: Int, L: Int>(
         out[k as usize] = i64::cast_from(table[at]);
         k += stride;
     }
-}
-
-/// The segment owning value `k`: the largest `i < segments` with `offsets[i] <= k`.
-#[cube]
-fn find_segment(offsets: &Tensor<i64>, segments: u64, k: u64) -> u64 {
-    let mut low = 0u64;
-    let mut high = segments;
-    while high - low > 1 {
-        let mid = (low + high) / 2;
-        if offsets[mid as usize] as u64 <= k {
-            low = mid;
-        } else {
-            high = mid;
-        }
-    }
-    low
 }
 
 /// `start[i]`, or 0 without starts.

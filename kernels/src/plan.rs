@@ -11,7 +11,8 @@ use cubecl::prelude::*;
 
 use crate::gather::clear_status;
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOT_DONE, SLOTS, cube_exclusive_scan, report_error,
+    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOTS, cube_exclusive_scan, find_row, publish_block_done,
+    report_error,
 };
 use crate::status::{
     CODE, FACTS, PLAN_POOL_POSITION, PLAN_POOL_ROW, PLAN_POSITION, PLAN_ROW, PLAN_SWA_SLOT,
@@ -402,7 +403,7 @@ pub fn plan_entries_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: In
     let mut lut_key = NO_ERROR.runtime();
     let mut k = ABSOLUTE_POS as u64;
     while k < total {
-        let r = find_request(verify_offsets, shape.requests, k);
+        let r = find_row(verify_offsets, shape.requests, k);
         let request = load_request(
             req_pool_indices,
             prefix_lens,
@@ -461,8 +462,7 @@ pub fn plan_entries_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: In
     }
     sync_cube();
     let dependency = broadcast[SLOT_DEPENDENCY];
-    let last =
-        publish_block_done_modular(&scratch[PLAN_DONE], shape.cubes, dependency, &mut broadcast);
+    let last = publish_block_done(&scratch[PLAN_DONE], shape.cubes, dependency, &mut broadcast);
     if last && UNIT_POS == 0 {
         let total = scratch[PLAN_TOTAL].load();
         finish_plan(
@@ -485,22 +485,6 @@ pub fn plan_entries_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: In
 }
 
 /// [`publish_block_done`] for a counter that is never reset: each call adds exactly `cubes`, so
-/// the last cube of a call is the one whose increment reaches a multiple of `cubes`.
-#[cube]
-fn publish_block_done_modular(
-    done: &Atomic<u64>,
-    cubes: u64,
-    dependency: u64,
-    broadcast: &mut SharedMemory<u64>,
-) -> bool {
-    if UNIT_POS == 0 {
-        broadcast[SLOT_DONE] = done.fetch_add(1u64 + dependency);
-    }
-    sync_cube();
-    let finished = broadcast[SLOT_DONE];
-    sync_cube();
-    (finished + 1) % cubes == 0
-}
 
 /// Keeps `old >> 63` (always 0) of an error report in the cube's dependency slot.
 #[cube]
@@ -509,22 +493,6 @@ fn keep_dependency(old: u64, broadcast: &mut SharedMemory<u64>) {
     if bit != 0 {
         broadcast[SLOT_DEPENDENCY] = bit;
     }
-}
-
-/// The request owning verify entry `k`: the largest `r < requests` with `offsets[r] <= k`.
-#[cube]
-fn find_request(offsets: &Tensor<i64>, requests: u64, k: u64) -> u64 {
-    let mut low = 0u64;
-    let mut high = requests;
-    while high - low > 1 {
-        let mid = (low + high) / 2;
-        if offsets[mid as usize] as u64 <= k {
-            low = mid;
-        } else {
-            high = mid;
-        }
-    }
-    low
 }
 
 /// The last cube: the first failing rule in order (then the smallest request, then column), the

@@ -109,6 +109,9 @@ pub fn report_error(key_word: &Atomic<u64>, key: u64) -> u64 {
 
 /// Counts this cube as done; returns true, in every unit, for the last cube to finish.
 ///
+/// The counter is never reset: each launch adds exactly `cubes`, so the last cube of a launch is
+/// the one whose increment reaches a multiple of `cubes` (a persistent counter needs no clearing).
+///
 /// `dependency` is `old >> 63` of the cube's error reports and ordered stores (always 0): adding
 /// it makes the increment wait for those atomics, so the last cube sees every one of them.
 #[cube]
@@ -124,7 +127,7 @@ pub fn publish_block_done(
     sync_cube();
     let finished = broadcast[SLOT_DONE];
     sync_cube();
-    finished + 1u64 == cubes
+    (finished + 1) % cubes == 0
 }
 
 /// Rows per tile of a row scan (one per unit).
@@ -151,4 +154,20 @@ pub fn scan_rows(
     let prefix = broadcast[slot];
     sync_cube();
     prefix + rank
+}
+
+/// The row owning element `k`: the largest `r < rows` with `offsets[r] <= k` (offsets ascending).
+#[cube]
+pub fn find_row(offsets: &Tensor<i64>, rows: u64, k: u64) -> u64 {
+    let mut low = 0u64;
+    let mut high = rows;
+    while high - low > 1 {
+        let mid = (low + high) / 2;
+        if offsets[mid as usize] as u64 <= k {
+            low = mid;
+        } else {
+            high = mid;
+        }
+    }
+    low
 }
