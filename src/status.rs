@@ -190,3 +190,28 @@ pub fn decode(words: &StatusWords, context: &str) -> Result<usize, Error> {
     };
     Err(error)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fused op that failed inside its lazily executed stream reports it through the status.
+    #[test]
+    fn execution_code_decodes_to_execution_error() {
+        let mut words = [0; STATUS_LEN];
+        words[CODE] = EXECUTION;
+        let error = decode(&words, "ctx").unwrap_err();
+        assert_eq!(error.kind(), "execution");
+    }
+
+    /// The device-side stride check of fused backends decodes to the host rule's error.
+    #[test]
+    fn stride_code_round_trips() {
+        let words = encode(&Err(Error::ReqToTokenStride { stride: 0 }));
+        assert_eq!(words[CODE], PLAN_STRIDE);
+        assert_eq!(
+            decode(&words, ""),
+            Err(Error::ReqToTokenStride { stride: 0 })
+        );
+    }
+}
