@@ -294,6 +294,130 @@ pub enum Error {
         request: usize,
     },
 
+    // ---- kv-canary write and verify (spec canary-write-verify.md §10) ----
+    /// A source's `page_size < 1`.
+    #[error("kv-canary: RealKvSource.page_size must be >= 1, got {page_size}")]
+    SourcePageSize {
+        /// The page size given.
+        page_size: i64,
+    },
+    /// A source's strip width is not a positive multiple of 16.
+    #[error(
+        "kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of 16, got {num_bytes_per_token}"
+    )]
+    SourceNumBytesPerToken {
+        /// The width given.
+        num_bytes_per_token: i64,
+    },
+    /// A source's `read_bytes` is not a positive multiple of 16 within the strip.
+    #[error(
+        "kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in (0, num_bytes_per_token={num_bytes_per_token}], got {read_bytes}"
+    )]
+    SourceReadBytes {
+        /// The value given.
+        read_bytes: i64,
+        /// The source's strip width.
+        num_bytes_per_token: i64,
+    },
+    /// A source tensor of rank below 2.
+    #[error("kv-canary: RealKvSource.tensor must be at least 2-D, got shape {shape}")]
+    SourceNot2d {
+        /// Its shape.
+        shape: Dims,
+    },
+    /// A source row stride that is not a multiple of 16 bytes.
+    #[error(
+        "kv-canary: RealKvSource.tensor row stride must be a multiple of 16 bytes, got {row_bytes} bytes (shape={shape}, dtype={dtype})"
+    )]
+    SourceRowStride {
+        /// The row stride in bytes.
+        row_bytes: usize,
+        /// The tensor's shape.
+        shape: Dims,
+        /// Its dtype.
+        dtype: String,
+    },
+    /// More than 4 sources in one launch.
+    #[error("kv-canary: at most 4 RealKvSource entries supported by the CUDA ABI, got {count}")]
+    TooManySources {
+        /// Sources given.
+        count: usize,
+    },
+    /// The write input assert is on but an expected array is missing.
+    #[error("kv-canary: expected input tensors are required when enable_write_input_assert=True")]
+    ExpectedInputsMissing,
+    /// The write input assert is off but expected arrays were given.
+    #[error("kv-canary: expected input tensors must be None when enable_write_input_assert=False")]
+    ExpectedInputsUnexpected,
+    /// The write step's token arrays differ in length.
+    #[error("kv-canary: {name} has length {len}, expected {expected} (the length of input_ids)")]
+    TokenArraysLength {
+        /// The array that differs.
+        name: &'static str,
+        /// Its length.
+        len: usize,
+        /// The length of `input_ids`.
+        expected: usize,
+    },
+    /// `write_offsets` is not `K + 1` long.
+    #[error(
+        "canary_write: write_offsets.size(0) must equal write_req_capacity + 1 ({expected}), got {len}"
+    )]
+    WriteOffsetsLength {
+        /// `K + 1`.
+        expected: usize,
+        /// Its length.
+        len: usize,
+    },
+    /// The verify plan's arrays differ in length.
+    #[error(
+        "kv-canary: {name} has length {len}, expected {expected} (the length of verify_slot_indices)"
+    )]
+    VerifyPlanLength {
+        /// The array that differs.
+        name: &'static str,
+        /// Its length.
+        len: usize,
+        /// The length of `verify_slot_indices`.
+        expected: usize,
+    },
+    /// A canary slot stride that is not a multiple of 8 bytes.
+    #[error("kv-canary: canary_buf slot stride must be a multiple of 8 bytes, got {slot_stride_bytes}")]
+    SlotStrideNotMultipleOf8 {
+        /// The stride given.
+        slot_stride_bytes: usize,
+    },
+    /// A canary slot stride below the 4 record fields.
+    #[error(
+        "kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got {}", slot_stride_bytes / 8
+    )]
+    SlotStrideTooSmall {
+        /// The stride given, in bytes.
+        slot_stride_bytes: usize,
+    },
+    /// A source row narrower than its slots' strips, under a fingerprinting mode.
+    #[error(
+        "kv-canary: RealKvSource row is too narrow for its slot layout: dim-1 is {row_bytes} bytes but page_size={page_size} x num_bytes_per_token={num_bytes_per_token} needs {}", page_size * num_bytes_per_token
+    )]
+    SourceRowTooNarrow {
+        /// Bytes per row.
+        row_bytes: usize,
+        /// Slots per row.
+        page_size: usize,
+        /// Strip width.
+        num_bytes_per_token: usize,
+    },
+    /// A canary argument of the wrong dtype or shape (token arrays are i64 `[T]`, flags i32 `[1]`).
+    #[error("kv-canary: {name} must be {accepted}, got {got}")]
+    CanaryArgument {
+        /// The argument.
+        name: &'static str,
+        /// Its dtype and shape.
+        got: String,
+        /// What is accepted.
+        accepted: &'static str,
+    },
+
     /// The device failed to run or read back an op (not an input error).
     #[error("kvplan: device execution failed: {detail}")]
     Execution {
@@ -339,6 +463,21 @@ impl Error {
             Error::ExpectedPoolRowOutOfRange { .. } => "expected_pool_row_out_of_range",
             Error::ExpectedPoolPositionOutOfRange { .. } => "expected_pool_position_out_of_range",
             Error::WriteOffsetsOverflow { .. } => "write_offsets_overflow",
+            Error::SourcePageSize { .. } => "source_page_size",
+            Error::SourceNumBytesPerToken { .. } => "source_num_bytes_per_token",
+            Error::SourceReadBytes { .. } => "source_read_bytes",
+            Error::SourceNot2d { .. } => "source_not_2d",
+            Error::SourceRowStride { .. } => "source_row_stride",
+            Error::TooManySources { .. } => "too_many_sources",
+            Error::ExpectedInputsMissing => "expected_inputs_missing",
+            Error::ExpectedInputsUnexpected => "expected_inputs_unexpected",
+            Error::TokenArraysLength { .. } => "token_arrays_length",
+            Error::WriteOffsetsLength { .. } => "write_offsets_length",
+            Error::VerifyPlanLength { .. } => "verify_plan_length",
+            Error::SlotStrideNotMultipleOf8 { .. } => "slot_stride_not_multiple_of_8",
+            Error::SlotStrideTooSmall { .. } => "slot_stride_too_small",
+            Error::SourceRowTooNarrow { .. } => "source_row_too_narrow",
+            Error::CanaryArgument { .. } => "canary_argument",
             Error::CorruptStatus { .. } => "corrupt_status",
             Error::Execution { .. } => "execution",
         }

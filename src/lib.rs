@@ -18,7 +18,10 @@ pub mod reference;
 pub mod status;
 pub mod validate;
 
-pub use canary::{PlanInputs, PlanStatus, VerifyPlan, WritePlan, plan, plan_deferred};
+pub use canary::{
+    Canary, CanaryLaunch, PlanInputs, PlanStatus, RealKvSource, VerifyPlan, WriteInputs,
+    WritePlan, plan, plan_deferred,
+};
 pub use error::{Error, Result};
 pub use gather::{
     CapacityGather, GatherStatus, masked_gather, masked_gather_with_capacity, segment_gather,

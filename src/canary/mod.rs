@@ -1,5 +1,12 @@
-//! The kv-canary: per-step plans of which KV slots to verify and where new tokens' records go.
+//! The kv-canary: per-step plans of which KV slots to verify and where new tokens' records go
+//! (`plan`), and the canary that writes those records and verifies them (`Canary`).
 
 mod plan;
+mod state;
 
+pub use crate::reference::RealKvHashMode;
+pub use crate::reference::canary::CanaryState;
 pub use plan::{PlanInputs, PlanStatus, VerifyPlan, WritePlan, plan, plan_deferred, read_plans};
+pub use state::{
+    Canary, CanaryLaunch, FailReasons, RealKvSource, Violation, Violations, WriteInputs,
+};

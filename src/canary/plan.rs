@@ -77,6 +77,45 @@ impl<B: KvPlanBackend> VerifyPlan<B> {
             .expect("VerifyPlan tensors are only lent out during plan")
     }
 
+    pub(crate) fn primitive(&self) -> &VerifyPlanPrimitive<IntTensor<B>> {
+        self.tensors()
+    }
+
+    /// A plan from existing tensors (a plan built elsewhere, tests, conformance scenarios): the
+    /// four i64 arrays of one length `V` (`0` allowed) and the i32 `[1]` counts.
+    pub fn from_tensors(
+        slot_indices: Tensor<B, 1, Int>,
+        expected_tokens: Tensor<B, 1, Int>,
+        expected_positions: Tensor<B, 1, Int>,
+        prev_slot_indices: Tensor<B, 1, Int>,
+        num_valid: Tensor<B, 1, Int>,
+        enable: Tensor<B, 1, Int>,
+    ) -> Result<Self, Error> {
+        validate::canary::verify_plan(
+            &[
+                arg("verify_slot_indices", &slot_indices),
+                arg("verify_expected_tokens", &expected_tokens),
+                arg("verify_expected_positions", &expected_positions),
+                arg("verify_prev_slot_indices", &prev_slot_indices),
+            ],
+            &[arg("verify_num_valid", &num_valid), arg("enable", &enable)],
+        )?;
+        let capacity = slot_indices.dims()[0];
+        let device = slot_indices.device();
+        Ok(Self {
+            tensors: Some(VerifyPlanPrimitive {
+                slot_indices: slot_indices.into_primitive(),
+                expected_tokens: expected_tokens.into_primitive(),
+                expected_positions: expected_positions.into_primitive(),
+                prev_slot_indices: prev_slot_indices.into_primitive(),
+                num_valid: num_valid.into_primitive(),
+                enable: enable.into_primitive(),
+            }),
+            capacity,
+            device,
+        })
+    }
+
     /// `verify_slot_indices`, i64 `[V]`.
     pub fn slot_indices(&self) -> Tensor<B, 1, Int> {
         Tensor::from_primitive(self.tensors().slot_indices.clone())
@@ -143,6 +182,38 @@ impl<B: KvPlanBackend> WritePlan<B> {
         self.tensors
             .as_ref()
             .expect("WritePlan tensors are only lent out during plan")
+    }
+
+    pub(crate) fn primitive(&self) -> &WritePlanPrimitive<IntTensor<B>> {
+        self.tensors()
+    }
+
+    /// A plan from existing tensors (a plan built elsewhere, tests, conformance scenarios):
+    /// i64 `write_offsets [K+1]` and `write_seed_slot_indices [K]` (`K = 0` allowed), i32 `[1]`
+    /// `write_num_valid_reqs`.
+    pub fn from_tensors(
+        offsets: Tensor<B, 1, Int>,
+        seed_slot_indices: Tensor<B, 1, Int>,
+        num_valid_reqs: Tensor<B, 1, Int>,
+    ) -> Result<Self, Error> {
+        validate::canary::write_plan(
+            &arg("write_offsets", &offsets),
+            &arg("write_seed_slot_indices", &seed_slot_indices),
+            &arg("write_num_valid_reqs", &num_valid_reqs),
+        )?;
+        let capacity = seed_slot_indices.dims()[0];
+        let device = offsets.device();
+        let scratch = fresh_write::<B>(0, &device).scratch;
+        Ok(Self {
+            tensors: Some(WritePlanPrimitive {
+                offsets: offsets.into_primitive(),
+                seed_slot_indices: seed_slot_indices.into_primitive(),
+                num_valid_reqs: num_valid_reqs.into_primitive(),
+                scratch,
+            }),
+            capacity,
+            device,
+        })
     }
 
     /// `write_offsets`, i64 `[K+1]`.
@@ -342,6 +413,9 @@ pub fn plan_deferred<B: KvPlanBackend>(
     write: &mut WritePlan<B>,
     inputs: PlanInputs<B>,
 ) -> Result<PlanStatus<B>, Error> {
+    // Plans built `from_tensors` may be empty; the plan op needs room for an entry and a request.
+    validate::allocation("verify_capacity", verify.capacity)?;
+    validate::allocation("write_req_capacity", write.capacity)?;
     validate::plan(&inputs.host_args(verify, write))?;
     // The op consumes the plans' tensors and hands them back: CubeCL then writes in place.
     let (Some(verify_tensors), Some(write_tensors)) = (verify.tensors.take(), write.tensors.take())

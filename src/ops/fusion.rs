@@ -16,10 +16,12 @@ use burn_tensor::{DType, Shape, TensorData};
 use kvplan_kernels::status::{CODE, EXECUTION, STATUS_LEN};
 
 use super::{
-    GatherOutput, KvPlanBackend, PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive,
-    WritePlanPrimitive,
+    CanaryLaunchOf, CanaryLaunchPrimitive, CanaryPrimitive, GatherOutput, KvBytes, KvPlanBackend,
+    PlanInputsPrimitive, PlanOutput, SourceLayout, SourcePrimitive, VerifyPlanPrimitive,
+    WriteInputsPrimitive, WritePlanPrimitive,
 };
 use crate::error::Error;
+use crate::reference::RealKvHashMode;
 
 type Handles<B> =
     HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
@@ -43,6 +45,58 @@ enum Op {
     Prefix {
         len: usize,
     },
+    CanaryWrite {
+        canary: CanaryShape,
+        launch: LaunchMeta,
+        has_expected: bool,
+        has_chain_flag: bool,
+    },
+    CanaryVerify {
+        canary: CanaryShape,
+        launch: LaunchMeta,
+    },
+}
+
+/// The scalar part of a `CanaryPrimitive`.
+#[derive(Debug, Clone, Copy)]
+struct CanaryShape {
+    num_slots: usize,
+    slot_words: usize,
+    ring_capacity: usize,
+}
+
+/// The scalar part of a `CanaryLaunchPrimitive`: sources travel as op inputs.
+#[derive(Debug, Clone)]
+struct LaunchMeta {
+    kernel_kind: i32,
+    mode: RealKvHashMode,
+    check_expected_token: bool,
+    /// Per source: its layout and whether it is a float tensor.
+    sources: Vec<(SourceLayout, bool)>,
+}
+
+impl LaunchMeta {
+    /// Splits a launch into its scalars and its source tensors (registered as inputs).
+    fn split<T>(launch: CanaryLaunchPrimitive<T, T>) -> (Self, Vec<T>) {
+        let mut tensors = Vec::new();
+        let sources = launch
+            .sources
+            .into_iter()
+            .map(|source| {
+                let is_float = matches!(source.tensor, KvBytes::Float(_));
+                let (KvBytes::Float(tensor) | KvBytes::Int(tensor)) = source.tensor;
+                tensors.push(tensor);
+                (source.layout, is_float)
+            })
+            .collect();
+        let meta = Self {
+            kernel_kind: launch.kernel_kind,
+            mode: launch.mode,
+            check_expected_token: launch.check_expected_token,
+            sources,
+        };
+        (meta, tensors)
+    }
 }
 
 #[derive(Debug)]
@@ -76,6 +130,47 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
                     .map(|out| vec![out.out, out.count, out.status])
             }
             Op::Prefix { len } => Ok(vec![B::int_prefix(int(0), len)]),
+            Op::CanaryWrite {
+                canary,
+                ref launch,
+                has_expected,
+                has_chain_flag,
+            } => {
+                let state = canary_state(canary, int(0), int(1), int(2));
+                let plan = WritePlanPrimitive {
+                    offsets: int(3),
+                    seed_slot_indices: int(4),
+                    num_valid_reqs: int(5),
+                    scratch: int(6),
+                };
+                let (input_ids, positions, out_cache_loc) = (int(7), int(8), int(9));
+                let expected_inputs = has_expected.then(|| (int(10), int(11)));
+                let flag_at = 10 + 2 * usize::from(has_expected);
+                let chain_position_assert = has_chain_flag.then(|| int(flag_at));
+                let inputs = WriteInputsPrimitive {
+                    input_ids,
+                    positions,
+                    out_cache_loc,
+                    expected_inputs,
+                    chain_position_assert,
+                };
+                let first_source = flag_at + usize::from(has_chain_flag);
+                let launch = inner_launch::<B>(handles, launch, &self.desc.inputs[first_source..]);
+                B::canary_write(state, plan, inputs, launch).map(canary_outputs)
+            }
+            Op::CanaryVerify { canary, ref launch } => {
+                let state = canary_state(canary, int(0), int(1), int(2));
+                let plan = VerifyPlanPrimitive {
+                    slot_indices: int(3),
+                    expected_tokens: int(4),
+                    expected_positions: int(5),
+                    prev_slot_indices: int(6),
+                    num_valid: int(7),
+                    enable: int(8),
+                };
+                let launch = inner_launch::<B>(handles, launch, &self.desc.inputs[9..]);
+                B::canary_verify(state, plan, launch).map(canary_outputs)
+            }
             Op::Plan {
                 swa_window_size,
                 has_lut,
@@ -155,6 +250,82 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
         for (ir, tensor) in outputs.iter().zip(tensors) {
             handles.register_int_tensor::<B>(&ir.id, tensor);
         }
+    }
+}
+
+impl CanaryShape {
+    fn of<T>(canary: &CanaryPrimitive<T>) -> Self {
+        Self {
+            num_slots: canary.num_slots,
+            slot_words: canary.slot_words,
+            ring_capacity: canary.ring_capacity,
+        }
+    }
+}
+
+/// Registers a canary op whose first three inputs (buffer, ring, counters) come back as outputs
+/// of the same shapes and dtypes.
+fn register_canary<B: FusionBackend + KvPlanBackend>(
+    op: Op,
+    name: &'static str,
+    inputs: Vec<FusionTensor<B::FusionRuntime>>,
+    shape: CanaryShape,
+) -> CanaryPrimitive<FusionTensor<B::FusionRuntime>> {
+    let outputs = inputs[..3]
+        .iter()
+        .map(|state| {
+            TensorIr::uninit(
+                state.client.create_empty_handle(),
+                state.shape.clone(),
+                state.dtype,
+            )
+        })
+        .collect();
+    let [buffer, ring, counters] = <[_; 3]>::try_from(register::<B>(op, name, inputs, outputs))
+        .ok()
+        .expect("three canary outputs");
+    canary_state(shape, buffer, ring, counters)
+}
+
+fn canary_state<T>(shape: CanaryShape, buffer: T, ring: T, counters: T) -> CanaryPrimitive<T> {
+    CanaryPrimitive {
+        buffer,
+        ring,
+        counters,
+        num_slots: shape.num_slots,
+        slot_words: shape.slot_words,
+        ring_capacity: shape.ring_capacity,
+    }
+}
+
+fn canary_outputs<T>(canary: CanaryPrimitive<T>) -> Vec<T> {
+    vec![canary.buffer, canary.ring, canary.counters]
+}
+
+/// The inner backend's launch: the source tensors fetched by kind from `inputs`.
+fn inner_launch<B: FusionBackend>(
+    handles: &mut Handles<B>,
+    meta: &LaunchMeta,
+    inputs: &[TensorIr],
+) -> CanaryLaunchOf<B> {
+    let sources = meta
+        .sources
+        .iter()
+        .zip(inputs)
+        .map(|(&(layout, is_float), ir)| SourcePrimitive {
+            tensor: if is_float {
+                KvBytes::Float(handles.get_float_tensor::<B>(ir))
+            } else {
+                KvBytes::Int(handles.get_int_tensor::<B>(ir))
+            },
+            layout,
+        })
+        .collect();
+    CanaryLaunchPrimitive {
+        kernel_kind: meta.kernel_kind,
+        mode: meta.mode,
+        sources,
+        check_expected_token: meta.check_expected_token,
     }
 }
 
@@ -279,6 +450,68 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
         let mut outputs =
             register::<B>(Op::Prefix { len }, "kvplan::prefix", vec![tensor], outputs);
         outputs.remove(0)
+    }
+
+    fn canary_write(
+        canary: CanaryPrimitive<IntTensor<Self>>,
+        plan: WritePlanPrimitive<IntTensor<Self>>,
+        inputs: WriteInputsPrimitive<IntTensor<Self>>,
+        launch: CanaryLaunchOf<Self>,
+    ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
+        let (meta, sources) = LaunchMeta::split(launch);
+        let shape = CanaryShape::of(&canary);
+        let op = Op::CanaryWrite {
+            canary: shape,
+            launch: meta,
+            has_expected: inputs.expected_inputs.is_some(),
+            has_chain_flag: inputs.chain_position_assert.is_some(),
+        };
+        let (expected_tokens, expected_positions) = inputs.expected_inputs.unzip();
+        let mut all = vec![
+            canary.buffer,
+            canary.ring,
+            canary.counters,
+            plan.offsets,
+            plan.seed_slot_indices,
+            plan.num_valid_reqs,
+            plan.scratch,
+            inputs.input_ids,
+            inputs.positions,
+            inputs.out_cache_loc,
+        ];
+        all.extend(
+            [expected_tokens, expected_positions, inputs.chain_position_assert]
+                .into_iter()
+                .flatten(),
+        );
+        all.extend(sources);
+        Ok(register_canary::<B>(op, "kvplan::canary_write", all, shape))
+    }
+
+    fn canary_verify(
+        canary: CanaryPrimitive<IntTensor<Self>>,
+        plan: VerifyPlanPrimitive<IntTensor<Self>>,
+        launch: CanaryLaunchOf<Self>,
+    ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
+        let (meta, sources) = LaunchMeta::split(launch);
+        let shape = CanaryShape::of(&canary);
+        let op = Op::CanaryVerify {
+            canary: shape,
+            launch: meta,
+        };
+        let mut all = vec![
+            canary.buffer,
+            canary.ring,
+            canary.counters,
+            plan.slot_indices,
+            plan.expected_tokens,
+            plan.expected_positions,
+            plan.prev_slot_indices,
+            plan.num_valid,
+            plan.enable,
+        ];
+        all.extend(sources);
+        Ok(register_canary::<B>(op, "kvplan::canary_verify", all, shape))
     }
 
     fn canary_plan(

@@ -8,7 +8,8 @@ use super::{
     GatherOutput, PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive,
 };
 use crate::error::Error;
-use crate::reference::{self, ExpectedTokens, PlanArgs, PlanBuffers, Table};
+use crate::reference::canary::{Launch, SourceBytes, VerifyArgs, WriteArgs};
+use crate::reference::{self, CanaryState, ExpectedTokens, PlanArgs, PlanBuffers, Table};
 use crate::status::{self, StatusWords};
 
 /// An int tensor's values as i64, row-major, with its shape.
@@ -247,4 +248,167 @@ pub fn data_to_i64(data: &TensorData) -> Vec<i64> {
         DType::Bool(_) => read!(u8),
         _ => data.iter::<i64>().collect(),
     }
+}
+
+/// An int tensor's values as i64 (one read-back).
+pub(crate) fn read_ints<B: Backend>(tensor: IntTensor<B>) -> Result<Vec<i64>, Error> {
+    Ok(read_int::<B>(tensor)?.1)
+}
+
+/// A source's bytes, read back (little-endian, whatever the dtype).
+fn read_source<B: Backend>(
+    source: super::SourcePrimitive<burn_tensor::ops::FloatTensor<B>, IntTensor<B>>,
+) -> Result<(Vec<u8>, super::SourceLayout), Error> {
+    let data = match source.tensor {
+        super::KvBytes::Float(tensor) => read(B::float_into_data(tensor))?,
+        super::KvBytes::Int(tensor) => read(B::int_into_data(tensor))?,
+    };
+    Ok((data.bytes.to_vec(), source.layout))
+}
+
+fn read_canary<B: Backend>(canary: &super::CanaryPrimitive<IntTensor<B>>) -> Result<CanaryState, Error> {
+    let buffer = read_int::<B>(canary.buffer.clone())?.1;
+    let ring = read_int::<B>(canary.ring.clone())?.1;
+    let counters = read_int::<B>(canary.counters.clone())?.1;
+    let mut state = CanaryState::zeroed(canary.num_slots, canary.slot_words, canary.ring_capacity);
+    let words = state.buffer.len();
+    state.buffer.copy_from_slice(&buffer[..words]);
+    for (row, values) in state.ring.iter_mut().zip(ring.chunks_exact(8)) {
+        row.copy_from_slice(values);
+    }
+    use kvplan_kernels::canary::{KERNEL_RUN, SLOT_RUN, WRITE_INDEX};
+    state.write_index = counters[WRITE_INDEX];
+    state.slot_run_counter = counters[SLOT_RUN];
+    state.kernel_run_counter = counters[KERNEL_RUN];
+    Ok(state)
+}
+
+/// Uploads a host state into tensors shaped like `like`'s (at least one buffer and ring row).
+pub(crate) fn upload_canary<B: Backend>(
+    state: &CanaryState,
+    device: &B::Device,
+) -> super::CanaryPrimitive<IntTensor<B>> {
+    use kvplan_kernels::canary::{COUNTERS, KERNEL_RUN, ROW_WORDS, SLOT_RUN, WRITE_INDEX};
+    let (num_slots, slot_words) = (state.num_slots(), state.slot_stride_words);
+    let mut buffer = state.buffer.clone();
+    buffer.resize(num_slots.max(1) * slot_words, 0);
+    let mut ring: Vec<i64> = state.ring.iter().flatten().copied().collect();
+    ring.resize(state.ring.len().max(1) * ROW_WORDS, 0);
+    let mut counters = [0i64; COUNTERS];
+    counters[WRITE_INDEX] = state.write_index;
+    counters[SLOT_RUN] = state.slot_run_counter;
+    counters[KERNEL_RUN] = state.kernel_run_counter;
+    let upload = |values: Vec<i64>, shape: [usize; 2]| {
+        B::int_from_data(TensorData::new(values, shape), device)
+    };
+    super::CanaryPrimitive {
+        buffer: upload(buffer, [num_slots.max(1), slot_words]),
+        ring: upload(ring, [state.ring.len().max(1), ROW_WORDS]),
+        counters: upload_i64::<B>(counters.to_vec(), device),
+        num_slots,
+        slot_words,
+        ring_capacity: state.ring.len(),
+    }
+}
+
+fn read_sources<B: Backend>(
+    sources: Vec<super::SourcePrimitive<burn_tensor::ops::FloatTensor<B>, IntTensor<B>>>,
+) -> Result<Vec<(Vec<u8>, super::SourceLayout)>, Error> {
+    sources.into_iter().map(read_source::<B>).collect()
+}
+
+fn source_views(sources: &[(Vec<u8>, super::SourceLayout)]) -> Vec<SourceBytes<'_>> {
+    sources
+        .iter()
+        .map(|(bytes, layout)| SourceBytes {
+            bytes,
+            row_bytes: layout.row_bytes,
+            page_size: layout.page_size,
+            num_bytes_per_token: layout.num_bytes_per_token,
+            read_bytes: layout.read_bytes,
+        })
+        .collect()
+}
+
+pub(super) fn canary_write<B: Backend>(
+    canary: super::CanaryPrimitive<IntTensor<B>>,
+    plan: WritePlanPrimitive<IntTensor<B>>,
+    inputs: super::WriteInputsPrimitive<IntTensor<B>>,
+    launch: super::CanaryLaunchOf<B>,
+) -> Result<super::CanaryPrimitive<IntTensor<B>>, Error> {
+    let device = B::int_device(&canary.buffer);
+    let mut state = read_canary::<B>(&canary)?;
+    let offsets = read_int::<B>(plan.offsets)?.1;
+    let seeds = read_int::<B>(plan.seed_slot_indices)?.1;
+    let num_valid_reqs = read_int::<B>(plan.num_valid_reqs)?.1[0] as i32;
+    let input_ids = read_int::<B>(inputs.input_ids)?.1;
+    let positions = read_int::<B>(inputs.positions)?.1;
+    let out_cache_loc = read_int::<B>(inputs.out_cache_loc)?.1;
+    let expected = match inputs.expected_inputs {
+        Some((tokens, positions)) => Some((read_int::<B>(tokens)?.1, read_int::<B>(positions)?.1)),
+        None => None,
+    };
+    let chain_position_assert = match inputs.chain_position_assert {
+        Some(flag) => read_int::<B>(flag)?.1.first().is_some_and(|&v| v != 0),
+        None => false,
+    };
+    let sources = read_sources::<B>(launch.sources)?;
+    let views = source_views(&sources);
+    let args = WriteArgs {
+        offsets: &offsets,
+        seed_slot_indices: &seeds,
+        num_valid_reqs,
+        input_ids: &input_ids,
+        positions: &positions,
+        out_cache_loc: &out_cache_loc,
+        expected_inputs: expected.as_ref().map(|(t, p)| (t.as_slice(), p.as_slice())),
+        chain_position_assert,
+    };
+    let launch = Launch {
+        kernel_kind: launch.kernel_kind,
+        mode: launch.mode,
+        sources: &views,
+    };
+    reference::canary::write(&mut state, &args, &launch);
+    Ok(upload_canary::<B>(&state, &device))
+}
+
+pub(super) fn canary_verify<B: Backend>(
+    canary: super::CanaryPrimitive<IntTensor<B>>,
+    plan: VerifyPlanPrimitive<IntTensor<B>>,
+    launch: super::CanaryLaunchOf<B>,
+) -> Result<super::CanaryPrimitive<IntTensor<B>>, Error> {
+    let device = B::int_device(&canary.buffer);
+    let mut state = read_canary::<B>(&canary)?;
+    let slot_indices = read_int::<B>(plan.slot_indices)?.1;
+    let expected_tokens = read_int::<B>(plan.expected_tokens)?.1;
+    let expected_positions = read_int::<B>(plan.expected_positions)?.1;
+    let prev_slot_indices = read_int::<B>(plan.prev_slot_indices)?.1;
+    let num_valid = read_int::<B>(plan.num_valid)?.1[0] as i32;
+    let enable = read_int::<B>(plan.enable)?.1[0] as i32;
+    let sources = read_sources::<B>(launch.sources)?;
+    let views = source_views(&sources);
+    let args = VerifyArgs {
+        slot_indices: &slot_indices,
+        expected_tokens: &expected_tokens,
+        expected_positions: &expected_positions,
+        prev_slot_indices: &prev_slot_indices,
+        num_valid,
+        enable,
+        check_expected_token: launch.check_expected_token,
+    };
+    let launch = Launch {
+        kernel_kind: launch.kernel_kind,
+        mode: launch.mode,
+        sources: &views,
+    };
+    reference::canary::verify(&mut state, &args, &launch);
+    Ok(upload_canary::<B>(&state, &device))
+}
+
+/// Reads a canary's whole state back (tests, conformance, `Canary::state`).
+pub(crate) fn canary_state<B: Backend>(
+    canary: &super::CanaryPrimitive<IntTensor<B>>,
+) -> Result<CanaryState, Error> {
+    read_canary::<B>(canary)
 }

@@ -9,8 +9,8 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use burn_tensor::ops::{BoolTensor, IntTensor};
 
 use super::{
-    GatherOutput, KvPlanBackend, PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive,
-    WritePlanPrimitive,
+    CanaryLaunchOf, CanaryPrimitive, GatherOutput, KvBytes, KvPlanBackend, PlanInputsPrimitive,
+    PlanOutput, SourcePrimitive, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
 };
 use crate::error::Error;
 use crate::status::StatusWords;
@@ -64,6 +64,23 @@ where
         Ok(super::cube::canary_plan(verify, write, inputs))
     }
 
+    fn canary_write(
+        canary: CanaryPrimitive<IntTensor<Self>>,
+        plan: WritePlanPrimitive<IntTensor<Self>>,
+        inputs: WriteInputsPrimitive<IntTensor<Self>>,
+        launch: CanaryLaunchOf<Self>,
+    ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
+        Ok(super::cube::canary_write(canary, plan, inputs, launch))
+    }
+
+    fn canary_verify(
+        canary: CanaryPrimitive<IntTensor<Self>>,
+        plan: VerifyPlanPrimitive<IntTensor<Self>>,
+        launch: CanaryLaunchOf<Self>,
+    ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
+        Ok(super::cube::canary_verify(canary, plan, launch))
+    }
+
     fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {
         tensor
             .meta
@@ -112,6 +129,23 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         B::canary_plan(verify, write, inputs)
     }
 
+    fn canary_write(
+        canary: CanaryPrimitive<IntTensor<Self>>,
+        plan: WritePlanPrimitive<IntTensor<Self>>,
+        inputs: WriteInputsPrimitive<IntTensor<Self>>,
+        launch: CanaryLaunchOf<Self>,
+    ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
+        B::canary_write(canary, plan, inputs, inner_launch::<B, C>(launch))
+    }
+
+    fn canary_verify(
+        canary: CanaryPrimitive<IntTensor<Self>>,
+        plan: VerifyPlanPrimitive<IntTensor<Self>>,
+        launch: CanaryLaunchOf<Self>,
+    ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
+        B::canary_verify(canary, plan, inner_launch::<B, C>(launch))
+    }
+
     fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {
         B::int_row_stride(tensor)
     }
@@ -122,5 +156,28 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
 
     fn read_status(status: IntTensor<Self>) -> Result<StatusWords, Error> {
         B::read_status(status)
+    }
+}
+
+/// The launch with float sources unwrapped from their autodiff nodes (bytes are only read).
+fn inner_launch<B: KvPlanBackend, C: CheckpointStrategy>(
+    launch: CanaryLaunchOf<Autodiff<B, C>>,
+) -> CanaryLaunchOf<B> {
+    let sources = launch
+        .sources
+        .into_iter()
+        .map(|source| SourcePrimitive {
+            tensor: match source.tensor {
+                KvBytes::Float(tensor) => KvBytes::Float(tensor.primitive),
+                KvBytes::Int(tensor) => KvBytes::Int(tensor),
+            },
+            layout: source.layout,
+        })
+        .collect();
+    super::CanaryLaunchPrimitive {
+        kernel_kind: launch.kernel_kind,
+        mode: launch.mode,
+        sources,
+        check_expected_token: launch.check_expected_token,
     }
 }

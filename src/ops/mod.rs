@@ -11,12 +11,14 @@ mod host;
 mod impls;
 
 pub use host::data_to_i64;
+pub(crate) use host::{canary_state, read_ints, upload_canary};
 
 use burn_tensor::TensorMetadata;
 use burn_tensor::backend::Backend;
-use burn_tensor::ops::{BoolTensor, IntTensor};
+use burn_tensor::ops::{BoolTensor, FloatTensor, IntTensor};
 
 use crate::error::Error;
+use crate::reference::RealKvHashMode;
 
 // The structs below are generic over the int primitive `T` (`IntTensor<B>`) rather than the
 // backend, so that backends sharing a primitive (`Autodiff<B>` and `B`) share the types too.
@@ -96,6 +98,88 @@ pub struct PlanOutput<T> {
     pub status: T,
 }
 
+/// A canary's device state.
+#[derive(Debug, Clone)]
+pub struct CanaryPrimitive<T> {
+    /// i64 `[max(N, 1), S / 8]`: the slot records.
+    pub buffer: T,
+    /// i64 `[max(C, 1), 8]`: the violation ring.
+    pub ring: T,
+    /// i64 `[3]`: write index, `slot_run_counter`, `kernel_run_counter`
+    /// (`kvplan_kernels::canary::{WRITE_INDEX, SLOT_RUN, KERNEL_RUN}`).
+    pub counters: T,
+    /// `N` (the buffer keeps at least one row: zero-sized buffers are not bindable everywhere).
+    pub num_slots: usize,
+    /// `S / 8`.
+    pub slot_words: usize,
+    /// `C` (the ring keeps at least one row, for the same reason).
+    pub ring_capacity: usize,
+}
+
+/// The bytes of a real-KV source: a float or an int tensor, never copied.
+#[derive(Debug, Clone)]
+pub enum KvBytes<F, I> {
+    /// A float tensor (any float dtype).
+    Float(F),
+    /// An int tensor (any int dtype).
+    Int(I),
+}
+
+/// A real-KV source's layout in bytes (spec §4.2), validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceLayout {
+    /// Rows of the byte matrix.
+    pub rows: usize,
+    /// Bytes per row (the row stride), a multiple of 16.
+    pub row_bytes: usize,
+    /// Slots per row.
+    pub page_size: usize,
+    /// Bytes per slot strip, a positive multiple of 16.
+    pub num_bytes_per_token: usize,
+    /// Bytes `ALL` folds, a positive multiple of 16, at most the strip.
+    pub read_bytes: usize,
+}
+
+/// A real-KV source as primitives.
+#[derive(Debug, Clone)]
+pub struct SourcePrimitive<F, I> {
+    /// The tensor whose bytes are read.
+    pub tensor: KvBytes<F, I>,
+    /// How its bytes map to slots.
+    pub layout: SourceLayout,
+}
+
+/// What a write or verify launch takes besides its plan.
+#[derive(Debug, Clone)]
+pub struct CanaryLaunchPrimitive<F, I> {
+    /// `kernel_kind`, stamped into every row.
+    pub kernel_kind: i32,
+    /// `real_kv_hash_mode`.
+    pub mode: RealKvHashMode,
+    /// At most 4 sources, in fold order.
+    pub sources: Vec<SourcePrimitive<F, I>>,
+    /// Verify only: `check_verify_expected_token`.
+    pub check_expected_token: bool,
+}
+
+/// A write step's token arrays (i64 `[T]` each).
+#[derive(Debug, Clone)]
+pub struct WriteInputsPrimitive<T> {
+    /// Token ids.
+    pub input_ids: T,
+    /// Positions.
+    pub positions: T,
+    /// Canary slot per token; negative skips the token.
+    pub out_cache_loc: T,
+    /// `(expected_input_tokens, expected_input_positions)`: the input assert is on when given.
+    pub expected_inputs: Option<(T, T)>,
+    /// i32 `[1]` `enable_chain_position_assert`; `None` is off.
+    pub chain_position_assert: Option<T>,
+}
+
+/// The launch arguments of a backend `B`.
+pub type CanaryLaunchOf<B> = CanaryLaunchPrimitive<FloatTensor<B>, IntTensor<B>>;
+
 /// kvplan's ops as a Burn backend extension (burn-vision style).
 ///
 /// Implemented for every backend kvplan knows: the CubeCL ones (`CubeBackend`, `Fusion`,
@@ -153,6 +237,27 @@ pub trait KvPlanBackend: Backend {
     /// zero-sized allocation when `len` is 0.
     fn int_prefix(tensor: IntTensor<Self>, len: usize) -> IntTensor<Self> {
         host::int_prefix::<Self>(tensor, len)
+    }
+
+    /// kv-canary write (spec `canary-write-verify.md` §6): stores the records of the plan's active
+    /// requests into the canary, appends assert rows, counts. The canary is consumed and handed
+    /// back (written in place when unique). Host rules have been checked by the caller.
+    fn canary_write(
+        canary: CanaryPrimitive<IntTensor<Self>>,
+        plan: WritePlanPrimitive<IntTensor<Self>>,
+        inputs: WriteInputsPrimitive<IntTensor<Self>>,
+        launch: CanaryLaunchOf<Self>,
+    ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
+        host::canary_write::<Self>(canary, plan, inputs, launch)
+    }
+
+    /// kv-canary verify (spec §7): checks the plan's active entries, appends a row per mismatch.
+    fn canary_verify(
+        canary: CanaryPrimitive<IntTensor<Self>>,
+        plan: VerifyPlanPrimitive<IntTensor<Self>>,
+        launch: CanaryLaunchOf<Self>,
+    ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
+        host::canary_verify::<Self>(canary, plan, launch)
     }
 
     /// Reads a status record back to the host: the single transfer of a checked call.

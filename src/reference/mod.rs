@@ -4,10 +4,12 @@
 //! trait's default methods run on backends without CubeCL. Inputs are i64 whatever the tensors'
 //! dtypes were; shape-level rules (ranks, dtypes, devices) have been checked by `validate` before.
 
+pub mod canary;
 mod gather;
 mod plan;
 
 pub use gather::{masked_gather, segment_gather};
+pub use canary::{CanaryState, RealKvHashMode};
 pub use plan::{ExpectedTokens, PlanArgs, PlanBuffers, plan};
 
 /// A row-major 2-D integer table (`req_to_token`, the expected-token pool).

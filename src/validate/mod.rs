@@ -4,6 +4,7 @@
 //! functions that never touch device memory and never panic. Data-dependent rules live with the
 //! ops (kernels and reference) and come back through a status record.
 
+pub mod canary;
 mod gather;
 mod plan;
 

@@ -1,6 +1,7 @@
 //! `KvPlanBackend` for `CubeBackend`: the CubeCL launchers. Each talks to the CubeCL client
 //! directly: allocate outputs, launch once, never read back (the public API reads the status).
 
+mod canary;
 mod gather;
 mod plan;
 
@@ -10,6 +11,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::{DType, Shape, TensorMetadata};
 use cubecl::prelude::*;
 
+pub(crate) use canary::{canary_verify, canary_write};
 pub(crate) use gather::{masked_gather, segment_gather};
 pub(crate) use plan::canary_plan;
 
@@ -33,6 +35,16 @@ fn output_i64<R: CubeRuntime>(like: &CubeTensor<R>, len: usize) -> CubeTensor<R>
         buffer.handle,
         DType::I64,
     )
+}
+
+/// A buffer the kernels may write: the caller's own buffer when no one else holds it, otherwise a
+/// copy (Burn tensors are values: a clone elsewhere must not change).
+fn writable<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+    if tensor.can_mut() {
+        tensor
+    } else {
+        tensor.copy()
+    }
 }
 
 /// A u64 buffer uploaded from the host (scratch words that must start at known values).

@@ -10,18 +10,10 @@ use kvplan_kernels::plan::{
 use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
-use super::{bindable, dims2, grid, output_i64, resident_cubes, storage, upload_i64, widened};
+use super::{
+    bindable, dims2, grid, output_i64, resident_cubes, storage, upload_i64, widened, writable,
+};
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
-
-/// A plan buffer the kernels may write: the caller's own buffer when no one else holds it,
-/// otherwise a copy (Burn tensors are values: a clone elsewhere must not change).
-fn writable<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
-    if tensor.can_mut() {
-        tensor
-    } else {
-        tensor.copy()
-    }
-}
 
 pub(crate) fn canary_plan<R: CubeRuntime>(
     verify: VerifyPlanPrimitive<CubeTensor<R>>,

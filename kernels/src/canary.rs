@@ -1,0 +1,585 @@
+//! kv-canary write and verify (spec `canary-write-verify.md` §6-§9): one launch each.
+//!
+//! Every i64 array is bound as `u64` (same bits): equality is the same, hashing needs logical
+//! shifts, and a negative value is read from its sign bit. A slot outside the buffer, a source row
+//! outside a source and an offset outside the token arrays are never dereferenced (§11): reads
+//! there give 0 and writes are dropped.
+//!
+//! Write: request `r` is owned by one unit, which walks its entries in order and keeps the chain
+//! value in a register; that serial fold is the only serial part. Fingerprints depend only on the
+//! slot, so under a real-KV mode a separate set of cubes folds them for every entry in parallel
+//! and stores field 3, which the chain walk never touches.
+//!
+//! Verify: one entry per unit, grid-striding; one atomic per violation row.
+
+use cubecl::prelude::*;
+
+use crate::hash::{mix, mix3};
+use crate::scan::CUBE_SIZE;
+
+/// Counter word: violations ever recorded (`violation_write_index`).
+pub const WRITE_INDEX: usize = 0;
+/// Counter word: `slot_run_counter`.
+pub const SLOT_RUN: usize = 1;
+/// Counter word: `kernel_run_counter`.
+pub const KERNEL_RUN: usize = 2;
+/// Counter words.
+pub const COUNTERS: usize = 3;
+/// i64 words of a violation row.
+pub const ROW_WORDS: usize = 8;
+/// `MAX_REAL_KV_SOURCES`.
+pub const MAX_SOURCES: usize = 4;
+/// `mix(CANARY_CHAIN_ANCHOR)`: the link of a chain head.
+pub const ANCHOR_LINK: u64 = 0xDE7F_AE23_A9A1_B716;
+
+/// `RealKvHashMode::NONE`.
+pub const MODE_NONE: u8 = 0;
+/// `RealKvHashMode::PARTIAL`.
+pub const MODE_PARTIAL: u8 = 1;
+/// `RealKvHashMode::ALL`.
+pub const MODE_ALL: u8 = 2;
+
+const FAIL_CHAIN: u64 = 1;
+const FAIL_VERIFY_POSITION: u64 = 2;
+const FAIL_REAL_KV: u64 = 4;
+const FAIL_WRITE_TOKEN: u64 = 8;
+const FAIL_WRITE_POSITION: u64 = 16;
+const FAIL_VERIFY_TOKEN: u64 = 32;
+
+/// The canary's shape and the launch's scalars.
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+pub struct CanaryShape {
+    /// `N`.
+    pub num_slots: u64,
+    /// `S / 8`.
+    pub slot_words: u64,
+    /// `C`.
+    pub ring_capacity: u64,
+    /// Plan capacity: `K` (write) or `V` (verify).
+    pub capacity: u64,
+    /// Length `T` of the token arrays (write).
+    pub tokens: u64,
+    /// Cubes that walk request chains (write).
+    pub chain_cubes: u64,
+    /// Units of the grid-stride loop (fingerprints for write, entries for verify).
+    pub stride_units: u64,
+    /// `kernel_kind`, sign-extended.
+    pub kernel_kind: u64,
+}
+
+/// One real-KV source, in u64 words (all its byte sizes are multiples of 16).
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+pub struct SourceLayout {
+    /// Words bound.
+    pub words: u64,
+    /// Words per row (the row stride).
+    pub row_words: u64,
+    /// Slots per row.
+    pub page_size: u64,
+    /// Words per slot strip.
+    pub strip_words: u64,
+    /// Words `ALL` folds.
+    pub read_words: u64,
+}
+
+/// Compile-time switches of a launch.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub struct CanaryFeatures {
+    /// `MODE_NONE`, `MODE_PARTIAL` or `MODE_ALL`.
+    pub mode: u8,
+    /// Sources bound (0..=4); unused bindings are stand-ins.
+    pub sources: u8,
+    /// Write: `enable_write_input_assert`.
+    pub input_assert: bool,
+    /// Write: a chain-position flag tensor is bound.
+    pub chain_assert: bool,
+    /// Verify: `check_verify_expected_token`.
+    pub check_token: bool,
+}
+
+impl CanaryFeatures {
+    /// Whether records carry a fingerprint.
+    pub fn fingerprints(&self) -> bool {
+        self.mode != MODE_NONE && self.sources > 0
+    }
+}
+
+/// A slot record's fields 0..3.
+#[derive(CubeType, Clone, Copy)]
+struct Record {
+    token: u64,
+    position: u64,
+    chain: u64,
+    real_kv: u64,
+}
+
+/// The record of `slot`, zeros when the slot is outside the buffer.
+#[cube]
+fn read_record(buffer: &Tensor<u64>, slot: u64, shape: &CanaryShape) -> Record {
+    let mut record = Record {
+        token: 0u64.runtime(),
+        position: 0u64.runtime(),
+        chain: 0u64.runtime(),
+        real_kv: 0u64.runtime(),
+    };
+    if slot < shape.num_slots {
+        let base = (slot * shape.slot_words) as usize;
+        record.token = buffer[base];
+        record.position = buffer[base + 1];
+        record.chain = buffer[base + 2];
+        record.real_kv = buffer[base + 3];
+    }
+    record
+}
+
+/// `link(s)`: anchor for a negative slot, else the mix of the slot's record.
+#[cube]
+fn link(buffer: &Tensor<u64>, slot: u64, shape: &CanaryShape) -> u64 {
+    let mut value = ANCHOR_LINK.runtime();
+    if slot >> 63 == 0 {
+        let record = read_record(buffer, slot, shape);
+        value = mix3(record.chain, record.token, record.position);
+    }
+    value
+}
+
+/// One source's fold of `slot`'s strip: `PARTIAL` folds 2 words, `ALL` `read_words`.
+#[cube]
+fn fold_strip(source: &Tensor<u64>, layout: &SourceLayout, slot: u64, #[comptime] mode: u8) -> u64 {
+    let start = (slot / layout.page_size) * layout.row_words
+        + (slot % layout.page_size) * layout.strip_words;
+    let words = if comptime![mode == MODE_PARTIAL] {
+        2u64.runtime()
+    } else {
+        layout.read_words
+    };
+    let mut h = 0u64.runtime();
+    for k in 0..words {
+        let index = start + k;
+        let mut word = 0u64.runtime();
+        if index < layout.words {
+            word = source[index as usize];
+        }
+        h = mix(h ^ word);
+    }
+    h
+}
+
+/// `fp(s)` over the bound sources, in launch order.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fingerprint(
+    sources: &Sources,
+    layouts: &Layouts,
+    slot: u64,
+    #[comptime] features: CanaryFeatures,
+) -> u64 {
+    let mut acc = 0u64.runtime();
+    if comptime![features.sources > 0] {
+        acc = mix(acc ^ fold_strip(&sources.s0, &layouts.l0, slot, features.mode));
+    }
+    if comptime![features.sources > 1] {
+        acc = mix(acc ^ fold_strip(&sources.s1, &layouts.l1, slot, features.mode));
+    }
+    if comptime![features.sources > 2] {
+        acc = mix(acc ^ fold_strip(&sources.s2, &layouts.l2, slot, features.mode));
+    }
+    if comptime![features.sources > 3] {
+        acc = mix(acc ^ fold_strip(&sources.s3, &layouts.l3, slot, features.mode));
+    }
+    acc
+}
+
+/// The four source bindings (stand-ins past `features.sources`).
+#[derive(CubeType, CubeLaunch)]
+pub struct Sources {
+    /// Source 0.
+    pub s0: Tensor<u64>,
+    /// Source 1.
+    pub s1: Tensor<u64>,
+    /// Source 2.
+    pub s2: Tensor<u64>,
+    /// Source 3.
+    pub s3: Tensor<u64>,
+}
+
+/// The four source layouts.
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+pub struct Layouts {
+    /// Source 0.
+    pub l0: SourceLayout,
+    /// Source 1.
+    pub l1: SourceLayout,
+    /// Source 2.
+    pub l2: SourceLayout,
+    /// Source 3.
+    pub l3: SourceLayout,
+}
+
+/// Stores a violation row at ring index `index` when the ring has room there.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_row(
+    ring: &mut Tensor<u64>,
+    index: u64,
+    shape: &CanaryShape,
+    slot: u64,
+    position: u64,
+    stored_token: u64,
+    expected_token: u64,
+    chain: u64,
+    expected_aux: u64,
+    bits: u64,
+) {
+    if index < shape.ring_capacity {
+        let base = index as usize * ROW_WORDS;
+        ring[base] = shape.kernel_kind;
+        ring[base + 1] = slot;
+        ring[base + 2] = position;
+        ring[base + 3] = stored_token;
+        ring[base + 4] = expected_token;
+        ring[base + 5] = chain;
+        ring[base + 6] = expected_aux;
+        ring[base + 7] = bits;
+    }
+}
+
+/// `clamp(value, 0, capacity)` of a device i32 count.
+#[cube]
+fn active_count(count: &Tensor<i32>, capacity: u64) -> u64 {
+    let value = count[0];
+    let mut active = 0u64.runtime();
+    if value > 0 {
+        active = u64::cast_from(value);
+    }
+    if active > capacity {
+        active = capacity;
+    }
+    active
+}
+
+/// `offsets[r]` clamped into `[0, tokens]` (out-of-range offsets are a precondition, §11).
+#[cube]
+fn token_offset(offsets: &Tensor<u64>, r: u64, tokens: u64) -> u64 {
+    let offset = offsets[r as usize];
+    let mut clamped = offset;
+    if offset >> 63 == 1 {
+        clamped = 0u64;
+    }
+    if clamped > tokens {
+        clamped = tokens;
+    }
+    clamped
+}
+
+/// Write (spec §6). Cubes `[0, chain_cubes)` walk one request per unit; under a real-KV mode the
+/// remaining cubes fold fingerprints over all active entries.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn canary_write_kernel(
+    buffer: &mut Tensor<u64>,
+    ring: &mut Tensor<u64>,
+    counters: &Tensor<Atomic<u64>>,
+    offsets: &Tensor<u64>,
+    seeds: &Tensor<u64>,
+    num_valid_reqs: &Tensor<i32>,
+    input_ids: &Tensor<u64>,
+    positions: &Tensor<u64>,
+    out_cache_loc: &Tensor<u64>,
+    expected_tokens: &Tensor<u64>,
+    expected_positions: &Tensor<u64>,
+    chain_assert: &Tensor<i32>,
+    sources: &Sources,
+    layouts: &Layouts,
+    shape: CanaryShape,
+    #[comptime] features: CanaryFeatures,
+) {
+    let requests = active_count(num_valid_reqs, shape.capacity);
+    if (CUBE_POS as u64) < shape.chain_cubes {
+        let r = CUBE_POS as u64 * CUBE_SIZE as u64 + UNIT_POS as u64;
+        if r == 0 {
+            counters[KERNEL_RUN].fetch_add(1u64);
+        }
+        if r < requests {
+            write_request(
+                buffer,
+                ring,
+                counters,
+                offsets,
+                seeds,
+                input_ids,
+                positions,
+                out_cache_loc,
+                expected_tokens,
+                expected_positions,
+                chain_assert,
+                r,
+                &shape,
+                features,
+            );
+        }
+    } else if comptime![features.fingerprints()] {
+        let first = token_offset(offsets, 0, shape.tokens);
+        let end = token_offset(offsets, requests, shape.tokens);
+        let unit = (CUBE_POS as u64 - shape.chain_cubes) * CUBE_SIZE as u64 + UNIT_POS as u64;
+        let mut i = first + unit;
+        while i < end {
+            let slot = out_cache_loc[i as usize];
+            if slot < shape.num_slots {
+                let value = fingerprint(sources, layouts, slot, features);
+                buffer[(slot * shape.slot_words) as usize + 3] = value;
+            }
+            i += shape.stride_units;
+        }
+    }
+}
+
+/// One request's chain walk: counts its assert rows, reserves them in one block (rows of a
+/// request stay in entry order), then stores records and rows in order.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_request(
+    buffer: &mut Tensor<u64>,
+    ring: &mut Tensor<u64>,
+    counters: &Tensor<Atomic<u64>>,
+    offsets: &Tensor<u64>,
+    seeds: &Tensor<u64>,
+    input_ids: &Tensor<u64>,
+    positions: &Tensor<u64>,
+    out_cache_loc: &Tensor<u64>,
+    expected_tokens: &Tensor<u64>,
+    expected_positions: &Tensor<u64>,
+    chain_assert: &Tensor<i32>,
+    r: u64,
+    shape: &CanaryShape,
+    #[comptime] features: CanaryFeatures,
+) {
+    let seed = seeds[r as usize];
+    let seed_record = read_record(buffer, seed, shape);
+    let mut h = ANCHOR_LINK.runtime();
+    if seed >> 63 == 0 {
+        h = mix3(seed_record.chain, seed_record.token, seed_record.position);
+    }
+    let mut position_check = false.runtime();
+    if comptime![features.chain_assert] {
+        position_check = seed >> 63 == 0 && chain_assert[0] != 0;
+    }
+    let start = token_offset(offsets, r, shape.tokens);
+    let end = token_offset(offsets, r + 1, shape.tokens);
+
+    // Pass 1, only when an assert can fire: count the rows (no chain value needed for that).
+    let mut base = 0u64.runtime();
+    if comptime![features.input_assert || features.chain_assert] {
+        let mut rows = 0u64.runtime();
+        let mut last_position = seed_record.position;
+        let mut i = start;
+        while i < end {
+            let slot = out_cache_loc[i as usize];
+            if slot >> 63 == 0 {
+                let token = input_ids[i as usize];
+                let position = positions[i as usize];
+                if comptime![features.input_assert] {
+                    if token != expected_tokens[i as usize]
+                        || position != expected_positions[i as usize]
+                    {
+                        rows += 1;
+                    }
+                }
+                if position_check {
+                    if position != last_position + 1 {
+                        rows += 1;
+                    }
+                    last_position = position;
+                }
+            }
+            i += 1;
+        }
+        if rows > 0 {
+            base = counters[WRITE_INDEX].fetch_add(rows);
+        }
+    }
+
+    // Pass 2: the chain.
+    let mut row = base;
+    let mut last_position = seed_record.position;
+    let mut written = 0u64.runtime();
+    let mut i = start;
+    while i < end {
+        let slot = out_cache_loc[i as usize];
+        if slot >> 63 == 0 {
+            let token = input_ids[i as usize];
+            let position = positions[i as usize];
+            if comptime![features.input_assert] {
+                let expected_token = expected_tokens[i as usize];
+                let expected_position = expected_positions[i as usize];
+                let mut bits = 0u64.runtime();
+                if token != expected_token {
+                    bits |= FAIL_WRITE_TOKEN;
+                }
+                if position != expected_position {
+                    bits |= FAIL_WRITE_POSITION;
+                }
+                if bits != 0 {
+                    store_row(
+                        ring,
+                        row,
+                        shape,
+                        slot,
+                        position,
+                        token,
+                        expected_token,
+                        h,
+                        expected_position,
+                        bits,
+                    );
+                    row += 1;
+                }
+            }
+            if position_check {
+                let expected_position = last_position + 1;
+                if position != expected_position {
+                    store_row(
+                        ring,
+                        row,
+                        shape,
+                        slot,
+                        position,
+                        token,
+                        token,
+                        h,
+                        expected_position,
+                        FAIL_WRITE_POSITION,
+                    );
+                    row += 1;
+                }
+                last_position = position;
+            }
+            if slot < shape.num_slots {
+                let record = (slot * shape.slot_words) as usize;
+                buffer[record] = token;
+                buffer[record + 1] = position;
+                buffer[record + 2] = h;
+                if comptime![!features.fingerprints()] {
+                    buffer[record + 3] = 0u64;
+                }
+            }
+            h = mix3(h, token, position);
+            written += 1;
+        }
+        i += 1;
+    }
+    if written > 0 {
+        counters[SLOT_RUN].fetch_add(written);
+    }
+}
+
+/// Verify (spec §7): one entry per unit over a grid-stride loop.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn canary_verify_kernel(
+    buffer: &Tensor<u64>,
+    ring: &mut Tensor<u64>,
+    counters: &Tensor<Atomic<u64>>,
+    slot_indices: &Tensor<u64>,
+    expected_tokens: &Tensor<u64>,
+    expected_positions: &Tensor<u64>,
+    prev_slot_indices: &Tensor<u64>,
+    num_valid: &Tensor<i32>,
+    enable: &Tensor<i32>,
+    sources: &Sources,
+    layouts: &Layouts,
+    shape: CanaryShape,
+    #[comptime] features: CanaryFeatures,
+) {
+    let enabled = enable[0] != 0;
+    let entries = active_count(num_valid, shape.capacity);
+    if ABSOLUTE_POS == 0 {
+        counters[KERNEL_RUN].fetch_add(1u64);
+        if enabled {
+            counters[SLOT_RUN].fetch_add(entries);
+        }
+    }
+    if enabled {
+        let mut k = ABSOLUTE_POS as u64;
+        while k < entries {
+            verify_entry(
+                buffer,
+                ring,
+                counters,
+                slot_indices,
+                expected_tokens,
+                expected_positions,
+                prev_slot_indices,
+                sources,
+                layouts,
+                k,
+                &shape,
+                features,
+            );
+            k += shape.stride_units;
+        }
+    }
+}
+
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn verify_entry(
+    buffer: &Tensor<u64>,
+    ring: &mut Tensor<u64>,
+    counters: &Tensor<Atomic<u64>>,
+    slot_indices: &Tensor<u64>,
+    expected_tokens: &Tensor<u64>,
+    expected_positions: &Tensor<u64>,
+    prev_slot_indices: &Tensor<u64>,
+    sources: &Sources,
+    layouts: &Layouts,
+    k: u64,
+    shape: &CanaryShape,
+    #[comptime] features: CanaryFeatures,
+) {
+    let slot = slot_indices[k as usize];
+    if slot != 0 {
+        let prev = prev_slot_indices[k as usize];
+        let mut expected_token = u64::MAX.runtime();
+        if comptime![features.check_token] {
+            expected_token = expected_tokens[k as usize];
+        }
+        let record = read_record(buffer, slot, shape);
+        let mut expected_chain = record.chain;
+        if prev != 0 {
+            expected_chain = link(buffer, prev, shape);
+        }
+        let mut bits = 0u64.runtime();
+        if record.chain != expected_chain {
+            bits |= FAIL_CHAIN;
+        }
+        if expected_token != u64::MAX && record.token != expected_token {
+            bits |= FAIL_VERIFY_TOKEN;
+        }
+        if record.position != expected_positions[k as usize] {
+            bits |= FAIL_VERIFY_POSITION;
+        }
+        let mut expected_real_kv = 0u64.runtime();
+        if comptime![features.fingerprints()] {
+            expected_real_kv = fingerprint(sources, layouts, slot, features);
+        }
+        if record.real_kv != expected_real_kv {
+            bits |= FAIL_REAL_KV;
+        }
+        if bits != 0 {
+            let index = counters[WRITE_INDEX].fetch_add(1u64);
+            store_row(
+                ring,
+                index,
+                shape,
+                slot,
+                record.position,
+                record.token,
+                expected_token,
+                record.chain,
+                expected_chain,
+                bits,
+            );
+        }
+    }
+}

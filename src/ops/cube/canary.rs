@@ -1,0 +1,254 @@
+//! Launchers of the kv-canary write and verify kernels.
+
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use burn_tensor::{DType, Shape, TensorMetadata};
+use cubecl::prelude::*;
+use kvplan_kernels::canary::{
+    CanaryFeatures, CanaryShapeLaunch, LayoutsLaunch, MODE_ALL, MODE_NONE, MODE_PARTIAL,
+    SourceLayoutLaunch, SourcesLaunch, canary_verify_kernel, canary_write_kernel,
+};
+use kvplan_kernels::scan::CUBE_SIZE;
+
+use super::{bindable, grid, resident_cubes, writable};
+use crate::ops::{
+    CanaryLaunchPrimitive, CanaryPrimitive, KvBytes, SourceLayout, SourcePrimitive,
+    VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
+};
+use crate::reference::RealKvHashMode;
+
+type Launch<R> = CanaryLaunchPrimitive<CubeTensor<R>, CubeTensor<R>>;
+
+/// The same buffer seen as `u64` words (the kernels hash and compare bit patterns).
+fn as_words<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+    let words = (tensor.shape().num_elements() * tensor.dtype.size()).div_ceil(8);
+    CubeTensor::new_contiguous(
+        tensor.client,
+        tensor.device,
+        Shape::new([words.max(1)]),
+        tensor.handle,
+        DType::U64,
+    )
+}
+
+fn mode_code(mode: RealKvHashMode) -> u8 {
+    match mode {
+        RealKvHashMode::None => MODE_NONE,
+        RealKvHashMode::Partial => MODE_PARTIAL,
+        RealKvHashMode::All => MODE_ALL,
+    }
+}
+
+/// The bound sources (stand-ins past the given ones) and their layouts in words.
+fn bind_sources<R: CubeRuntime>(
+    sources: &[CubeTensor<R>],
+    layouts: &[SourceLayout],
+    stand_in: &CubeTensor<R>,
+) -> (SourcesLaunch<R>, LayoutsLaunch<R>) {
+    let tensor = |k: usize| sources.get(k).unwrap_or(stand_in).clone().into_tensor_arg();
+    let layout = |k: usize| {
+        let (layout, words) = match (layouts.get(k), sources.get(k)) {
+            (Some(layout), Some(tensor)) => (*layout, tensor.shape()[0]),
+            _ => (
+                SourceLayout {
+                    rows: 0,
+                    row_bytes: 0,
+                    page_size: 1,
+                    num_bytes_per_token: 0,
+                    read_bytes: 0,
+                },
+                0,
+            ),
+        };
+        SourceLayoutLaunch::new(
+            words as u64,
+            (layout.row_bytes / 8) as u64,
+            layout.page_size as u64,
+            (layout.num_bytes_per_token / 8) as u64,
+            (layout.read_bytes / 8) as u64,
+        )
+    };
+    (
+        SourcesLaunch::new(tensor(0), tensor(1), tensor(2), tensor(3)),
+        LayoutsLaunch::new(layout(0), layout(1), layout(2), layout(3)),
+    )
+}
+
+/// A source's bytes as contiguous words: a view of the caller's buffer (a copy only for a
+/// non-contiguous view, whose rows the kernels could not address).
+fn source_words<R: CubeRuntime>(source: SourcePrimitive<CubeTensor<R>, CubeTensor<R>>) -> CubeTensor<R> {
+    let tensor = match source.tensor {
+        KvBytes::Float(tensor) | KvBytes::Int(tensor) => tensor,
+    };
+    let tensor = if tensor.is_contiguous() {
+        tensor
+    } else {
+        burn_cubecl::kernel::into_contiguous(tensor)
+    };
+    as_words(tensor)
+}
+
+struct Bound<R: CubeRuntime> {
+    sources: Vec<CubeTensor<R>>,
+    layouts: Vec<SourceLayout>,
+    features: CanaryFeatures,
+    kernel_kind: u64,
+}
+
+fn bind_launch<R: CubeRuntime>(launch: Launch<R>) -> Bound<R> {
+    let layouts: Vec<SourceLayout> = launch.sources.iter().map(|s| s.layout).collect();
+    let sources: Vec<CubeTensor<R>> = launch.sources.into_iter().map(source_words).collect();
+    Bound {
+        features: CanaryFeatures {
+            mode: mode_code(launch.mode),
+            sources: sources.len() as u8,
+            input_assert: false,
+            chain_assert: false,
+            check_token: launch.check_expected_token,
+        },
+        sources,
+        layouts,
+        kernel_kind: i64::from(launch.kernel_kind) as u64,
+    }
+}
+
+pub(crate) fn canary_write<R: CubeRuntime>(
+    canary: CanaryPrimitive<CubeTensor<R>>,
+    plan: WritePlanPrimitive<CubeTensor<R>>,
+    inputs: WriteInputsPrimitive<CubeTensor<R>>,
+    launch: Launch<R>,
+) -> CanaryPrimitive<CubeTensor<R>> {
+    let mut bound = bind_launch(launch);
+    bound.features.input_assert = inputs.expected_inputs.is_some();
+    bound.features.chain_assert = inputs.chain_position_assert.is_some();
+    let buffer = writable(canary.buffer);
+    let ring = writable(canary.ring);
+    let counters = writable(canary.counters);
+    let requests = plan.seed_slot_indices.shape()[0];
+    let tokens = inputs.input_ids.shape()[0];
+    let chain_cubes = requests.div_ceil(CUBE_SIZE as usize).max(1);
+    let fingerprint_cubes = if bound.features.fingerprints() {
+        resident_cubes(&buffer, tokens)
+    } else {
+        0
+    };
+    let (cube_count, _) = grid(chain_cubes + fingerprint_cubes);
+    let shape = CanaryShapeLaunch::new(
+        canary.num_slots as u64,
+        canary.slot_words as u64,
+        canary.ring_capacity as u64,
+        requests as u64,
+        tokens as u64,
+        chain_cubes as u64,
+        (fingerprint_cubes * CUBE_SIZE as usize) as u64,
+        bound.kernel_kind,
+    );
+    let words = |tensor: CubeTensor<R>| as_words(bindable(tensor));
+    let offsets = words(plan.offsets);
+    let seeds = words(plan.seed_slot_indices);
+    let num_valid_reqs = bindable(plan.num_valid_reqs);
+    let input_ids = words(inputs.input_ids);
+    let positions = words(inputs.positions);
+    let out_cache_loc = words(inputs.out_cache_loc);
+    let (expected_tokens, expected_positions) = match inputs.expected_inputs {
+        Some((tokens, positions)) => (words(tokens), words(positions)),
+        None => (input_ids.clone(), input_ids.clone()),
+    };
+    let chain_assert = inputs
+        .chain_position_assert
+        .map_or_else(|| num_valid_reqs.clone(), bindable);
+    let buffer_words = as_words(buffer.clone());
+    let ring_words = as_words(ring.clone());
+    let (sources, layouts) = bind_sources(&bound.sources, &bound.layouts, &offsets);
+    // SAFETY: the kernel bounds-checks every index it forms against the sizes passed here.
+    unsafe {
+        canary_write_kernel::launch_unchecked::<R>(
+            &buffer.client,
+            cube_count,
+            CubeDim::new_1d(CUBE_SIZE),
+            buffer_words.clone().into_tensor_arg(),
+            ring_words.clone().into_tensor_arg(),
+            counters.clone().into_tensor_arg(),
+            offsets.clone().into_tensor_arg(),
+            seeds.clone().into_tensor_arg(),
+            num_valid_reqs.clone().into_tensor_arg(),
+            input_ids.clone().into_tensor_arg(),
+            positions.clone().into_tensor_arg(),
+            out_cache_loc.clone().into_tensor_arg(),
+            expected_tokens.clone().into_tensor_arg(),
+            expected_positions.clone().into_tensor_arg(),
+            chain_assert.clone().into_tensor_arg(),
+            sources,
+            layouts,
+            shape,
+            bound.features,
+        );
+    }
+    CanaryPrimitive {
+        buffer,
+        ring,
+        counters,
+        ..canary
+    }
+}
+
+pub(crate) fn canary_verify<R: CubeRuntime>(
+    canary: CanaryPrimitive<CubeTensor<R>>,
+    plan: VerifyPlanPrimitive<CubeTensor<R>>,
+    launch: Launch<R>,
+) -> CanaryPrimitive<CubeTensor<R>> {
+    let bound = bind_launch(launch);
+    let buffer = canary.buffer;
+    let ring = writable(canary.ring);
+    let counters = writable(canary.counters);
+    let entries = plan.slot_indices.shape()[0];
+    let cubes = resident_cubes(&buffer, entries);
+    let (cube_count, cubes) = grid(cubes);
+    let shape = CanaryShapeLaunch::new(
+        canary.num_slots as u64,
+        canary.slot_words as u64,
+        canary.ring_capacity as u64,
+        entries as u64,
+        0,
+        0,
+        (cubes * CUBE_SIZE as usize) as u64,
+        bound.kernel_kind,
+    );
+    let words = |tensor: CubeTensor<R>| as_words(bindable(tensor));
+    let slot_indices = words(plan.slot_indices);
+    let expected_tokens = words(plan.expected_tokens);
+    let expected_positions = words(plan.expected_positions);
+    let prev_slot_indices = words(plan.prev_slot_indices);
+    let num_valid = bindable(plan.num_valid);
+    let enable = bindable(plan.enable);
+    let buffer_words = as_words(buffer.clone());
+    let ring_words = as_words(ring.clone());
+    let (sources, layouts) = bind_sources(&bound.sources, &bound.layouts, &slot_indices);
+    // SAFETY: the kernel bounds-checks every index it forms against the sizes passed here.
+    unsafe {
+        canary_verify_kernel::launch_unchecked::<R>(
+            &buffer.client,
+            cube_count,
+            CubeDim::new_1d(CUBE_SIZE),
+            buffer_words.clone().into_tensor_arg(),
+            ring_words.clone().into_tensor_arg(),
+            counters.clone().into_tensor_arg(),
+            slot_indices.clone().into_tensor_arg(),
+            expected_tokens.clone().into_tensor_arg(),
+            expected_positions.clone().into_tensor_arg(),
+            prev_slot_indices.clone().into_tensor_arg(),
+            num_valid.clone().into_tensor_arg(),
+            enable.clone().into_tensor_arg(),
+            sources,
+            layouts,
+            shape,
+            bound.features,
+        );
+    }
+    CanaryPrimitive {
+        buffer,
+        ring,
+        counters,
+        ..canary
+    }
+}
