@@ -382,7 +382,9 @@ pub enum Error {
         expected: usize,
     },
     /// A canary slot stride that is not a multiple of 8 bytes.
-    #[error("kv-canary: canary_buf slot stride must be a multiple of 8 bytes, got {slot_stride_bytes}")]
+    #[error(
+        "kv-canary: canary_buf slot stride must be a multiple of 8 bytes, got {slot_stride_bytes}"
+    )]
     SlotStrideNotMultipleOf8 {
         /// The stride given.
         slot_stride_bytes: usize,

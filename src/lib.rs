@@ -19,8 +19,8 @@ pub mod status;
 pub mod validate;
 
 pub use canary::{
-    Canary, CanaryLaunch, PlanInputs, PlanStatus, RealKvSource, VerifyPlan, WriteInputs,
-    WritePlan, plan, plan_deferred,
+    Canary, CanaryLaunch, PlanInputs, PlanStatus, RealKvSource, VerifyPlan, WriteInputs, WritePlan,
+    plan, plan_deferred,
 };
 pub use error::{Error, Result};
 pub use gather::{

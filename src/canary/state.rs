@@ -263,9 +263,15 @@ impl FailReasons {
     pub const VERIFY_TOKEN_MISMATCH: Self = Self(fail::VERIFY_TOKEN_MISMATCH);
 
     const NAMED: [(Self, &'static str); 6] = [
-        (Self::VERIFY_CHAIN_HASH_MISMATCH, "VERIFY_CHAIN_HASH_MISMATCH"),
+        (
+            Self::VERIFY_CHAIN_HASH_MISMATCH,
+            "VERIFY_CHAIN_HASH_MISMATCH",
+        ),
         (Self::VERIFY_POSITION_MISMATCH, "VERIFY_POSITION_MISMATCH"),
-        (Self::VERIFY_REAL_KV_HASH_MISMATCH, "VERIFY_REAL_KV_HASH_MISMATCH"),
+        (
+            Self::VERIFY_REAL_KV_HASH_MISMATCH,
+            "VERIFY_REAL_KV_HASH_MISMATCH",
+        ),
         (Self::WRITE_TOKEN_MISMATCH, "WRITE_TOKEN_MISMATCH"),
         (Self::WRITE_POSITION_MISMATCH, "WRITE_POSITION_MISMATCH"),
         (Self::VERIFY_TOKEN_MISMATCH, "VERIFY_TOKEN_MISMATCH"),
@@ -397,7 +403,10 @@ impl<B: KvPlanBackend> Canary<B> {
         &mut self,
         op: impl FnOnce(CanaryPrimitive<IntTensor<B>>) -> Result<CanaryPrimitive<IntTensor<B>>, Error>,
     ) -> Result<(), Error> {
-        let state = self.state.take().expect("the canary state is always returned");
+        let state = self
+            .state
+            .take()
+            .expect("the canary state is always returned");
         let shape = (state.num_slots, state.slot_words, state.ring_capacity);
         match op(state) {
             Ok(state) => {
@@ -459,7 +468,10 @@ impl<B: KvPlanBackend> Canary<B> {
 
     /// Empties the ring and resets its write index; the health counters keep counting.
     pub fn clear(&mut self) {
-        let state = self.state.as_mut().expect("the canary state is always returned");
+        let state = self
+            .state
+            .as_mut()
+            .expect("the canary state is always returned");
         let rows = state.ring_capacity.max(1);
         state.ring = B::int_from_data(
             TensorData::new(vec![0i64; rows * ROW_WORDS], [rows, ROW_WORDS]),

@@ -480,9 +480,13 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
             inputs.out_cache_loc,
         ];
         all.extend(
-            [expected_tokens, expected_positions, inputs.chain_position_assert]
-                .into_iter()
-                .flatten(),
+            [
+                expected_tokens,
+                expected_positions,
+                inputs.chain_position_assert,
+            ]
+            .into_iter()
+            .flatten(),
         );
         all.extend(sources);
         Ok(register_canary::<B>(op, "kvplan::canary_write", all, shape))
@@ -511,7 +515,12 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
             plan.enable,
         ];
         all.extend(sources);
-        Ok(register_canary::<B>(op, "kvplan::canary_verify", all, shape))
+        Ok(register_canary::<B>(
+            op,
+            "kvplan::canary_verify",
+            all,
+            shape,
+        ))
     }
 
     fn canary_plan(

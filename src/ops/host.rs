@@ -266,7 +266,9 @@ fn read_source<B: Backend>(
     Ok((data.bytes.to_vec(), source.layout))
 }
 
-fn read_canary<B: Backend>(canary: &super::CanaryPrimitive<IntTensor<B>>) -> Result<CanaryState, Error> {
+fn read_canary<B: Backend>(
+    canary: &super::CanaryPrimitive<IntTensor<B>>,
+) -> Result<CanaryState, Error> {
     let buffer = read_int::<B>(canary.buffer.clone())?.1;
     let ring = read_int::<B>(canary.ring.clone())?.1;
     let counters = read_int::<B>(canary.counters.clone())?.1;

@@ -76,7 +76,9 @@ impl CanaryState {
 
     /// Word `field` of slot `slot`'s record, when the slot exists.
     fn word(&self, slot: i64, field: usize) -> Option<usize> {
-        let slot = usize::try_from(slot).ok().filter(|&s| s < self.num_slots())?;
+        let slot = usize::try_from(slot)
+            .ok()
+            .filter(|&s| s < self.num_slots())?;
         Some(slot * self.slot_stride_words + field)
     }
 
@@ -241,7 +243,8 @@ pub fn write(state: &mut CanaryState, args: &WriteArgs, launch: &Launch) -> Vec<
                 continue;
             }
             if let Some((tokens, positions)) = args.expected_inputs {
-                let (exp_tok, exp_pos) = (at(tokens, i).unwrap_or(0), at(positions, i).unwrap_or(0));
+                let (exp_tok, exp_pos) =
+                    (at(tokens, i).unwrap_or(0), at(positions, i).unwrap_or(0));
                 let bits = i64::from(tok != exp_tok) * fail::WRITE_TOKEN_MISMATCH
                     | i64::from(pos != exp_pos) * fail::WRITE_POSITION_MISMATCH;
                 if bits != 0 {

@@ -8,8 +8,8 @@ pub mod canary;
 mod gather;
 mod plan;
 
-pub use gather::{masked_gather, segment_gather};
 pub use canary::{CanaryState, RealKvHashMode};
+pub use gather::{masked_gather, segment_gather};
 pub use plan::{ExpectedTokens, PlanArgs, PlanBuffers, plan};
 
 /// A row-major 2-D integer table (`req_to_token`, the expected-token pool).

@@ -158,7 +158,11 @@ pub fn verify_plan<D>(arrays: &[Arg<D>; 4], scalars: &[Arg<D>; 2]) -> Result<(),
 }
 
 /// The write plan's arrays: `write_offsets` is `K + 1` long; all i64, the count i32 `[1]`.
-pub fn write_plan<D>(offsets: &Arg<D>, seeds: &Arg<D>, num_valid_reqs: &Arg<D>) -> Result<(), Error> {
+pub fn write_plan<D>(
+    offsets: &Arg<D>,
+    seeds: &Arg<D>,
+    num_valid_reqs: &Arg<D>,
+) -> Result<(), Error> {
     i64_vector(offsets)?;
     i64_vector(seeds)?;
     if offsets.dim(0) != seeds.dim(0) + 1 {

@@ -76,7 +76,9 @@ fn bind_sources<R: CubeRuntime>(
 
 /// A source's bytes as contiguous words: a view of the caller's buffer (a copy only for a
 /// non-contiguous view, whose rows the kernels could not address).
-fn source_words<R: CubeRuntime>(source: SourcePrimitive<CubeTensor<R>, CubeTensor<R>>) -> CubeTensor<R> {
+fn source_words<R: CubeRuntime>(
+    source: SourcePrimitive<CubeTensor<R>, CubeTensor<R>>,
+) -> CubeTensor<R> {
     let tensor = match source.tensor {
         KvBytes::Float(tensor) | KvBytes::Int(tensor) => tensor,
     };
