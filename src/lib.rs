@@ -10,6 +10,8 @@ pub mod backends;
 pub mod bench;
 pub mod canary;
 pub mod conformance;
+#[cfg(feature = "cuda")]
+pub mod cupti;
 pub mod demo;
 pub mod error;
 pub mod gather;

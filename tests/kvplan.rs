@@ -5,6 +5,8 @@
 //!
 //! One test binary on purpose: each file directly under `tests/` links all of Burn.
 
+#[path = "kvplan/canary.rs"]
+mod canary;
 #[path = "kvplan/common.rs"]
 mod common;
 #[path = "kvplan/conformance.rs"]
@@ -136,6 +138,36 @@ macro_rules! suite {
             #[test]
             fn errors_allocation() {
                 crate::errors::allocation_errors::<B>(&device());
+            }
+
+            #[test]
+            fn conformance_canary() {
+                crate::canary::conformance::<B>(&device());
+            }
+
+            #[test]
+            fn canary_random_scenarios() {
+                crate::canary::random_scenarios::<B>(&device());
+            }
+
+            #[test]
+            fn canary_corruption_kinds() {
+                crate::canary::corruption_kinds::<B>(&device());
+            }
+
+            #[test]
+            fn canary_ring_overflow() {
+                crate::canary::ring_overflow::<B>(&device());
+            }
+
+            #[test]
+            fn canary_plan_write_verify() {
+                crate::canary::plan_write_verify::<B>(&device());
+            }
+
+            #[test]
+            fn errors_canary() {
+                crate::canary::errors::<B>(&device());
             }
 
             #[test]

@@ -478,7 +478,10 @@ impl<B: KvPlanBackend> Canary<B> {
             &self.device,
         );
         let counters = Tensor::<B, 1, Int>::from_primitive(state.counters.clone());
-        let zero = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![0i64], [1]), &self.device);
+        let zero = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(vec![0i64], [1]),
+            (&self.device, burn_tensor::DType::I64),
+        );
         state.counters = counters
             .slice_assign(WRITE_INDEX..WRITE_INDEX + 1, zero)
             .into_primitive();
