@@ -45,12 +45,53 @@ fn median(mut samples: Vec<f64>) -> f64 {
     samples[samples.len() / 2]
 }
 
-/// Times `call` `reps` times one by one (host wall, median) and `reps` times queued (one sync).
+/// GPU kernel time recorded since the previous call, `(ns, kernels)`: CUPTI's activity records on
+/// CUDA builds (off with `KVPLAN_NO_CUPTI=1`), `None` elsewhere.
+#[cfg(feature = "cuda")]
+fn take_kernel_time() -> Option<(u64, u64)> {
+    use std::sync::OnceLock;
+    static TIMER: OnceLock<Option<crate::cupti::KernelTimer>> = OnceLock::new();
+    let timer = TIMER.get_or_init(|| {
+        if std::env::var_os("KVPLAN_NO_CUPTI").is_some() {
+            return None;
+        }
+        crate::cupti::KernelTimer::start()
+            .map_err(|error| eprintln!("no GPU kernel times: {error}"))
+            .ok()
+    });
+    let stats = timer.as_ref()?.take().ok()?;
+    Some((stats.total_ns, stats.kernels))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn take_kernel_time() -> Option<(u64, u64)> {
+    None
+}
+
+/// Per-call timings of one op: host wall (median), pipelined wall, GPU kernel time.
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    host_us: f64,
+    pipelined_us: f64,
+    /// Summed kernel time per call and kernels per call, when CUPTI is available.
+    gpu: Option<(f64, f64)>,
+}
+
+/// Times `call` `reps` times one by one (host wall, median) and `reps` times queued (one sync),
+/// recording GPU kernel time over the queued run.
 fn time<B: KvPlanBackend>(
     device: &B::Device,
     reps: usize,
-    mut call: impl FnMut() -> Result<(), crate::Error>,
+    call: impl FnMut() -> Result<(), crate::Error>,
 ) -> Result<(f64, f64), crate::Error> {
+    timed::<B>(device, reps, call).map(|t| (t.host_us, t.pipelined_us))
+}
+
+fn timed<B: KvPlanBackend>(
+    device: &B::Device,
+    reps: usize,
+    mut call: impl FnMut() -> Result<(), crate::Error>,
+) -> Result<Timing, crate::Error> {
     for _ in 0..3 {
         call()?;
     }
@@ -62,13 +103,20 @@ fn time<B: KvPlanBackend>(
         host.push(start.elapsed().as_secs_f64() * 1e6);
     }
     B::sync(device).ok();
+    take_kernel_time();
     let start = Instant::now();
     for _ in 0..reps {
         call()?;
     }
     B::sync(device).ok();
     let pipelined = start.elapsed().as_secs_f64() * 1e6 / reps as f64;
-    Ok((median(host), pipelined))
+    let gpu = take_kernel_time()
+        .map(|(ns, kernels)| (ns as f64 / 1e3 / reps as f64, kernels as f64 / reps as f64));
+    Ok(Timing {
+        host_us: median(host),
+        pipelined_us: pipelined,
+        gpu,
+    })
 }
 
 /// One row of a result table.
@@ -288,6 +336,232 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
             })
             .map_err(|e| e.to_string())?;
             println!("| {label} checked | {h:.1} | - | - |");
+        }
+    }
+    Ok(())
+}
+
+/// One canary table row: GPU us and the throughput over it (pipelined wall when no CUPTI).
+fn canary_row(label: &str, timing: Timing, bytes: f64, tokens: f64) {
+    let (gpu, kernels, over) = match timing.gpu {
+        Some((us, kernels)) => (format!("{us:.2}"), format!("{kernels:.1}"), us),
+        None => ("-".into(), "-".into(), timing.pipelined_us),
+    };
+    let rate = if bytes > 0.0 {
+        format!("{:.0} GB/s", bytes / (over * 1e-6) / 1e9)
+    } else {
+        format!("{:.1} Mtok/s", tokens / (over * 1e-6) / 1e6)
+    };
+    println!(
+        "| {label} | {gpu} | {kernels} | {rate} | {:.1} | {:.1} |",
+        timing.host_us, timing.pipelined_us
+    );
+}
+
+/// A canary workload: requests of consecutive tokens whose slots are scattered at random over
+/// twice as many slots (a fragmented allocator), and an optional real-KV source of 256 bytes per
+/// token (page 1).
+struct CanaryWorkload<B: KvPlanBackend> {
+    canary: crate::Canary<B>,
+    source: Option<crate::RealKvSource<B>>,
+    /// Slots of every request, in order.
+    requests: Vec<Vec<i64>>,
+}
+
+fn canary_workload<B: KvPlanBackend>(
+    device: &B::Device,
+    requests: usize,
+    tokens_per_request: usize,
+    fingerprints: bool,
+) -> Result<CanaryWorkload<B>, String> {
+    let tokens = requests * tokens_per_request;
+    let num_slots = 2 * tokens + 1;
+    let mut rng = Rng(tokens as u64 ^ 0xCA7A);
+    let mut slots: Vec<i64> = (1..num_slots as i64).collect();
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let requests = slots[..tokens]
+        .chunks(tokens_per_request)
+        .map(<[i64]>::to_vec)
+        .collect();
+    let canary =
+        crate::Canary::<B>::allocate(num_slots, 32, 1024, device).map_err(|e| e.to_string())?;
+    let source = if fingerprints {
+        let words: Vec<i64> = (0..num_slots * 32).map(|_| rng.next() as i64).collect();
+        let kv = int::<B, 2>(words, [num_slots, 32], DType::I64, device);
+        Some(crate::RealKvSource::int(kv, 1, 256, 256).map_err(|e| e.to_string())?)
+    } else {
+        None
+    };
+    Ok(CanaryWorkload {
+        canary,
+        source,
+        requests,
+    })
+}
+
+impl<B: KvPlanBackend> CanaryWorkload<B> {
+    fn launch(&self, kind: i32) -> crate::CanaryLaunch<B> {
+        let launch = crate::CanaryLaunch::new(kind);
+        match &self.source {
+            Some(source) => {
+                launch.real_kv(crate::canary::RealKvHashMode::All, vec![source.clone()])
+            }
+            None => launch,
+        }
+    }
+
+    /// The write step of `tokens` tokens per request starting at `first` (seeded from the slot
+    /// before it, or a chain head).
+    fn write_step(
+        &self,
+        device: &B::Device,
+        first: usize,
+        tokens: usize,
+    ) -> Result<(crate::WritePlan<B>, crate::WriteInputs<B>), String> {
+        let mut offsets = vec![0i64];
+        let (mut seeds, mut ids, mut positions, mut slots) = (vec![], vec![], vec![], vec![]);
+        for (r, request) in self.requests.iter().enumerate() {
+            seeds.push(if first == 0 { -1 } else { request[first - 1] });
+            for position in first..first + tokens {
+                ids.push((r * 7919 + position) as i64);
+                positions.push(position as i64);
+                slots.push(request[position]);
+            }
+            offsets.push(slots.len() as i64);
+        }
+        let count = self.requests.len();
+        let plan = crate::WritePlan::from_tensors(
+            int::<B, 1>(offsets, [count + 1], DType::I64, device),
+            int::<B, 1>(seeds, [count], DType::I64, device),
+            int::<B, 1>(vec![count as i64], [1], DType::I32, device),
+        )
+        .map_err(|e| e.to_string())?;
+        let len = slots.len();
+        let inputs = crate::WriteInputs::new(
+            int::<B, 1>(ids, [len], DType::I64, device),
+            int::<B, 1>(positions, [len], DType::I64, device),
+            int::<B, 1>(slots, [len], DType::I64, device),
+        )
+        .chain_position_assert(int::<B, 1>(vec![1], [1], DType::I32, device));
+        Ok((plan, inputs))
+    }
+
+    /// The verify plan of every written token, each chained to its predecessor.
+    fn verify_plan(&self, device: &B::Device) -> Result<crate::VerifyPlan<B>, String> {
+        let (mut slots, mut tokens, mut positions, mut prev) = (vec![], vec![], vec![], vec![]);
+        for (r, request) in self.requests.iter().enumerate() {
+            for (position, &slot) in request.iter().enumerate() {
+                slots.push(slot);
+                tokens.push((r * 7919 + position) as i64);
+                positions.push(position as i64);
+                prev.push(if position == 0 {
+                    -1
+                } else {
+                    request[position - 1]
+                });
+            }
+        }
+        let len = slots.len();
+        let list = |values: Vec<i64>| int::<B, 1>(values, [len], DType::I64, device);
+        crate::VerifyPlan::from_tensors(
+            list(slots),
+            list(tokens),
+            list(positions),
+            list(prev),
+            int::<B, 1>(vec![len as i64], [1], DType::I32, device),
+            int::<B, 1>(vec![1], [1], DType::I32, device),
+        )
+        .map_err(|e| e.to_string())
+    }
+}
+
+/// The canary grid of `shared/anchors/h200.md`: verify over 1M and 16M entries, decode and
+/// prefill writes, each in mode NONE and ALL (one 256-byte source). Every shape is checked
+/// clean (write then verify reports nothing) before it is timed.
+pub fn canary<B: KvPlanBackend>(
+    device: &B::Device,
+    reps: usize,
+    large: bool,
+) -> Result<(), String> {
+    println!(
+        "| op, shape, mode | GPU us/call | kernels/call | throughput | host us/call | pipelined us/call |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    let e = |error: crate::Error| error.to_string();
+    for fingerprints in [false, true] {
+        let mode = if fingerprints { "ALL" } else { "NONE" };
+        // Verify: ~2k-token requests.
+        let sizes: &[usize] = if large {
+            &[1 << 20, 1 << 24]
+        } else {
+            &[1 << 12]
+        };
+        for &entries in sizes {
+            let mut work = canary_workload::<B>(device, entries / 2048, 2048, fingerprints)?;
+            let (plan, inputs) = work.write_step(device, 0, 2048)?;
+            work.canary
+                .write(&plan, inputs, &work.launch(0))
+                .map_err(e)?;
+            let verify = work.verify_plan(device)?;
+            let launch = work.launch(1);
+            work.canary.verify(&verify, &launch).map_err(e)?;
+            let found = work.canary.violations().map_err(e)?.recorded;
+            if found != 0 {
+                return Err(format!(
+                    "verify {entries} {mode}: {found} violations on a clean canary"
+                ));
+            }
+            let timing =
+                timed::<B>(device, reps, || work.canary.verify(&verify, &launch)).map_err(e)?;
+            let bytes = entries as f64 * (88.0 + if fingerprints { 256.0 } else { 0.0 });
+            canary_row(
+                &format!("verify, {entries} entries, {mode}"),
+                timing,
+                bytes,
+                0.0,
+            );
+        }
+        // Writes: decode steps continue prefilled chains; prefills start chains.
+        let shapes: &[(usize, usize, &str)] = if large {
+            &[
+                (256, 1, "decode"),
+                (1024, 1, "decode"),
+                (32, 2048, "prefill"),
+                (1, 32768, "prefill"),
+            ]
+        } else {
+            &[(256, 1, "decode"), (4, 512, "prefill")]
+        };
+        for &(requests, tokens, kind) in shapes {
+            let prefix = if kind == "decode" { 64 } else { 0 };
+            let mut work = canary_workload::<B>(device, requests, prefix + tokens, fingerprints)?;
+            if prefix > 0 {
+                let (plan, inputs) = work.write_step(device, 0, prefix)?;
+                work.canary
+                    .write(&plan, inputs, &work.launch(0))
+                    .map_err(e)?;
+            }
+            let (plan, inputs) = work.write_step(device, prefix, tokens)?;
+            let launch = work.launch(0);
+            work.canary
+                .write(&plan, inputs.clone(), &launch)
+                .map_err(e)?;
+            let verify = work.verify_plan(device)?;
+            work.canary.verify(&verify, &work.launch(1)).map_err(e)?;
+            let found = work.canary.violations().map_err(e)?.recorded;
+            if found != 0 {
+                return Err(format!(
+                    "write {requests}x{tokens} {mode}: {found} violations"
+                ));
+            }
+            let timing = timed::<B>(device, reps, || {
+                work.canary.write(&plan, inputs.clone(), &launch)
+            })
+            .map_err(e)?;
+            let label = format!("write {kind}, {requests} x {tokens} tokens, {mode}");
+            canary_row(&label, timing, 0.0, (requests * tokens) as f64);
         }
     }
     Ok(())

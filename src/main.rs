@@ -5,9 +5,12 @@ use std::process::ExitCode;
 use kvplan::backends::BackendName;
 
 const USAGE: &str = "usage:
-  kvplan [demo] [--backend NAME]             synthetic speculative-decoding trace (default)
+  kvplan [demo] [--backend NAME] [--inject-corruption]
+                                             synthetic speculative-decoding trace (default);
+                                             with --inject-corruption, one live KV slot is
+                                             corrupted mid-run and the canary must report it
   kvplan check FILE.jsonl [--backend NAME]   run conformance vectors
-  kvplan bench gather|plan [--backend NAME] [--reps N]   time the anchor grids
+  kvplan bench gather|plan|canary|canary-small [--backend NAME] [--reps N]   time the anchor grids
 backends: reference, flex, vulkan, vulkan-unfused, cuda, cuda-unfused";
 
 /// Why the binary stopped: a usage mistake (usage is printed) or a failure while running.
@@ -46,6 +49,7 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
     let mut positional = Vec::new();
     let mut backend = None;
     let mut reps = 50usize;
+    let mut inject_corruption = false;
     let mut rest = args.iter();
     while let Some(arg) = rest.next() {
         match arg.as_str() {
@@ -61,6 +65,7 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
                     .and_then(|n| n.parse().ok())
                     .ok_or(Failure::Usage("--reps needs a number".into()))?;
             }
+            "--inject-corruption" => inject_corruption = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(ExitCode::SUCCESS);
@@ -73,7 +78,7 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
             file,
             usable(backend.unwrap_or(BackendName::Reference))?,
         )?),
-        [] | ["demo"] => Ok(kvplan::demo::run(backend)?),
+        [] | ["demo"] => Ok(kvplan::demo::run(backend, inject_corruption)?),
         ["bench", which] => {
             let backend = usable(backend.unwrap_or(BackendName::Reference))?;
             let which = which.to_string();
@@ -81,7 +86,11 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
             kvplan::with_backend!(backend, |device: B| match which.as_str() {
                 "gather" => kvplan::bench::gather::<B>(&device, reps),
                 "plan" => kvplan::bench::plan::<B>(&device, reps),
-                other => Err(format!("unknown bench {other:?} (gather, plan)")),
+                "canary" => kvplan::bench::canary::<B>(&device, reps, true),
+                "canary-small" => kvplan::bench::canary::<B>(&device, reps, false),
+                other => Err(format!(
+                    "unknown bench {other:?} (gather, plan, canary, canary-small)"
+                )),
             })??;
             Ok(ExitCode::SUCCESS)
         }

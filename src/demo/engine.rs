@@ -6,12 +6,14 @@ use std::time::Instant;
 use burn_tensor::{Bool, DType, Int, Tensor, TensorData};
 
 use super::timing::{Op, Timings};
-use super::trace::{Step, Workload};
+use super::trace::{NewTokens, Step, Workload};
+use crate::canary::Violations;
 use crate::canary::read_plans;
 use crate::reference::PlanBuffers;
 use crate::{
-    Error, KvPlanBackend, PlanInputs, VerifyPlan, WritePlan, masked_gather,
-    masked_gather_with_capacity, plan, plan_deferred, segment_gather, segment_gather_with_capacity,
+    Canary, CanaryLaunch, Error, KvPlanBackend, PlanInputs, VerifyPlan, WriteInputs, WritePlan,
+    masked_gather, masked_gather_with_capacity, plan, plan_deferred, segment_gather,
+    segment_gather_with_capacity,
 };
 
 /// Context of the draft-window gather: sglang's DFlash call site, whose messages users search for.
@@ -74,16 +76,42 @@ pub struct Engine<B: KvPlanBackend> {
     swa_window: i32,
     full: PlanPair<B>,
     swa: PlanPair<B>,
+    /// The full KV pool's canary: written for every new token, verified against every plan.
+    canary: Canary<B>,
     timings: Timings,
 }
 
+/// sglang's launch tags of the full group's canary ops.
+const WRITE_KIND: i32 = 0;
+const VERIFY_KIND: i32 = 1;
+/// Violation rows the demo's ring holds.
+const RING_CAPACITY: usize = 256;
+
 impl<B: KvPlanBackend> Engine<B> {
-    /// Allocates the full group's and the SWA group's plans on `device`.
-    pub fn new(device: B::Device, workload: &Workload) -> Result<Self, String> {
+    /// Allocates the full group's and the SWA group's plans and the canary on `device`, and
+    /// writes the canary records of the prefix cache's shared prompt.
+    pub fn new(device: B::Device, workload: &Workload, shared: &NewTokens) -> Result<Self, String> {
         let write_capacity = workload.write_capacity();
         let full = PlanPair::allocate(workload.full_verify_capacity, write_capacity, &device)?;
         let swa = PlanPair::allocate(workload.swa_verify_capacity(), write_capacity, &device)?;
+        let mut canary = Canary::allocate(workload.kv_slots(), 32, RING_CAPACITY, &device)
+            .map_err(op_error("Canary::allocate"))?;
+        let len = shared.slots.len() as i64;
+        let prompt = WritePlan::from_tensors(
+            upload::<B, 1>(&[0, len], [2], DType::I64, &device),
+            upload::<B, 1>(&[-1], [1], DType::I64, &device),
+            upload::<B, 1>(&[1], [1], DType::I32, &device),
+        )
+        .map_err(op_error("WritePlan::from_tensors"))?;
+        canary
+            .write(
+                &prompt,
+                write_inputs::<B>(shared, &device),
+                &CanaryLaunch::new(WRITE_KIND),
+            )
+            .map_err(op_error("canary.write"))?;
         Ok(Self {
+            canary,
             table_shape: [workload.table_rows(), workload.table_cols()],
             kv_slots: workload.kv_slots(),
             swa_window: workload.swa_window_size(),
@@ -99,6 +127,34 @@ impl<B: KvPlanBackend> Engine<B> {
         self.timings
     }
 
+    /// The canary's violation ring, read back.
+    pub fn violations(&self) -> Result<Violations, String> {
+        self.canary
+            .violations()
+            .map_err(op_error("canary.violations"))
+    }
+
+    /// Simulates an allocator bug: another request's write lands in live slot `slot` (same
+    /// position, a different token, a fresh chain), as when a slot is reused while referenced.
+    pub fn corrupt_slot(&mut self, slot: i64, position: i64) -> Result<(), String> {
+        let d = &self.device;
+        let plan = WritePlan::from_tensors(
+            upload::<B, 1>(&[0, 1], [2], DType::I64, d),
+            upload::<B, 1>(&[-1], [1], DType::I64, d),
+            upload::<B, 1>(&[1], [1], DType::I32, d),
+        )
+        .map_err(op_error("WritePlan::from_tensors"))?;
+        let stray = NewTokens {
+            ids: vec![-42],
+            positions: vec![position],
+            slots: vec![slot],
+        };
+        let launch = CanaryLaunch::new(WRITE_KIND);
+        self.canary
+            .write(&plan, write_inputs::<B>(&stray, d), &launch)
+            .map_err(op_error("canary.write"))
+    }
+
     /// Uploads the step's inputs, runs every op on them and reads the results back.
     pub fn run_step(&mut self, step: &Step) -> Result<StepOutputs, String> {
         let Self {
@@ -108,6 +164,7 @@ impl<B: KvPlanBackend> Engine<B> {
             swa_window,
             full,
             swa,
+            canary,
             timings,
         } = self;
         let batch = step.batch_size();
@@ -189,6 +246,17 @@ impl<B: KvPlanBackend> Engine<B> {
             .expected_tokens_valid_lens(valid_lens);
             plan(&mut full.verify, &mut full.write, inputs)
         })?;
+        // The canary of the full pool: records for the new tokens (chained from the write plan's
+        // seeds, positions asserted), then a check of every slot the verify plan lists. Both
+        // read the plans' device-side counts: nothing comes back to the host.
+        let new_tokens = write_inputs::<B>(&step.new_tokens, device)
+            .chain_position_assert(upload::<B, 1>(&[1], [1], DType::I32, device));
+        timed::<B, _>(timings, device, Op::CanaryWrite, || {
+            canary.write(&full.write, new_tokens, &CanaryLaunch::new(WRITE_KIND))
+        })?;
+        timed::<B, _>(timings, device, Op::CanaryVerify, || {
+            canary.verify(&full.verify, &CanaryLaunch::new(VERIFY_KIND))
+        })?;
         // SWA group: deferred plan through the LUT; its status is checked with the others.
         let swa_status = timed::<B, _>(timings, device, Op::PlanDeferredSwa, || {
             let inputs =
@@ -254,6 +322,16 @@ fn sync<B: KvPlanBackend>(device: &B::Device) -> Result<(), String> {
 
 fn op_error(op: &'static str) -> impl Fn(Error) -> String {
     move |error| format!("{op} failed: {error}")
+}
+
+/// The write inputs of `tokens` (i64 ids, positions and slots).
+fn write_inputs<B: KvPlanBackend>(tokens: &NewTokens, device: &B::Device) -> WriteInputs<B> {
+    let len = tokens.slots.len();
+    WriteInputs::new(
+        upload::<B, 1>(&tokens.ids, [len], DType::I64, device),
+        upload::<B, 1>(&tokens.positions, [len], DType::I64, device),
+        upload::<B, 1>(&tokens.slots, [len], DType::I64, device),
+    )
 }
 
 fn upload<B: KvPlanBackend, const D: usize>(

@@ -22,6 +22,7 @@ use std::time::Instant;
 
 use crate::KvPlanBackend;
 use crate::backends::BackendName;
+use crate::canary::Violations;
 use check::CrossCheck;
 use engine::{Engine, StepOutputs};
 use timing::Timings;
@@ -30,18 +31,26 @@ use trace::{Step, Trace, Workload};
 /// A progress line every this many steps.
 const PROGRESS_EVERY: usize = 25;
 
-/// Runs the demo on `backend`, or on the best backend present.
+/// Step after which `--inject-corruption` hands a live KV slot to a stray write.
+const CORRUPTION_STEP: usize = 60;
+
+/// Runs the demo on `backend`, or on the best backend present. With `inject_corruption`, one
+/// live KV slot is overwritten mid-run and the canary must report it.
 ///
-/// `Ok(ExitCode::FAILURE)` when any op disagreed with the reference; `Err` when the backend
-/// cannot run or an op failed outright.
-pub fn run(backend: Option<BackendName>) -> Result<ExitCode, String> {
+/// `Ok(ExitCode::FAILURE)` when any op disagreed with the reference or the canary's verdict is
+/// wrong; `Err` when the backend cannot run or an op failed outright.
+pub fn run(backend: Option<BackendName>, inject_corruption: bool) -> Result<ExitCode, String> {
     let choice = select::choose(backend)?;
     println!("demo: backend {} ({})", choice.name, choice.reason);
     let workload = Workload::default();
     describe(&workload);
 
     let started = Instant::now();
-    let outcome = crate::with_backend!(choice.name, |device: B| drive::<B>(device, &workload))??;
+    let outcome = crate::with_backend!(choice.name, |device: B| drive::<B>(
+        device,
+        &workload,
+        inject_corruption
+    ))??;
     let elapsed = started.elapsed();
 
     println!();
@@ -65,15 +74,16 @@ pub fn run(backend: Option<BackendName>) -> Result<ExitCode, String> {
         "demo: {} steps, {} requests, backend {}",
         outcome.steps, workload.num_requests, choice.name
     );
-    if check.mismatches() > 0 {
+    let canary_ok = report_canary(&outcome.canary);
+    if check.mismatches() > 0 || !canary_ok {
         println!("{} mismatching fields; the first ones:", check.mismatches());
         for mismatch in check.first_mismatches() {
             println!("  {mismatch}");
         }
-        println!("{summary}, ops disagreed with the reference: FAIL");
+        println!("{summary}, ops disagreed with the reference or the canary: FAIL");
         return Ok(ExitCode::FAILURE);
     }
-    println!("{summary}, all ops matched the reference: PASS");
+    println!("{summary}, all ops matched the reference and the canary was right: PASS");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -82,14 +92,78 @@ struct Outcome {
     steps: usize,
     timings: Timings,
     check: CrossCheck,
+    canary: CanaryOutcome,
+}
+
+/// The canary's verdict: the violations found, and the slot that was corrupted, if any.
+struct CanaryOutcome {
+    violations: Violations,
+    /// `(slot, position)` of the injected corruption.
+    injected: Option<(i64, i64)>,
+}
+
+/// Prints the canary's findings; true when they are right: none on a clean run, the corrupted
+/// slot and position after an injection.
+fn report_canary(canary: &CanaryOutcome) -> bool {
+    let violations = &canary.violations;
+    println!(
+        "canary: {} violation(s) recorded ({} dropped by the ring)",
+        violations.recorded, violations.dropped
+    );
+    for row in violations.rows.iter().take(8) {
+        println!(
+            "  kernel_kind {} slot {} position {}: stored token {} (expected {}), {:?}",
+            row.kernel_kind,
+            row.slot,
+            row.position,
+            row.stored_token,
+            row.expected_token,
+            row.fail_reasons
+        );
+    }
+    match canary.injected {
+        None => violations.recorded == 0,
+        Some((slot, position)) => {
+            let found = violations
+                .rows
+                .iter()
+                .any(|row| row.slot == slot && row.position == position);
+            println!(
+                "canary: injected corruption at slot {slot} (position {position}) {}",
+                if found {
+                    "was reported"
+                } else {
+                    "was NOT reported"
+                }
+            );
+            found
+        }
+    }
+}
+
+/// A live, committed slot of a running request to corrupt: the middle of the first decode row's
+/// prefix (the request keeps running, so a later verify lists it).
+fn victim(step: &Step, workload: &Workload) -> Option<(i64, i64)> {
+    let cols = workload.table_cols();
+    (0..step.decode_rows).find_map(|r| {
+        let prefix = step.prefix_lens[r];
+        let row = step.req_pool_indices[r] as usize;
+        let position = prefix / 2;
+        (prefix >= 8).then(|| (step.req_to_token[row * cols + position as usize], position))
+    })
 }
 
 /// The trace, step by step, on backend `B`.
-fn drive<B: KvPlanBackend>(device: B::Device, workload: &Workload) -> Result<Outcome, String> {
+fn drive<B: KvPlanBackend>(
+    device: B::Device,
+    workload: &Workload,
+    inject_corruption: bool,
+) -> Result<Outcome, String> {
     let mut trace = Trace::new(workload.clone())?;
-    let mut engine = Engine::<B>::new(device, workload)?;
+    let mut engine = Engine::<B>::new(device, workload, &trace.shared_prefix())?;
     let mut check = CrossCheck::new(workload);
     let mut steps = 0;
+    let mut injected = None;
     while let Some(step) = trace.next_step()? {
         let outputs = engine
             .run_step(&step)
@@ -98,12 +172,27 @@ fn drive<B: KvPlanBackend>(device: B::Device, workload: &Workload) -> Result<Out
         if step.index % PROGRESS_EVERY == 0 {
             println!("{}", progress(&step, &outputs));
         }
+        if inject_corruption && injected.is_none() && step.index >= CORRUPTION_STEP {
+            injected = victim(&step, workload);
+            if let Some((slot, position)) = injected {
+                println!(
+                    "  step {:>3}: injecting corruption: a stray write into live KV slot {slot} (position {position})",
+                    step.index
+                );
+                engine.corrupt_slot(slot, position)?;
+            }
+        }
         steps += 1;
     }
+    let violations = engine.violations()?;
     Ok(Outcome {
         steps,
         timings: engine.into_timings(),
         check,
+        canary: CanaryOutcome {
+            violations,
+            injected,
+        },
     })
 }
 

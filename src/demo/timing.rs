@@ -20,10 +20,14 @@ pub enum Op {
     PlanDeferredSwa,
     /// `status.check()` of the three capacity/deferred calls above (one transfer each).
     StatusCheck,
+    /// `Canary::write` of the step's new tokens, launch + `B::sync`.
+    CanaryWrite,
+    /// `Canary::verify` of the full group's plan, launch + `B::sync`.
+    CanaryVerify,
 }
 
 impl Op {
-    const ALL: [Op; 7] = [
+    const ALL: [Op; 9] = [
         Op::MaskedGather,
         Op::MaskedGatherCapacity,
         Op::SegmentGather,
@@ -31,6 +35,8 @@ impl Op {
         Op::PlanFull,
         Op::PlanDeferredSwa,
         Op::StatusCheck,
+        Op::CanaryWrite,
+        Op::CanaryVerify,
     ];
 
     /// The name in the table and in error messages.
@@ -43,6 +49,8 @@ impl Op {
             Op::PlanFull => "plan [full]",
             Op::PlanDeferredSwa => "plan_deferred [swa]",
             Op::StatusCheck => "status.check",
+            Op::CanaryWrite => "canary.write [full]",
+            Op::CanaryVerify => "canary.verify [full]",
         }
     }
 
@@ -50,7 +58,11 @@ impl Op {
     pub fn needs_sync(self) -> bool {
         matches!(
             self,
-            Op::MaskedGatherCapacity | Op::SegmentGatherCapacity | Op::PlanDeferredSwa
+            Op::MaskedGatherCapacity
+                | Op::SegmentGatherCapacity
+                | Op::PlanDeferredSwa
+                | Op::CanaryWrite
+                | Op::CanaryVerify
         )
     }
 

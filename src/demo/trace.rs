@@ -184,6 +184,20 @@ pub struct Step {
     pub draft_slots: Vec<i64>,
     /// The accepted-suffix slots in batch order: what the segment gather must return.
     pub accepted_slots: Vec<i64>,
+    /// The tokens written this step, in batch order (the write plan's order): ids, positions
+    /// and KV slots.
+    pub new_tokens: NewTokens,
+}
+
+/// Tokens whose KV (and canary records) a step writes.
+#[derive(Debug, Clone, Default)]
+pub struct NewTokens {
+    /// Token ids.
+    pub ids: Vec<i64>,
+    /// Positions in their sequences.
+    pub positions: Vec<i64>,
+    /// KV slots.
+    pub slots: Vec<i64>,
 }
 
 impl Step {
@@ -368,6 +382,16 @@ impl Trace {
         })
     }
 
+    /// The shared system prompt, held by the prefix cache: its slots and token ids, written once
+    /// before the first step.
+    pub fn shared_prefix(&self) -> NewTokens {
+        NewTokens {
+            ids: self.shared_tokens.clone(),
+            positions: (0..self.shared_tokens.len() as i64).collect(),
+            slots: self.shared_slots.clone(),
+        }
+    }
+
     /// Builds the next step and then applies its verification result to the scheduler state.
     /// `None` once every request has finished.
     pub fn next_step(&mut self) -> Result<Option<Step>, String> {
@@ -490,6 +514,7 @@ impl Trace {
             full_to_swa: self.full_to_swa.clone(),
             draft_slots: Vec::new(),
             accepted_slots: Vec::new(),
+            new_tokens: NewTokens::default(),
         };
         for (r, window) in windows.iter().enumerate() {
             let prefix_len = window.prefix_len as i64;
@@ -514,6 +539,11 @@ impl Trace {
             } else {
                 window.slots.len()
             };
+            for (j, (&slot, &token)) in window.slots.iter().zip(&window.tokens).enumerate() {
+                step.new_tokens.ids.push(token);
+                step.new_tokens.positions.push(prefix_len + j as i64);
+                step.new_tokens.slots.push(slot);
+            }
             step.accepted_start.push(prefix_len);
             step.accepted_lengths.push(accepted as i64);
             step.accepted_slots
