@@ -6,7 +6,8 @@
 //! there give 0 and writes are dropped.
 //!
 //! Write: request `r` is owned by one unit, which walks its entries in order and keeps the chain
-//! value in a register; that serial fold is the only serial part. Fingerprints depend only on the
+//! value in a register; that serial fold is the only serial part (entries are loaded in batches
+//! ahead of it). Fingerprints depend only on the
 //! slot, so under a real-KV mode a separate set of cubes folds them for every entry in parallel
 //! and stores field 3, which the chain walk never touches.
 //!
@@ -15,7 +16,7 @@
 use cubecl::prelude::*;
 
 use crate::hash::{mix, mix3};
-use crate::scan::CUBE_SIZE;
+use crate::scan::{CUBE_SIZE, cube_exclusive_scan};
 
 /// Counter word: violations ever recorded (`violation_write_index`).
 pub const WRITE_INDEX: usize = 0;
@@ -143,6 +144,10 @@ fn link(buffer: &Tensor<u64>, slot: u64, shape: &CanaryShape) -> u64 {
     value
 }
 
+/// Words loaded before they are folded: the loads of a batch overlap instead of each one
+/// stalling the serial fold.
+const BATCH: usize = 8;
+
 /// One source's fold of `slot`'s strip: `PARTIAL` folds 2 words, `ALL` `read_words`.
 #[cube]
 fn fold_strip(source: &Tensor<u64>, layout: &SourceLayout, slot: u64, #[comptime] mode: u8) -> u64 {
@@ -154,13 +159,25 @@ fn fold_strip(source: &Tensor<u64>, layout: &SourceLayout, slot: u64, #[comptime
         layout.read_words
     };
     let mut h = 0u64.runtime();
-    for k in 0..words {
-        let index = start + k;
-        let mut word = 0u64.runtime();
-        if index < layout.words {
-            word = source[index as usize];
+    let mut k = 0u64.runtime();
+    while k < words {
+        let mut batch = Array::<u64>::new(BATCH);
+        #[unroll]
+        for j in 0..BATCH {
+            let index = start + k + j as u64;
+            let mut word = 0u64.runtime();
+            if k + (j as u64) < words && index < layout.words {
+                word = source[index as usize];
+            }
+            batch[j] = word;
         }
-        h = mix(h ^ word);
+        #[unroll]
+        for j in 0..BATCH {
+            if k + (j as u64) < words {
+                h = mix(h ^ batch[j]);
+            }
+        }
+        k += BATCH as u64;
     }
     h
 }
@@ -296,27 +313,42 @@ pub fn canary_write_kernel(
 ) {
     let requests = active_count(num_valid_reqs, shape.capacity);
     if (CUBE_POS as u64) < shape.chain_cubes {
+        let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
         let r = CUBE_POS as u64 * CUBE_SIZE as u64 + UNIT_POS as u64;
-        if r == 0 {
-            counters[KERNEL_RUN].fetch_add(1u64);
+        let mut written = 0u64.runtime();
+        if r < shape.capacity {
+            // Loaded next to the count, not after it: a decode step is a chain of dependent loads.
+            let seed = seeds[r as usize];
+            let start = token_offset(offsets, r, shape.tokens);
+            let end = token_offset(offsets, r + 1, shape.tokens);
+            if r < requests {
+                written = write_request(
+                    buffer,
+                    ring,
+                    counters,
+                    input_ids,
+                    positions,
+                    out_cache_loc,
+                    expected_tokens,
+                    expected_positions,
+                    chain_assert,
+                    seed,
+                    start,
+                    end,
+                    &shape,
+                    features,
+                );
+            }
         }
-        if r < requests {
-            write_request(
-                buffer,
-                ring,
-                counters,
-                offsets,
-                seeds,
-                input_ids,
-                positions,
-                out_cache_loc,
-                expected_tokens,
-                expected_positions,
-                chain_assert,
-                r,
-                &shape,
-                features,
-            );
+        // One counter update per cube.
+        let (_, total) = cube_exclusive_scan(written, &mut shared);
+        if UNIT_POS == 0 {
+            if total > 0 {
+                counters[SLOT_RUN].fetch_add(total);
+            }
+            if CUBE_POS == 0 {
+                counters[KERNEL_RUN].fetch_add(1u64);
+            }
         }
     } else if comptime![features.fingerprints()] {
         let first = token_offset(offsets, 0, shape.tokens);
@@ -334,27 +366,26 @@ pub fn canary_write_kernel(
     }
 }
 
-/// One request's chain walk: counts its assert rows, reserves them in one block (rows of a
-/// request stay in entry order), then stores records and rows in order.
+/// One request's chain walk, in entry order: stores the records and the assert rows. Entries are
+/// loaded a batch at a time ahead of the serial fold. Returns the records written.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn write_request(
     buffer: &mut Tensor<u64>,
     ring: &mut Tensor<u64>,
     counters: &Tensor<Atomic<u64>>,
-    offsets: &Tensor<u64>,
-    seeds: &Tensor<u64>,
     input_ids: &Tensor<u64>,
     positions: &Tensor<u64>,
     out_cache_loc: &Tensor<u64>,
     expected_tokens: &Tensor<u64>,
     expected_positions: &Tensor<u64>,
     chain_assert: &Tensor<i32>,
-    r: u64,
+    seed: u64,
+    start: u64,
+    end: u64,
     shape: &CanaryShape,
     #[comptime] features: CanaryFeatures,
-) {
-    let seed = seeds[r as usize];
+) -> u64 {
     let seed_record = read_record(buffer, seed, shape);
     let mut h = ANCHOR_LINK.runtime();
     if seed >> 63 == 0 {
@@ -364,113 +395,136 @@ fn write_request(
     if comptime![features.chain_assert] {
         position_check = seed >> 63 == 0 && chain_assert[0] != 0;
     }
-    let start = token_offset(offsets, r, shape.tokens);
-    let end = token_offset(offsets, r + 1, shape.tokens);
-
-    // Pass 1, only when an assert can fire: count the rows (no chain value needed for that).
-    let mut base = 0u64.runtime();
+    // Pass 1, only when an assert can fire: count the rows and reserve them in one block, so the
+    // walk below stores them without an atomic in its loop (lavapipe, CI's device, was seen to
+    // drop code after a loop that holds an atomic) and a request's rows keep entry order.
+    let mut row = 0u64.runtime();
     if comptime![features.input_assert || features.chain_assert] {
         let mut rows = 0u64.runtime();
         let mut last_position = seed_record.position;
         let mut i = start;
         while i < end {
-            let slot = out_cache_loc[i as usize];
-            if slot >> 63 == 0 {
-                let token = input_ids[i as usize];
-                let position = positions[i as usize];
-                if comptime![features.input_assert] {
-                    if token != expected_tokens[i as usize]
-                        || position != expected_positions[i as usize]
-                    {
-                        rows += 1;
+            #[unroll]
+            for k in 0..BATCH {
+                let index = i + k as u64;
+                if index < end {
+                    let slot = out_cache_loc[index as usize];
+                    let position = positions[index as usize];
+                    if slot >> 63 == 0 {
+                        if comptime![features.input_assert] {
+                            if input_ids[index as usize] != expected_tokens[index as usize]
+                                || position != expected_positions[index as usize]
+                            {
+                                rows += 1;
+                            }
+                        }
+                        if position_check {
+                            if position != last_position + 1 {
+                                rows += 1;
+                            }
+                            last_position = position;
+                        }
                     }
-                }
-                if position_check {
-                    if position != last_position + 1 {
-                        rows += 1;
-                    }
-                    last_position = position;
                 }
             }
-            i += 1;
+            i += BATCH as u64;
         }
         if rows > 0 {
-            base = counters[WRITE_INDEX].fetch_add(rows);
+            row = counters[WRITE_INDEX].fetch_add(rows);
         }
     }
 
-    // Pass 2: the chain.
-    let mut row = base;
     let mut last_position = seed_record.position;
     let mut written = 0u64.runtime();
     let mut i = start;
     while i < end {
-        let slot = out_cache_loc[i as usize];
-        if slot >> 63 == 0 {
-            let token = input_ids[i as usize];
-            let position = positions[i as usize];
-            if comptime![features.input_assert] {
-                let expected_token = expected_tokens[i as usize];
-                let expected_position = expected_positions[i as usize];
-                let mut bits = 0u64.runtime();
-                if token != expected_token {
-                    bits |= FAIL_WRITE_TOKEN;
-                }
-                if position != expected_position {
-                    bits |= FAIL_WRITE_POSITION;
-                }
-                if bits != 0 {
-                    store_row(
-                        ring,
-                        row,
-                        shape,
-                        slot,
-                        position,
-                        token,
-                        expected_token,
-                        h,
-                        expected_position,
-                        bits,
-                    );
-                    row += 1;
-                }
+        let mut slots = Array::<u64>::new(BATCH);
+        let mut tokens = Array::<u64>::new(BATCH);
+        let mut positions_batch = Array::<u64>::new(BATCH);
+        #[unroll]
+        for k in 0..BATCH {
+            let index = i + k as u64;
+            // Past the request: a skipped entry.
+            let mut slot = u64::MAX.runtime();
+            let mut token = 0u64.runtime();
+            let mut position = 0u64.runtime();
+            if index < end {
+                slot = out_cache_loc[index as usize];
+                token = input_ids[index as usize];
+                position = positions[index as usize];
             }
-            if position_check {
-                let expected_position = last_position + 1;
-                if position != expected_position {
-                    store_row(
-                        ring,
-                        row,
-                        shape,
-                        slot,
-                        position,
-                        token,
-                        token,
-                        h,
-                        expected_position,
-                        FAIL_WRITE_POSITION,
-                    );
-                    row += 1;
-                }
-                last_position = position;
-            }
-            if slot < shape.num_slots {
-                let record = (slot * shape.slot_words) as usize;
-                buffer[record] = token;
-                buffer[record + 1] = position;
-                buffer[record + 2] = h;
-                if comptime![!features.fingerprints()] {
-                    buffer[record + 3] = 0u64;
-                }
-            }
-            h = mix3(h, token, position);
-            written += 1;
+            slots[k] = slot;
+            tokens[k] = token;
+            positions_batch[k] = position;
         }
-        i += 1;
+        #[unroll]
+        for k in 0..BATCH {
+            let slot = slots[k];
+            if slot >> 63 == 0 {
+                let index = i + k as u64;
+                let token = tokens[k];
+                let position = positions_batch[k];
+                if comptime![features.input_assert] {
+                    let expected_token = expected_tokens[index as usize];
+                    let expected_position = expected_positions[index as usize];
+                    let mut bits = 0u64.runtime();
+                    if token != expected_token {
+                        bits |= FAIL_WRITE_TOKEN;
+                    }
+                    if position != expected_position {
+                        bits |= FAIL_WRITE_POSITION;
+                    }
+                    if bits != 0 {
+                        store_row(
+                            ring,
+                            row,
+                            shape,
+                            slot,
+                            position,
+                            token,
+                            expected_token,
+                            h,
+                            expected_position,
+                            bits,
+                        );
+                        row += 1;
+                    }
+                }
+                if position_check {
+                    let expected_position = last_position + 1;
+                    if position != expected_position {
+                        store_row(
+                            ring,
+                            row,
+                            shape,
+                            slot,
+                            position,
+                            token,
+                            token,
+                            h,
+                            expected_position,
+                            FAIL_WRITE_POSITION,
+                        );
+                        row += 1;
+                    }
+                    last_position = position;
+                }
+                if slot < shape.num_slots {
+                    let record = (slot * shape.slot_words) as usize;
+                    buffer[record] = token;
+                    buffer[record + 1] = position;
+                    buffer[record + 2] = h;
+                    if comptime![!features.fingerprints()] {
+                        buffer[record + 3] = 0u64;
+                    }
+                }
+                h = mix3(h, token, position);
+                written += 1;
+            }
+        }
+        i += BATCH as u64;
     }
-    if written > 0 {
-        counters[SLOT_RUN].fetch_add(written);
-    }
+    written
 }
 
 /// Verify (spec §7): one entry per unit over a grid-stride loop.

@@ -395,7 +395,9 @@ impl<B: KvPlanBackend> Canary<B> {
 
     /// The records, i64 `[max(N, 1), S / 8]` (`token, position, prev_hash, real_kv_hash, ..`).
     pub fn buffer(&self) -> Tensor<B, 2, Int> {
-        Tensor::from_primitive(self.primitive().buffer.clone())
+        let state = self.primitive();
+        Tensor::<B, 1, Int>::from_primitive(state.buffer.clone())
+            .reshape([state.num_slots.max(1), state.slot_words])
     }
 
     /// Runs `op` on the state; a failed op leaves a zeroed canary of the same shape.
@@ -474,7 +476,7 @@ impl<B: KvPlanBackend> Canary<B> {
             .expect("the canary state is always returned");
         let rows = state.ring_capacity.max(1);
         state.ring = B::int_from_data(
-            TensorData::new(vec![0i64; rows * ROW_WORDS], [rows, ROW_WORDS]),
+            TensorData::new(vec![0i64; rows * ROW_WORDS], [rows * ROW_WORDS]),
             &self.device,
         );
         let counters = Tensor::<B, 1, Int>::from_primitive(state.counters.clone());

@@ -205,8 +205,14 @@ fn int_tensor<B: KvPlanBackend, const D: usize, E: burn_tensor::Element>(
     let full: Tensor<B, D, Int> =
         Tensor::from_data(TensorData::new(zeros, padded), (device, dtype));
     let ranges: [core::ops::Range<usize>; D] = core::array::from_fn(|d| 0..shape[d]);
-    // An empty slice comes back in the backend's default int dtype.
-    full.slice(ranges).cast(dtype)
+    let empty = full.slice(ranges);
+    // Some backends answer an empty slice in their default int dtype. Cast only then: a cast is
+    // a launch, and a zero-sized launch fails on CUDA.
+    if empty.dtype() == dtype {
+        empty
+    } else {
+        empty.cast(dtype)
+    }
 }
 
 /// The i64 values of an int tensor.

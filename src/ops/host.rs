@@ -300,12 +300,10 @@ pub(crate) fn upload_canary<B: Backend>(
     counters[WRITE_INDEX] = state.write_index;
     counters[SLOT_RUN] = state.slot_run_counter;
     counters[KERNEL_RUN] = state.kernel_run_counter;
-    let upload = |values: Vec<i64>, shape: [usize; 2]| {
-        B::int_from_data(TensorData::new(values, shape), device)
-    };
+    // 1-D on purpose: CUDA may pad the rows of a 2-D allocation, and the kernels index words.
     super::CanaryPrimitive {
-        buffer: upload(buffer, [num_slots.max(1), slot_words]),
-        ring: upload(ring, [state.ring.len().max(1), ROW_WORDS]),
+        buffer: upload_i64::<B>(buffer, device),
+        ring: upload_i64::<B>(ring, device),
         counters: upload_i64::<B>(counters.to_vec(), device),
         num_slots,
         slot_words,

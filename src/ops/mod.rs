@@ -101,9 +101,10 @@ pub struct PlanOutput<T> {
 /// A canary's device state.
 #[derive(Debug, Clone)]
 pub struct CanaryPrimitive<T> {
-    /// i64 `[max(N, 1), S / 8]`: the slot records.
+    /// i64 `[max(N, 1) * S / 8]`: the slot records, slot-major (1-D: a 2-D allocation may get
+    /// padded rows on CUDA).
     pub buffer: T,
-    /// i64 `[max(C, 1), 8]`: the violation ring.
+    /// i64 `[max(C, 1) * 8]`: the violation ring.
     pub ring: T,
     /// i64 `[3]`: write index, `slot_run_counter`, `kernel_run_counter`
     /// (`kvplan_kernels::canary::{WRITE_INDEX, SLOT_RUN, KERNEL_RUN}`).

@@ -352,3 +352,148 @@ pub fn verify(state: &mut CanaryState, args: &VerifyArgs, launch: &Launch) -> Ve
     }
     rows
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Spec §13, example 1.
+    #[test]
+    fn primitives() {
+        assert_eq!(mix(0), 0);
+        assert_eq!(mix(1), 0x5692_161D_100B_05E5);
+        assert_eq!(mix(CHAIN_ANCHOR), 0xDE7F_AE23_A9A1_B716);
+        assert_eq!(mix(CHAIN_ANCHOR), kvplan_kernels::canary::ANCHOR_LINK);
+        assert_eq!(mix(CHAIN_ANCHOR) as i64, -2414019407054260458);
+        assert_eq!(mix3(1, 2, 3), 0xA55B_DF37_C087_24B5);
+        let bytes: Vec<u8> = (0..16).collect();
+        let source = SourceBytes {
+            bytes: &bytes,
+            row_bytes: 16,
+            page_size: 1,
+            num_bytes_per_token: 16,
+            read_bytes: 16,
+        };
+        assert_eq!(mix(source.word(0, 0)), 0x6E06_8E3B_28B7_6F49);
+        assert_eq!(
+            fingerprint(0, RealKvHashMode::All, &[source]),
+            0xD6D7_5024_DFD6_C30C
+        );
+        assert_eq!(
+            fingerprint(0, RealKvHashMode::Partial, &[source]),
+            0xD6D7_5024_DFD6_C30C
+        );
+        assert_eq!(fingerprint(0, RealKvHashMode::None, &[source]), 0);
+        // A slot whose row is past the source reads zeros: never out of bounds.
+        assert_eq!(source.word(5, 1), 0);
+    }
+
+    /// Spec §13, example 2: write, a clean verify, then a token flip.
+    #[test]
+    fn roundtrip_token_flip() {
+        let mut state = CanaryState::zeroed(8, 4, 4);
+        let launch = Launch {
+            kernel_kind: 0,
+            mode: RealKvHashMode::None,
+            sources: &[],
+        };
+        let write_args = WriteArgs {
+            offsets: &[0, 3],
+            seed_slot_indices: &[-1],
+            num_valid_reqs: 1,
+            input_ids: &[11, 12, 13],
+            positions: &[0, 1, 2],
+            out_cache_loc: &[3, 5, 6],
+            expected_inputs: None,
+            chain_position_assert: true,
+        };
+        assert!(write(&mut state, &write_args, &launch).is_empty());
+        assert_eq!(state.record(3), [11, 0, -2414019407054260458, 0]);
+        assert_eq!(state.record(5), [12, 1, -8517104317260626359, 0]);
+        assert_eq!(state.record(6), [13, 2, 1438260920671241686, 0]);
+        let verify_args = VerifyArgs {
+            slot_indices: &[3, 5, 6],
+            expected_tokens: &[11, 12, 13],
+            expected_positions: &[0, 1, 2],
+            prev_slot_indices: &[-1, 3, 5],
+            num_valid: 3,
+            enable: 1,
+            check_expected_token: true,
+        };
+        let launch = Launch {
+            kernel_kind: 1,
+            ..launch
+        };
+        assert!(verify(&mut state, &verify_args, &launch).is_empty());
+        state.buffer[5 * 4] = 99;
+        let rows = verify(&mut state, &verify_args, &launch);
+        assert_eq!(
+            rows,
+            vec![
+                [
+                    1,
+                    5,
+                    1,
+                    99,
+                    12,
+                    -8517104317260626359,
+                    -8517104317260626359,
+                    32
+                ],
+                [
+                    1,
+                    6,
+                    2,
+                    13,
+                    13,
+                    1438260920671241686,
+                    -8615379121724178804,
+                    1
+                ],
+            ]
+        );
+        assert_eq!(
+            (
+                state.write_index,
+                state.slot_run_counter,
+                state.kernel_run_counter
+            ),
+            (2, 9, 3)
+        );
+        assert_eq!(state.ring[..2], rows[..]);
+    }
+
+    /// Out-of-range slots, seeds and offsets (spec §11) neither panic nor write outside.
+    #[test]
+    fn preconditions_stay_in_bounds() {
+        let mut state = CanaryState::zeroed(4, 4, 1);
+        let launch = Launch {
+            kernel_kind: 0,
+            mode: RealKvHashMode::None,
+            sources: &[],
+        };
+        let args = WriteArgs {
+            offsets: &[-3, 9],
+            seed_slot_indices: &[77],
+            num_valid_reqs: i32::MAX,
+            input_ids: &[1, 2],
+            positions: &[0, 1],
+            out_cache_loc: &[9, 2],
+            expected_inputs: None,
+            chain_position_assert: true,
+        };
+        write(&mut state, &args, &launch);
+        assert_eq!(state.record(2)[0], 2);
+        let args = VerifyArgs {
+            slot_indices: &[-1, 99],
+            expected_tokens: &[0, 0],
+            expected_positions: &[0, 0],
+            prev_slot_indices: &[99, -1],
+            num_valid: 5,
+            enable: 1,
+            check_expected_token: true,
+        };
+        verify(&mut state, &args, &launch);
+        assert_eq!(state.num_slots(), 4);
+    }
+}

@@ -48,7 +48,7 @@ fn bind_sources<R: CubeRuntime>(
     let tensor = |k: usize| sources.get(k).unwrap_or(stand_in).clone().into_tensor_arg();
     let layout = |k: usize| {
         let (layout, words) = match (layouts.get(k), sources.get(k)) {
-            (Some(layout), Some(tensor)) => (*layout, tensor.shape()[0]),
+            (Some(layout), Some(tensor)) if layout.rows > 0 => (*layout, tensor.shape()[0]),
             _ => (
                 SourceLayout {
                     rows: 0,
@@ -74,20 +74,56 @@ fn bind_sources<R: CubeRuntime>(
     )
 }
 
-/// A source's bytes as contiguous words: a view of the caller's buffer (a copy only for a
-/// non-contiguous view, whose rows the kernels could not address).
+/// A source's bytes as words, and its layout with the real row stride: a view of the caller's
+/// buffer. Rows may be padded (CUDA pitches some 2-D allocations, views skip columns); the rest of
+/// a row must be contiguous, else the source is copied first (the only copy, and only then).
 fn source_words<R: CubeRuntime>(
     source: SourcePrimitive<CubeTensor<R>, CubeTensor<R>>,
-) -> CubeTensor<R> {
+) -> (CubeTensor<R>, SourceLayout) {
     let tensor = match source.tensor {
         KvBytes::Float(tensor) | KvBytes::Int(tensor) => tensor,
     };
-    let tensor = if tensor.is_contiguous() {
-        tensor
-    } else {
-        burn_cubecl::kernel::into_contiguous(tensor)
+    let row_stride = |tensor: &CubeTensor<R>| -> Option<usize> {
+        let (shape, strides) = (tensor.shape(), tensor.meta.strides());
+        let mut expected = 1;
+        for axis in (1..shape.num_dims()).rev() {
+            if shape[axis] > 1 && strides[axis] != expected {
+                return None;
+            }
+            expected *= shape[axis];
+        }
+        let bytes = strides[0] * tensor.dtype.size();
+        (bytes % 16 == 0 && bytes >= expected * tensor.dtype.size()).then_some(bytes)
     };
-    as_words(tensor)
+    let (tensor, stride) = match row_stride(&tensor) {
+        Some(stride) => (tensor, stride),
+        None => {
+            let tensor = burn_cubecl::kernel::into_contiguous(tensor);
+            let stride = row_stride(&tensor).unwrap_or(source.layout.row_bytes);
+            (tensor, stride)
+        }
+    };
+    let rows = tensor.shape()[0];
+    // The words the kernels may read; an empty source is bound to a one-word stand-in and
+    // declared empty (`rows: 0`), so nothing of it is read.
+    let bytes = if rows == 0 {
+        0
+    } else {
+        (rows - 1) * stride + source.layout.row_bytes
+    };
+    let words = bindable(CubeTensor::new_contiguous(
+        tensor.client,
+        tensor.device,
+        Shape::new([bytes / 8]),
+        tensor.handle,
+        DType::U64,
+    ));
+    let layout = SourceLayout {
+        rows,
+        row_bytes: stride,
+        ..source.layout
+    };
+    (words, layout)
 }
 
 struct Bound<R: CubeRuntime> {
@@ -98,8 +134,8 @@ struct Bound<R: CubeRuntime> {
 }
 
 fn bind_launch<R: CubeRuntime>(launch: Launch<R>) -> Bound<R> {
-    let layouts: Vec<SourceLayout> = launch.sources.iter().map(|s| s.layout).collect();
-    let sources: Vec<CubeTensor<R>> = launch.sources.into_iter().map(source_words).collect();
+    let (sources, layouts): (Vec<CubeTensor<R>>, Vec<SourceLayout>) =
+        launch.sources.into_iter().map(source_words).unzip();
     Bound {
         features: CanaryFeatures {
             mode: mode_code(launch.mode),
@@ -129,8 +165,9 @@ pub(crate) fn canary_write<R: CubeRuntime>(
     let requests = plan.seed_slot_indices.shape()[0];
     let tokens = inputs.input_ids.shape()[0];
     let chain_cubes = requests.div_ceil(CUBE_SIZE as usize).max(1);
+    // One entry per unit: a fingerprint is a serial fold, so spread them as widely as the device.
     let fingerprint_cubes = if bound.features.fingerprints() {
-        resident_cubes(&buffer, tokens)
+        resident_cubes(&buffer, tokens * 4)
     } else {
         0
     };

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU session in one call (run through `device`): conformance, demo and benchmarks on CUDA.
+# Carry `target-cuda/release/kvplan` (built with `--features cuda`) and `gpu/` (a copy of
+# ../shared/conformance). Logs go to $OUT; the last lines of stdout are the tables.
+# Usage: scripts/gpu.sh [checks|canary|plan|gather]...
+set -uo pipefail
+BIN=./target-cuda/release/kvplan
+OUT=${OUT:-/tmp/kvplan-gpu}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+for part in "$@"; do
+  case "$part" in
+    checks)
+      for backend in cuda cuda-unfused; do
+        for file in gather plan canary; do
+          "$BIN" check "gpu/$file.jsonl" --backend "$backend" > "$OUT/check-$file-$backend.txt" 2>&1
+          echo "check $file $backend: $(tail -1 "$OUT/check-$file-$backend.txt")"
+        done
+      done
+      "$BIN" demo --backend cuda > "$OUT/demo.txt" 2>&1; tail -18 "$OUT/demo.txt"
+      "$BIN" demo --backend cuda --inject-corruption > "$OUT/demo-inject.txt" 2>&1
+      grep -E "inject|canary|PASS|FAIL" "$OUT/demo-inject.txt"
+      ;;
+    canary)
+      "$BIN" bench canary --backend cuda --reps 20 2>&1 | tee "$OUT/bench-canary.txt"
+      KVPLAN_NO_CUPTI=1 "$BIN" bench canary-small --backend cuda --reps 50 2>&1 | tee "$OUT/bench-canary-nocupti.txt"
+      ;;
+    plan|gather)
+      "$BIN" bench "$part" --backend cuda --reps 50 2>&1 | tee "$OUT/bench-$part.txt"
+      ;;
+  esac
+done
