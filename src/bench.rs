@@ -119,18 +119,30 @@ fn timed<B: KvPlanBackend>(
     })
 }
 
-/// One row of a result table.
-fn row(label: &str, host_us: f64, pipelined_us: f64, bytes: f64) {
+/// One row of a gather/plan table: GPU kernel time and GB/s over it (over the pipelined wall
+/// time when there is no CUPTI), then the host views.
+fn row(label: &str, timing: Timing, bytes: f64) {
+    let (gpu, kernels, over) = match timing.gpu {
+        Some((us, kernels)) => (format!("{us:.2}"), format!("{kernels:.1}"), us),
+        None => ("-".into(), "-".into(), timing.pipelined_us),
+    };
     println!(
-        "| {label} | {host_us:.1} | {pipelined_us:.1} | {:.0} |",
-        bytes / (pipelined_us * 1e-6) / 1e9
+        "| {label} | {gpu} | {kernels} | {:.0} | {:.1} | {:.1} |",
+        bytes / (over * 1e-6) / 1e9,
+        timing.host_us,
+        timing.pipelined_us
     );
+}
+
+/// The header of a gather/plan table.
+fn header(shape: &str) {
+    println!("| {shape} | GPU us/call | kernels/call | GB/s | host us/call | pipelined us/call |");
+    println!("|---|---:|---:|---:|---:|---:|");
 }
 
 /// The gather grid: masked (exact, capacity) and segments (exact, capacity).
 pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), String> {
-    println!("| shape (bs, W, valid) op/mode | host us/call | pipelined us/call | GB/s |");
-    println!("|---|---:|---:|---:|");
+    header("shape (bs, W, valid) op/mode");
     for (bs, width) in [
         (1usize, 8usize),
         (64, 16),
@@ -191,13 +203,13 @@ pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), S
         let masked_bytes = cells * 5.0 + bs as f64 * 4.0 + valid as f64 * 12.0;
         let segment_bytes = bs as f64 * 12.0 + valid as f64 * 12.0;
         let label = |op: &str| format!("({bs}, {width}, {valid}) {op}");
-        let run = |f: &mut dyn FnMut() -> Result<(), crate::Error>| time::<B>(device, reps, f);
-        let (h, d) = run(&mut || {
+        let run = |f: &mut dyn FnMut() -> Result<(), crate::Error>| timed::<B>(device, reps, f);
+        let timing = run(&mut || {
             crate::masked_gather(t.clone(), q.clone(), p.clone(), m.clone(), "b").map(drop)
         })
         .map_err(|e| e.to_string())?;
-        row(&label("masked exact"), h, d, masked_bytes);
-        let (h, d) = run(&mut || {
+        row(&label("masked exact"), timing, masked_bytes);
+        let timing = run(&mut || {
             crate::masked_gather_with_capacity(
                 t.clone(),
                 q.clone(),
@@ -209,13 +221,13 @@ pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), S
             .map(drop)
         })
         .map_err(|e| e.to_string())?;
-        row(&label("masked capacity"), h, d, masked_bytes);
-        let (h, d) = run(&mut || {
+        row(&label("masked capacity"), timing, masked_bytes);
+        let timing = run(&mut || {
             crate::segment_gather(t.clone(), q.clone(), Some(s.clone()), l.clone()).map(drop)
         })
         .map_err(|e| e.to_string())?;
-        row(&label("segments exact"), h, d, segment_bytes);
-        let (h, d) = run(&mut || {
+        row(&label("segments exact"), timing, segment_bytes);
+        let timing = run(&mut || {
             crate::segment_gather_with_capacity(
                 t.clone(),
                 q.clone(),
@@ -226,15 +238,14 @@ pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), S
             .map(drop)
         })
         .map_err(|e| e.to_string())?;
-        row(&label("segments capacity"), h, d, segment_bytes);
+        row(&label("segments capacity"), timing, segment_bytes);
     }
     Ok(())
 }
 
 /// The plan grid: FULL and SWA (window 1024, LUT), with and without the expected-token pool.
 pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), String> {
-    println!("| shape (bs, L, mode, entries) | host us/call | pipelined us/call | GB/s |");
-    println!("|---|---:|---:|---:|");
+    header("shape (bs, L, mode, entries)");
     let grid = [
         (1usize, 512usize, false),
         (8, 4096, false),
@@ -326,16 +337,16 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
                 if pool { "+pool" } else { "" }
             );
             let label = format!("({bs}, {max_prefix}, {mode}, {entries})");
-            let (h, d) = time::<B>(device, reps, || {
+            let timing = timed::<B>(device, reps, || {
                 crate::plan_deferred(&mut verify, &mut write, inputs()).map(drop)
             })
             .map_err(|e| e.to_string())?;
-            row(&format!("{label} deferred"), h, d, bytes);
+            row(&format!("{label} deferred"), timing, bytes);
             let (h, _) = time::<B>(device, reps, || {
                 crate::plan(&mut verify, &mut write, inputs())
             })
             .map_err(|e| e.to_string())?;
-            println!("| {label} checked | {h:.1} | - | - |");
+            println!("| {label} checked | - | - | - | {h:.1} | - |");
         }
     }
     Ok(())

@@ -156,6 +156,11 @@ macro_rules! suite {
             }
 
             #[test]
+            fn canary_long_chains() {
+                crate::canary::long_chains::<B>(&device());
+            }
+
+            #[test]
             fn canary_ring_overflow() {
                 crate::canary::ring_overflow::<B>(&device());
             }

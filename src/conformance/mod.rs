@@ -204,15 +204,13 @@ fn int_tensor<B: KvPlanBackend, const D: usize, E: burn_tensor::Element>(
     let zeros = vec![0i64; padded.iter().product()];
     let full: Tensor<B, D, Int> =
         Tensor::from_data(TensorData::new(zeros, padded), (device, dtype));
-    let ranges: [core::ops::Range<usize>; D] = core::array::from_fn(|d| 0..shape[d]);
-    let empty = full.slice(ranges);
-    // Some backends answer an empty slice in their default int dtype. Cast only then: a cast is
-    // a launch, and a zero-sized launch fails on CUDA.
-    if empty.dtype() == dtype {
-        empty
-    } else {
-        empty.cast(dtype)
-    }
+    // The backend's own slice (a view): the tensor-level `slice` answers an empty range with a
+    // fresh zero-byte tensor, which is what must be avoided here.
+    let slices: Vec<burn_tensor::Slice> = shape
+        .iter()
+        .map(|&d| burn_tensor::Slice::from(0..d))
+        .collect();
+    Tensor::from_primitive(B::int_slice(full.into_primitive(), &slices))
 }
 
 /// The i64 values of an int tensor.

@@ -686,6 +686,22 @@ pub fn corruption_kinds<B: KvPlanBackend>(device: &B::Device) {
     );
 }
 
+/// Long requests and many rows per launch: every unit loops several times (chain batches,
+/// grid-stride verify entries), and every row must still land.
+pub fn long_chains<B: KvPlanBackend>(device: &B::Device) {
+    let tokens: Vec<i64> = (0..3000).map(|k| 5 + 3 * k).collect();
+    let mut harness = Harness::<B>::new(CanaryState::zeroed(4096, 4, 4096), device);
+    harness.write(&chain(7, &tokens), 0, RealKvHashMode::None, &[]);
+    let mut check = chain_check(7, &tokens);
+    for (k, token) in check.tokens.iter_mut().enumerate() {
+        if k % 3 == 0 {
+            *token += 1;
+        }
+    }
+    let rows = harness.verify(&check, 1, RealKvHashMode::None, &[]);
+    assert_eq!(rows.len(), 1000);
+}
+
 /// A full ring keeps counting; stored rows are a subset of the produced ones.
 pub fn ring_overflow<B: KvPlanBackend>(device: &B::Device) {
     let tokens: Vec<i64> = (100..164).collect();
