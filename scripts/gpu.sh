@@ -25,6 +25,12 @@ for part in "$@"; do
       "$BIN" bench canary --backend cuda --reps 20 2>&1 | tee "$OUT/bench-canary.txt"
       KVPLAN_NO_CUPTI=1 "$BIN" bench canary-small --backend cuda --reps 50 2>&1 | tee "$OUT/bench-canary-nocupti.txt"
       ;;
+    nocupti)
+      # Host-side views without CUPTI's per-launch cost (GPU columns are then empty).
+      for which in plan gather; do
+        KVPLAN_NO_CUPTI=1 "$BIN" bench "$which" --backend cuda --reps 50 2>&1 | tee "$OUT/bench-$which-nocupti.txt"
+      done
+      ;;
     plan|gather)
       "$BIN" bench "$part" --backend cuda --reps 50 2>&1 | tee "$OUT/bench-$part.txt"
       ;;

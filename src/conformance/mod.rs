@@ -188,29 +188,20 @@ impl Dense {
 
 /// An int tensor of `shape` holding `values` in `dtype`.
 ///
-/// An empty tensor is cut from a one-element-thick upload: uploading zero bytes was seen to break
-/// later reads on CUDA (burn 0.21 / cubecl 0.10), and a view of a non-empty buffer avoids that.
+/// An empty tensor is allocated empty, not uploaded or derived: on CUDA (burn 0.21 / cubecl 0.10)
+/// uploading zero bytes, or casting or slicing down to zero elements (a zero-sized launch), was
+/// seen to make the next read-back fail.
 fn int_tensor<B: KvPlanBackend, const D: usize, E: burn_tensor::Element>(
     values: Vec<E>,
     shape: Vec<usize>,
     dtype: DType,
     device: &B::Device,
 ) -> Tensor<B, D, Int> {
-    let Some(axis) = shape.iter().position(|&d| d == 0) else {
-        return Tensor::from_data(TensorData::new(values, shape), (device, dtype));
-    };
-    let mut padded = shape.clone();
-    padded[axis] = 1;
-    let zeros = vec![0i64; padded.iter().product()];
-    let full: Tensor<B, D, Int> =
-        Tensor::from_data(TensorData::new(zeros, padded), (device, dtype));
-    // The backend's own slice (a view): the tensor-level `slice` answers an empty range with a
-    // fresh zero-byte tensor, which is what must be avoided here.
-    let slices: Vec<burn_tensor::Slice> = shape
-        .iter()
-        .map(|&d| burn_tensor::Slice::from(0..d))
-        .collect();
-    Tensor::from_primitive(B::int_slice(full.into_primitive(), &slices))
+    if shape.contains(&0) {
+        let dims: [usize; D] = core::array::from_fn(|d| shape[d]);
+        return Tensor::empty(dims, (device, dtype));
+    }
+    Tensor::from_data(TensorData::new(values, shape), (device, dtype))
 }
 
 /// The i64 values of an int tensor.

@@ -93,9 +93,11 @@ fn bindable<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
 ///
 /// cubecl 0.10's SPIR-V path was seen to compare widened negative i32 values as if they were
 /// zero-extended (a length of -2 taken as positive), so values whose sign matters reach the
-/// kernels as i64. These inputs are `[bs]`-sized: the copy is one small launch.
+/// kernels as i64. These inputs are `[bs]`-sized: the copy is one small launch. CUDA sign-extends
+/// correctly (its conformance run covers negative i32 lengths), so it skips the copy.
 fn widened<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
-    if tensor.dtype == DType::I64 || tensor.shape().num_elements() == 0 {
+    let sign_extends = R::name(&tensor.client) == "cuda";
+    if sign_extends || tensor.dtype == DType::I64 || tensor.shape().num_elements() == 0 {
         return tensor;
     }
     burn_cubecl::kernel::cast(tensor, DType::I64)
