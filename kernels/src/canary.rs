@@ -146,7 +146,7 @@ fn link(buffer: &Tensor<u64>, slot: u64, shape: &CanaryShape) -> u64 {
 
 /// Words loaded before they are folded: the loads of a batch overlap instead of each one
 /// stalling the serial fold.
-const BATCH: usize = 16;
+const BATCH: usize = 8;
 
 /// One source's fold of `slot`'s strip: `PARTIAL` folds 2 words, `ALL` `read_words`.
 #[cube]

@@ -181,6 +181,11 @@ impl Dense {
     }
 
     fn bool<B: KvPlanBackend, const D: usize>(&self, device: &B::Device) -> Tensor<B, D, Bool> {
+        if self.shape.contains(&0) {
+            // Allocated empty, never uploaded: see `int_tensor`.
+            let dims: [usize; D] = core::array::from_fn(|d| self.shape[d]);
+            return Tensor::empty(dims, device);
+        }
         let values: Vec<bool> = self.data.iter().map(|&v| v != 0).collect();
         Tensor::from_data(TensorData::new(values, self.shape.clone()), device)
     }
