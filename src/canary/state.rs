@@ -56,17 +56,14 @@ impl<B: KvPlanBackend> RealKvSource<B> {
         num_bytes_per_token: i64,
         read_bytes: i64,
     ) -> Result<Self, Error> {
-        let layout = validate::canary::source(
-            tensor.shape().as_slice(),
-            tensor.dtype(),
-            page_size,
-            num_bytes_per_token,
-            read_bytes,
-        )?;
-        Ok(Self {
-            tensor: KvBytes::Float(tensor.into_primitive().tensor()),
-            layout,
-        })
+        let (shape, dtype) = (tensor.shape(), tensor.dtype());
+        let bytes = KvBytes::Float(tensor.into_primitive().tensor());
+        Self::new(
+            bytes,
+            shape.as_slice(),
+            dtype,
+            [page_size, num_bytes_per_token, read_bytes],
+        )
     }
 
     /// An int KV tensor (any int dtype, e.g. raw `u8` bytes); as [`RealKvSource::float`].
@@ -76,17 +73,25 @@ impl<B: KvPlanBackend> RealKvSource<B> {
         num_bytes_per_token: i64,
         read_bytes: i64,
     ) -> Result<Self, Error> {
-        let layout = validate::canary::source(
-            tensor.shape().as_slice(),
-            tensor.dtype(),
-            page_size,
-            num_bytes_per_token,
-            read_bytes,
-        )?;
-        Ok(Self {
-            tensor: KvBytes::Int(tensor.into_primitive()),
-            layout,
-        })
+        let (shape, dtype) = (tensor.shape(), tensor.dtype());
+        let bytes = KvBytes::Int(tensor.into_primitive());
+        Self::new(
+            bytes,
+            shape.as_slice(),
+            dtype,
+            [page_size, num_bytes_per_token, read_bytes],
+        )
+    }
+
+    fn new(
+        tensor: KvBytes<FloatTensor<B>, IntTensor<B>>,
+        shape: &[usize],
+        dtype: burn_tensor::DType,
+        [page_size, num_bytes_per_token, read_bytes]: [i64; 3],
+    ) -> Result<Self, Error> {
+        let layout =
+            validate::canary::source(shape, dtype, page_size, num_bytes_per_token, read_bytes)?;
+        Ok(Self { tensor, layout })
     }
 
     /// The validated byte layout.

@@ -15,18 +15,7 @@ use crate::common::{Rng, conformance_file, list, values};
 pub fn conformance<B: KvPlanBackend>(device: &B::Device) {
     let text = conformance_file("canary.jsonl");
     let report = kvplan::conformance::check_file::<B>(&text, device);
-    let failures: Vec<String> = report
-        .failures
-        .iter()
-        .map(|(id, mismatch)| format!("  {id}: {mismatch}"))
-        .collect();
-    assert!(
-        failures.is_empty(),
-        "canary.jsonl: {}\n{}",
-        report.summary(),
-        failures.join("\n")
-    );
-    assert_eq!(report.passed, 104, "canary.jsonl: record count");
+    crate::conformance::assert_clean("canary.jsonl", &report, 104);
 }
 
 /// A source held on the host (the oracle's view) and as the device tensor under test.

@@ -6,7 +6,7 @@ use kvplan::conformance::{Report, check_file};
 use crate::common::conformance_file;
 
 #[track_caller]
-fn assert_clean(name: &str, report: &Report, records: usize) {
+pub fn assert_clean(name: &str, report: &Report, records: usize) {
     let failures: Vec<String> = report
         .failures
         .iter()
