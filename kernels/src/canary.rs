@@ -184,7 +184,6 @@ fn fold_strip(source: &Tensor<u64>, layout: &SourceLayout, slot: u64, #[comptime
 
 /// `fp(s)` over the bound sources, in launch order.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 fn fingerprint(
     sources: &Sources,
     layouts: &Layouts,

@@ -475,16 +475,17 @@ impl<B: KvPlanBackend> Canary<B> {
 
     /// Empties the ring and resets its write index; the health counters keep counting.
     pub fn clear(&mut self) {
-        let state = self
+        let mut state = self
             .state
-            .as_mut()
+            .take()
             .expect("the canary state is always returned");
         let rows = state.ring_capacity.max(1);
         state.ring = B::int_from_data(
             TensorData::new(vec![0i64; rows * ROW_WORDS], [rows * ROW_WORDS]),
             &self.device,
         );
-        let counters = Tensor::<B, 1, Int>::from_primitive(state.counters.clone());
+        // Moved, not cloned: a unique handle is updated in place.
+        let counters = Tensor::<B, 1, Int>::from_primitive(state.counters);
         let zero = Tensor::<B, 1, Int>::from_data(
             TensorData::new(vec![0i64], [1]),
             (&self.device, burn_tensor::DType::I64),
@@ -493,5 +494,6 @@ impl<B: KvPlanBackend> Canary<B> {
             .slice_assign(WRITE_INDEX..WRITE_INDEX + 1, zero)
             .into_primitive();
         debug_assert_eq!(state.counters.shape().num_elements(), COUNTERS);
+        self.state = Some(state);
     }
 }

@@ -10,7 +10,7 @@ use kvplan::canary::{
 use kvplan::reference::canary::{self as oracle, Launch, SourceBytes, ViolationRow};
 use kvplan::{KvPlanBackend, PlanInputs};
 
-use crate::common::{Rng, conformance_file, list, values};
+use crate::common::{Rng, conformance_file, list};
 
 pub fn conformance<B: KvPlanBackend>(device: &B::Device) {
     let text = conformance_file("canary.jsonl");
@@ -949,5 +949,34 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         state,
         "host-rule errors change nothing"
     );
-    let _ = values::<B, 1>(i64s::<B>(&[0], d));
+
+    // Plans of capacity 0 are fine for write and verify, but `plan` refuses to fill them.
+    let empty = || i64s::<B>(&[], d);
+    let mut no_entries = VerifyPlan::from_tensors(
+        empty(),
+        empty(),
+        empty(),
+        empty(),
+        i32s::<B>(0, d),
+        i32s::<B>(1, d),
+    )
+    .unwrap();
+    let mut no_requests =
+        WritePlan::from_tensors(i64s::<B>(&[0], d), empty(), i32s::<B>(0, d)).unwrap();
+    let mut verify = VerifyPlan::<B>::allocate(8, d).unwrap();
+    let mut write = WritePlan::<B>::allocate(2, d).unwrap();
+    let table =
+        Tensor::<B, 2, Int>::from_data(TensorData::new(vec![0i64; 8], [2, 4]), (d, DType::I64));
+    let inputs = || {
+        PlanInputs::new(
+            i64s::<B>(&[1], d),
+            i64s::<B>(&[2], d),
+            i64s::<B>(&[1], d),
+            table.clone(),
+        )
+    };
+    let planned = kvplan::plan(&mut no_entries, &mut write, inputs());
+    assert_eq!(kind(planned), Some("non_positive_verify_capacity"));
+    let planned = kvplan::plan(&mut verify, &mut no_requests, inputs());
+    assert_eq!(kind(planned), Some("non_positive_write_capacity"));
 }

@@ -158,6 +158,8 @@ pub(crate) fn canary_write<R: CubeRuntime>(
 ) -> CanaryPrimitive<CubeTensor<R>> {
     let mut bound = bind_launch(launch);
     bound.features.input_assert = inputs.expected_inputs.is_some();
+    // A verify-only switch: kept out of the write kernel's compile key.
+    bound.features.check_token = false;
     bound.features.chain_assert = inputs.chain_position_assert.is_some();
     let buffer = writable(canary.buffer);
     let ring = writable(canary.ring);
@@ -167,7 +169,7 @@ pub(crate) fn canary_write<R: CubeRuntime>(
     let chain_cubes = requests.div_ceil(CUBE_SIZE as usize).max(1);
     // One entry per unit: a fingerprint is a serial fold, so spread them as widely as the device.
     let fingerprint_cubes = if bound.features.fingerprints() {
-        resident_cubes(&buffer, tokens * 4)
+        resident_cubes(&buffer, tokens, 1)
     } else {
         0
     };
@@ -205,18 +207,18 @@ pub(crate) fn canary_write<R: CubeRuntime>(
             &buffer.client,
             cube_count,
             CubeDim::new_1d(CUBE_SIZE),
-            buffer_words.clone().into_tensor_arg(),
-            ring_words.clone().into_tensor_arg(),
+            buffer_words.into_tensor_arg(),
+            ring_words.into_tensor_arg(),
             counters.clone().into_tensor_arg(),
-            offsets.clone().into_tensor_arg(),
-            seeds.clone().into_tensor_arg(),
-            num_valid_reqs.clone().into_tensor_arg(),
-            input_ids.clone().into_tensor_arg(),
-            positions.clone().into_tensor_arg(),
-            out_cache_loc.clone().into_tensor_arg(),
-            expected_tokens.clone().into_tensor_arg(),
-            expected_positions.clone().into_tensor_arg(),
-            chain_assert.clone().into_tensor_arg(),
+            offsets.into_tensor_arg(),
+            seeds.into_tensor_arg(),
+            num_valid_reqs.into_tensor_arg(),
+            input_ids.into_tensor_arg(),
+            positions.into_tensor_arg(),
+            out_cache_loc.into_tensor_arg(),
+            expected_tokens.into_tensor_arg(),
+            expected_positions.into_tensor_arg(),
+            chain_assert.into_tensor_arg(),
             sources,
             layouts,
             shape,
@@ -241,7 +243,7 @@ pub(crate) fn canary_verify<R: CubeRuntime>(
     let ring = writable(canary.ring);
     let counters = writable(canary.counters);
     let entries = plan.slot_indices.shape()[0];
-    let cubes = resident_cubes(&buffer, entries);
+    let cubes = resident_cubes(&buffer, entries, 4);
     let (cube_count, cubes) = grid(cubes);
     let shape = CanaryShapeLaunch::new(
         canary.num_slots as u64,
@@ -269,15 +271,15 @@ pub(crate) fn canary_verify<R: CubeRuntime>(
             &buffer.client,
             cube_count,
             CubeDim::new_1d(CUBE_SIZE),
-            buffer_words.clone().into_tensor_arg(),
-            ring_words.clone().into_tensor_arg(),
+            buffer_words.into_tensor_arg(),
+            ring_words.into_tensor_arg(),
             counters.clone().into_tensor_arg(),
-            slot_indices.clone().into_tensor_arg(),
-            expected_tokens.clone().into_tensor_arg(),
-            expected_positions.clone().into_tensor_arg(),
-            prev_slot_indices.clone().into_tensor_arg(),
-            num_valid.clone().into_tensor_arg(),
-            enable.clone().into_tensor_arg(),
+            slot_indices.into_tensor_arg(),
+            expected_tokens.into_tensor_arg(),
+            expected_positions.into_tensor_arg(),
+            prev_slot_indices.into_tensor_arg(),
+            num_valid.into_tensor_arg(),
+            enable.into_tensor_arg(),
             sources,
             layouts,
             shape,

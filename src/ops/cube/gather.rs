@@ -105,7 +105,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     let offsets = output_i64(&req_to_token, segments);
     let tiles = segments.div_ceil(TILE_ROWS as usize).max(1);
     let (scan_grid, _) = grid(tiles);
-    let (expand_grid, _) = grid(resident_cubes(&req_to_token, capacity));
+    let (expand_grid, _) = grid(resident_cubes(&req_to_token, capacity, 4));
     // Fresh scratch: no tickets taken, no error, every tile state empty.
     let mut words = vec![0u64; SEG_TILES + tiles];
     words[SEG_ERROR] = NO_ERROR;

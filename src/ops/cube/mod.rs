@@ -112,16 +112,16 @@ fn grid(cubes: usize) -> (CubeCount, usize) {
     (CubeCount::Static(x as u32, y as u32, 1), x * y)
 }
 
-/// Cubes for a grid-stride loop over at most `elements` values: enough to fill the device, never
-/// more than the work needs.
-fn resident_cubes<R: CubeRuntime>(like: &CubeTensor<R>, elements: usize) -> usize {
+/// Cubes for a grid-stride loop over at most `elements` values, `per_unit` of them per unit:
+/// enough to fill the device, never more than the work needs.
+fn resident_cubes<R: CubeRuntime>(like: &CubeTensor<R>, elements: usize, per_unit: usize) -> usize {
     let sms = like
         .client
         .properties()
         .hardware
         .num_streaming_multiprocessors
         .unwrap_or(8) as usize;
-    let per_cube = 4 * kvplan_kernels::scan::CUBE_SIZE as usize;
+    let per_cube = per_unit * kvplan_kernels::scan::CUBE_SIZE as usize;
     elements.div_ceil(per_cube).clamp(1, sms * 8)
 }
 

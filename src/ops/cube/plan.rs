@@ -53,7 +53,11 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         .expected_tokens
         .as_ref()
         .map_or((0, 0), |(pool, _)| dims2(pool));
-    let (entries_grid, cubes) = grid(resident_cubes(&table, verify_capacity.max(write_capacity)));
+    let (entries_grid, cubes) = grid(resident_cubes(
+        &table,
+        verify_capacity.max(write_capacity),
+        4,
+    ));
     let shape = || {
         PlanShapeLaunch::new(
             requests as u64,
