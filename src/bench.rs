@@ -122,16 +122,22 @@ fn timed<B: KvPlanBackend>(
 /// One row of a gather/plan table: GPU kernel time and GB/s over it (over the pipelined wall
 /// time when there is no CUPTI), then the host views.
 fn row(label: &str, timing: Timing, bytes: f64) {
-    let (gpu, kernels, over) = match timing.gpu {
-        Some((us, kernels)) => (format!("{us:.2}"), format!("{kernels:.1}"), us),
-        None => ("-".into(), "-".into(), timing.pipelined_us),
-    };
+    let (gpu, kernels, over) = gpu_columns(timing);
     println!(
         "| {label} | {gpu} | {kernels} | {:.0} | {:.1} | {:.1} |",
         bytes / (over * 1e-6) / 1e9,
         timing.host_us,
         timing.pipelined_us
     );
+}
+
+/// The GPU us and kernels/call columns, and the time rates are taken over: GPU kernel time, or
+/// the pipelined wall time when there is no CUPTI.
+fn gpu_columns(timing: Timing) -> (String, String, f64) {
+    match timing.gpu {
+        Some((us, kernels)) => (format!("{us:.2}"), format!("{kernels:.1}"), us),
+        None => ("-".into(), "-".into(), timing.pipelined_us),
+    }
 }
 
 /// The header of a gather/plan table.
@@ -354,10 +360,7 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
 
 /// One canary table row: GPU us and the throughput over it (pipelined wall when no CUPTI).
 fn canary_row(label: &str, timing: Timing, bytes: f64, tokens: f64) {
-    let (gpu, kernels, over) = match timing.gpu {
-        Some((us, kernels)) => (format!("{us:.2}"), format!("{kernels:.1}"), us),
-        None => ("-".into(), "-".into(), timing.pipelined_us),
-    };
+    let (gpu, kernels, over) = gpu_columns(timing);
     let rate = if bytes > 0.0 {
         format!("{:.0} GB/s", bytes / (over * 1e-6) / 1e9)
     } else {

@@ -275,7 +275,8 @@ fn read_canary<B: Backend>(
     let mut state = CanaryState::zeroed(canary.num_slots, canary.slot_words, canary.ring_capacity);
     let words = state.buffer.len();
     state.buffer.copy_from_slice(&buffer[..words]);
-    for (row, values) in state.ring.iter_mut().zip(ring.chunks_exact(8)) {
+    let row_words = kvplan_kernels::canary::ROW_WORDS;
+    for (row, values) in state.ring.iter_mut().zip(ring.chunks_exact(row_words)) {
         row.copy_from_slice(values);
     }
     use kvplan_kernels::canary::{KERNEL_RUN, SLOT_RUN, WRITE_INDEX};
@@ -285,7 +286,7 @@ fn read_canary<B: Backend>(
     Ok(state)
 }
 
-/// Uploads a host state into tensors shaped like `like`'s (at least one buffer and ring row).
+/// Uploads a host state as a canary's tensors (at least one buffer and one ring row).
 pub(crate) fn upload_canary<B: Backend>(
     state: &CanaryState,
     device: &B::Device,
