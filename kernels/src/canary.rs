@@ -5,10 +5,9 @@
 //! outside a source and an offset outside the token arrays are never dereferenced (§11): reads
 //! there give 0 and writes are dropped.
 //!
-//! Write: request `r` is owned by one unit, which walks its entries in order and keeps the chain
-//! value in a register; that serial fold is the only serial part (entries are loaded in batches
-//! ahead of it). Fingerprints depend only on the
-//! slot, so under a real-KV mode a separate set of cubes folds them for every entry in parallel
+//! Write: request `r` is owned by a group of units that walk its entries in order, in lockstep;
+//! only the chain fold is serial, the loads, stores and checks of a tile are spread over the
+//! group. Fingerprints depend only on the slot, so under a real-KV mode a separate set of cubes folds them for every entry in parallel
 //! and stores field 3, which the chain walk never touches.
 //!
 //! Verify: one entry per unit, grid-striding; one atomic per violation row.
@@ -288,8 +287,17 @@ fn token_offset(offsets: &Tensor<u64>, r: u64, tokens: u64) -> u64 {
     clamped
 }
 
-/// Write (spec §6). Cubes `[0, chain_cubes)` walk one request per unit; under a real-KV mode the
-/// remaining cubes fold fingerprints over all active entries.
+/// Units that own one request: they walk its chain in lockstep, each folding the same values, so
+/// every unit can keep the chain value of its own entry of a tile while the loads, stores and
+/// checks of the tile run in parallel. Only the fold is serial. The units never exchange values:
+/// no plane operation and no barrier (lavapipe, CI's device, has no plane ops through CubeCL and
+/// was seen to mis-run loops that hold a barrier).
+pub const GROUP: u32 = 32;
+/// Requests per write cube.
+pub const GROUPS_PER_CUBE: u32 = CUBE_SIZE / GROUP;
+
+/// Write (spec §6). Cubes `[0, chain_cubes)` walk one request per group of `GROUP` units; under a
+/// real-KV mode the remaining cubes fold fingerprints over all active entries.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn canary_write_kernel(
@@ -313,7 +321,8 @@ pub fn canary_write_kernel(
     let requests = active_count(num_valid_reqs, shape.capacity);
     if (CUBE_POS as u64) < shape.chain_cubes {
         let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
-        let r = CUBE_POS as u64 * CUBE_SIZE as u64 + UNIT_POS as u64;
+        let lane = UNIT_POS % GROUP;
+        let r = (CUBE_POS as u64) * GROUPS_PER_CUBE as u64 + (UNIT_POS / GROUP) as u64;
         let mut written = 0u64.runtime();
         if r < shape.capacity {
             // Loaded next to the count, not after it: a decode step is a chain of dependent loads.
@@ -334,13 +343,18 @@ pub fn canary_write_kernel(
                     seed,
                     start,
                     end,
+                    lane,
                     &shape,
                     features,
                 );
             }
         }
-        // One counter update per cube.
-        let (_, total) = cube_exclusive_scan(written, &mut shared);
+        // One counter update per cube; the group's units all hold the same count.
+        let mut own = 0u64.runtime();
+        if lane == 0 {
+            own = written;
+        }
+        let (_, total) = cube_exclusive_scan(own, &mut shared);
         if UNIT_POS == 0 {
             if total > 0 {
                 counters[SLOT_RUN].fetch_add(total);
@@ -365,8 +379,37 @@ pub fn canary_write_kernel(
     }
 }
 
-/// One request's chain walk, in entry order: stores the records and the assert rows. Entries are
-/// loaded a batch at a time ahead of the serial fold. Returns the records written.
+/// The write-assert outcome of one stored entry: the input-assert bits (0 when it holds) and
+/// whether the chain-position assert fails.
+#[cube]
+fn entry_asserts(
+    expected_tokens: &Tensor<u64>,
+    expected_positions: &Tensor<u64>,
+    index: u64,
+    token: u64,
+    position: u64,
+    last_position: u64,
+    position_check: bool,
+    #[comptime] features: CanaryFeatures,
+) -> (u64, bool) {
+    let mut input_bits = 0u64.runtime();
+    if comptime![features.input_assert] {
+        if token != expected_tokens[index as usize] {
+            input_bits |= FAIL_WRITE_TOKEN;
+        }
+        if position != expected_positions[index as usize] {
+            input_bits |= FAIL_WRITE_POSITION;
+        }
+    }
+    (input_bits, position_check && position != last_position + 1)
+}
+
+/// One request's write, by its group (`lane` is the unit's place in it). The group walks the
+/// entries a tile of `GROUP` at a time: every unit folds the whole tile (the same loads, so the
+/// same values) and keeps the chain value of entry `tile + lane`, then stores that entry's record.
+/// The assert rows are only counted on the way; when there are any, lane 0 reserves them in one
+/// block and walks the request again to store them in entry order (no atomic inside a loop:
+/// lavapipe was seen to drop the code after such a loop). Returns the records written.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn write_request(
@@ -382,6 +425,7 @@ fn write_request(
     seed: u64,
     start: u64,
     end: u64,
+    lane: u32,
     shape: &CanaryShape,
     #[comptime] features: CanaryFeatures,
 ) -> u64 {
@@ -394,55 +438,16 @@ fn write_request(
     if comptime![features.chain_assert] {
         position_check = seed >> 63 == 0 && chain_assert[0] != 0;
     }
-    // Pass 1, only when an assert can fire: count the rows and reserve them in one block, so the
-    // walk below stores them without an atomic in its loop (lavapipe, CI's device, was seen to
-    // drop code after a loop that holds an atomic) and a request's rows keep entry order.
-    let mut row = 0u64.runtime();
-    if comptime![features.input_assert || features.chain_assert] {
-        let mut rows = 0u64.runtime();
-        let mut last_position = seed_record.position;
-        let mut i = start;
-        while i < end {
-            #[unroll]
-            for k in 0..BATCH {
-                let index = i + k as u64;
-                if index < end {
-                    let slot = out_cache_loc[index as usize];
-                    let position = positions[index as usize];
-                    if slot >> 63 == 0 {
-                        if comptime![features.input_assert] {
-                            if input_ids[index as usize] != expected_tokens[index as usize]
-                                || position != expected_positions[index as usize]
-                            {
-                                rows += 1;
-                            }
-                        }
-                        if position_check {
-                            if position != last_position + 1 {
-                                rows += 1;
-                            }
-                            last_position = position;
-                        }
-                    }
-                }
-            }
-            i += BATCH as u64;
-        }
-        if rows > 0 {
-            row = counters[WRITE_INDEX].fetch_add(rows);
-        }
-    }
-
+    let head = h;
     let mut last_position = seed_record.position;
+    let mut rows = 0u64.runtime();
     let mut written = 0u64.runtime();
-    let mut i = start;
-    while i < end {
-        let mut slots = Array::<u64>::new(BATCH);
-        let mut tokens = Array::<u64>::new(BATCH);
-        let mut positions_batch = Array::<u64>::new(BATCH);
+    let mut tile = start;
+    while tile < end {
+        let mut own_chain = 0u64.runtime();
         #[unroll]
-        for k in 0..BATCH {
-            let index = i + k as u64;
+        for j in 0..GROUP {
+            let index = tile + j as u64;
             // Past the request: a skipped entry.
             let mut slot = u64::MAX.runtime();
             let mut token = 0u64.runtime();
@@ -452,78 +457,148 @@ fn write_request(
                 token = input_ids[index as usize];
                 position = positions[index as usize];
             }
-            slots[k] = slot;
-            tokens[k] = token;
-            positions_batch[k] = position;
-        }
-        #[unroll]
-        for k in 0..BATCH {
-            let slot = slots[k];
+            if lane == j {
+                own_chain = h;
+            }
             if slot >> 63 == 0 {
-                let index = i + k as u64;
-                let token = tokens[k];
-                let position = positions_batch[k];
-                if comptime![features.input_assert] {
-                    let expected_token = expected_tokens[index as usize];
-                    let expected_position = expected_positions[index as usize];
-                    let mut bits = 0u64.runtime();
-                    if token != expected_token {
-                        bits |= FAIL_WRITE_TOKEN;
+                if comptime![features.input_assert || features.chain_assert] {
+                    let (input_bits, chain_fails) = entry_asserts(
+                        expected_tokens,
+                        expected_positions,
+                        index,
+                        token,
+                        position,
+                        last_position,
+                        position_check,
+                        features,
+                    );
+                    if input_bits != 0 {
+                        rows += 1;
                     }
-                    if position != expected_position {
-                        bits |= FAIL_WRITE_POSITION;
-                    }
-                    if bits != 0 {
-                        store_row(
-                            ring,
-                            row,
-                            shape,
-                            slot,
-                            position,
-                            token,
-                            expected_token,
-                            h,
-                            expected_position,
-                            bits,
-                        );
-                        row += 1;
-                    }
-                }
-                if position_check {
-                    let expected_position = last_position + 1;
-                    if position != expected_position {
-                        store_row(
-                            ring,
-                            row,
-                            shape,
-                            slot,
-                            position,
-                            token,
-                            token,
-                            h,
-                            expected_position,
-                            FAIL_WRITE_POSITION,
-                        );
-                        row += 1;
+                    if chain_fails {
+                        rows += 1;
                     }
                     last_position = position;
-                }
-                if slot < shape.num_slots {
-                    let record = (slot * shape.slot_words) as usize;
-                    buffer[record] = token;
-                    buffer[record + 1] = position;
-                    buffer[record + 2] = h;
-                    if comptime![!features.fingerprints()] {
-                        buffer[record + 3] = 0u64;
-                    }
                 }
                 h = mix3(h, token, position);
                 written += 1;
             }
         }
-        i += BATCH as u64;
+        let own = tile + lane as u64;
+        if own < end {
+            let slot = out_cache_loc[own as usize];
+            if slot < shape.num_slots {
+                let record = (slot * shape.slot_words) as usize;
+                buffer[record] = input_ids[own as usize];
+                buffer[record + 1] = positions[own as usize];
+                buffer[record + 2] = own_chain;
+                if comptime![!features.fingerprints()] {
+                    buffer[record + 3] = 0u64;
+                }
+            }
+        }
+        tile += GROUP as u64;
+    }
+    if comptime![features.input_assert || features.chain_assert] {
+        if rows > 0 && lane == 0 {
+            let row = counters[WRITE_INDEX].fetch_add(rows);
+            store_assert_rows(
+                ring,
+                input_ids,
+                positions,
+                out_cache_loc,
+                expected_tokens,
+                expected_positions,
+                head,
+                seed_record.position,
+                position_check,
+                start,
+                end,
+                row,
+                shape,
+                features,
+            );
+        }
     }
     written
+}
+
+/// The assert rows of one request, from ring index `row` on, in entry order: the walk of
+/// `write_request` again, storing what it counted.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_assert_rows(
+    ring: &mut Tensor<u64>,
+    input_ids: &Tensor<u64>,
+    positions: &Tensor<u64>,
+    out_cache_loc: &Tensor<u64>,
+    expected_tokens: &Tensor<u64>,
+    expected_positions: &Tensor<u64>,
+    head: u64,
+    seed_position: u64,
+    position_check: bool,
+    start: u64,
+    end: u64,
+    row: u64,
+    shape: &CanaryShape,
+    #[comptime] features: CanaryFeatures,
+) {
+    let mut h = head;
+    let mut last_position = seed_position;
+    let mut row = row;
+    let mut i = start;
+    while i < end {
+        let slot = out_cache_loc[i as usize];
+        if slot >> 63 == 0 {
+            let token = input_ids[i as usize];
+            let position = positions[i as usize];
+            let (input_bits, chain_fails) = entry_asserts(
+                expected_tokens,
+                expected_positions,
+                i,
+                token,
+                position,
+                last_position,
+                position_check,
+                features,
+            );
+            if input_bits != 0 {
+                let expected_token = expected_tokens[i as usize];
+                let expected_position = expected_positions[i as usize];
+                store_row(
+                    ring,
+                    row,
+                    shape,
+                    slot,
+                    position,
+                    token,
+                    expected_token,
+                    h,
+                    expected_position,
+                    input_bits,
+                );
+                row += 1;
+            }
+            if chain_fails {
+                store_row(
+                    ring,
+                    row,
+                    shape,
+                    slot,
+                    position,
+                    token,
+                    token,
+                    h,
+                    last_position + 1,
+                    FAIL_WRITE_POSITION,
+                );
+                row += 1;
+            }
+            last_position = position;
+            h = mix3(h, token, position);
+        }
+        i += 1;
+    }
 }
 
 /// Verify (spec §7): one entry per unit over a grid-stride loop.

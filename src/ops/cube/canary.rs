@@ -5,7 +5,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::{DType, Shape, TensorMetadata};
 use cubecl::prelude::*;
 use kvplan_kernels::canary::{
-    CanaryFeatures, CanaryShapeLaunch, LayoutsLaunch, MODE_ALL, MODE_NONE, MODE_PARTIAL,
+    CanaryFeatures, CanaryShapeLaunch, GROUPS_PER_CUBE, LayoutsLaunch, MODE_ALL, MODE_NONE, MODE_PARTIAL,
     SourceLayoutLaunch, SourcesLaunch, canary_verify_kernel, canary_write_kernel,
 };
 use kvplan_kernels::scan::CUBE_SIZE;
@@ -166,7 +166,7 @@ pub(crate) fn canary_write<R: CubeRuntime>(
     let counters = writable(canary.counters);
     let requests = plan.seed_slot_indices.shape()[0];
     let tokens = inputs.input_ids.shape()[0];
-    let chain_cubes = requests.div_ceil(CUBE_SIZE as usize).max(1);
+    let chain_cubes = requests.div_ceil(GROUPS_PER_CUBE as usize).max(1);
     // One entry per unit: a fingerprint is a serial fold, so spread them as widely as the device.
     let fingerprint_cubes = if bound.features.fingerprints() {
         resident_cubes(&buffer, tokens, 1)
