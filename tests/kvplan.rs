@@ -204,3 +204,24 @@ suite!(
     other_device: Some(burn_wgpu::WgpuDevice::Cpu),
     broadcast: HostRefused
 );
+
+// GPU-only suites (`--features cuda`), run on the lent GPU: the same tests on the CUDA kernels.
+#[cfg(feature = "cuda")]
+suite!(
+    cuda,
+    kvplan::backends::Cuda,
+    burn_cuda::CudaDevice,
+    burn_cuda::CudaDevice::default(),
+    other_device: None,
+    broadcast: DeviceRefused
+);
+
+#[cfg(feature = "cuda")]
+suite!(
+    cuda_unfused,
+    kvplan::backends::CudaUnfused,
+    burn_cuda::CudaDevice,
+    burn_cuda::CudaDevice::default(),
+    other_device: None,
+    broadcast: HostRefused
+);

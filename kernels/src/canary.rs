@@ -95,6 +95,9 @@ pub struct CanaryFeatures {
     pub chain_assert: bool,
     /// Verify: `check_verify_expected_token`.
     pub check_token: bool,
+    /// Write: planes are exactly `GROUP` units wide and support shuffles, so a group takes the
+    /// tile's values from its units' registers instead of loading each one again.
+    pub shuffle: bool,
 }
 
 impl CanaryFeatures {
@@ -322,7 +325,8 @@ pub fn canary_write_kernel(
     if (CUBE_POS as u64) < shape.chain_cubes {
         let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
         let lane = UNIT_POS % GROUP;
-        let r = (CUBE_POS as u64) * GROUPS_PER_CUBE as u64 + (UNIT_POS / GROUP) as u64;
+        // Requests are dealt to cubes round-robin, so a few long requests get an SM each.
+        let r = (UNIT_POS / GROUP) as u64 * shape.chain_cubes + CUBE_POS as u64;
         let mut written = 0u64.runtime();
         if r < shape.capacity {
             // Loaded next to the count, not after it: a decode step is a chain of dependent loads.
@@ -404,9 +408,124 @@ fn entry_asserts(
     (input_bits, position_check && position != last_position + 1)
 }
 
+/// The state of one request's walk. Every unit of the group holds the same values, except the
+/// `own_*` fields, which belong to the unit's entry of the current tile.
+#[derive(CubeType, Clone, Copy)]
+struct Walk {
+    /// Chain value the next stored entry gets.
+    h: u64,
+    /// Position of the last stored entry (the chain-position assert's reference).
+    last_position: u64,
+    /// Assert rows so far.
+    rows: u64,
+    /// Entries stored so far.
+    written: u64,
+    /// Slot of the unit's entry (`u64::MAX` when it has none).
+    own_slot: u64,
+    /// Token of the unit's entry.
+    own_token: u64,
+    /// Position of the unit's entry.
+    own_position: u64,
+    /// Chain value of the unit's entry.
+    own_chain: u64,
+    /// A later entry of the tile writes the same slot: the unit must not store.
+    own_superseded: bool,
+}
+
+/// The three per-token values of one entry; a unit past the request holds a skipped entry.
+#[derive(CubeType, Clone, Copy)]
+struct Entry {
+    slot: u64,
+    token: u64,
+    position: u64,
+}
+
+/// Entry `index` when it is before `end`, else a skipped entry.
+#[cube]
+fn load_entry(
+    input_ids: &Tensor<u64>,
+    positions: &Tensor<u64>,
+    out_cache_loc: &Tensor<u64>,
+    index: u64,
+    end: u64,
+) -> Entry {
+    let mut entry = Entry {
+        slot: u64::MAX.runtime(),
+        token: 0u64.runtime(),
+        position: 0u64.runtime(),
+    };
+    if index < end {
+        entry.slot = out_cache_loc[index as usize];
+        entry.token = input_ids[index as usize];
+        entry.position = positions[index as usize];
+    }
+    entry
+}
+
+/// Entries folded between loop tests: enough independent loads to hide behind the serial fold,
+/// few enough that the loop's code stays in the instruction cache.
+const UNROLL: u32 = 8;
+
+/// One entry of the walk: entry `j` of the tile that starts at `tile`. Branch-free, so that the
+/// loads of later entries can be issued while the fold of this one is still in flight.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn walk_entry(
+    walk: &mut Walk,
+    input_ids: &Tensor<u64>,
+    positions: &Tensor<u64>,
+    out_cache_loc: &Tensor<u64>,
+    expected_tokens: &Tensor<u64>,
+    expected_positions: &Tensor<u64>,
+    tile: u64,
+    j: u32,
+    lane: u32,
+    position_check: bool,
+    #[comptime] features: CanaryFeatures,
+) {
+    let index = tile + j as u64;
+    let slot = if comptime![features.shuffle] {
+        plane_shuffle(walk.own_slot, j)
+    } else {
+        out_cache_loc[index as usize]
+    };
+    let token = if comptime![features.shuffle] {
+        plane_shuffle(walk.own_token, j)
+    } else {
+        input_ids[index as usize]
+    };
+    let position = if comptime![features.shuffle] {
+        plane_shuffle(walk.own_position, j)
+    } else {
+        positions[index as usize]
+    };
+    let stored = slot >> 63 == 0;
+    walk.own_chain = select(j == lane, walk.h, walk.own_chain);
+    walk.own_superseded = walk.own_superseded || (j > lane && slot == walk.own_slot);
+    if comptime![features.input_assert || features.chain_assert] {
+        let (input_bits, chain_fails) = entry_asserts(
+            expected_tokens,
+            expected_positions,
+            index,
+            token,
+            position,
+            walk.last_position,
+            position_check,
+            features,
+        );
+        let rows = select(input_bits != 0, 1u64, 0u64) + select(chain_fails, 1u64, 0u64);
+        walk.rows += select(stored, rows, 0u64);
+        walk.last_position = select(stored, position, walk.last_position);
+    }
+    walk.h = select(stored, mix3(walk.h, token, position), walk.h);
+    walk.written += select(stored, 1u64, 0u64);
+}
+
 /// One request's write, by its group (`lane` is the unit's place in it). The group walks the
 /// entries a tile of `GROUP` at a time: every unit folds the whole tile (the same loads, so the
 /// same values) and keeps the chain value of entry `tile + lane`, then stores that entry's record.
+/// Within a tile, a slot written twice is stored by its later entry only; across tiles the
+/// group's stores follow its program order.
 /// The assert rows are only counted on the way; when there are any, lane 0 reserves them in one
 /// block and walks the request again to store them in entry order (no atomic inside a loop:
 /// lavapipe was seen to drop the code after such a loop). Returns the records written.
@@ -430,78 +549,105 @@ fn write_request(
     #[comptime] features: CanaryFeatures,
 ) -> u64 {
     let seed_record = read_record(buffer, seed, shape);
-    let mut h = ANCHOR_LINK.runtime();
+    let mut head = ANCHOR_LINK.runtime();
     if seed >> 63 == 0 {
-        h = mix3(seed_record.chain, seed_record.token, seed_record.position);
+        head = mix3(seed_record.chain, seed_record.token, seed_record.position);
     }
     let mut position_check = false.runtime();
     if comptime![features.chain_assert] {
         position_check = seed >> 63 == 0 && chain_assert[0] != 0;
     }
-    let head = h;
-    let mut last_position = seed_record.position;
-    let mut rows = 0u64.runtime();
-    let mut written = 0u64.runtime();
+    let mut walk = Walk {
+        h: head,
+        last_position: seed_record.position,
+        rows: 0u64.runtime(),
+        written: 0u64.runtime(),
+        own_slot: u64::MAX.runtime(),
+        own_token: 0u64.runtime(),
+        own_position: 0u64.runtime(),
+        own_chain: 0u64.runtime(),
+        own_superseded: false.runtime(),
+    };
+    // Each unit loads its own entry of the next tile before the group folds this one: one
+    // coalesced load per tile, in flight during the fold.
+    let mut next = load_entry(
+        input_ids,
+        positions,
+        out_cache_loc,
+        start + lane as u64,
+        end,
+    );
     let mut tile = start;
     while tile < end {
-        let mut own_chain = 0u64.runtime();
-        #[unroll]
-        for j in 0..GROUP {
-            let index = tile + j as u64;
-            // Past the request: a skipped entry.
-            let mut slot = u64::MAX.runtime();
-            let mut token = 0u64.runtime();
-            let mut position = 0u64.runtime();
-            if index < end {
-                slot = out_cache_loc[index as usize];
-                token = input_ids[index as usize];
-                position = positions[index as usize];
-            }
-            if lane == j {
-                own_chain = h;
-            }
-            if slot >> 63 == 0 {
-                if comptime![features.input_assert || features.chain_assert] {
-                    let (input_bits, chain_fails) = entry_asserts(
+        walk.own_slot = next.slot;
+        walk.own_token = next.token;
+        walk.own_position = next.position;
+        walk.own_superseded = false;
+        let following = tile + GROUP as u64;
+        if following < end {
+            let entry = load_entry(
+                input_ids,
+                positions,
+                out_cache_loc,
+                following + lane as u64,
+                end,
+            );
+            next.slot = entry.slot;
+            next.token = entry.token;
+            next.position = entry.position;
+        }
+        if tile + GROUP as u64 <= end {
+            for chunk in 0..GROUP / UNROLL {
+                #[unroll]
+                for k in 0..UNROLL {
+                    walk_entry(
+                        &mut walk,
+                        input_ids,
+                        positions,
+                        out_cache_loc,
                         expected_tokens,
                         expected_positions,
-                        index,
-                        token,
-                        position,
-                        last_position,
+                        tile,
+                        chunk * UNROLL + k,
+                        lane,
                         position_check,
                         features,
                     );
-                    if input_bits != 0 {
-                        rows += 1;
-                    }
-                    if chain_fails {
-                        rows += 1;
-                    }
-                    last_position = position;
                 }
-                h = mix3(h, token, position);
-                written += 1;
+            }
+        } else {
+            // The request's last, partial tile (a decode step's only one).
+            let count = (end - tile) as u32;
+            for j in 0..count {
+                walk_entry(
+                    &mut walk,
+                    input_ids,
+                    positions,
+                    out_cache_loc,
+                    expected_tokens,
+                    expected_positions,
+                    tile,
+                    j,
+                    lane,
+                    position_check,
+                    features,
+                );
             }
         }
-        let own = tile + lane as u64;
-        if own < end {
-            let slot = out_cache_loc[own as usize];
-            if slot < shape.num_slots {
-                let record = (slot * shape.slot_words) as usize;
-                buffer[record] = input_ids[own as usize];
-                buffer[record + 1] = positions[own as usize];
-                buffer[record + 2] = own_chain;
-                if comptime![!features.fingerprints()] {
-                    buffer[record + 3] = 0u64;
-                }
+        if walk.own_slot < shape.num_slots && !walk.own_superseded {
+            let record = (walk.own_slot * shape.slot_words) as usize;
+            buffer[record] = walk.own_token;
+            buffer[record + 1] = walk.own_position;
+            buffer[record + 2] = walk.own_chain;
+            if comptime![!features.fingerprints()] {
+                buffer[record + 3] = 0u64;
             }
         }
         tile += GROUP as u64;
     }
     if comptime![features.input_assert || features.chain_assert] {
-        if rows > 0 && lane == 0 {
-            let row = counters[WRITE_INDEX].fetch_add(rows);
+        if walk.rows > 0 && lane == 0 {
+            let row = counters[WRITE_INDEX].fetch_add(walk.rows);
             store_assert_rows(
                 ring,
                 input_ids,
@@ -520,7 +666,7 @@ fn write_request(
             );
         }
     }
-    written
+    walk.written
 }
 
 /// The assert rows of one request, from ring index `row` on, in entry order: the walk of

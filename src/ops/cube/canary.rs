@@ -3,14 +3,15 @@
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::{DType, Shape, TensorMetadata};
+use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 use kvplan_kernels::canary::{
-    CanaryFeatures, CanaryShapeLaunch, GROUPS_PER_CUBE, LayoutsLaunch, MODE_ALL, MODE_NONE, MODE_PARTIAL,
-    SourceLayoutLaunch, SourcesLaunch, canary_verify_kernel, canary_write_kernel,
+    CanaryFeatures, CanaryShapeLaunch, GROUP, GROUPS_PER_CUBE, LayoutsLaunch, MODE_ALL, MODE_NONE,
+    MODE_PARTIAL, SourceLayoutLaunch, SourcesLaunch, canary_verify_kernel, canary_write_kernel,
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 
-use super::{bindable, grid, resident_cubes, writable};
+use super::{bindable, grid, multiprocessors, resident_cubes, writable};
 use crate::ops::{
     CanaryLaunchPrimitive, CanaryPrimitive, KvBytes, SourceLayout, SourcePrimitive,
     VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
@@ -143,11 +144,22 @@ fn bind_launch<R: CubeRuntime>(launch: Launch<R>) -> Bound<R> {
             input_assert: false,
             chain_assert: false,
             check_token: launch.check_expected_token,
+            shuffle: false,
         },
         sources,
         layouts,
         kernel_kind: i64::from(launch.kernel_kind) as u64,
     }
+}
+
+/// Whether a write group can take the tile's values by plane shuffles: the runtime has plane
+/// operations and its planes are exactly one group wide (CUDA; not lavapipe, whose planes CubeCL
+/// does not expose).
+fn group_shuffles<R: CubeRuntime>(like: &CubeTensor<R>) -> bool {
+    let properties = like.client.properties();
+    properties.features.plane.contains(Plane::Ops)
+        && properties.hardware.plane_size_min == GROUP
+        && properties.hardware.plane_size_max == GROUP
 }
 
 pub(crate) fn canary_write<R: CubeRuntime>(
@@ -161,12 +173,18 @@ pub(crate) fn canary_write<R: CubeRuntime>(
     // A verify-only switch: kept out of the write kernel's compile key.
     bound.features.check_token = false;
     bound.features.chain_assert = inputs.chain_position_assert.is_some();
+    bound.features.shuffle = group_shuffles(&canary.buffer);
     let buffer = writable(canary.buffer);
     let ring = writable(canary.ring);
     let counters = writable(canary.counters);
     let requests = plan.seed_slot_indices.shape()[0];
     let tokens = inputs.input_ids.shape()[0];
-    let chain_cubes = requests.div_ceil(GROUPS_PER_CUBE as usize).max(1);
+    // At least one cube per request up to the device's SMs: a chain walk is latency-bound, and
+    // two of them on one SM scheduler slow each other down.
+    let chain_cubes = requests
+        .div_ceil(GROUPS_PER_CUBE as usize)
+        .max(requests.min(multiprocessors(&buffer)))
+        .max(1);
     // One entry per unit: a fingerprint is a serial fold, so spread them as widely as the device.
     let fingerprint_cubes = if bound.features.fingerprints() {
         resident_cubes(&buffer, tokens, 1)

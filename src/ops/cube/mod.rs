@@ -112,15 +112,19 @@ fn grid(cubes: usize) -> (CubeCount, usize) {
     (CubeCount::Static(x as u32, y as u32, 1), x * y)
 }
 
-/// Cubes for a grid-stride loop over at most `elements` values, `per_unit` of them per unit:
-/// enough to fill the device, never more than the work needs.
-fn resident_cubes<R: CubeRuntime>(like: &CubeTensor<R>, elements: usize, per_unit: usize) -> usize {
-    let sms = like
-        .client
+/// The device's streaming multiprocessors (8 when the runtime does not say).
+fn multiprocessors<R: CubeRuntime>(like: &CubeTensor<R>) -> usize {
+    like.client
         .properties()
         .hardware
         .num_streaming_multiprocessors
-        .unwrap_or(8) as usize;
+        .unwrap_or(8) as usize
+}
+
+/// Cubes for a grid-stride loop over at most `elements` values, `per_unit` of them per unit:
+/// enough to fill the device, never more than the work needs.
+fn resident_cubes<R: CubeRuntime>(like: &CubeTensor<R>, elements: usize, per_unit: usize) -> usize {
+    let sms = multiprocessors(like);
     let per_cube = per_unit * kvplan_kernels::scan::CUBE_SIZE as usize;
     elements.div_ceil(per_cube).clamp(1, sms * 8)
 }
