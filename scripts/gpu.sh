@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # The GPU session in one call (run through `device`): conformance, demo and benchmarks on CUDA.
-# Carry `target-cuda/release/kvplan` (built with `--features cuda`) and `gpu/` (a copy of
+# Run `scripts/pack-gpu.sh` here first, then carry `gpu/` (the packed CUDA binaries and a copy of
 # ../shared/conformance). Logs go to $OUT; the last lines of stdout are the tables.
-# Usage: scripts/gpu.sh [checks|canary|plan|gather]...
+# Usage: scripts/gpu.sh [tests|checks|canary|plan|gather|nocupti]...
 set -uo pipefail
 BIN=./target-cuda/release/kvplan
 OUT=${OUT:-/tmp/kvplan-gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+mkdir -p target-cuda/release
+tar -xzf gpu/bins.tgz -C target-cuda/release
 for part in "$@"; do
   case "$part" in
+    tests)
+      # The integration tests on the CUDA suites (fused and unfused).
+      KVPLAN_CONFORMANCE_DIR=gpu ./target-cuda/release/kvplan-tests cuda --test-threads 4 > "$OUT/tests.txt" 2>&1
+      grep -E "FAILED|panicked|test result" "$OUT/tests.txt"
+      ;;
     checks)
       for backend in cuda cuda-unfused; do
         for file in gather plan canary; do

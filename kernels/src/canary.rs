@@ -146,13 +146,22 @@ fn link(buffer: &Tensor<u64>, slot: u64, shape: &CanaryShape) -> u64 {
     value
 }
 
-/// Words loaded before they are folded: the loads of a batch overlap instead of each one
-/// stalling the serial fold.
-const BATCH: usize = 8;
+/// Words of a strip loaded before they are folded, in write: a 256-byte strip (the common `ALL`
+/// case) is one round trip to memory, which a decode step waits for. Verify streams many strips
+/// per SM and keeps more of them in flight with smaller batches (larger ones cost occupancy).
+const WRITE_STRIP_BATCH: u32 = 32;
+/// Words of a strip loaded before they are folded, in verify.
+const VERIFY_STRIP_BATCH: u32 = 8;
 
 /// One source's fold of `slot`'s strip: `PARTIAL` folds 2 words, `ALL` `read_words`.
 #[cube]
-fn fold_strip(source: &Tensor<u64>, layout: &SourceLayout, slot: u64, #[comptime] mode: u8) -> u64 {
+fn fold_strip(
+    source: &Tensor<u64>,
+    layout: &SourceLayout,
+    slot: u64,
+    #[comptime] mode: u8,
+    #[comptime] batch: u32,
+) -> u64 {
     let start = (slot / layout.page_size) * layout.row_words
         + (slot % layout.page_size) * layout.strip_words;
     let words = if comptime![mode == MODE_PARTIAL] {
@@ -160,12 +169,17 @@ fn fold_strip(source: &Tensor<u64>, layout: &SourceLayout, slot: u64, #[comptime
     } else {
         layout.read_words
     };
+    let batch_size = comptime![if mode == MODE_PARTIAL {
+        2
+    } else {
+        batch as usize
+    }];
     let mut h = 0u64.runtime();
     let mut k = 0u64.runtime();
     while k < words {
-        let mut batch = Array::<u64>::new(BATCH);
+        let mut batch = Array::<u64>::new(batch_size);
         #[unroll]
-        for j in 0..BATCH {
+        for j in 0..batch_size {
             let index = start + k + j as u64;
             let mut word = 0u64.runtime();
             if k + (j as u64) < words && index < layout.words {
@@ -174,12 +188,12 @@ fn fold_strip(source: &Tensor<u64>, layout: &SourceLayout, slot: u64, #[comptime
             batch[j] = word;
         }
         #[unroll]
-        for j in 0..BATCH {
+        for j in 0..batch_size {
             if k + (j as u64) < words {
                 h = mix(h ^ batch[j]);
             }
         }
-        k += BATCH as u64;
+        k += batch_size as u64;
     }
     h
 }
@@ -191,19 +205,20 @@ fn fingerprint(
     layouts: &Layouts,
     slot: u64,
     #[comptime] features: CanaryFeatures,
+    #[comptime] batch: u32,
 ) -> u64 {
     let mut acc = 0u64.runtime();
     if comptime![features.sources > 0] {
-        acc = mix(acc ^ fold_strip(&sources.s0, &layouts.l0, slot, features.mode));
+        acc = mix(acc ^ fold_strip(&sources.s0, &layouts.l0, slot, features.mode, batch));
     }
     if comptime![features.sources > 1] {
-        acc = mix(acc ^ fold_strip(&sources.s1, &layouts.l1, slot, features.mode));
+        acc = mix(acc ^ fold_strip(&sources.s1, &layouts.l1, slot, features.mode, batch));
     }
     if comptime![features.sources > 2] {
-        acc = mix(acc ^ fold_strip(&sources.s2, &layouts.l2, slot, features.mode));
+        acc = mix(acc ^ fold_strip(&sources.s2, &layouts.l2, slot, features.mode, batch));
     }
     if comptime![features.sources > 3] {
-        acc = mix(acc ^ fold_strip(&sources.s3, &layouts.l3, slot, features.mode));
+        acc = mix(acc ^ fold_strip(&sources.s3, &layouts.l3, slot, features.mode, batch));
     }
     acc
 }
@@ -265,7 +280,12 @@ fn store_row(
 /// `clamp(value, 0, capacity)` of a device i32 count.
 #[cube]
 fn active_count(count: &Tensor<i32>, capacity: u64) -> u64 {
-    let value = count[0];
+    clamp_count(count[0], capacity)
+}
+
+/// `clamp(value, 0, capacity)`.
+#[cube]
+fn clamp_count(value: i32, capacity: u64) -> u64 {
     let mut active = 0u64.runtime();
     if value > 0 {
         active = u64::cast_from(value);
@@ -290,6 +310,22 @@ fn token_offset(offsets: &Tensor<u64>, r: u64, tokens: u64) -> u64 {
     clamped
 }
 
+/// The step's per-token arrays (§6): the write kernel's view of `WriteInputs`. The expected
+/// arrays are stand-ins when the input assert is off.
+#[derive(CubeType, CubeLaunch)]
+pub struct StepTokens {
+    /// `input_ids`.
+    pub input_ids: Tensor<u64>,
+    /// `positions`.
+    pub positions: Tensor<u64>,
+    /// `out_cache_loc`.
+    pub out_cache_loc: Tensor<u64>,
+    /// `expected_input_tokens`.
+    pub expected_tokens: Tensor<u64>,
+    /// `expected_input_positions`.
+    pub expected_positions: Tensor<u64>,
+}
+
 /// Units that own one request: they walk its chain in lockstep, each folding the same values, so
 /// every unit can keep the chain value of its own entry of a tile while the loads, stores and
 /// checks of the tile run in parallel. Only the fold is serial. The units never exchange values:
@@ -310,18 +346,15 @@ pub fn canary_write_kernel(
     offsets: &Tensor<u64>,
     seeds: &Tensor<u64>,
     num_valid_reqs: &Tensor<i32>,
-    input_ids: &Tensor<u64>,
-    positions: &Tensor<u64>,
-    out_cache_loc: &Tensor<u64>,
-    expected_tokens: &Tensor<u64>,
-    expected_positions: &Tensor<u64>,
+    tokens: &StepTokens,
     chain_assert: &Tensor<i32>,
     sources: &Sources,
     layouts: &Layouts,
     shape: CanaryShape,
     #[comptime] features: CanaryFeatures,
 ) {
-    let requests = active_count(num_valid_reqs, shape.capacity);
+    // The active count is read where it is needed, after the loads that do not depend on it
+    // were issued: a decode step is a chain of dependent loads.
     if (CUBE_POS as u64) < shape.chain_cubes {
         let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
         let lane = UNIT_POS % GROUP;
@@ -329,20 +362,16 @@ pub fn canary_write_kernel(
         let r = (UNIT_POS / GROUP) as u64 * shape.chain_cubes + CUBE_POS as u64;
         let mut written = 0u64.runtime();
         if r < shape.capacity {
-            // Loaded next to the count, not after it: a decode step is a chain of dependent loads.
+            // Loaded before the count is tested, not after it.
             let seed = seeds[r as usize];
             let start = token_offset(offsets, r, shape.tokens);
             let end = token_offset(offsets, r + 1, shape.tokens);
-            if r < requests {
+            if r < active_count(num_valid_reqs, shape.capacity) {
                 written = write_request(
                     buffer,
                     ring,
                     counters,
-                    input_ids,
-                    positions,
-                    out_cache_loc,
-                    expected_tokens,
-                    expected_positions,
+                    tokens,
                     chain_assert,
                     seed,
                     start,
@@ -368,15 +397,26 @@ pub fn canary_write_kernel(
             }
         }
     } else if comptime![features.fingerprints()] {
-        let first = token_offset(offsets, 0, shape.tokens);
-        let end = token_offset(offsets, requests, shape.tokens);
-        let unit = (CUBE_POS as u64 - shape.chain_cubes) * CUBE_SIZE as u64 + UNIT_POS as u64;
-        let mut i = first + unit;
-        while i < end {
-            let slot = out_cache_loc[i as usize];
+        // Every token's fingerprint is folded before the active range is known: the range needs
+        // two dependent loads (the count, then its offset), which would otherwise delay a decode
+        // step's fold. A fingerprint depends only on its slot and is stored only when in range.
+        let count = num_valid_reqs[0];
+        // Tokens are dealt to the fingerprint cubes round-robin: a decode step's few strips
+        // spread over many SMs instead of queueing in one SM's L1 (each lane reads its own strip,
+        // so a warp's loads do not coalesce).
+        let cubes = shape.stride_units / CUBE_SIZE as u64;
+        let unit = UNIT_POS as u64 * cubes + (CUBE_POS as u64 - shape.chain_cubes);
+        let mut i = unit;
+        while i < shape.tokens {
+            let slot = tokens.out_cache_loc[i as usize];
             if slot < shape.num_slots {
-                let value = fingerprint(sources, layouts, slot, features);
-                buffer[(slot * shape.slot_words) as usize + 3] = value;
+                let value = fingerprint(sources, layouts, slot, features, WRITE_STRIP_BATCH);
+                let first = token_offset(offsets, 0, shape.tokens);
+                let requests = clamp_count(count, shape.capacity);
+                let end = token_offset(offsets, requests, shape.tokens);
+                if i >= first && i < end {
+                    buffer[(slot * shape.slot_words) as usize + 3] = value;
+                }
             }
             i += shape.stride_units;
         }
@@ -387,8 +427,7 @@ pub fn canary_write_kernel(
 /// whether the chain-position assert fails.
 #[cube]
 fn entry_asserts(
-    expected_tokens: &Tensor<u64>,
-    expected_positions: &Tensor<u64>,
+    tokens: &StepTokens,
     index: u64,
     token: u64,
     position: u64,
@@ -398,10 +437,10 @@ fn entry_asserts(
 ) -> (u64, bool) {
     let mut input_bits = 0u64.runtime();
     if comptime![features.input_assert] {
-        if token != expected_tokens[index as usize] {
+        if token != tokens.expected_tokens[index as usize] {
             input_bits |= FAIL_WRITE_TOKEN;
         }
-        if position != expected_positions[index as usize] {
+        if position != tokens.expected_positions[index as usize] {
             input_bits |= FAIL_WRITE_POSITION;
         }
     }
@@ -442,22 +481,16 @@ struct Entry {
 
 /// Entry `index` when it is before `end`, else a skipped entry.
 #[cube]
-fn load_entry(
-    input_ids: &Tensor<u64>,
-    positions: &Tensor<u64>,
-    out_cache_loc: &Tensor<u64>,
-    index: u64,
-    end: u64,
-) -> Entry {
+fn load_entry(tokens: &StepTokens, index: u64, end: u64) -> Entry {
     let mut entry = Entry {
         slot: u64::MAX.runtime(),
         token: 0u64.runtime(),
         position: 0u64.runtime(),
     };
     if index < end {
-        entry.slot = out_cache_loc[index as usize];
-        entry.token = input_ids[index as usize];
-        entry.position = positions[index as usize];
+        entry.slot = tokens.out_cache_loc[index as usize];
+        entry.token = tokens.input_ids[index as usize];
+        entry.position = tokens.positions[index as usize];
     }
     entry
 }
@@ -472,11 +505,7 @@ const UNROLL: u32 = 8;
 #[allow(clippy::too_many_arguments)]
 fn walk_entry(
     walk: &mut Walk,
-    input_ids: &Tensor<u64>,
-    positions: &Tensor<u64>,
-    out_cache_loc: &Tensor<u64>,
-    expected_tokens: &Tensor<u64>,
-    expected_positions: &Tensor<u64>,
+    tokens: &StepTokens,
     tile: u64,
     j: u32,
     lane: u32,
@@ -487,25 +516,24 @@ fn walk_entry(
     let slot = if comptime![features.shuffle] {
         plane_shuffle(walk.own_slot, j)
     } else {
-        out_cache_loc[index as usize]
+        tokens.out_cache_loc[index as usize]
     };
     let token = if comptime![features.shuffle] {
         plane_shuffle(walk.own_token, j)
     } else {
-        input_ids[index as usize]
+        tokens.input_ids[index as usize]
     };
     let position = if comptime![features.shuffle] {
         plane_shuffle(walk.own_position, j)
     } else {
-        positions[index as usize]
+        tokens.positions[index as usize]
     };
     let stored = slot >> 63 == 0;
     walk.own_chain = select(j == lane, walk.h, walk.own_chain);
     walk.own_superseded = walk.own_superseded || (j > lane && slot == walk.own_slot);
     if comptime![features.input_assert || features.chain_assert] {
         let (input_bits, chain_fails) = entry_asserts(
-            expected_tokens,
-            expected_positions,
+            tokens,
             index,
             token,
             position,
@@ -535,11 +563,7 @@ fn write_request(
     buffer: &mut Tensor<u64>,
     ring: &mut Tensor<u64>,
     counters: &Tensor<Atomic<u64>>,
-    input_ids: &Tensor<u64>,
-    positions: &Tensor<u64>,
-    out_cache_loc: &Tensor<u64>,
-    expected_tokens: &Tensor<u64>,
-    expected_positions: &Tensor<u64>,
+    tokens: &StepTokens,
     chain_assert: &Tensor<i32>,
     seed: u64,
     start: u64,
@@ -570,13 +594,7 @@ fn write_request(
     };
     // Each unit loads its own entry of the next tile before the group folds this one: one
     // coalesced load per tile, in flight during the fold.
-    let mut next = load_entry(
-        input_ids,
-        positions,
-        out_cache_loc,
-        start + lane as u64,
-        end,
-    );
+    let mut next = load_entry(tokens, start + lane as u64, end);
     let mut tile = start;
     while tile < end {
         walk.own_slot = next.slot;
@@ -585,13 +603,7 @@ fn write_request(
         walk.own_superseded = false;
         let following = tile + GROUP as u64;
         if following < end {
-            let entry = load_entry(
-                input_ids,
-                positions,
-                out_cache_loc,
-                following + lane as u64,
-                end,
-            );
+            let entry = load_entry(tokens, following + lane as u64, end);
             next.slot = entry.slot;
             next.token = entry.token;
             next.position = entry.position;
@@ -602,11 +614,7 @@ fn write_request(
                 for k in 0..UNROLL {
                     walk_entry(
                         &mut walk,
-                        input_ids,
-                        positions,
-                        out_cache_loc,
-                        expected_tokens,
-                        expected_positions,
+                        tokens,
                         tile,
                         chunk * UNROLL + k,
                         lane,
@@ -619,19 +627,7 @@ fn write_request(
             // The request's last, partial tile (a decode step's only one).
             let count = (end - tile) as u32;
             for j in 0..count {
-                walk_entry(
-                    &mut walk,
-                    input_ids,
-                    positions,
-                    out_cache_loc,
-                    expected_tokens,
-                    expected_positions,
-                    tile,
-                    j,
-                    lane,
-                    position_check,
-                    features,
-                );
+                walk_entry(&mut walk, tokens, tile, j, lane, position_check, features);
             }
         }
         if walk.own_slot < shape.num_slots && !walk.own_superseded {
@@ -650,11 +646,7 @@ fn write_request(
             let row = counters[WRITE_INDEX].fetch_add(walk.rows);
             store_assert_rows(
                 ring,
-                input_ids,
-                positions,
-                out_cache_loc,
-                expected_tokens,
-                expected_positions,
+                tokens,
                 head,
                 seed_record.position,
                 position_check,
@@ -675,11 +667,7 @@ fn write_request(
 #[allow(clippy::too_many_arguments)]
 fn store_assert_rows(
     ring: &mut Tensor<u64>,
-    input_ids: &Tensor<u64>,
-    positions: &Tensor<u64>,
-    out_cache_loc: &Tensor<u64>,
-    expected_tokens: &Tensor<u64>,
-    expected_positions: &Tensor<u64>,
+    tokens: &StepTokens,
     head: u64,
     seed_position: u64,
     position_check: bool,
@@ -694,13 +682,12 @@ fn store_assert_rows(
     let mut row = row;
     let mut i = start;
     while i < end {
-        let slot = out_cache_loc[i as usize];
+        let slot = tokens.out_cache_loc[i as usize];
         if slot >> 63 == 0 {
-            let token = input_ids[i as usize];
-            let position = positions[i as usize];
+            let token = tokens.input_ids[i as usize];
+            let position = tokens.positions[i as usize];
             let (input_bits, chain_fails) = entry_asserts(
-                expected_tokens,
-                expected_positions,
+                tokens,
                 i,
                 token,
                 position,
@@ -709,8 +696,8 @@ fn store_assert_rows(
                 features,
             );
             if input_bits != 0 {
-                let expected_token = expected_tokens[i as usize];
-                let expected_position = expected_positions[i as usize];
+                let expected_token = tokens.expected_tokens[i as usize];
+                let expected_position = tokens.expected_positions[i as usize];
                 store_row(
                     ring,
                     row,
@@ -835,7 +822,7 @@ fn verify_entry(
         }
         let mut expected_real_kv = 0u64.runtime();
         if comptime![features.fingerprints()] {
-            expected_real_kv = fingerprint(sources, layouts, slot, features);
+            expected_real_kv = fingerprint(sources, layouts, slot, features, VERIFY_STRIP_BATCH);
         }
         if record.real_kv != expected_real_kv {
             bits |= FAIL_REAL_KV;

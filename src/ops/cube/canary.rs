@@ -7,7 +7,8 @@ use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 use kvplan_kernels::canary::{
     CanaryFeatures, CanaryShapeLaunch, GROUP, GROUPS_PER_CUBE, LayoutsLaunch, MODE_ALL, MODE_NONE,
-    MODE_PARTIAL, SourceLayoutLaunch, SourcesLaunch, canary_verify_kernel, canary_write_kernel,
+    MODE_PARTIAL, SourceLayoutLaunch, SourcesLaunch, StepTokensLaunch, canary_verify_kernel,
+    canary_write_kernel,
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 
@@ -185,9 +186,12 @@ pub(crate) fn canary_write<R: CubeRuntime>(
         .div_ceil(GROUPS_PER_CUBE as usize)
         .max(requests.min(multiprocessors(&buffer)))
         .max(1);
-    // One entry per unit: a fingerprint is a serial fold, so spread them as widely as the device.
+    // One entry per unit: a fingerprint is a serial fold, so spread them as widely as the device,
+    // at most one warp's worth per cube while the step is small.
     let fingerprint_cubes = if bound.features.fingerprints() {
-        resident_cubes(&buffer, tokens, 1)
+        tokens
+            .div_ceil(GROUP as usize)
+            .clamp(1, multiprocessors(&buffer) * 8)
     } else {
         0
     };
@@ -231,11 +235,13 @@ pub(crate) fn canary_write<R: CubeRuntime>(
             offsets.into_tensor_arg(),
             seeds.into_tensor_arg(),
             num_valid_reqs.into_tensor_arg(),
-            input_ids.into_tensor_arg(),
-            positions.into_tensor_arg(),
-            out_cache_loc.into_tensor_arg(),
-            expected_tokens.into_tensor_arg(),
-            expected_positions.into_tensor_arg(),
+            StepTokensLaunch::new(
+                input_ids.into_tensor_arg(),
+                positions.into_tensor_arg(),
+                out_cache_loc.into_tensor_arg(),
+                expected_tokens.into_tensor_arg(),
+                expected_positions.into_tensor_arg(),
+            ),
             chain_assert.into_tensor_arg(),
             sources,
             layouts,
