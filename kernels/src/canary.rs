@@ -7,8 +7,8 @@
 //!
 //! Write: request `r` is owned by a group of units that walk its entries in order, in lockstep;
 //! only the chain fold is serial, the loads, stores and checks of a tile are spread over the
-//! group. Fingerprints depend only on the slot, so under a real-KV mode a separate set of cubes folds them for every entry in parallel
-//! and stores field 3, which the chain walk never touches.
+//! group. Fingerprints depend only on the slot, so under a real-KV mode a separate set of cubes
+//! folds them for every entry in parallel and stores field 3, which the chain walk never touches.
 //!
 //! Verify: one entry per unit, grid-striding; one atomic per violation row.
 
@@ -328,9 +328,10 @@ pub struct StepTokens {
 
 /// Units that own one request: they walk its chain in lockstep, each folding the same values, so
 /// every unit can keep the chain value of its own entry of a tile while the loads, stores and
-/// checks of the tile run in parallel. Only the fold is serial. The units never exchange values:
-/// no plane operation and no barrier (lavapipe, CI's device, has no plane ops through CubeCL and
-/// was seen to mis-run loops that hold a barrier).
+/// checks of the tile run in parallel. Only the fold is serial. Where a plane is exactly one group
+/// (CUDA) the units take the tile's values from each other by plane shuffles; elsewhere (lavapipe,
+/// CI's device, whose planes CubeCL does not expose) each unit loads them. No barrier either way:
+/// lavapipe was seen to mis-run loops that hold one.
 pub const GROUP: u32 = 32;
 /// Requests per write cube.
 pub const GROUPS_PER_CUBE: u32 = CUBE_SIZE / GROUP;
