@@ -691,6 +691,13 @@ pub fn long_chains<B: KvPlanBackend>(device: &B::Device) {
     }
     let rows = harness.verify(&check, 1, RealKvHashMode::None, &[]);
     assert_eq!(rows.len(), 1000);
+
+    // One request writes a slot twice within a tile (entries 3 and 17 of a 40-entry write, the
+    // group's first tile): within a request everything is sequential, so entry 17's record stays.
+    let tokens: Vec<i64> = (0..40).map(|k| 9000 + k).collect();
+    let mut step = chain(3200, &tokens);
+    step.out_cache_loc[17] = step.out_cache_loc[3];
+    harness.write(&step, 2, RealKvHashMode::None, &[]);
 }
 
 /// A full ring keeps counting; stored rows are a subset of the produced ones.
