@@ -18,49 +18,24 @@ __global__ void vec_only(u64* out, int n) {
   for (int i = 0; i < n; ++i) h = mix3(h, 7, (u64)i);
   out[threadIdx.x] = h;
 }
-// B: tiles of 32, own coalesced load, then broadcast loads per entry, capture own chain, store.
-__global__ void tiles_loads(const u64* slot, const u64* tok, const u64* pos, u64* buf, int n) {
-  unsigned lane = threadIdx.x;
-  u64 h = 0xDE7FAE23A9A1B716ull;
-  for (int t = 0; t < n; t += 32) {
-    u64 os = slot[t + lane], ot = tok[t + lane], op = pos[t + lane], oc = 0;
-    #pragma unroll
-    for (unsigned j = 0; j < 32; ++j) {
-      u64 s = slot[t + j], k = tok[t + j], p = pos[t + j];
-      oc = j == lane ? h : oc;
-      u64 m = mix3(h, k, p);
-      h = (s >> 63) == 0 ? m : h;
-    }
-    buf[os * 4] = ot; buf[os * 4 + 1] = op; buf[os * 4 + 2] = oc; buf[os * 4 + 3] = 0;
-  }
-}
-// C: B with the values taken from the lanes by shuffles.
-__global__ void tiles_shfl(const u64* slot, const u64* tok, const u64* pos, u64* buf, int n) {
-  unsigned lane = threadIdx.x;
-  u64 h = 0xDE7FAE23A9A1B716ull;
-  for (int t = 0; t < n; t += 32) {
-    u64 os = slot[t + lane], ot = tok[t + lane], op = pos[t + lane], oc = 0;
-    #pragma unroll
-    for (unsigned j = 0; j < 32; ++j) {
-      u64 s = __shfl_sync(~0u, os, j), k = __shfl_sync(~0u, ot, j), p = __shfl_sync(~0u, op, j);
-      oc = j == lane ? h : oc;
-      u64 m = mix3(h, k, p);
-      h = (s >> 63) == 0 ? m : h;
-    }
-    buf[os * 4] = ot; buf[os * 4 + 1] = op; buf[os * 4 + 2] = oc; buf[os * 4 + 3] = 0;
-  }
-}
-// D: B with next tile's own loads issued before this tile's fold (register double buffer).
-__global__ void tiles_prefetch(const u64* slot, const u64* tok, const u64* pos, u64* buf, int n) {
+// The tile walks: tiles of 32, each lane loads its own entry, the warp folds the tile and each
+// lane keeps the chain value of its entry, then stores that entry's record. The tile's values
+// reach the fold by a broadcast load per entry (lavapipe's path) or by shuffles; with `Prefetch`
+// the lanes load the next tile's entries before folding this one (CUDA's path).
+template <bool Shuffle, bool Prefetch>
+__global__ void tiles(const u64* slot, const u64* tok, const u64* pos, u64* buf, int n) {
   unsigned lane = threadIdx.x;
   u64 h = 0xDE7FAE23A9A1B716ull;
   u64 ns = slot[lane], nt = tok[lane], np = pos[lane];
   for (int t = 0; t < n; t += 32) {
+    if (!Prefetch) { ns = slot[t + lane]; nt = tok[t + lane]; np = pos[t + lane]; }
     u64 os = ns, ot = nt, op = np, oc = 0;
-    if (t + 32 < n) { ns = slot[t + 32 + lane]; nt = tok[t + 32 + lane]; np = pos[t + 32 + lane]; }
+    if (Prefetch && t + 32 < n) { ns = slot[t + 32 + lane]; nt = tok[t + 32 + lane]; np = pos[t + 32 + lane]; }
     #pragma unroll
     for (unsigned j = 0; j < 32; ++j) {
-      u64 s = __shfl_sync(~0u, os, j), k = __shfl_sync(~0u, ot, j), p = __shfl_sync(~0u, op, j);
+      u64 s = Shuffle ? __shfl_sync(~0u, os, j) : slot[t + j];
+      u64 k = Shuffle ? __shfl_sync(~0u, ot, j) : tok[t + j];
+      u64 p = Shuffle ? __shfl_sync(~0u, op, j) : pos[t + j];
       oc = j == lane ? h : oc;
       u64 m = mix3(h, k, p);
       h = (s >> 63) == 0 ? m : h;
@@ -84,9 +59,9 @@ int main() {
       float ms;
       cudaEventRecord(a);
       if (v == 0) vec_only<<<1, 32>>>(out, n);
-      if (v == 1) tiles_loads<<<1, 32>>>(slot, tok, pos, buf, n);
-      if (v == 2) tiles_shfl<<<1, 32>>>(slot, tok, pos, buf, n);
-      if (v == 3) tiles_prefetch<<<1, 32>>>(slot, tok, pos, buf, n);
+      if (v == 1) tiles<false, false><<<1, 32>>>(slot, tok, pos, buf, n);
+      if (v == 2) tiles<true, false><<<1, 32>>>(slot, tok, pos, buf, n);
+      if (v == 3) tiles<true, true><<<1, 32>>>(slot, tok, pos, buf, n);
       cudaEventRecord(b); cudaEventSynchronize(b); cudaEventElapsedTime(&ms, a, b);
       best = ms < best ? ms : best;
     }
