@@ -90,7 +90,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     }
     let (unit_rank, tile_total) = cube_exclusive_scan(selected, &mut shared);
     if UNIT_POS == 0 {
-        broadcast[SLOT_PREFIX] = look_back(scratch, SCRATCH_TILES, tile as usize, tile_total);
+        broadcast[SLOT_PREFIX] = look_back(scratch, SCRATCH_TILES, tile as usize, tile_total, true);
         broadcast[SLOT_DEPENDENCY] = 0;
     }
     sync_cube();

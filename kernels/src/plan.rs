@@ -1,46 +1,59 @@
-//! The kv-canary plan (spec `canary-plan.md`): two launches, no host round trip, no batch cap.
+//! The kv-canary plan (spec `canary-plan.md`): one launch, no host round trip, no memset, no
+//! batch cap.
 //!
-//! The requests launch (one cube) scans verify and write lengths, checks the request-level rules
-//! 12, 13, 15 and 16, and stores the write offsets, seeds and per-request verify offsets. The entries launch runs a grid-stride
-//! loop over every verify entry (all of them, even on overflow: rule 14 covers them), writes the
-//! entries when they fit, zeroes `write_offsets` past `bs`, and its last cube writes the scalars
-//! and the status record. The kernel boundary orders the two launches (CubeCL 0.10 has no
-//! device-wide fence); window, LUT and pool are compile-time switches.
+//! Requests are cut into tiles of `tile_requests`, chosen by the host so that a tile holds at most
+//! about [`TILE_ENTRIES`] verify entries whatever the prefix lengths are. Each cube takes a tile by
+//! ticket, scans its requests' verify and write lengths, chains the tile prefixes across the grid
+//! with a decoupled look-back, checks the request rules (12, 13, 15, 16), stores the write offsets
+//! and seeds, and then fills its own requests' verify entries (rule 14 on every slot it reads). The
+//! last cube to finish writes the scalars and the status, and leaves the scratch clean for the
+//! next call. Window, LUT and pool are compile-time switches.
+//!
+//! On overflow (`total > V`) the spec forbids writing any entry, and a cube only learns the total
+//! once every tile has been scanned. When `bs * min(cols, W)` cannot exceed `V` (a capacity sized
+//! for the largest plan) no overflow is possible and one launch suffices. Otherwise a count launch
+//! first sums the verify lengths, and the plan launch reads that total (`PlanFeatures::counted`).
 
 use cubecl::prelude::*;
 
 use crate::gather::clear_status;
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOTS, cube_exclusive_scan, find_row, publish_block_done,
-    report_error,
+    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOTS, VALUE_MASK, cube_exclusive_scan,
+    cube_exclusive_scan_pair, look_back, publish_block_done, report_error, take_ticket,
 };
 use crate::status::{
     CODE, FACTS, PLAN_POOL_POSITION, PLAN_POOL_ROW, PLAN_POSITION, PLAN_ROW, PLAN_SWA_SLOT,
     PLAN_WRITE_OFFSETS_OVERFLOW,
 };
 
-/// Scratch: ticket counter of the requests launch.
+/// Scratch: tile tickets taken by this launch (reset by the last cube).
 pub const PLAN_TICKETS: usize = 0;
 /// Set when some extend length exceeds [`EXACT_EXTEND`]: the write offsets are then redone
 /// sequentially (exactly, with the i64 overflow rule 17) by the last cube.
 pub const PLAN_SLOW_WRITE: usize = 1;
-/// Cubes of the entries launch done.
+/// Cubes done (reset by the last cube).
 pub const PLAN_DONE: usize = 2;
+/// Total verify entries, summed by the count launch (read and reset by the plan launch).
+pub const PLAN_TOTAL: usize = 3;
 /// First error key: rules 12..=16 follow in order.
 pub const PLAN_ERRORS: usize = 4;
-/// Total verify entries (written by the requests launch).
-pub const PLAN_TOTAL: usize = 3;
-/// Scratch words.
-pub const PLAN_SCRATCH: usize = 12;
+/// First tile state: `K` verify tile states, then `K` write tile states (a plan has at most `bs`
+/// tiles, and `bs <= K`).
+pub const PLAN_STATES: usize = 12;
 
-/// The scratch of a fresh plan; every call leaves it this way again, except the done counter,
-/// which only grows (the last cube is the one that brings it to a multiple of the grid).
-pub fn fresh_scratch() -> [u64; PLAN_SCRATCH] {
-    let mut words = [0u64; PLAN_SCRATCH];
-    let mut rule = 0;
-    while rule < 5 {
-        words[PLAN_ERRORS + rule] = NO_ERROR;
-        rule += 1;
+/// Verify entries a tile holds at most (the host's target when it sizes tiles).
+pub const TILE_ENTRIES: u64 = 4096;
+
+/// Scratch words of a plan with write capacity `K`.
+pub fn scratch_len(write_capacity: usize) -> usize {
+    PLAN_STATES + 2 * write_capacity
+}
+
+/// The scratch of a fresh plan; every call leaves it this way again.
+pub fn fresh_scratch(write_capacity: usize) -> Vec<u64> {
+    let mut words = vec![0u64; scratch_len(write_capacity)];
+    for word in &mut words[PLAN_ERRORS..PLAN_ERRORS + 5] {
+        *word = NO_ERROR;
     }
     words
 }
@@ -54,6 +67,10 @@ const NONE: i64 = -1;
 /// Largest extend length the scanned write offsets take exactly: 2^31 requests of at most 2^30
 /// tokens stay below the 2^62 of a tile state.
 pub const EXACT_EXTEND: u64 = 1 << 30;
+
+/// Verify lengths are scanned capped here: a longer one overflows any `V <= 2^31 - 1` anyway, and
+/// 2^31 requests of at most 2^31 entries stay below the 2^62 of a tile state.
+const VERIFY_CAP: u64 = 1 << 31;
 
 /// Scalars of one plan step.
 #[derive(CubeType, CubeLaunch, Clone, Copy)]
@@ -78,7 +95,12 @@ pub struct PlanShape {
     pub verify_capacity: u64,
     /// `K`.
     pub write_capacity: u64,
-    /// Cubes of the entries launch.
+    /// Requests per tile (1..=256).
+    pub tile_requests: u64,
+    /// Tiles: `ceil(bs / tile_requests)`, at least 1.
+    pub tiles: u64,
+    /// Cubes of the launch (at least `tiles`: a 2-D grid may round up; the extra cubes only zero
+    /// write offsets).
     pub cubes: u64,
 }
 
@@ -91,6 +113,8 @@ pub struct PlanFeatures {
     pub lut: bool,
     /// An expected-token pool is given.
     pub pool: bool,
+    /// The verify total comes from the count launch: `bs * min(cols, W)` may exceed `V`.
+    pub counted: bool,
 }
 
 /// One request's view of the step.
@@ -127,6 +151,12 @@ fn load_request<Q: Int, P: Int, E: Int>(
         extend,
         window_start,
     }
+}
+
+/// `valid_lens[r]`, widened.
+#[cube]
+fn valid_len_of<V: Int>(valid_lens: &Tensor<V>, r: u64) -> i64 {
+    i64::cast_from(valid_lens[r as usize * valid_lens.stride(0)])
 }
 
 /// A live request reads the table; only live requests are checked.
@@ -187,134 +217,298 @@ fn table_at<T: Int>(table: &Tensor<T>, row: i64, col: i64) -> i64 {
     i64::cast_from(table[row as usize * table.stride(0) + col as usize * table.stride(1)])
 }
 
-/// Requests launch: one cube. Unit `u` owns the contiguous requests
-/// `[u * per_unit, (u + 1) * per_unit)`: it sums their verify and write lengths, one cube scan turns
-/// the 256 sums into prefixes, and a second pass over the same requests checks them and stores
-/// their offsets and seeds. No loop holds a barrier or an atomic, and no cube waits on another:
-/// lavapipe (CI's device) was seen to mis-run all three.
+/// The plan launch: one tile of requests per cube (see the module docs).
 #[cube(launch_unchecked)]
-pub fn plan_requests_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, V: Int>(
+pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     req_pool_indices: &Tensor<Q>,
     prefix_lens: &Tensor<P>,
     extend_seq_lens: &Tensor<E>,
     table: &Tensor<T>,
     lut: &Tensor<U>,
+    pool: &Tensor<O>,
     valid_lens: &Tensor<V>,
+    slot_indices: &mut Tensor<i64>,
+    expected_tokens: &mut Tensor<i64>,
+    expected_positions: &mut Tensor<i64>,
+    prev_slot_indices: &mut Tensor<i64>,
+    num_valid: &mut Tensor<i32>,
+    enable: &mut Tensor<i32>,
     write_offsets: &mut Tensor<i64>,
     seeds: &mut Tensor<i64>,
-    verify_offsets: &mut Tensor<i64>,
+    num_valid_reqs: &mut Tensor<i32>,
+    status: &mut Tensor<i64>,
     scratch: &Tensor<Atomic<u64>>,
     shape: PlanShape,
     #[comptime] features: PlanFeatures,
-    #[define(Q, P, E, T, U, V)] _dtypes: [StorageType; 6],
+    #[define(Q, P, E, T, U, O, V)] _dtypes: [StorageType; 7],
 ) {
-    let mut verify_shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
-    let mut write_shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
-    let per_unit = (shape.requests + CUBE_SIZE as u64 - 1) / CUBE_SIZE as u64;
-    let first = select(
-        UNIT_POS as u64 * per_unit < shape.requests,
-        UNIT_POS as u64 * per_unit,
-        shape.requests,
-    );
-    let end = select(
-        first + per_unit < shape.requests,
-        first + per_unit,
-        shape.requests,
-    );
+    let mut verify_scan = SharedMemory::<u64>::new(CUBE_SIZE as usize);
+    let mut write_scan = SharedMemory::<u64>::new(CUBE_SIZE as usize);
+    let mut broadcast = SharedMemory::<u64>::new(SLOTS);
+    let tile = take_ticket(&scratch[PLAN_TICKETS], &mut broadcast);
+    // Extra cubes of a rounded-up grid hold tickets past the last tile: they own no request.
+    let active = tile < shape.tiles;
+    let unit = UNIT_POS as u64;
+    let r = tile * shape.tile_requests + unit;
+    let owns = active && unit < shape.tile_requests && r < shape.requests;
 
-    let mut verify_sum = 0u64;
-    let mut write_sum = 0u64;
-    let mut r = first;
-    while r < end {
-        let request = load_request(
-            req_pool_indices,
-            prefix_lens,
-            extend_seq_lens,
-            r,
-            shape.window,
-            features.window,
-        );
-        verify_sum += verify_length(request);
-        write_sum += write_length(request);
-        r += 1;
-    }
-    let (verify_rank, verify_total) = cube_exclusive_scan(verify_sum, &mut verify_shared);
-    let (write_rank, write_total) = cube_exclusive_scan(write_sum, &mut write_shared);
-
-    // Each unit meets its requests in order, so its first offender per rule is its smallest.
-    let mut row_error = NO_ERROR.runtime();
-    let mut position_error = NO_ERROR.runtime();
-    let mut pool_row_error = NO_ERROR.runtime();
-    let mut pool_position_error = NO_ERROR.runtime();
-    let mut slow_write = false.runtime();
-    let mut verify_offset = verify_rank;
-    let mut write_offset = write_rank;
-    let mut r = first;
-    while r < end {
-        let request = load_request(
-            req_pool_indices,
-            prefix_lens,
-            extend_seq_lens,
-            r,
-            shape.window,
-            features.window,
-        );
-        if request.row != 0 && request.extend > 0 && request.extend as u64 > EXACT_EXTEND {
-            slow_write = true;
-        }
-        if is_live(request) {
-            if (request.row < 0 || request.row as u64 >= shape.rows) && row_error == NO_ERROR {
-                row_error = r;
-            }
-            if request.prefix as u64 > shape.cols && position_error == NO_ERROR {
-                position_error = r;
-            }
-            if features.pool {
-                let valid_len = i64::cast_from(valid_lens[r as usize * valid_lens.stride(0)]);
-                let column = last_pool_column(request, shape.position_offset, valid_len);
-                if column >= 0 {
-                    if request.row as u64 >= shape.pool_rows && pool_row_error == NO_ERROR {
-                        pool_row_error = r;
-                    }
-                    if column as u64 >= shape.pool_cols && pool_position_error == NO_ERROR {
-                        pool_position_error = r;
-                    }
-                }
-            }
-        }
-        seeds[r as usize] = seed_of(request, table, lut, shape, features);
-        verify_offsets[r as usize] = verify_offset as i64;
-        write_offsets[r as usize] = write_offset as i64;
-        verify_offset += verify_length(request);
-        write_offset += write_length(request);
-        r += 1;
+    // Index 0 stands in for a request this unit does not own (every binding has an element 0);
+    // nothing loaded for it is used.
+    let request = load_request(
+        req_pool_indices,
+        prefix_lens,
+        extend_seq_lens,
+        select(owns, r, 0u64),
+        shape.window,
+        features.window,
+    );
+    let verify_length = select(owns, verify_length(request), 0u64);
+    let write_length = select(owns, write_length(request), 0u64);
+    let (_, write_rank, verify_tile, write_tile) = cube_exclusive_scan_pair(
+        verify_length,
+        write_length,
+        &mut verify_scan,
+        &mut write_scan,
+    );
+    // Every unit chains the tile itself (unit 0 publishes): see `look_back`.
+    let mut verify_prefix = 0u64.runtime();
+    let mut write_prefix = 0u64.runtime();
+    if active {
+        let publisher = UNIT_POS == 0;
+        verify_prefix = look_back(scratch, PLAN_STATES, tile as usize, verify_tile, publisher);
+        let base = PLAN_STATES + shape.write_capacity as usize;
+        write_prefix = look_back(scratch, base, tile as usize, write_tile, publisher);
     }
     if UNIT_POS == 0 {
-        write_offsets[shape.requests as usize] = write_total as i64;
-        scratch[PLAN_TOTAL].store(verify_total);
+        broadcast[SLOT_DEPENDENCY] = 0;
     }
-    if slow_write {
-        scratch[PLAN_SLOW_WRITE].store(1u64);
+
+    // While the look-back runs: the request rules and the seed.
+    let live = owns && is_live(request);
+    let row_fails = live && (request.row < 0 || request.row as u64 >= shape.rows);
+    let position_fails = live && request.prefix as u64 > shape.cols;
+    let mut pool_row_fails = false.runtime();
+    let mut pool_position_fails = false.runtime();
+    if features.pool {
+        let valid_len = valid_len_of(valid_lens, select(owns, r, 0u64));
+        let column = last_pool_column(request, shape.position_offset, valid_len);
+        pool_row_fails = live && column >= 0 && request.row as u64 >= shape.pool_rows;
+        pool_position_fails = live && column >= 0 && column as u64 >= shape.pool_cols;
     }
-    if row_error != NO_ERROR {
-        report_error(&scratch[PLAN_ERRORS], row_error);
+    let mut dependency = 0u64.runtime();
+    if row_fails {
+        dependency |= report_error(&scratch[PLAN_ERRORS], r) >> 63;
     }
-    if position_error != NO_ERROR {
-        report_error(&scratch[PLAN_ERRORS + 1], position_error);
+    if position_fails {
+        dependency |= report_error(&scratch[PLAN_ERRORS + 1], r) >> 63;
     }
-    if pool_row_error != NO_ERROR {
-        report_error(&scratch[PLAN_ERRORS + 3], pool_row_error);
+    if pool_row_fails {
+        dependency |= report_error(&scratch[PLAN_ERRORS + 3], r) >> 63;
     }
-    if pool_position_error != NO_ERROR {
-        report_error(&scratch[PLAN_ERRORS + 4], pool_position_error);
+    if pool_position_fails {
+        dependency |= report_error(&scratch[PLAN_ERRORS + 4], r) >> 63;
+    }
+    if owns && request.row != 0 && request.extend > 0 && request.extend as u64 > EXACT_EXTEND {
+        dependency |= scratch[PLAN_SLOW_WRITE].swap(1u64) >> 63;
+    }
+    let seed = seed_of(request, table, lut, shape, features);
+    sync_cube();
+
+    if owns {
+        seeds[r as usize] = seed;
+        write_offsets[r as usize] = (write_prefix + write_rank) as i64;
+        if r + 1 == shape.requests {
+            write_offsets[shape.requests as usize] =
+                (write_prefix + write_rank + write_length) as i64;
+        }
+    }
+    if shape.requests == 0 && tile == 0 && UNIT_POS == 0 {
+        write_offsets[0] = 0;
+    }
+    // Write offsets past `bs` are zeroed (no memset launch).
+    let stride = shape.cubes * CUBE_SIZE as u64;
+    let mut w = shape.requests + 1 + tile * CUBE_SIZE as u64 + unit;
+    while w <= shape.write_capacity {
+        write_offsets[w as usize] = 0;
+        w += stride;
+    }
+
+    // The tile's verify entries, `CUBE_SIZE` apart per unit. Entries may only be written when the
+    // whole plan fits; without the count launch the host has proved that it does.
+    let mut fits = true.runtime();
+    if features.counted {
+        fits = scratch[PLAN_TOTAL].load() <= shape.verify_capacity;
+    }
+    // Rule-14 offenders are kept per unit and reported once after the loop: lavapipe was seen to
+    // lose the code after a loop that contains an atomic.
+    let mut lut_key = NO_ERROR.runtime();
+    let last_request = select(shape.tile_requests > 0, shape.tile_requests - 1, 0u64);
+    // The request holding entry `e` is the first whose inclusive end exceeds `e`: found by
+    // bisection for the unit's first entry, then by stepping forward (entries only grow).
+    let mut j = first_holding(&verify_scan, last_request, unit);
+    let mut e = unit;
+    while e < verify_tile {
+        while verify_scan[j as usize] <= e {
+            j += 1;
+        }
+        let start = select(
+            j > 0,
+            verify_scan[select(j > 0, j - 1, 0u64) as usize],
+            0u64,
+        );
+        // The request is loaded again (cached) rather than kept in shared memory: lavapipe was
+        // seen to serve stale shared values to a later phase of the kernel.
+        let r_global = tile * shape.tile_requests + j;
+        let owner = load_request(
+            req_pool_indices,
+            prefix_lens,
+            extend_seq_lens,
+            r_global,
+            shape.window,
+            features.window,
+        );
+        if in_table(owner, shape.rows, shape.cols) {
+            let row = owner.row;
+            let position = owner.window_start + (e - start) as i64;
+            let raw = table_at(table, row, position);
+            // Column 0 stands in for the predecessor of position 0, which is never used.
+            let prev_column = select(position > 0i64.runtime(), position - 1, 0i64.runtime());
+            let raw_prev = table_at(table, row, prev_column);
+            // Rule 14 on every slot read, the window head's predecessor included. Without a LUT
+            // the host passes `lut_len = i64::MAX`, so every slot is inside. (Pure expressions:
+            // see the note on mutable locals in `scan`.)
+            let slot_ok = slot_in_lut(raw, shape.lut_len);
+            let prev_ok = position == 0i64.runtime() || slot_in_lut(raw_prev, shape.lut_len);
+            let slot_key = select(slot_ok, NO_ERROR, (r_global << 32) | position as u64);
+            let prev_key = select(prev_ok, NO_ERROR, (r_global << 32) | prev_column as u64);
+            let entry_key = select(slot_key < prev_key, slot_key, prev_key);
+            lut_key = select(entry_key < lut_key, entry_key, lut_key);
+            // `k < V` also guards a plan with a device-checked error, whose lengths are not
+            // bounded by the host's proof.
+            let k = verify_prefix + e;
+            if fits && slot_ok && prev_ok && k < shape.verify_capacity {
+                let mut token = NONE.runtime();
+                if features.pool {
+                    let valid_len = valid_len_of(valid_lens, r_global);
+                    let column = position + shape.position_offset;
+                    let last = last_pool_column(owner, shape.position_offset, valid_len);
+                    let pool_ok = (row as u64) < shape.pool_rows && last < shape.pool_cols as i64;
+                    if pool_ok && column >= 0 && column < valid_len {
+                        token = i64::cast_from(
+                            pool[row as usize * pool.stride(0) + column as usize * pool.stride(1)],
+                        );
+                    }
+                }
+                let prev = select(
+                    position > 0i64.runtime(),
+                    translate(lut, raw_prev, features.lut),
+                    NONE.runtime(),
+                );
+                slot_indices[k as usize] = translate(lut, raw, features.lut);
+                expected_tokens[k as usize] = token;
+                expected_positions[k as usize] = position;
+                prev_slot_indices[k as usize] = prev;
+            }
+        }
+        e += CUBE_SIZE as u64;
+    }
+    if lut_key != NO_ERROR {
+        dependency |= report_error(&scratch[PLAN_ERRORS + 2], lut_key) >> 63;
+    }
+    keep_dependency(dependency, &mut broadcast);
+    sync_cube();
+    let dependency = broadcast[SLOT_DEPENDENCY];
+    let last = publish_block_done(&scratch[PLAN_DONE], shape.cubes, dependency, &mut broadcast);
+    if last {
+        if UNIT_POS == 0 {
+            let total = if features.counted {
+                scratch[PLAN_TOTAL].swap(0u64.runtime())
+            } else {
+                scratch[PLAN_STATES + shape.tiles as usize - 1].load() & VALUE_MASK
+            };
+            finish_plan(
+                req_pool_indices,
+                prefix_lens,
+                extend_seq_lens,
+                table,
+                valid_lens,
+                write_offsets,
+                num_valid,
+                enable,
+                num_valid_reqs,
+                status,
+                scratch,
+                shape,
+                total,
+                features,
+            );
+            // Swaps, not stores: cubecl 0.10 on SPIR-V was seen to drop the second of two
+            // atomic stores in a row.
+            scratch[PLAN_TICKETS].swap(0u64.runtime());
+            scratch[PLAN_DONE].swap(0u64.runtime());
+        }
+        // Every other cube is done with the tile states: clear them for the next call. Last in
+        // the kernel, since lavapipe was seen to lose code after a loop holding an atomic.
+        let mut t = unit;
+        while t < shape.tiles {
+            scratch[PLAN_STATES + t as usize].swap(0u64.runtime());
+            scratch[PLAN_STATES + (shape.write_capacity + t) as usize].swap(0u64.runtime());
+            t += CUBE_SIZE as u64;
+        }
     }
 }
 
-/// `vlen`: verify entries of a request.
+/// The first `j <= last` with `ends[j] > e` (`ends` ascending), or `last`.
+#[cube]
+fn first_holding(ends: &SharedMemory<u64>, last: u64, e: u64) -> u64 {
+    let mut low = 0u64.runtime();
+    let mut high = last;
+    while low < high {
+        let mid = (low + high) / 2;
+        if ends[mid as usize] > e {
+            high = mid;
+        } else {
+            low = mid + 1;
+        }
+    }
+    low
+}
+
+/// The count launch (only when the plan may overflow): the sum of every verify length, one
+/// atomic per cube, into the scratch word the plan launch reads and resets.
+#[cube(launch_unchecked)]
+pub fn plan_count_kernel<Q: Int, P: Int, E: Int>(
+    req_pool_indices: &Tensor<Q>,
+    prefix_lens: &Tensor<P>,
+    extend_seq_lens: &Tensor<E>,
+    scratch: &Tensor<Atomic<u64>>,
+    shape: PlanShape,
+    #[comptime] features: PlanFeatures,
+    #[define(Q, P, E)] _dtypes: [StorageType; 3],
+) {
+    let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
+    let r = ABSOLUTE_POS as u64;
+    let owns = r < shape.requests;
+    let request = load_request(
+        req_pool_indices,
+        prefix_lens,
+        extend_seq_lens,
+        select(owns, r, 0u64),
+        shape.window,
+        features.window,
+    );
+    let (_, total) = cube_exclusive_scan(select(owns, verify_length(request), 0u64), &mut shared);
+    if UNIT_POS == 0 && total > 0 {
+        scratch[PLAN_TOTAL].fetch_add(total);
+    }
+}
+
+/// `vlen`: verify entries of a request, capped at [`VERIFY_CAP`].
 #[cube]
 fn verify_length(request: Request) -> u64 {
     let length = request.prefix - request.window_start;
-    select(request.row != 0 && length > 0, length as u64, 0u64)
+    let length = select(request.row != 0 && length > 0, length as u64, 0u64);
+    select(length > VERIFY_CAP, VERIFY_CAP, length)
 }
 
 /// `wlen`, capped at [`EXACT_EXTEND`] for the scan (the slow path redoes larger ones exactly).
@@ -356,140 +550,9 @@ fn seed_of<T: Int, U: Int>(
     seed
 }
 
-/// Entries launch: every verify entry, the zeroed write offsets past `bs`, then the last cube's
-/// scalars and status.
-#[cube(launch_unchecked)]
-pub fn plan_entries_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
-    req_pool_indices: &Tensor<Q>,
-    prefix_lens: &Tensor<P>,
-    extend_seq_lens: &Tensor<E>,
-    table: &Tensor<T>,
-    lut: &Tensor<U>,
-    pool: &Tensor<O>,
-    valid_lens: &Tensor<V>,
-    verify_offsets: &Tensor<i64>,
-    slot_indices: &mut Tensor<i64>,
-    expected_tokens: &mut Tensor<i64>,
-    expected_positions: &mut Tensor<i64>,
-    prev_slot_indices: &mut Tensor<i64>,
-    num_valid: &mut Tensor<i32>,
-    enable: &mut Tensor<i32>,
-    write_offsets: &mut Tensor<i64>,
-    num_valid_reqs: &mut Tensor<i32>,
-    status: &mut Tensor<i64>,
-    scratch: &Tensor<Atomic<u64>>,
-    shape: PlanShape,
-    #[comptime] features: PlanFeatures,
-    #[define(Q, P, E, T, U, O, V)] _dtypes: [StorageType; 7],
-) {
-    let mut broadcast = SharedMemory::<u64>::new(SLOTS);
-    if UNIT_POS == 0 {
-        broadcast[SLOT_DEPENDENCY] = 0;
-    }
-    sync_cube();
-    let total = scratch[PLAN_TOTAL].load();
-    let fits = total <= shape.verify_capacity;
-    let stride = (CUBE_COUNT * CUBE_SIZE as usize) as u64;
-
-    // Write offsets past `bs` are zeroed.
-    let mut w = shape.requests + 1 + ABSOLUTE_POS as u64;
-    while w <= shape.write_capacity {
-        write_offsets[w as usize] = 0;
-        w += stride;
-    }
-
-    // Rule-14 offenders are kept per unit and reported once after the loop: lavapipe was seen to
-    // lose the code after a loop that contains an atomic.
-    let mut lut_key = NO_ERROR.runtime();
-    let mut k = ABSOLUTE_POS as u64;
-    while k < total {
-        let r = find_row(verify_offsets, shape.requests, k);
-        let request = load_request(
-            req_pool_indices,
-            prefix_lens,
-            extend_seq_lens,
-            r,
-            shape.window,
-            features.window,
-        );
-        if in_table(request, shape.rows, shape.cols) {
-            let position = request.window_start + (k - verify_offsets[r as usize] as u64) as i64;
-            let raw = table_at(table, request.row, position);
-            // Column 0 stands in for the predecessor of position 0, which is never used.
-            let prev_column = select(position > 0i64.runtime(), position - 1, 0i64.runtime());
-            let raw_prev = table_at(table, request.row, prev_column);
-            // Rule 14 on every slot read, the window head's predecessor included. Without a LUT
-            // the host passes `lut_len = i64::MAX`, so every slot is inside. (Pure expressions:
-            // see the note on mutable locals in `scan`.)
-            let slot_ok = slot_in_lut(raw, shape.lut_len);
-            let prev_ok = position == 0i64.runtime() || slot_in_lut(raw_prev, shape.lut_len);
-            let slot_key = select(slot_ok, NO_ERROR, (r << 32) | position as u64);
-            let prev_key = select(prev_ok, NO_ERROR, (r << 32) | prev_column as u64);
-            let entry_key = select(slot_key < prev_key, slot_key, prev_key);
-            lut_key = select(entry_key < lut_key, entry_key, lut_key);
-            if fits && slot_ok && prev_ok {
-                let mut token = NONE.runtime();
-                if features.pool {
-                    let valid_len = i64::cast_from(valid_lens[r as usize * valid_lens.stride(0)]);
-                    let column = position + shape.position_offset;
-                    let last = last_pool_column(request, shape.position_offset, valid_len);
-                    let pool_ok =
-                        (request.row as u64) < shape.pool_rows && last < shape.pool_cols as i64;
-                    if pool_ok && column >= 0 && column < valid_len {
-                        token = i64::cast_from(
-                            pool[request.row as usize * pool.stride(0)
-                                + column as usize * pool.stride(1)],
-                        );
-                    }
-                }
-                let prev = select(
-                    position > 0i64.runtime(),
-                    translate(lut, raw_prev, features.lut),
-                    NONE.runtime(),
-                );
-                slot_indices[k as usize] = translate(lut, raw, features.lut);
-                expected_tokens[k as usize] = token;
-                expected_positions[k as usize] = position;
-                prev_slot_indices[k as usize] = prev;
-            }
-        }
-        k += stride;
-    }
-
-    if lut_key != NO_ERROR {
-        let old = report_error(&scratch[PLAN_ERRORS + 2], lut_key);
-        keep_dependency(old, &mut broadcast);
-    }
-    sync_cube();
-    let dependency = broadcast[SLOT_DEPENDENCY];
-    let last = publish_block_done(&scratch[PLAN_DONE], shape.cubes, dependency, &mut broadcast);
-    if last && UNIT_POS == 0 {
-        let total = scratch[PLAN_TOTAL].load();
-        finish_plan(
-            req_pool_indices,
-            prefix_lens,
-            extend_seq_lens,
-            table,
-            valid_lens,
-            write_offsets,
-            num_valid,
-            enable,
-            num_valid_reqs,
-            status,
-            scratch,
-            shape,
-            total,
-            features,
-        );
-    }
-}
-
-/// [`publish_block_done`] for a counter that is never reset: each call adds exactly `cubes`, so
-
-/// Keeps `old >> 63` (always 0) of an error report in the cube's dependency slot.
+/// Keeps a unit's dependency bits (`old >> 63` of its atomics, always 0) in the cube's slot.
 #[cube]
-fn keep_dependency(old: u64, broadcast: &mut SharedMemory<u64>) {
-    let bit = old >> 63;
+fn keep_dependency(bit: u64, broadcast: &mut SharedMemory<u64>) {
     if bit != 0 {
         broadcast[SLOT_DEPENDENCY] = bit;
     }

@@ -60,6 +60,41 @@ pub fn cube_exclusive_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, 
     (inclusive - value, total)
 }
 
+/// [`cube_exclusive_scan`] of two values per unit at once (one set of barriers). Returns
+/// `(rank a, rank b, total a, total b)`; the shared arrays are left holding the inclusive prefixes.
+#[cube]
+pub fn cube_exclusive_scan_pair(
+    a: u64,
+    b: u64,
+    shared_a: &mut SharedMemory<u64>,
+    shared_b: &mut SharedMemory<u64>,
+) -> (u64, u64, u64, u64) {
+    let unit = UNIT_POS as usize;
+    shared_a[unit] = a;
+    shared_b[unit] = b;
+    sync_cube();
+    #[unroll]
+    for level in 0..8u32 {
+        let offset = comptime!(1usize << level);
+        let mut add_a = 0u64;
+        let mut add_b = 0u64;
+        if unit >= offset {
+            add_a = shared_a[unit - offset];
+            add_b = shared_b[unit - offset];
+        }
+        sync_cube();
+        shared_a[unit] += add_a;
+        shared_b[unit] += add_b;
+        sync_cube();
+    }
+    let inclusive_a = shared_a[unit];
+    let inclusive_b = shared_b[unit];
+    let total_a = shared_a[CUBE_SIZE as usize - 1];
+    let total_b = shared_b[CUBE_SIZE as usize - 1];
+    sync_cube();
+    (inclusive_a - a, inclusive_b - b, total_a, total_b)
+}
+
 /// Takes the next tile ticket for this cube (dynamic ids: a cube only ever waits on tiles that a
 /// running cube already holds, so the look-back cannot deadlock).
 #[cube]
@@ -73,15 +108,27 @@ pub fn take_ticket(counter: &Atomic<u64>, broadcast: &mut SharedMemory<u64>) -> 
     ticket
 }
 
-/// Publishes `tile`'s aggregate in `states[base + tile]` and returns the exclusive prefix of all
-/// earlier tiles. Called by one unit only.
+/// Publishes `tile`'s aggregate in `states[base + tile]` (when `publisher`) and returns the
+/// exclusive prefix of all earlier tiles. Called by one unit, or by every unit of a cube with one
+/// publisher: each then holds the prefix itself, with no broadcast through shared memory (lavapipe
+/// was seen to serve a stale broadcast to later subgroups after a look-back).
 #[cube]
-pub fn look_back(states: &Tensor<Atomic<u64>>, base: usize, tile: usize, aggregate: u64) -> u64 {
-    let mut prefix = 0u64;
+pub fn look_back(
+    states: &Tensor<Atomic<u64>>,
+    base: usize,
+    tile: usize,
+    aggregate: u64,
+    publisher: bool,
+) -> u64 {
+    let mut prefix = 0u64.runtime();
     if tile == 0 {
-        states[base].store(FLAG_INCLUSIVE | aggregate);
+        if publisher {
+            states[base].store(FLAG_INCLUSIVE | aggregate);
+        }
     } else {
-        states[base + tile].store(FLAG_AGGREGATE | aggregate);
+        if publisher {
+            states[base + tile].store(FLAG_AGGREGATE | aggregate);
+        }
         let mut look = base + tile - 1;
         let mut searching = true.runtime();
         while searching {
@@ -95,7 +142,9 @@ pub fn look_back(states: &Tensor<Atomic<u64>>, base: usize, tile: usize, aggrega
                 look -= 1;
             }
         }
-        states[base + tile].store(FLAG_INCLUSIVE | (prefix + aggregate));
+        if publisher {
+            states[base + tile].store(FLAG_INCLUSIVE | (prefix + aggregate));
+        }
     }
     prefix
 }
@@ -148,7 +197,7 @@ pub fn scan_rows(
 ) -> u64 {
     let (rank, total) = cube_exclusive_scan(count, shared);
     if UNIT_POS == 0 {
-        broadcast[slot] = look_back(states, base, tile as usize, total);
+        broadcast[slot] = look_back(states, base, tile as usize, total, true);
     }
     sync_cube();
     let prefix = broadcast[slot];

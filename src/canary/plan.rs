@@ -203,7 +203,7 @@ impl<B: KvPlanBackend> WritePlan<B> {
         )?;
         let capacity = seed_slot_indices.dims()[0];
         let device = offsets.device();
-        let scratch = fresh_write::<B>(0, &device).scratch;
+        let scratch = fresh_scratch::<B>(capacity, &device);
         Ok(Self {
             tensors: Some(WritePlanPrimitive {
                 offsets: offsets.into_primitive(),
@@ -232,19 +232,25 @@ impl<B: KvPlanBackend> WritePlan<B> {
     }
 }
 
+/// The kernels' scratch of a plan with write capacity `capacity`, ready for a first call.
+fn fresh_scratch<B: KvPlanBackend>(capacity: usize, device: &B::Device) -> IntTensor<B> {
+    let words: Vec<i64> = kvplan_kernels::plan::fresh_scratch(capacity)
+        .into_iter()
+        .map(|word| word as i64)
+        .collect();
+    let len = words.len();
+    B::int_from_data(TensorData::new(words, [len]), device)
+}
+
 fn fresh_write<B: KvPlanBackend>(
     capacity: usize,
     device: &B::Device,
 ) -> WritePlanPrimitive<IntTensor<B>> {
-    let scratch = kvplan_kernels::plan::fresh_scratch()
-        .map(|word| word as i64)
-        .to_vec();
-    let len = scratch.len();
     WritePlanPrimitive {
         offsets: i64_tensor::<B>(0, capacity + 1, device),
         seed_slot_indices: i64_tensor::<B>(0, capacity, device),
         num_valid_reqs: i32_scalar::<B>(0, device),
-        scratch: B::int_from_data(TensorData::new(scratch, [len]), device),
+        scratch: fresh_scratch::<B>(capacity, device),
     }
 }
 

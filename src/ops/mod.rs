@@ -60,7 +60,7 @@ pub struct WritePlanPrimitive<T> {
     pub seed_slot_indices: T,
     /// i32 `[1]`.
     pub num_valid_reqs: T,
-    /// i64 `[PLAN_SCRATCH]`: the kernels' control words, kept with the plan so that no call
+    /// i64 `[scratch_len(K)]`: the kernels' control words and tile states, kept with the plan so that no call
     /// uploads or clears anything (each call leaves them ready for the next). Unused by the host
     /// reference.
     pub scratch: T,

@@ -171,8 +171,14 @@ pub fn assert_plans_eq(got: &PlanBuffers, want: &PlanBuffers, what: &str) {
     ];
     for (field, g, w) in arrays {
         assert_eq!(g.len(), w.len(), "{what}: {field} length");
-        if let Some(i) = g.iter().zip(w).position(|(a, b)| a != b) {
-            panic!("{what}: {field}[{i}]: got {}, want {}", g[i], w[i]);
+        let wrong: Vec<usize> = (0..g.len()).filter(|&i| g[i] != w[i]).collect();
+        if let (Some(&first), Some(&last)) = (wrong.first(), wrong.last()) {
+            panic!(
+                "{what}: {field}[{first}]: got {}, want {} ({} wrong, the last at {last})",
+                g[first],
+                w[first],
+                wrong.len()
+            );
         }
     }
 }

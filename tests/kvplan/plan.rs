@@ -101,6 +101,17 @@ impl Step {
     }
 
     /// The verify total of this step (from a reference run on roomy buffers).
+    /// The largest total any batch of this size can have on this table: a verify capacity this
+    /// large lets the plan run as one launch (no count launch).
+    pub fn largest_total(&self) -> usize {
+        let longest = if self.window > 0 {
+            self.cols.min(self.window as usize)
+        } else {
+            self.cols
+        };
+        self.rpi.len() * longest
+    }
+
     pub fn verify_total(&self) -> usize {
         let total: i64 = self
             .rpi
@@ -334,18 +345,20 @@ fn with_batch(rng: &mut Rng, mut step: Step, bs: usize) -> Step {
 }
 
 /// Random batches, each run on plans poisoned by a different prior run, then reused with a
-/// smaller batch; capacity fitting exactly, roomy, overflowing by one and by many.
+/// smaller batch; capacity fitting exactly, roomy, overflowing by one and by many, and large
+/// enough for any batch (one launch, no count launch).
 pub fn random_plans<B: KvPlanBackend>(device: &B::Device) {
     let mut rng = Rng::new(0x706c_616e);
-    for case in 0..24 {
+    for case in 0..30 {
         let bs = rng.pick(&[0, 1, 2, 5, 9, 17]);
         let step = random_step(&mut rng, bs);
         let total = step.verify_total();
-        let verify_capacity = match case % 4 {
+        let verify_capacity = match case % 5 {
             0 => total.max(1),
             1 => total + rng.urange(1, 8),
             2 => total.saturating_sub(1).max(1),
-            _ => (total / 4).max(1),
+            3 => (total / 4).max(1),
+            _ => step.largest_total().max(1),
         };
         let write_capacity = (bs + rng.urange(0, 2)).max(1);
         let mode = MODES[case % 2];
@@ -479,9 +492,29 @@ pub fn spec_examples<B: KvPlanBackend>(device: &B::Device) {
     }
 }
 
-/// Batches far past one block (no 4096 cap; the bs = 65,536), mixed with padding rows.
+/// Batches far past one block (no 4096 cap; the bs = 65,536), mixed with padding rows;
+/// then a wide table, where every request is a tile of its own (hundreds of chained tiles), with
+/// a capacity for any batch (one launch) and one that the plan overflows.
 pub fn large_batch<B: KvPlanBackend>(device: &B::Device) {
     let mut rng = Rng::new(0x6c61_7267);
+    let (rows, cols) = (4, 4100);
+    let table = (0..rows * cols)
+        .map(|_| rng.range(0, i32::MAX as i64))
+        .collect();
+    let wide = with_batch(&mut rng, Step::new(rows, cols, table), 300);
+    let total = wide.verify_total();
+    for (mode, capacity) in [
+        (Mode::Deferred, wide.largest_total()),
+        (Mode::Checked, total - 1),
+    ] {
+        let mut mirror = Mirror::<B>::new(capacity, 301, device);
+        let what = format!("wide table, bs=300 V={capacity}");
+        mirror.step(&wide, mode, &what).unwrap();
+        let smaller = with_batch(&mut rng, wide.clone(), 77);
+        mirror
+            .step(&smaller, mode, &format!("{what} [smaller batch]"))
+            .unwrap();
+    }
     for bs in [5000, 65_536] {
         let mut step = random_step(&mut rng, bs);
         step = with_batch(&mut rng, step, bs);

@@ -5,14 +5,12 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::TensorMetadata;
 use cubecl::prelude::*;
 use kvplan_kernels::plan::{
-    PlanFeatures, PlanShapeLaunch, plan_entries_kernel, plan_requests_kernel,
+    PlanFeatures, PlanShapeLaunch, TILE_ENTRIES, plan_count_kernel, plan_kernel,
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
-use super::{
-    bindable, dims2, grid, output_i64, resident_cubes, storage, upload_i64, widened, writable,
-};
+use super::{bindable, dims2, grid, output_i64, storage, upload_i64, widened, writable};
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
 
 pub(crate) fn canary_plan<R: CubeRuntime>(
@@ -39,11 +37,19 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
     let requests = inputs.req_pool_indices.shape()[0];
     let verify_capacity = verify.slot_indices.shape()[0];
     let write_capacity = write.seed_slot_indices.shape()[0];
+    // A request that passes rules 12 and 13 has at most `min(cols, W)` verify entries. When the
+    // largest plan fits the verify capacity no overflow is possible, and one launch suffices.
+    let window = usize::try_from(inputs.swa_window_size).unwrap_or(0);
+    let longest = if window > 0 { cols.min(window) } else { cols };
     let features = PlanFeatures {
         window: inputs.swa_window_size > 0,
         lut: inputs.full_to_swa.is_some(),
         pool: inputs.expected_tokens.is_some(),
+        counted: requests.saturating_mul(longest) > verify_capacity,
     };
+    // Tiles of at most about `TILE_ENTRIES` entries keep the cubes evenly loaded.
+    let tile_requests = (TILE_ENTRIES as usize / longest.max(1)).clamp(1, CUBE_SIZE as usize);
+    let tiles = requests.div_ceil(tile_requests).max(1);
     // Without a LUT every slot counts as inside it (the kernels compare against this length).
     let lut_len = inputs
         .full_to_swa
@@ -53,11 +59,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         .expected_tokens
         .as_ref()
         .map_or((0, 0), |(pool, _)| dims2(pool));
-    let (entries_grid, cubes) = grid(resident_cubes(
-        &table,
-        verify_capacity.max(write_capacity),
-        4,
-    ));
+    let (plan_grid, cubes) = grid(tiles);
     let shape = || {
         PlanShapeLaunch::new(
             requests as u64,
@@ -70,12 +72,13 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             i64::from(inputs.position_offset),
             verify_capacity as u64,
             write_capacity as u64,
+            tile_requests as u64,
+            tiles as u64,
             cubes as u64,
         )
     };
     // The plan's own scratch, left ready by the previous call: nothing is uploaded.
     let scratch = writable(write.scratch);
-    let verify_offsets = output_i64(&table, requests);
     let status = output_i64(&table, STATUS_LEN);
 
     let req_pool_indices = bindable(widened(inputs.req_pool_indices));
@@ -120,27 +123,24 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
     );
     // SAFETY: every index the kernels form is bounds-checked against the shapes passed here.
     unsafe {
-        plan_requests_kernel::launch_unchecked::<R>(
+        if features.counted {
+            let (count_grid, _) = grid(requests.div_ceil(CUBE_SIZE as usize));
+            plan_count_kernel::launch_unchecked::<R>(
+                &client,
+                count_grid,
+                CubeDim::new_1d(CUBE_SIZE),
+                req_pool_indices.clone().into_tensor_arg(),
+                prefix_lens.clone().into_tensor_arg(),
+                extend_seq_lens.clone().into_tensor_arg(),
+                scratch.clone().into_tensor_arg(),
+                shape(),
+                features,
+                [q, p, e],
+            );
+        }
+        plan_kernel::launch_unchecked::<R>(
             &client,
-            CubeCount::Static(1, 1, 1),
-            CubeDim::new_1d(CUBE_SIZE),
-            req_pool_indices.clone().into_tensor_arg(),
-            prefix_lens.clone().into_tensor_arg(),
-            extend_seq_lens.clone().into_tensor_arg(),
-            table.clone().into_tensor_arg(),
-            lut.clone().into_tensor_arg(),
-            valid_lens.clone().into_tensor_arg(),
-            offsets.clone().into_tensor_arg(),
-            seeds.clone().into_tensor_arg(),
-            bindable(verify_offsets.clone()).into_tensor_arg(),
-            scratch.clone().into_tensor_arg(),
-            shape(),
-            features,
-            [q, p, e, t, u, v],
-        );
-        plan_entries_kernel::launch_unchecked::<R>(
-            &client,
-            entries_grid,
+            plan_grid,
             CubeDim::new_1d(CUBE_SIZE),
             req_pool_indices.into_tensor_arg(),
             prefix_lens.into_tensor_arg(),
@@ -149,7 +149,6 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             lut.into_tensor_arg(),
             pool.into_tensor_arg(),
             valid_lens.into_tensor_arg(),
-            bindable(verify_offsets).into_tensor_arg(),
             slot_indices.clone().into_tensor_arg(),
             expected_tokens.clone().into_tensor_arg(),
             expected_positions.clone().into_tensor_arg(),
@@ -157,6 +156,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             num_valid.clone().into_tensor_arg(),
             enable.clone().into_tensor_arg(),
             offsets.clone().into_tensor_arg(),
+            seeds.clone().into_tensor_arg(),
             num_valid_reqs.clone().into_tensor_arg(),
             status.clone().into_tensor_arg(),
             scratch.clone().into_tensor_arg(),
