@@ -5,16 +5,15 @@
 use cubecl::prelude::*;
 
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOT_PREFIX, SLOTS, TILE_ROWS, VALUE_MASK,
-    cube_exclusive_scan, find_row, look_back, publish_block_done, report_error, scan_rows,
-    take_ticket,
+    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOTS, VALUE_MASK, cube_exclusive_scan, look_back,
+    publish_block_done, report_error, take_ticket,
 };
 use crate::status::{
     CODE, COUNT, FACTS, GATHER_CAPACITY, GATHER_EMPTY_TABLE, GATHER_POSITION, GATHER_ROW,
 };
 
-/// Mask cells per unit.
-pub const CELLS_PER_UNIT: u32 = 4;
+/// Mask cells per unit (consecutive, row-major).
+pub const CELLS_PER_UNIT: u32 = 8;
 /// Mask cells per tile (one cube).
 pub const TILE_CELLS: u64 = (CUBE_SIZE * CELLS_PER_UNIT) as u64;
 
@@ -54,6 +53,10 @@ pub struct MaskedShape {
 }
 
 /// `T[row(i)][pos2d[i][j]]` for every true `mask[i][j]`, row-major, into `out[..capacity]`.
+///
+/// Each unit owns `CELLS_PER_UNIT` consecutive cells: it reads their mask, checks and gathers the
+/// true ones into registers before the scan (so the loads' latency overlaps the look-back), then
+/// stores them at their ranks. One division per unit: the cell's row and column then advance.
 #[cube(launch_unchecked)]
 pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     table: &Tensor<T>,
@@ -72,45 +75,30 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     let tile = take_ticket(&scratch[SCRATCH_TICKETS], &mut broadcast);
     let cells = shape.pos_rows * shape.pos_cols;
     let first = tile * TILE_CELLS + (UNIT_POS * CELLS_PER_UNIT) as u64;
+    let columns = shape.pos_cols.max(1);
+    let mut i = first / columns;
+    let mut j = first % columns;
 
-    // Which of this unit's cells are true.
-    let mut bits = 0u32;
-    let mut selected = 0u64;
+    // The unit's cells: which are true, their values, and whether each may be stored. Nothing is
+    // read before its bounds check passes.
+    let mut values = Array::<i64>::new(CELLS_PER_UNIT as usize);
+    let mut selected = 0u32.runtime();
+    let mut stores = 0u32.runtime();
+    let mut dependency = 0u64.runtime();
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
         let cell = first + k as u64;
+        values[k as usize] = 0;
         if cell < cells {
-            let i = (cell / shape.pos_cols) as usize;
-            let j = (cell % shape.pos_cols) as usize;
-            if mask[i * mask.stride(0) + j * mask.stride(1)] != M::new(0) {
-                bits |= 1u32 << k;
-                selected += 1;
-            }
-        }
-    }
-    let (unit_rank, tile_total) = cube_exclusive_scan(selected, &mut shared);
-    if UNIT_POS == 0 {
-        broadcast[SLOT_PREFIX] = look_back(scratch, SCRATCH_TILES, tile as usize, tile_total, true);
-        broadcast[SLOT_DEPENDENCY] = 0;
-    }
-    sync_cube();
-
-    // Checks, then the scatter. Nothing is read before its bounds check passes.
-    let mut rank = broadcast[SLOT_PREFIX] + unit_rank;
-    let mut dependency = 0u64;
-    #[unroll]
-    for k in 0..CELLS_PER_UNIT {
-        let cell = first + k as u64;
-        if cell < cells {
-            let i = cell / shape.pos_cols;
-            let j = cell % shape.pos_cols;
             let row = row_of(req_pool_indices, i, shape.shared_row);
             let row_ok = row >= 0 && (row as u64) < shape.rows;
             // Rule 8, once per pos row, true cells or not (the empty table skips it).
             if j == 0 && shape.cols > 0 && !row_ok {
                 dependency |= report_error(&scratch[SCRATCH_ERROR], KEY_ROW | cell) >> 63;
             }
-            if (bits >> k) & 1 == 1 {
+            let flag = mask[i as usize * mask.stride(0) + j as usize * mask.stride(1)];
+            if flag != M::new(0) {
+                selected |= 1u32 << k;
                 if shape.cols == 0 {
                     dependency |= report_error(&scratch[SCRATCH_ERROR], KEY_EMPTY_TABLE) >> 63;
                 } else {
@@ -121,16 +109,43 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
                     if !position_ok {
                         dependency |=
                             report_error(&scratch[SCRATCH_ERROR], KEY_POSITION | cell) >> 63;
-                    } else if row_ok && rank < shape.capacity {
+                    } else if row_ok {
                         let at =
                             row as usize * table.stride(0) + position as usize * table.stride(1);
-                        out[rank as usize] = i64::cast_from(table[at]);
+                        values[k as usize] = i64::cast_from(table[at]);
+                        stores |= 1u32 << k;
                     }
                 }
-                rank += 1;
             }
         }
+        j += 1;
+        if j == columns {
+            j = 0;
+            i += 1;
+        }
     }
+    let (unit_rank, tile_total) = cube_exclusive_scan(selected.count_ones() as u64, &mut shared);
+    // Every unit walks the look-back itself (unit 0 publishes): see `look_back`.
+    let mut rank = look_back(
+        scratch,
+        SCRATCH_TILES,
+        tile as usize,
+        tile_total,
+        UNIT_POS == 0,
+    ) + unit_rank;
+    #[unroll]
+    for k in 0..CELLS_PER_UNIT {
+        if (selected >> k) & 1 == 1 {
+            if (stores >> k) & 1 == 1 && rank < shape.capacity {
+                out[rank as usize] = values[k as usize];
+            }
+            rank += 1;
+        }
+    }
+    if UNIT_POS == 0 {
+        broadcast[SLOT_DEPENDENCY] = 0;
+    }
+    sync_cube();
     if dependency != 0 {
         broadcast[SLOT_DEPENDENCY] = dependency;
     }
@@ -212,19 +227,23 @@ pub fn clear_status(status: &mut Tensor<i64>) {
 
 // ---- segment gather (spec `gather.md` §4) ----
 //
-// Two launches. The scan launch gives each cube one tile of segments: lengths are scanned with a
-// look-back across tiles, every segment is checked and its output offset stored. The expand
-// launch then runs a grid-stride loop over values, each unit finding its segment by bisection
-// over the offsets; its first unit also writes the count and the status. The kernel boundary
-// orders the two (CubeCL 0.10 exposes no device-wide fence), and no barrier sits inside a loop
-// (lavapipe was seen to serve stale shared memory across barriers in loops).
+// One launch, shaped like the plan: segments are cut into tiles of `tile_segments` (at most about
+// `SEGMENT_TILE_VALUES` values each, whatever the lengths), a cube takes a tile by ticket, scans its
+// lengths, checks its segments, chains the tile prefixes with a decoupled look-back and copies its
+// own segments' values; the last cube writes the count and the status. No position or mask is
+// ever built.
 
 /// Segment gather scratch: ticket counter.
 pub const SEG_TICKETS: usize = 0;
 /// Smallest error key.
 pub const SEG_ERROR: usize = 1;
+/// Cubes done.
+pub const SEG_DONE: usize = 2;
 /// First tile state.
 pub const SEG_TILES: usize = 4;
+
+/// Values a tile holds at most (the host's target when it sizes tiles).
+pub const SEGMENT_TILE_VALUES: u64 = 4096;
 
 const KEY_SEGMENT_ROW: u64 = 8 << RULE_SHIFT;
 const KEY_SEGMENT_POSITION: u64 = 9 << RULE_SHIFT;
@@ -248,71 +267,21 @@ pub struct SegmentShape {
     pub shape_fact1: i64,
     /// Values `out` can take.
     pub capacity: u64,
-    /// Tiles of segments.
+    /// Segments per tile (1..=256).
+    pub tile_segments: u64,
+    /// Tiles: `ceil(S / tile_segments)`, at least 1.
     pub tiles: u64,
+    /// Cubes of the launch (at least `tiles`; the extra cubes of a rounded-up grid idle).
+    pub cubes: u64,
 }
 
-/// Scan launch: one tile of segments per cube.
+/// `T[row(i)][start_i + j]` for `j < lengths[i]`, segments in order, into `out[..capacity]`.
 #[cube(launch_unchecked)]
-pub fn segment_scan_kernel<Q: Int, S: Int, L: Int>(
-    req_pool_indices: &Tensor<Q>,
-    start: &Tensor<S>,
-    lengths: &Tensor<L>,
-    offsets: &mut Tensor<i64>,
-    scratch: &Tensor<Atomic<u64>>,
-    shape: SegmentShape,
-    #[comptime] has_start: bool,
-    #[define(Q, S, L)] _dtypes: [StorageType; 3],
-) {
-    let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
-    let mut broadcast = SharedMemory::<u64>::new(SLOTS);
-    let tile = take_ticket(&scratch[SEG_TICKETS], &mut broadcast);
-    if tile >= shape.tiles {
-        terminate!();
-    }
-    let i = tile * TILE_ROWS + UNIT_POS as u64;
-    let mut length = 0u64;
-    if i < shape.segments {
-        let len = i64::cast_from(lengths[i as usize * lengths.stride(0)]);
-        if len > 0 {
-            length = len as u64;
-        }
-        // Rules 8 and 9 (the shape rules 5-7 come first; then nothing is read).
-        if shape.shape_error == 0 {
-            let row = row_of(req_pool_indices, i, shape.shared_row);
-            if row < 0 || row as u64 >= shape.rows {
-                report_error(&scratch[SEG_ERROR], KEY_SEGMENT_ROW | i);
-            } else if len > 0 {
-                let first = segment_start(start, i, has_start);
-                if first < 0 || first > shape.cols as i64 - len {
-                    report_error(&scratch[SEG_ERROR], KEY_SEGMENT_POSITION | i);
-                }
-            }
-        }
-    }
-    let offset = scan_rows(
-        scratch,
-        SEG_TILES,
-        tile,
-        length,
-        &mut shared,
-        &mut broadcast,
-        SLOT_PREFIX,
-    );
-    if i < shape.segments {
-        offsets[i as usize] = offset as i64;
-    }
-}
-
-/// Expand launch: `T[row(i)][start_i + j]` for `j < lengths[i]`, segments in order, into
-/// `out[..capacity]`; unit 0 of cube 0 writes the count and the status.
-#[cube(launch_unchecked)]
-pub fn segment_expand_kernel<T: Int, Q: Int, S: Int, L: Int>(
+pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     table: &Tensor<T>,
     req_pool_indices: &Tensor<Q>,
     start: &Tensor<S>,
     lengths: &Tensor<L>,
-    offsets: &Tensor<i64>,
     out: &mut Tensor<i64>,
     count: &mut Tensor<i64>,
     status: &mut Tensor<i64>,
@@ -321,9 +290,73 @@ pub fn segment_expand_kernel<T: Int, Q: Int, S: Int, L: Int>(
     #[comptime] has_start: bool,
     #[define(T, Q, S, L)] _dtypes: [StorageType; 4],
 ) {
-    let total = scratch[SEG_TILES + shape.tiles as usize - 1].load() & VALUE_MASK;
-    let key = scratch[SEG_ERROR].load();
-    if ABSOLUTE_POS == 0 {
+    let mut ends = SharedMemory::<u64>::new(CUBE_SIZE as usize);
+    let mut broadcast = SharedMemory::<u64>::new(SLOTS);
+    let tile = take_ticket(&scratch[SEG_TICKETS], &mut broadcast);
+    let active = tile < shape.tiles;
+    let unit = UNIT_POS as u64;
+    let i = tile * shape.tile_segments + unit;
+    let owns = active && unit < shape.tile_segments && i < shape.segments;
+    let len = i64::cast_from(lengths[select(owns, i, 0u64) as usize * lengths.stride(0)]);
+    let length = select(owns && len > 0, len as u64, 0u64);
+    // Rules 8 and 9 (the shape rules 5-7 come first; then nothing else is read).
+    let mut dependency = 0u64.runtime();
+    if owns && shape.shape_error == 0 {
+        let row = row_of(req_pool_indices, i, shape.shared_row);
+        if row < 0 || row as u64 >= shape.rows {
+            dependency |= report_error(&scratch[SEG_ERROR], KEY_SEGMENT_ROW | i) >> 63;
+        } else if len > 0 && !segment_fits(start, i, len, shape.cols, has_start) {
+            dependency |= report_error(&scratch[SEG_ERROR], KEY_SEGMENT_POSITION | i) >> 63;
+        }
+    }
+    // `ends` keeps the tile's inclusive ends for the copy below.
+    let (_, tile_total) = cube_exclusive_scan(length, &mut ends);
+    let mut prefix = 0u64.runtime();
+    if active {
+        // Every unit walks the look-back itself (unit 0 publishes): see `look_back`.
+        prefix = look_back(scratch, SEG_TILES, tile as usize, tile_total, UNIT_POS == 0);
+    }
+
+    // The tile's values, `CUBE_SIZE` apart per unit; the segment holding value `e` is the first
+    // whose end exceeds it. A segment that fails a rule is never read.
+    let copies = select(shape.shape_error == 0, tile_total, 0u64);
+    let mut segment = 0u64.runtime();
+    let mut e = unit;
+    while e < copies {
+        while ends[segment as usize] <= e {
+            segment += 1;
+        }
+        let before = select(
+            segment > 0,
+            ends[select(segment > 0, segment - 1, 0u64) as usize],
+            0u64,
+        );
+        let g = tile * shape.tile_segments + segment;
+        let row = row_of(req_pool_indices, g, shape.shared_row);
+        let len = i64::cast_from(lengths[g as usize * lengths.stride(0)]);
+        let k = prefix + e;
+        let row_ok = row >= 0 && (row as u64) < shape.rows;
+        if row_ok && segment_fits(start, g, len, shape.cols, has_start) && k < shape.capacity {
+            let position = segment_start(start, g, has_start) as u64 + (e - before);
+            let at = row as usize * table.stride(0) + position as usize * table.stride(1);
+            out[k as usize] = i64::cast_from(table[at]);
+        }
+        e += CUBE_SIZE as u64;
+    }
+
+    if UNIT_POS == 0 {
+        broadcast[SLOT_DEPENDENCY] = 0;
+    }
+    sync_cube();
+    if dependency != 0 {
+        broadcast[SLOT_DEPENDENCY] = dependency;
+    }
+    sync_cube();
+    let dependency = broadcast[SLOT_DEPENDENCY];
+    let last = publish_block_done(&scratch[SEG_DONE], shape.cubes, dependency, &mut broadcast);
+    if last && UNIT_POS == 0 {
+        let total = scratch[SEG_TILES + shape.tiles as usize - 1].load() & VALUE_MASK;
+        let key = scratch[SEG_ERROR].load();
         finish_segments(
             req_pool_indices,
             start,
@@ -336,20 +369,19 @@ pub fn segment_expand_kernel<T: Int, Q: Int, S: Int, L: Int>(
             has_start,
         );
     }
-    // Nothing is gathered after an error: its count is 0 and `out` unspecified.
-    let clean = key == NO_ERROR && shape.shape_error == 0;
-    let end = select(clean, total.min(shape.capacity), 0u64);
-    let stride = (CUBE_COUNT * CUBE_SIZE as usize) as u64;
-    let mut k = ABSOLUTE_POS as u64;
-    while k < end {
-        let i = find_row(offsets, shape.segments, k);
-        let row = row_of(req_pool_indices, i, shape.shared_row);
-        let first = segment_start(start, i, has_start);
-        let position = first as u64 + (k - offsets[i as usize] as u64);
-        let at = row as usize * table.stride(0) + position as usize * table.stride(1);
-        out[k as usize] = i64::cast_from(table[at]);
-        k += stride;
-    }
+}
+
+/// Rule 9 for a segment of positive length `len`: `[start, start + len)` lies in the table.
+#[cube]
+fn segment_fits<S: Int>(
+    start: &Tensor<S>,
+    i: u64,
+    len: i64,
+    cols: u64,
+    #[comptime] has_start: bool,
+) -> bool {
+    let first = segment_start(start, i, has_start);
+    first >= 0 && first <= cols as i64 - len
 }
 
 /// `start[i]`, or 0 without starts.

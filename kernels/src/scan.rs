@@ -27,8 +27,6 @@ pub const NO_ERROR: u64 = (1 << 63) - 1;
 // a stale value when one shared slot carried different values at different points of a kernel.
 /// Shared slot: this cube's tile ticket.
 pub const SLOT_TICKET: usize = 0;
-/// Shared slot: the exclusive prefix of this cube's tile.
-pub const SLOT_PREFIX: usize = 1;
 /// Shared slot: the `old >> 63` dependency word (see [`publish_block_done`]).
 pub const SLOT_DEPENDENCY: usize = 2;
 /// Shared slot: the done-counter value this cube saw.
@@ -37,7 +35,8 @@ pub const SLOT_DONE: usize = 3;
 pub const SLOTS: usize = 8;
 
 /// Exclusive scan of one `u64` per unit over the cube (Hillis-Steele in shared memory, unrolled:
-/// no barrier sits inside a runtime loop). Returns `(exclusive prefix of this unit, cube total)`.
+/// no barrier sits inside a runtime loop). Returns `(exclusive prefix of this unit, cube total)`;
+/// `shared` is left holding the inclusive prefixes.
 #[cube]
 pub fn cube_exclusive_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
     let unit = UNIT_POS as usize;
@@ -177,46 +176,4 @@ pub fn publish_block_done(
     let finished = broadcast[SLOT_DONE];
     sync_cube();
     (finished + 1) % cubes == 0
-}
-
-/// Rows per tile of a row scan (one per unit).
-pub const TILE_ROWS: u64 = CUBE_SIZE as u64;
-
-/// Scans one tile of row counts: unit `u` holds the count of row `tile * TILE_ROWS + u`. Returns
-/// the row's exclusive offset over all rows; the tile's state lives at `states[base + tile]`.
-/// `slot` is the broadcast slot of this scan (one per scan of a kernel).
-#[cube]
-pub fn scan_rows(
-    states: &Tensor<Atomic<u64>>,
-    base: usize,
-    tile: u64,
-    count: u64,
-    shared: &mut SharedMemory<u64>,
-    broadcast: &mut SharedMemory<u64>,
-    #[comptime] slot: usize,
-) -> u64 {
-    let (rank, total) = cube_exclusive_scan(count, shared);
-    if UNIT_POS == 0 {
-        broadcast[slot] = look_back(states, base, tile as usize, total, true);
-    }
-    sync_cube();
-    let prefix = broadcast[slot];
-    sync_cube();
-    prefix + rank
-}
-
-/// The row owning element `k`: the largest `r < rows` with `offsets[r] <= k` (offsets ascending).
-#[cube]
-pub fn find_row(offsets: &Tensor<i64>, rows: u64, k: u64) -> u64 {
-    let mut low = 0u64;
-    let mut high = rows;
-    while high - low > 1 {
-        let mid = (low + high) / 2;
-        if offsets[mid as usize] as u64 <= k {
-            low = mid;
-        } else {
-            high = mid;
-        }
-    }
-    low
 }

@@ -5,16 +5,16 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::TensorMetadata;
 use cubecl::prelude::*;
 use kvplan_kernels::gather::{
-    MaskedShapeLaunch, SCRATCH_ERROR, SCRATCH_TILES, SEG_ERROR, SEG_TILES, SegmentShapeLaunch,
-    TILE_CELLS, masked_gather_kernel, segment_expand_kernel, segment_scan_kernel,
+    MaskedShapeLaunch, SCRATCH_ERROR, SCRATCH_TILES, SEG_ERROR, SEG_TILES, SEGMENT_TILE_VALUES,
+    SegmentShapeLaunch, TILE_CELLS, masked_gather_kernel, segment_gather_kernel,
 };
-use kvplan_kernels::scan::{CUBE_SIZE, NO_ERROR, TILE_ROWS};
+use kvplan_kernels::scan::{CUBE_SIZE, NO_ERROR};
 use kvplan_kernels::status::{
     GATHER_EMPTY_TABLE, GATHER_INDEX_SHAPE, GATHER_MASK_INDEX_SHAPE, GATHER_SEGMENT_SHAPE,
     STATUS_LEN,
 };
 
-use super::{bindable, dims2, grid, output_i64, resident_cubes, storage, upload_u64, widened};
+use super::{bindable, dims2, grid, output_i64, storage, upload_u64, widened};
 use crate::ops::GatherOutput;
 
 pub(crate) fn masked_gather<R: CubeRuntime>(
@@ -102,11 +102,11 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     let out = output_i64(&req_to_token, capacity);
     let count = output_i64(&req_to_token, 1);
     let status = output_i64(&req_to_token, STATUS_LEN);
-    let offsets = output_i64(&req_to_token, segments);
-    let tiles = segments.div_ceil(TILE_ROWS as usize).max(1);
-    let (scan_grid, _) = grid(tiles);
-    let (expand_grid, _) = grid(resident_cubes(&req_to_token, capacity, 4));
-    // Fresh scratch: no tickets taken, no error, every tile state empty.
+    // Tiles of at most about `SEGMENT_TILE_VALUES` values keep the cubes evenly loaded.
+    let tile_segments = (SEGMENT_TILE_VALUES as usize / cols.max(1)).clamp(1, CUBE_SIZE as usize);
+    let tiles = segments.div_ceil(tile_segments).max(1);
+    let (cube_count, cubes) = grid(tiles);
+    // Fresh scratch: no tickets taken, no cube done, no error, every tile state empty.
     let mut words = vec![0u64; SEG_TILES + tiles];
     words[SEG_ERROR] = NO_ERROR;
     let scratch = upload_u64(&req_to_token, &words);
@@ -117,55 +117,42 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
         bindable(widened(lengths)),
     );
     let start = start.map_or_else(|| lengths.clone(), |start| bindable(widened(start)));
-    let types = [
+    let shape = SegmentShapeLaunch::new(
+        rows as u64,
+        cols as u64,
+        segments as u64,
+        u64::from(n == 1 && starts != 1),
+        shape_error,
+        facts[0],
+        facts[1],
+        capacity as u64,
+        tile_segments as u64,
+        tiles as u64,
+        cubes as u64,
+    );
+    let dtypes = [
+        storage(&req_to_token),
         storage(&req_pool_indices),
         storage(&start),
         storage(&lengths),
     ];
-    let shape = || {
-        SegmentShapeLaunch::new(
-            rows as u64,
-            cols as u64,
-            segments as u64,
-            u64::from(n == 1 && starts != 1),
-            shape_error,
-            facts[0],
-            facts[1],
-            capacity as u64,
-            tiles as u64,
-        )
-    };
-    // SAFETY: every index the kernels form is bounds-checked against the shapes passed here.
+    // SAFETY: every index the kernel forms is bounds-checked against the shapes passed here.
     unsafe {
-        segment_scan_kernel::launch_unchecked::<R>(
+        segment_gather_kernel::launch_unchecked::<R>(
             &client,
-            scan_grid,
+            cube_count,
             CubeDim::new_1d(CUBE_SIZE),
-            req_pool_indices.clone().into_tensor_arg(),
-            start.clone().into_tensor_arg(),
-            lengths.clone().into_tensor_arg(),
-            bindable(offsets.clone()).into_tensor_arg(),
-            scratch.clone().into_tensor_arg(),
-            shape(),
-            has_start,
-            types,
-        );
-        segment_expand_kernel::launch_unchecked::<R>(
-            &client,
-            expand_grid,
-            CubeDim::new_1d(CUBE_SIZE),
-            bindable(req_to_token.clone()).into_tensor_arg(),
+            bindable(req_to_token).into_tensor_arg(),
             req_pool_indices.into_tensor_arg(),
             start.into_tensor_arg(),
             lengths.into_tensor_arg(),
-            bindable(offsets).into_tensor_arg(),
             out.clone().into_tensor_arg(),
             count.clone().into_tensor_arg(),
             status.clone().into_tensor_arg(),
             scratch.into_tensor_arg(),
-            shape(),
+            shape,
             has_start,
-            [storage(&req_to_token), types[0], types[1], types[2]],
+            dtypes,
         );
     }
     GatherOutput { out, count, status }
