@@ -295,8 +295,12 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
                 .iter()
                 .map(|&p| if swa { p.min(window as i64) } else { p } as usize)
                 .sum();
-            let capacity = entries.max(1);
-            let mut want = PlanBuffers::fresh(capacity, bs);
+            // A capacity for any batch of this shape lets the plan run as one launch; an exact
+            // one needs the count launch first.
+            let longest = if swa { cols.min(window as usize) } else { cols };
+            let one_launch = (bs * longest).max(1);
+            let counted = entries.max(1);
+            let mut want = PlanBuffers::fresh(one_launch, bs);
             reference::plan(&args, &mut want).map_err(|error| error.to_string())?;
             let t = int::<B, 2>(table, [rows, cols], DType::I32, device);
             let q = int::<B, 1>(rpi, [bs], DType::I32, device);
@@ -319,21 +323,6 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
                 }
                 inputs
             };
-            let mut verify =
-                VerifyPlan::<B>::allocate(capacity, device).map_err(|e| e.to_string())?;
-            let mut write = WritePlan::<B>::allocate(bs, device).map_err(|e| e.to_string())?;
-            crate::plan(&mut verify, &mut write, inputs()).map_err(|e| e.to_string())?;
-            let got = crate::canary::read_plans(&verify, &write).map_err(|e| e.to_string())?;
-            if got.verify_slot_indices[..entries] != want.verify_slot_indices[..entries]
-                || got.verify_prev_slot_indices[..entries]
-                    != want.verify_prev_slot_indices[..entries]
-                || got.verify_expected_tokens[..entries] != want.verify_expected_tokens[..entries]
-                || got.write_offsets != want.write_offsets
-            {
-                return Err(format!(
-                    "plan ({bs}, {max_prefix}) differs from the reference"
-                ));
-            }
             // Bytes: 4 i64 fields per entry written, 2 table reads (+ LUT, + pool) per entry.
             let per_entry = 32.0 + 8.0 + if swa { 8.0 } else { 0.0 } + if pool { 4.0 } else { 0.0 };
             let bytes = entries as f64 * per_entry + bs as f64 * 28.0;
@@ -343,16 +332,34 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
                 if pool { "+pool" } else { "" }
             );
             let label = format!("({bs}, {max_prefix}, {mode}, {entries})");
-            let timing = timed::<B>(device, reps, || {
-                crate::plan_deferred(&mut verify, &mut write, inputs()).map(drop)
-            })
-            .map_err(|e| e.to_string())?;
-            row(&format!("{label} deferred"), timing, bytes);
-            let (h, _) = time::<B>(device, reps, || {
-                crate::plan(&mut verify, &mut write, inputs())
-            })
-            .map_err(|e| e.to_string())?;
-            println!("| {label} checked | - | - | - | {h:.1} | - |");
+            for (capacity, launches) in [(one_launch, "V any batch"), (counted, "V exact")] {
+                let mut verify =
+                    VerifyPlan::<B>::allocate(capacity, device).map_err(|e| e.to_string())?;
+                let mut write = WritePlan::<B>::allocate(bs, device).map_err(|e| e.to_string())?;
+                crate::plan(&mut verify, &mut write, inputs()).map_err(|e| e.to_string())?;
+                let got = crate::canary::read_plans(&verify, &write).map_err(|e| e.to_string())?;
+                if got.verify_slot_indices[..entries] != want.verify_slot_indices[..entries]
+                    || got.verify_prev_slot_indices[..entries]
+                        != want.verify_prev_slot_indices[..entries]
+                    || got.verify_expected_tokens[..entries]
+                        != want.verify_expected_tokens[..entries]
+                    || got.write_offsets != want.write_offsets
+                {
+                    return Err(format!(
+                        "plan ({bs}, {max_prefix}, {launches}) differs from the reference"
+                    ));
+                }
+                let timing = timed::<B>(device, reps, || {
+                    crate::plan_deferred(&mut verify, &mut write, inputs()).map(drop)
+                })
+                .map_err(|e| e.to_string())?;
+                row(&format!("{label} {launches}, deferred"), timing, bytes);
+                let (h, _) = time::<B>(device, reps, || {
+                    crate::plan(&mut verify, &mut write, inputs())
+                })
+                .map_err(|e| e.to_string())?;
+                println!("| {label} {launches}, checked | - | - | - | {h:.1} | - |");
+            }
         }
     }
     Ok(())

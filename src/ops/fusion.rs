@@ -445,6 +445,13 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
         )))
     }
 
+    fn read_status(status: IntTensor<Self>) -> Result<crate::status::StatusWords, Error> {
+        // The stream is drained up to the status, which is then read by the base backend (one
+        // transfer, without Burn's `into_data` path).
+        let client = status.client.clone();
+        B::read_status(client.resolve_tensor_int::<B>(status))
+    }
+
     fn int_prefix(tensor: IntTensor<Self>, len: usize) -> IntTensor<Self> {
         let outputs = vec![output_ir(&tensor, len, DType::I64)];
         let mut outputs =

@@ -89,6 +89,10 @@ where
             .map_or(1, |&stride| stride as i64)
     }
 
+    fn read_status(status: IntTensor<Self>) -> Result<StatusWords, Error> {
+        super::cube::read_status(status)
+    }
+
     fn int_prefix(tensor: IntTensor<Self>, len: usize) -> IntTensor<Self> {
         burn_cubecl::tensor::CubeTensor::new_contiguous(
             tensor.client.clone(),

@@ -15,6 +15,29 @@ pub(crate) use canary::{canary_verify, canary_write};
 pub(crate) use gather::{masked_gather, segment_gather};
 pub(crate) use plan::canary_plan;
 
+/// A status record read straight from its buffer: one transfer, without Burn's `into_data` path.
+pub(crate) fn read_status<R: CubeRuntime>(
+    status: CubeTensor<R>,
+) -> Result<crate::status::StatusWords, crate::Error> {
+    use kvplan_kernels::status::STATUS_LEN;
+    let descriptor = cubecl::server::CopyDescriptor::new(
+        status.handle.clone().binding(),
+        [STATUS_LEN].into(),
+        [1].into(),
+        size_of::<i64>(),
+    );
+    let bytes = cubecl::future::block_on(status.client.read_one_tensor_async(descriptor)).map_err(
+        |error| crate::Error::Execution {
+            detail: format!("{error}"),
+        },
+    )?;
+    let mut words = [0i64; STATUS_LEN];
+    for (word, chunk) in words.iter_mut().zip(bytes.chunks_exact(size_of::<i64>())) {
+        *word = i64::from_le_bytes(chunk.try_into().unwrap_or_default());
+    }
+    Ok(words)
+}
+
 /// A contiguous i64 tensor of `len` values (uninitialised).
 fn empty_i64<R: CubeRuntime>(like: &CubeTensor<R>, len: usize) -> CubeTensor<R> {
     empty_device_contiguous_dtype(
