@@ -2,7 +2,7 @@
 # The GPU session in one call (run through `device`): conformance, demo and benchmarks on CUDA.
 # Run `scripts/pack-gpu.sh` here first, then carry `gpu/` (the packed CUDA binaries and a copy of
 # ../shared/conformance). Logs go to $OUT; the last lines of stdout are the tables.
-# Usage: scripts/gpu.sh [tests|checks|canary|plan|gather|nocupti]...
+# Usage: scripts/gpu.sh [tests|checks|canary|plan|gather|nocupti|unfused]...
 set -uo pipefail
 BIN=./target-cuda/release/kvplan
 OUT=${OUT:-/tmp/kvplan-gpu}
@@ -36,6 +36,12 @@ for part in "$@"; do
       # Host-side views without CUPTI's per-launch cost (GPU columns are then empty).
       for which in plan gather; do
         KVPLAN_NO_CUPTI=1 "$BIN" bench "$which" --backend cuda --reps 50 2>&1 | tee "$OUT/bench-$which-nocupti.txt"
+      done
+      ;;
+    unfused)
+      # The same grids on the unfused backend (CubeBackend directly), host-side views.
+      for which in plan gather; do
+        KVPLAN_NO_CUPTI=1 "$BIN" bench "$which" --backend cuda-unfused --reps 50 2>&1 | tee "$OUT/bench-$which-unfused.txt"
       done
       ;;
     plan|gather)

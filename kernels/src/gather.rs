@@ -5,8 +5,8 @@
 use cubecl::prelude::*;
 
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOTS, VALUE_MASK, cube_exclusive_scan, look_back,
-    publish_block_done, report_error, take_ticket,
+    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOT_PREFIX, SLOTS, VALUE_MASK, cube_exclusive_scan,
+    publish_block_done, report_error, take_ticket, tile_prefix,
 };
 use crate::status::{
     CODE, COUNT, FACTS, GATHER_CAPACITY, GATHER_EMPTY_TABLE, GATHER_POSITION, GATHER_ROW,
@@ -68,6 +68,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     status: &mut Tensor<i64>,
     scratch: &Tensor<Atomic<u64>>,
     shape: MaskedShape,
+    #[comptime] broadcast_prefix: bool,
     #[define(T, Q, P, M)] _dtypes: [StorageType; 4],
 ) {
     let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
@@ -125,13 +126,14 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
         }
     }
     let (unit_rank, tile_total) = cube_exclusive_scan(selected.count_ones() as u64, &mut shared);
-    // Every unit walks the look-back itself (unit 0 publishes): see `look_back`.
-    let mut rank = look_back(
+    let mut rank = tile_prefix(
         scratch,
         SCRATCH_TILES,
         tile as usize,
         tile_total,
-        UNIT_POS == 0,
+        &mut broadcast,
+        SLOT_PREFIX,
+        broadcast_prefix,
     ) + unit_rank;
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
@@ -288,6 +290,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     scratch: &Tensor<Atomic<u64>>,
     shape: SegmentShape,
     #[comptime] has_start: bool,
+    #[comptime] broadcast_prefix: bool,
     #[define(T, Q, S, L)] _dtypes: [StorageType; 4],
 ) {
     let mut ends = SharedMemory::<u64>::new(CUBE_SIZE as usize);
@@ -313,8 +316,15 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     let (_, tile_total) = cube_exclusive_scan(length, &mut ends);
     let mut prefix = 0u64.runtime();
     if active {
-        // Every unit walks the look-back itself (unit 0 publishes): see `look_back`.
-        prefix = look_back(scratch, SEG_TILES, tile as usize, tile_total, UNIT_POS == 0);
+        prefix = tile_prefix(
+            scratch,
+            SEG_TILES,
+            tile as usize,
+            tile_total,
+            &mut broadcast,
+            SLOT_PREFIX,
+            broadcast_prefix,
+        );
     }
 
     // The tile's values, `CUBE_SIZE` apart per unit; the segment holding value `e` is the first

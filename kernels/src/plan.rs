@@ -18,8 +18,9 @@ use cubecl::prelude::*;
 
 use crate::gather::clear_status;
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOTS, VALUE_MASK, cube_exclusive_scan,
-    cube_exclusive_scan_pair, look_back, publish_block_done, report_error, take_ticket,
+    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOT_PREFIX, SLOT_SECOND_PREFIX, SLOTS, VALUE_MASK,
+    cube_exclusive_scan, cube_exclusive_scan_pair, publish_block_done, report_error, take_ticket,
+    tile_prefix,
 };
 use crate::status::{
     CODE, FACTS, PLAN_POOL_POSITION, PLAN_POOL_ROW, PLAN_POSITION, PLAN_ROW, PLAN_SWA_SLOT,
@@ -115,6 +116,8 @@ pub struct PlanFeatures {
     pub pool: bool,
     /// The verify total comes from the count launch: `bs * min(cols, W)` may exceed `V`.
     pub counted: bool,
+    /// Unit 0 walks the look-back and broadcasts the prefix (see `scan::tile_prefix`).
+    pub broadcast_prefix: bool,
 }
 
 /// One request's view of the step.
@@ -270,14 +273,28 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         &mut verify_scan,
         &mut write_scan,
     );
-    // Every unit chains the tile itself (unit 0 publishes): see `look_back`.
     let mut verify_prefix = 0u64.runtime();
     let mut write_prefix = 0u64.runtime();
     if active {
-        let publisher = UNIT_POS == 0;
-        verify_prefix = look_back(scratch, PLAN_STATES, tile as usize, verify_tile, publisher);
-        let base = PLAN_STATES + shape.write_capacity as usize;
-        write_prefix = look_back(scratch, base, tile as usize, write_tile, publisher);
+        let broadcast_prefix = features.broadcast_prefix;
+        verify_prefix = tile_prefix(
+            scratch,
+            PLAN_STATES,
+            tile as usize,
+            verify_tile,
+            &mut broadcast,
+            SLOT_PREFIX,
+            broadcast_prefix,
+        );
+        write_prefix = tile_prefix(
+            scratch,
+            PLAN_STATES + shape.write_capacity as usize,
+            tile as usize,
+            write_tile,
+            &mut broadcast,
+            SLOT_SECOND_PREFIX,
+            broadcast_prefix,
+        );
     }
     if UNIT_POS == 0 {
         broadcast[SLOT_DEPENDENCY] = 0;

@@ -27,6 +27,10 @@ pub const NO_ERROR: u64 = (1 << 63) - 1;
 // a stale value when one shared slot carried different values at different points of a kernel.
 /// Shared slot: this cube's tile ticket.
 pub const SLOT_TICKET: usize = 0;
+/// Shared slot: the exclusive prefix of this cube's tile (see [`tile_prefix`]).
+pub const SLOT_PREFIX: usize = 1;
+/// Shared slot: the exclusive prefix of a second scan of the same tiles.
+pub const SLOT_SECOND_PREFIX: usize = 4;
 /// Shared slot: the `old >> 63` dependency word (see [`publish_block_done`]).
 pub const SLOT_DEPENDENCY: usize = 2;
 /// Shared slot: the done-counter value this cube saw.
@@ -146,6 +150,33 @@ pub fn look_back(
         }
     }
     prefix
+}
+
+/// The exclusive prefix of `tile`, in every unit; unit 0 publishes the tile's state.
+///
+/// `broadcast_prefix` (CUDA): unit 0 walks the look-back and hands the prefix to the cube through
+/// shared `slot`. Otherwise (lavapipe, which was seen to serve a stale broadcast to later
+/// subgroups after a look-back) every unit walks it; on a GPU that would poll one word from every
+/// thread and serialise on it.
+#[cube]
+pub fn tile_prefix(
+    states: &Tensor<Atomic<u64>>,
+    base: usize,
+    tile: usize,
+    aggregate: u64,
+    broadcast: &mut SharedMemory<u64>,
+    #[comptime] slot: usize,
+    #[comptime] broadcast_prefix: bool,
+) -> u64 {
+    if broadcast_prefix {
+        if UNIT_POS == 0 {
+            broadcast[slot] = look_back(states, base, tile, aggregate, true);
+        }
+        sync_cube();
+        broadcast[slot]
+    } else {
+        look_back(states, base, tile, aggregate, UNIT_POS == 0)
+    }
 }
 
 /// Records an error key (atomic minimum) and returns the old key, which the caller must keep in a

@@ -14,7 +14,7 @@ use kvplan_kernels::status::{
     STATUS_LEN,
 };
 
-use super::{bindable, dims2, grid, output_i64, storage, upload_u64, widened};
+use super::{bindable, broadcast_prefix, dims2, grid, output_i64, storage, upload_u64, widened};
 use crate::ops::GatherOutput;
 
 pub(crate) fn masked_gather<R: CubeRuntime>(
@@ -36,6 +36,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
     words[SCRATCH_ERROR] = NO_ERROR;
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
+    let broadcast_prefix = broadcast_prefix(&req_to_token);
     let dtypes = [
         storage(&req_to_token),
         storage(&req_pool_indices),
@@ -66,6 +67,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
             status.clone().into_tensor_arg(),
             scratch.into_tensor_arg(),
             shape,
+            broadcast_prefix,
             dtypes,
         );
     }
@@ -111,6 +113,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     words[SEG_ERROR] = NO_ERROR;
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
+    let broadcast_prefix = broadcast_prefix(&req_to_token);
     let has_start = start.is_some();
     let (req_pool_indices, lengths) = (
         bindable(widened(req_pool_indices)),
@@ -152,6 +155,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
             scratch.into_tensor_arg(),
             shape,
             has_start,
+            broadcast_prefix,
             dtypes,
         );
     }

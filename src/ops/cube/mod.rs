@@ -126,6 +126,13 @@ fn widened<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
     burn_cubecl::kernel::cast(tensor, DType::I64)
 }
 
+/// Whether a look-back's prefix is walked by one unit and broadcast (`kvplan_kernels::scan::
+/// tile_prefix`): on CUDA. Elsewhere every unit walks it, since lavapipe (CI's device) was seen to
+/// serve a stale broadcast after a look-back.
+fn broadcast_prefix<R: CubeRuntime>(like: &CubeTensor<R>) -> bool {
+    R::name(&like.client) == "cuda"
+}
+
 /// A grid of at least `cubes` cubes that every runtime accepts (Vulkan caps each axis at 65,535).
 fn grid(cubes: usize) -> (CubeCount, usize) {
     const AXIS: usize = 65_535;

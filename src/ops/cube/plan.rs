@@ -10,7 +10,9 @@ use kvplan_kernels::plan::{
 use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
-use super::{bindable, dims2, grid, output_i64, storage, upload_i64, widened, writable};
+use super::{
+    bindable, broadcast_prefix, dims2, grid, output_i64, storage, upload_i64, widened, writable,
+};
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
 
 pub(crate) fn canary_plan<R: CubeRuntime>(
@@ -46,6 +48,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         lut: inputs.full_to_swa.is_some(),
         pool: inputs.expected_tokens.is_some(),
         counted: requests.saturating_mul(longest) > verify_capacity,
+        broadcast_prefix: broadcast_prefix(&table),
     };
     // Tiles of at most about `TILE_ENTRIES` entries keep the cubes evenly loaded.
     let tile_requests = (TILE_ENTRIES as usize / longest.max(1)).clamp(1, CUBE_SIZE as usize);
