@@ -73,7 +73,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
 ) {
     let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut broadcast = SharedMemory::<u64>::new(SLOTS);
-    let tile = take_ticket(&scratch[SCRATCH_TICKETS], &mut broadcast);
+    let tile = take_ticket(&scratch[SCRATCH_TICKETS], shape.tiles, &mut broadcast);
     let cells = shape.pos_rows * shape.pos_cols;
     let first = tile * TILE_CELLS + (UNIT_POS * CELLS_PER_UNIT) as u64;
     let columns = shape.pos_cols.max(1);
@@ -97,15 +97,15 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
             if j == 0 && shape.cols > 0 && !row_ok {
                 dependency |= report_error(&scratch[SCRATCH_ERROR], KEY_ROW | cell) >> 63;
             }
+            // Mask, position and row are read together (independent loads), true cell or not.
             let flag = mask[i as usize * mask.stride(0) + j as usize * mask.stride(1)];
+            let position =
+                i64::cast_from(pos2d[i as usize * pos2d.stride(0) + j as usize * pos2d.stride(1)]);
             if flag != M::new(0) {
                 selected |= 1u32 << k;
                 if shape.cols == 0 {
                     dependency |= report_error(&scratch[SCRATCH_ERROR], KEY_EMPTY_TABLE) >> 63;
                 } else {
-                    let position = i64::cast_from(
-                        pos2d[i as usize * pos2d.stride(0) + j as usize * pos2d.stride(1)],
-                    );
                     let position_ok = position >= 0 && (position as u64) < shape.cols;
                     if !position_ok {
                         dependency |=
@@ -295,7 +295,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
 ) {
     let mut ends = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut broadcast = SharedMemory::<u64>::new(SLOTS);
-    let tile = take_ticket(&scratch[SEG_TICKETS], &mut broadcast);
+    let tile = take_ticket(&scratch[SEG_TICKETS], shape.cubes, &mut broadcast);
     let active = tile < shape.tiles;
     let unit = UNIT_POS as u64;
     let i = tile * shape.tile_segments + unit;

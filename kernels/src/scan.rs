@@ -99,11 +99,16 @@ pub fn cube_exclusive_scan_pair(
 }
 
 /// Takes the next tile ticket for this cube (dynamic ids: a cube only ever waits on tiles that a
-/// running cube already holds, so the look-back cannot deadlock).
+/// running cube already holds, so the look-back cannot deadlock). A launch of one cube takes
+/// tile 0 without the atomic's round trip.
 #[cube]
-pub fn take_ticket(counter: &Atomic<u64>, broadcast: &mut SharedMemory<u64>) -> u64 {
+pub fn take_ticket(counter: &Atomic<u64>, cubes: u64, broadcast: &mut SharedMemory<u64>) -> u64 {
     if UNIT_POS == 0 {
-        broadcast[SLOT_TICKET] = counter.fetch_add(1u64);
+        let mut ticket = 0u64.runtime();
+        if cubes > 1 {
+            ticket = counter.fetch_add(1u64);
+        }
+        broadcast[SLOT_TICKET] = ticket;
     }
     sync_cube();
     let ticket = broadcast[SLOT_TICKET];
@@ -201,7 +206,13 @@ pub fn publish_block_done(
     broadcast: &mut SharedMemory<u64>,
 ) -> bool {
     if UNIT_POS == 0 {
-        broadcast[SLOT_DONE] = done.fetch_add(1u64 + dependency);
+        // A lone cube is last without counting (its own reports were awaited before the barrier
+        // that precedes this call, through `dependency`).
+        let mut finished = dependency;
+        if cubes > 1 {
+            finished = done.fetch_add(1u64 + dependency);
+        }
+        broadcast[SLOT_DONE] = finished;
     }
     sync_cube();
     let finished = broadcast[SLOT_DONE];
