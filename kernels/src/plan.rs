@@ -42,9 +42,6 @@ pub const PLAN_ERRORS: usize = 4;
 /// tiles, and `bs <= K`).
 pub const PLAN_STATES: usize = 12;
 
-/// Verify entries a unit loads before it stores them (see the fill in [`plan_kernel`]).
-const FILL_BATCH: usize = 4;
-
 /// Verify entries a tile holds at most (the host's target when it sizes tiles).
 pub const TILE_ENTRIES: u64 = 4096;
 
@@ -368,99 +365,69 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let mut j = first_holding(&verify_scan, last_request, unit);
     let mut e = unit;
     while e < verify_tile {
-        // `FILL_BATCH` entries per pass, `CUBE_SIZE` apart: every load of the batch is issued
-        // before any store, so their latencies overlap (a small plan has few cubes, and each
-        // unit's passes would otherwise wait on one table read at a time).
-        let mut positions = Array::<i64>::new(FILL_BATCH);
-        let mut slots = Array::<i64>::new(FILL_BATCH);
-        let mut prevs = Array::<i64>::new(FILL_BATCH);
-        let mut tokens = Array::<i64>::new(FILL_BATCH);
-        let mut writes = 0u32.runtime();
-        #[unroll]
-        for b in 0..FILL_BATCH {
-            let entry = e + (b * CUBE_SIZE as usize) as u64;
-            positions[b] = 0;
-            slots[b] = NONE;
-            prevs[b] = NONE;
-            tokens[b] = NONE;
-            if entry < verify_tile {
-                while verify_scan[j as usize] <= entry {
-                    j += 1;
-                }
-                let start = select(
-                    j > 0,
-                    verify_scan[select(j > 0, j - 1, 0u64) as usize],
-                    0u64,
-                );
-                // The request is loaded again (cached) rather than kept in shared memory:
-                // lavapipe was seen to serve stale shared values to a later phase of the kernel.
-                let r_global = tile * shape.tile_requests + j;
-                let owner = load_request(
-                    req_pool_indices,
-                    prefix_lens,
-                    extend_seq_lens,
-                    r_global,
-                    shape.window,
-                    features.window,
-                );
-                if in_table(owner, shape.rows, shape.cols) {
-                    let row = owner.row;
-                    let position = owner.window_start + (entry - start) as i64;
-                    let raw = table_at(table, row, position);
-                    // Column 0 stands in for the predecessor of position 0, which is never used.
-                    let prev_column =
-                        select(position > 0i64.runtime(), position - 1, 0i64.runtime());
-                    let raw_prev = table_at(table, row, prev_column);
-                    // Rule 14 on every slot read, the window head's predecessor included.
-                    // Without a LUT the host passes `lut_len = i64::MAX`, so every slot is
-                    // inside. (Pure expressions: see the note on mutable locals in `scan`.)
-                    let slot_ok = slot_in_lut(raw, shape.lut_len);
-                    let prev_ok =
-                        position == 0i64.runtime() || slot_in_lut(raw_prev, shape.lut_len);
-                    let slot_key = select(slot_ok, NO_ERROR, (r_global << 32) | position as u64);
-                    let prev_key = select(prev_ok, NO_ERROR, (r_global << 32) | prev_column as u64);
-                    let entry_key = select(slot_key < prev_key, slot_key, prev_key);
-                    lut_key = select(entry_key < lut_key, entry_key, lut_key);
-                    // `k < V` also guards a plan with a device-checked error, whose lengths
-                    // are not bounded by the host's proof.
-                    let k = verify_prefix + entry;
-                    if fits && slot_ok && prev_ok && k < shape.verify_capacity {
-                        writes |= 1u32 << b as u32;
-                        positions[b] = position;
-                        slots[b] = translate(lut, raw, features.lut);
-                        prevs[b] = select(
-                            position > 0i64.runtime(),
-                            translate(lut, raw_prev, features.lut),
-                            NONE.runtime(),
+        while verify_scan[j as usize] <= e {
+            j += 1;
+        }
+        let start = select(
+            j > 0,
+            verify_scan[select(j > 0, j - 1, 0u64) as usize],
+            0u64,
+        );
+        // The request is loaded again (cached) rather than kept in shared memory: lavapipe was
+        // seen to serve stale shared values to a later phase of the kernel.
+        let r_global = tile * shape.tile_requests + j;
+        let owner = load_request(
+            req_pool_indices,
+            prefix_lens,
+            extend_seq_lens,
+            r_global,
+            shape.window,
+            features.window,
+        );
+        if in_table(owner, shape.rows, shape.cols) {
+            let row = owner.row;
+            let position = owner.window_start + (e - start) as i64;
+            let raw = table_at(table, row, position);
+            // Column 0 stands in for the predecessor of position 0, which is never used.
+            let prev_column = select(position > 0i64.runtime(), position - 1, 0i64.runtime());
+            let raw_prev = table_at(table, row, prev_column);
+            // Rule 14 on every slot read, the window head's predecessor included. Without a LUT
+            // the host passes `lut_len = i64::MAX`, so every slot is inside. (Pure expressions:
+            // see the note on mutable locals in `scan`.)
+            let slot_ok = slot_in_lut(raw, shape.lut_len);
+            let prev_ok = position == 0i64.runtime() || slot_in_lut(raw_prev, shape.lut_len);
+            let slot_key = select(slot_ok, NO_ERROR, (r_global << 32) | position as u64);
+            let prev_key = select(prev_ok, NO_ERROR, (r_global << 32) | prev_column as u64);
+            let entry_key = select(slot_key < prev_key, slot_key, prev_key);
+            lut_key = select(entry_key < lut_key, entry_key, lut_key);
+            // `k < V` also guards a plan with a device-checked error, whose lengths are not
+            // bounded by the host's proof.
+            let k = verify_prefix + e;
+            if fits && slot_ok && prev_ok && k < shape.verify_capacity {
+                let mut token = NONE.runtime();
+                if features.pool {
+                    let valid_len = valid_len_of(valid_lens, r_global);
+                    let column = position + shape.position_offset;
+                    let last = last_pool_column(owner, shape.position_offset, valid_len);
+                    let pool_ok = (row as u64) < shape.pool_rows && last < shape.pool_cols as i64;
+                    if pool_ok && column >= 0 && column < valid_len {
+                        token = i64::cast_from(
+                            pool[row as usize * pool.stride(0) + column as usize * pool.stride(1)],
                         );
-                        if features.pool {
-                            let valid_len = valid_len_of(valid_lens, r_global);
-                            let column = position + shape.position_offset;
-                            let last = last_pool_column(owner, shape.position_offset, valid_len);
-                            let pool_ok =
-                                (row as u64) < shape.pool_rows && last < shape.pool_cols as i64;
-                            if pool_ok && column >= 0 && column < valid_len {
-                                tokens[b] = i64::cast_from(
-                                    pool[row as usize * pool.stride(0)
-                                        + column as usize * pool.stride(1)],
-                                );
-                            }
-                        }
                     }
                 }
+                let prev = select(
+                    position > 0i64.runtime(),
+                    translate(lut, raw_prev, features.lut),
+                    NONE.runtime(),
+                );
+                slot_indices[k as usize] = translate(lut, raw, features.lut);
+                expected_tokens[k as usize] = token;
+                expected_positions[k as usize] = position;
+                prev_slot_indices[k as usize] = prev;
             }
         }
-        #[unroll]
-        for b in 0..FILL_BATCH {
-            if (writes >> b as u32) & 1 == 1 {
-                let k = (verify_prefix + e) as usize + b * CUBE_SIZE as usize;
-                slot_indices[k] = slots[b];
-                expected_tokens[k] = tokens[b];
-                expected_positions[k] = positions[b];
-                prev_slot_indices[k] = prevs[b];
-            }
-        }
-        e += (FILL_BATCH * CUBE_SIZE as usize) as u64;
+        e += CUBE_SIZE as u64;
     }
     if lut_key != NO_ERROR {
         dependency |= report_error(&scratch[PLAN_ERRORS + 2], lut_key) >> 63;
