@@ -5,8 +5,8 @@
 use cubecl::prelude::*;
 
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOT_PREFIX, SLOTS, VALUE_MASK, cube_exclusive_scan,
-    publish_block_done, report_error, take_ticket, tile_prefix,
+    CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOTS, VALUE_MASK, cube_exclusive_scan, publish_block_done,
+    report_error, take_ticket, tile_prefix,
 };
 use crate::status::{
     CODE, COUNT, FACTS, GATHER_CAPACITY, GATHER_EMPTY_TABLE, GATHER_POSITION, GATHER_ROW,
@@ -144,15 +144,6 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
             rank += 1;
         }
     }
-    if UNIT_POS == 0 {
-        broadcast[SLOT_DEPENDENCY] = 0;
-    }
-    sync_cube();
-    if dependency != 0 {
-        broadcast[SLOT_DEPENDENCY] = dependency;
-    }
-    sync_cube();
-    let dependency = broadcast[SLOT_DEPENDENCY];
     let last = publish_block_done(
         &scratch[SCRATCH_DONE],
         shape.tiles,
@@ -354,15 +345,6 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
         e += CUBE_SIZE as u64;
     }
 
-    if UNIT_POS == 0 {
-        broadcast[SLOT_DEPENDENCY] = 0;
-    }
-    sync_cube();
-    if dependency != 0 {
-        broadcast[SLOT_DEPENDENCY] = dependency;
-    }
-    sync_cube();
-    let dependency = broadcast[SLOT_DEPENDENCY];
     let last = publish_block_done(&scratch[SEG_DONE], shape.cubes, dependency, &mut broadcast);
     if last && UNIT_POS == 0 {
         let total = scratch[SEG_TILES + shape.tiles as usize - 1].load() & VALUE_MASK;

@@ -18,9 +18,8 @@ use cubecl::prelude::*;
 
 use crate::gather::clear_status;
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_DEPENDENCY, SLOT_PREFIX, SLOT_SECOND_PREFIX, SLOTS, VALUE_MASK,
-    cube_exclusive_scan, cube_exclusive_scan_pair, publish_block_done, report_error, take_ticket,
-    tile_prefix,
+    CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOT_SECOND_PREFIX, SLOTS, VALUE_MASK, cube_exclusive_scan,
+    cube_exclusive_scan_pair, publish_block_done, report_error, take_ticket, tile_prefix,
 };
 use crate::status::{
     CODE, FACTS, PLAN_POOL_POSITION, PLAN_POOL_ROW, PLAN_POSITION, PLAN_ROW, PLAN_SWA_SLOT,
@@ -296,9 +295,6 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             broadcast_prefix,
         );
     }
-    if UNIT_POS == 0 {
-        broadcast[SLOT_DEPENDENCY] = 0;
-    }
 
     // While the look-back runs: the request rules and the seed.
     let live = owns && is_live(request);
@@ -432,9 +428,6 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     if lut_key != NO_ERROR {
         dependency |= report_error(&scratch[PLAN_ERRORS + 2], lut_key) >> 63;
     }
-    keep_dependency(dependency, &mut broadcast);
-    sync_cube();
-    let dependency = broadcast[SLOT_DEPENDENCY];
     let last = publish_block_done(&scratch[PLAN_DONE], shape.cubes, dependency, &mut broadcast);
     if last {
         if UNIT_POS == 0 {
@@ -565,14 +558,6 @@ fn seed_of<T: Int, U: Int>(
         }
     }
     seed
-}
-
-/// Keeps a unit's dependency bits (`old >> 63` of its atomics, always 0) in the cube's slot.
-#[cube]
-fn keep_dependency(bit: u64, broadcast: &mut SharedMemory<u64>) {
-    if bit != 0 {
-        broadcast[SLOT_DEPENDENCY] = bit;
-    }
 }
 
 /// The last cube: the first failing rule in order (then the smallest request, then column), the

@@ -193,11 +193,12 @@ pub fn report_error(key_word: &Atomic<u64>, key: u64) -> u64 {
 
 /// Counts this cube as done; returns true, in every unit, for the last cube to finish.
 ///
-/// The counter is never reset: each launch adds exactly `cubes`, so the last cube of a launch is
-/// the one whose increment reaches a multiple of `cubes` (a persistent counter needs no clearing).
+/// `dependency` is `old >> 63` of this unit's error reports and ordered atomics (always 0). The
+/// cube gathers them into one word and adds it to its increment, which makes the increment wait
+/// for those atomics: the last cube then sees every one of them.
 ///
-/// `dependency` is `old >> 63` of the cube's error reports and ordered stores (always 0): adding
-/// it makes the increment wait for those atomics, so the last cube sees every one of them.
+/// Each launch adds exactly `cubes`, so the last cube of a launch is the one whose increment
+/// reaches a multiple of `cubes`: a counter never reset and one reset by the last cube both work.
 #[cube]
 pub fn publish_block_done(
     done: &Atomic<u64>,
@@ -206,8 +207,16 @@ pub fn publish_block_done(
     broadcast: &mut SharedMemory<u64>,
 ) -> bool {
     if UNIT_POS == 0 {
-        // A lone cube is last without counting (its own reports were awaited before the barrier
-        // that precedes this call, through `dependency`).
+        broadcast[SLOT_DEPENDENCY] = 0;
+    }
+    sync_cube();
+    if dependency != 0 {
+        broadcast[SLOT_DEPENDENCY] = dependency;
+    }
+    sync_cube();
+    let dependency = broadcast[SLOT_DEPENDENCY];
+    if UNIT_POS == 0 {
+        // A lone cube is last without counting (its own reports were awaited above).
         let mut finished = dependency;
         if cubes > 1 {
             finished = done.fetch_add(1u64 + dependency);
