@@ -5,8 +5,8 @@
 use cubecl::prelude::*;
 
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOTS, VALUE_MASK, cube_exclusive_scan, publish_block_done,
-    report_error, take_ticket, tile_prefix,
+    CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOTS, VALUE_MASK, cube_exclusive_scan, first_holding,
+    publish_block_done, report_error, start_of, step_to_holder, take_ticket, tile_prefix,
 };
 use crate::status::{
     CODE, COUNT, FACTS, GATHER_CAPACITY, GATHER_EMPTY_TABLE, GATHER_POSITION, GATHER_ROW,
@@ -321,17 +321,12 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     // The tile's values, `CUBE_SIZE` apart per unit; the segment holding value `e` is the first
     // whose end exceeds it. A segment that fails a rule is never read.
     let copies = select(shape.shape_error == 0, tile_total, 0u64);
-    let mut segment = 0u64.runtime();
+    let last_segment = select(shape.tile_segments > 0, shape.tile_segments - 1, 0u64);
+    let mut segment = first_holding(&ends, last_segment, unit);
     let mut e = unit;
     while e < copies {
-        while ends[segment as usize] <= e {
-            segment += 1;
-        }
-        let before = select(
-            segment > 0,
-            ends[select(segment > 0, segment - 1, 0u64) as usize],
-            0u64,
-        );
+        segment = step_to_holder(&ends, segment, e);
+        let before = start_of(&ends, segment);
         let g = tile * shape.tile_segments + segment;
         let row = row_of(req_pool_indices, g, shape.shared_row);
         let len = i64::cast_from(lengths[g as usize * lengths.stride(0)]);

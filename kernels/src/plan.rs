@@ -19,7 +19,8 @@ use cubecl::prelude::*;
 use crate::gather::clear_status;
 use crate::scan::{
     CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOT_SECOND_PREFIX, SLOTS, VALUE_MASK, cube_exclusive_scan,
-    cube_exclusive_scan_pair, publish_block_done, report_error, take_ticket, tile_prefix,
+    cube_exclusive_scan_pair, first_holding, publish_block_done, report_error, start_of,
+    step_to_holder, take_ticket, tile_prefix,
 };
 use crate::status::{
     CODE, FACTS, PLAN_POOL_POSITION, PLAN_POOL_ROW, PLAN_POSITION, PLAN_ROW, PLAN_SWA_SLOT,
@@ -361,14 +362,8 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let mut j = first_holding(&verify_scan, last_request, unit);
     let mut e = unit;
     while e < verify_tile {
-        while verify_scan[j as usize] <= e {
-            j += 1;
-        }
-        let start = select(
-            j > 0,
-            verify_scan[select(j > 0, j - 1, 0u64) as usize],
-            0u64,
-        );
+        j = step_to_holder(&verify_scan, j, e);
+        let start = start_of(&verify_scan, j);
         // The request is loaded again (cached) rather than kept in shared memory: lavapipe was
         // seen to serve stale shared values to a later phase of the kernel.
         let r_global = tile * shape.tile_requests + j;
@@ -466,22 +461,6 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             t += CUBE_SIZE as u64;
         }
     }
-}
-
-/// The first `j <= last` with `ends[j] > e` (`ends` ascending), or `last`.
-#[cube]
-fn first_holding(ends: &SharedMemory<u64>, last: u64, e: u64) -> u64 {
-    let mut low = 0u64.runtime();
-    let mut high = last;
-    while low < high {
-        let mid = (low + high) / 2;
-        if ends[mid as usize] > e {
-            high = mid;
-        } else {
-            low = mid + 1;
-        }
-    }
-    low
 }
 
 /// The count launch (only when the plan may overflow): the sum of every verify length, one

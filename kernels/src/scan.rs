@@ -228,3 +228,36 @@ pub fn publish_block_done(
     sync_cube();
     (finished + 1) % cubes == 0
 }
+
+/// The first `j <= last` with `ends[j] > e` (`ends` ascending), or `last`.
+#[cube]
+pub fn first_holding(ends: &SharedMemory<u64>, last: u64, e: u64) -> u64 {
+    let mut low = 0u64.runtime();
+    let mut high = last;
+    while low < high {
+        let mid = (low + high) / 2;
+        if ends[mid as usize] > e {
+            high = mid;
+        } else {
+            low = mid + 1;
+        }
+    }
+    low
+}
+
+/// From `j`, the first holder of `e`: entries only grow along a unit's pass, so a unit steps
+/// forward from the holder of its previous entry.
+#[cube]
+pub fn step_to_holder(ends: &SharedMemory<u64>, j: u64, e: u64) -> u64 {
+    let mut holder = j;
+    while ends[holder as usize] <= e {
+        holder += 1;
+    }
+    holder
+}
+
+/// Where holder `j`'s entries start within the tile (`ends` holds inclusive ends).
+#[cube]
+pub fn start_of(ends: &SharedMemory<u64>, j: u64) -> u64 {
+    select(j > 0, ends[select(j > 0, j - 1, 0u64) as usize], 0u64)
+}
