@@ -73,7 +73,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
 ) {
     let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut broadcast = SharedMemory::<u64>::new(SLOTS);
-    let tile = take_ticket(&scratch[SCRATCH_TICKETS], shape.tiles, &mut broadcast);
+    let tile = take_ticket(&scratch[SCRATCH_TICKETS], shape.tiles > 1, &mut broadcast);
     let cells = shape.pos_rows * shape.pos_cols;
     let first = tile * TILE_CELLS + (UNIT_POS * CELLS_PER_UNIT) as u64;
     let columns = shape.pos_cols.max(1);
@@ -131,6 +131,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
         SCRATCH_TILES,
         tile as usize,
         tile_total,
+        true,
         &mut broadcast,
         SLOT_PREFIX,
         broadcast_prefix,
@@ -286,7 +287,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
 ) {
     let mut ends = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut broadcast = SharedMemory::<u64>::new(SLOTS);
-    let tile = take_ticket(&scratch[SEG_TICKETS], shape.cubes, &mut broadcast);
+    let tile = take_ticket(&scratch[SEG_TICKETS], shape.tiles > 1, &mut broadcast);
     let active = tile < shape.tiles;
     let unit = UNIT_POS as u64;
     let i = tile * shape.tile_segments + unit;
@@ -312,6 +313,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
             SEG_TILES,
             tile as usize,
             tile_total,
+            true,
             &mut broadcast,
             SLOT_PREFIX,
             broadcast_prefix,

@@ -1,18 +1,24 @@
 //! The kv-canary plan (spec `canary-plan.md`): one launch, no host round trip, no memset, no
 //! batch cap.
 //!
-//! Requests are cut into tiles of `tile_requests`, chosen by the host so that a tile holds at most
-//! about [`TILE_ENTRIES`] verify entries whatever the prefix lengths are. Each cube takes a tile by
-//! ticket, scans its requests' verify and write lengths, chains the tile prefixes across the grid
-//! with a decoupled look-back, checks the request rules (12, 13, 15, 16), stores the write offsets
-//! and seeds, and then fills its own requests' verify entries (rule 14 on every slot it reads). The
-//! last cube to finish writes the scalars and the status, and leaves the scratch clean for the
-//! next call. Window, LUT and pool are compile-time switches.
+//! Requests are cut into tiles of `tile_requests`, and each tile is served by `tile_cubes` cubes.
+//! A batch of at most [`CUBE_SIZE`] requests is one tile shared by enough cubes to give each about
+//! [`CUBE_ENTRIES`] entries: a short batch of long prefixes is spread over the device and no
+//! look-back is needed. A larger batch is cut into tiles of at most about [`TILE_ENTRIES`] verify
+//! entries, one cube each.
 //!
-//! On overflow (`total > V`) the spec forbids writing any entry, and a cube only learns the total
-//! once every tile has been scanned. When `bs * min(cols, W)` cannot exceed `V` (a capacity sized
-//! for the largest plan) no overflow is possible and one launch suffices. Otherwise a count launch
-//! first sums the verify lengths, and the plan launch reads that total (`PlanFeatures::counted`).
+//! Each cube takes a ticket, scans its tile's verify and write lengths and chains the tile
+//! prefixes across the grid with a decoupled look-back. The tile's lead cube checks the request
+//! rules (12, 13, 15, 16) and stores the write offsets and seeds; every cube of the tile fills its
+//! share of the tile's verify entries (rule 14 on every slot it reads). The last cube to finish
+//! writes the scalars and the status, and leaves the scratch clean for the next call. Window, LUT
+//! and pool are compile-time switches.
+//!
+//! On overflow (`total > V`) the spec forbids writing any entry. A lone tile knows its total
+//! after the scan. With more tiles a cube only learns the total once every tile has been scanned:
+//! when `bs * min(cols, W)` cannot exceed `V` (a capacity sized for the largest plan) no overflow
+//! is possible and one launch suffices; otherwise a count launch first sums the verify lengths,
+//! and the plan launch reads that total (`PlanFeatures::counted`).
 
 use cubecl::prelude::*;
 
@@ -44,6 +50,10 @@ pub const PLAN_STATES: usize = 12;
 
 /// Verify entries a tile holds at most (the host's target when it sizes tiles).
 pub const TILE_ENTRIES: u64 = 4096;
+
+/// Verify entries one cube of a lone tile fills at most: a batch that fits one tile has its
+/// entries spread over as many cubes as this asks for.
+pub const CUBE_ENTRIES: u64 = 1024;
 
 /// Scratch words of a plan with write capacity `K`.
 pub fn scratch_len(write_capacity: usize) -> usize {
@@ -100,8 +110,12 @@ pub struct PlanShape {
     pub tile_requests: u64,
     /// Tiles: `ceil(bs / tile_requests)`, at least 1.
     pub tiles: u64,
-    /// Cubes of the launch (at least `tiles`: a 2-D grid may round up; the extra cubes only zero
-    /// write offsets).
+    /// Cubes per tile: each scans the whole tile and fills its share of the entries; the first
+    /// (the tile's lead) also publishes the tile, checks its requests and stores their write
+    /// offsets and seeds.
+    pub tile_cubes: u64,
+    /// Cubes of the launch (at least `tiles * tile_cubes`: a 2-D grid may round up; the extra
+    /// cubes only zero write offsets).
     pub cubes: u64,
 }
 
@@ -220,7 +234,7 @@ fn table_at<T: Int>(table: &Tensor<T>, row: i64, col: i64) -> i64 {
     i64::cast_from(table[row as usize * table.stride(0) + col as usize * table.stride(1)])
 }
 
-/// The plan launch: one tile of requests per cube (see the module docs).
+/// The plan launch: a tile of requests per `tile_cubes` cubes (see the module docs).
 #[cube(launch_unchecked)]
 pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     req_pool_indices: &Tensor<Q>,
@@ -248,9 +262,12 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let mut verify_scan = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut write_scan = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut broadcast = SharedMemory::<u64>::new(SLOTS);
-    let tile = take_ticket(&scratch[PLAN_TICKETS], shape.cubes, &mut broadcast);
+    let ticket = take_ticket(&scratch[PLAN_TICKETS], shape.tiles > 1, &mut broadcast);
+    let tile = ticket / shape.tile_cubes;
+    let part = ticket % shape.tile_cubes;
     // Extra cubes of a rounded-up grid hold tickets past the last tile: they own no request.
     let active = tile < shape.tiles;
+    let lead = active && part == 0;
     let unit = UNIT_POS as u64;
     let r = tile * shape.tile_requests + unit;
     let owns = active && unit < shape.tile_requests && r < shape.requests;
@@ -282,6 +299,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             PLAN_STATES,
             tile as usize,
             verify_tile,
+            lead,
             &mut broadcast,
             SLOT_PREFIX,
             broadcast_prefix,
@@ -291,14 +309,16 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             PLAN_STATES + shape.write_capacity as usize,
             tile as usize,
             write_tile,
+            lead,
             &mut broadcast,
             SLOT_SECOND_PREFIX,
             broadcast_prefix,
         );
     }
 
-    // While the look-back runs: the request rules and the seed.
-    let live = owns && is_live(request);
+    // While the look-back runs: the request rules and the seed, by the tile's lead only.
+    let checks = lead && owns;
+    let live = checks && is_live(request);
     let row_fails = live && (request.row < 0 || request.row as u64 >= shape.rows);
     let position_fails = live && request.prefix as u64 > shape.cols;
     let mut pool_row_fails = false.runtime();
@@ -322,13 +342,13 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     if pool_position_fails {
         dependency |= report_error(&scratch[PLAN_ERRORS + 4], r) >> 63;
     }
-    if owns && request.row != 0 && request.extend > 0 && request.extend as u64 > EXACT_EXTEND {
+    if checks && request.row != 0 && request.extend > 0 && request.extend as u64 > EXACT_EXTEND {
         dependency |= scratch[PLAN_SLOW_WRITE].swap(1u64) >> 63;
     }
     let seed = seed_of(request, table, lut, shape, features);
     sync_cube();
 
-    if owns {
+    if checks {
         seeds[r as usize] = seed;
         write_offsets[r as usize] = (write_prefix + write_rank) as i64;
         if r + 1 == shape.requests {
@@ -336,20 +356,21 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
                 (write_prefix + write_rank + write_length) as i64;
         }
     }
-    if shape.requests == 0 && tile == 0 && UNIT_POS == 0 {
+    if shape.requests == 0 && ticket == 0 && UNIT_POS == 0 {
         write_offsets[0] = 0;
     }
     // Write offsets past `bs` are zeroed (no memset launch).
     let stride = shape.cubes * CUBE_SIZE as u64;
-    let mut w = shape.requests + 1 + tile * CUBE_SIZE as u64 + unit;
+    let mut w = shape.requests + 1 + ticket * CUBE_SIZE as u64 + unit;
     while w <= shape.write_capacity {
         write_offsets[w as usize] = 0;
         w += stride;
     }
 
-    // The tile's verify entries, `CUBE_SIZE` apart per unit. Entries may only be written when the
-    // whole plan fits; without the count launch the host has proved that it does.
-    let mut fits = true.runtime();
+    // The tile's verify entries, dealt to its cubes `CUBE_SIZE` at a time. Entries may only be
+    // written when the whole plan fits: a lone tile knows its total; for more tiles either the
+    // count launch summed it or the host has proved that the plan fits.
+    let mut fits = shape.tiles > 1 || verify_tile <= shape.verify_capacity;
     if features.counted {
         fits = scratch[PLAN_TOTAL].load() <= shape.verify_capacity;
     }
@@ -359,8 +380,8 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let last_request = select(shape.tile_requests > 0, shape.tile_requests - 1, 0u64);
     // The request holding entry `e` is the first whose inclusive end exceeds `e`: found by
     // bisection for the unit's first entry, then by stepping forward (entries only grow).
-    let mut j = first_holding(&verify_scan, last_request, unit);
-    let mut e = unit;
+    let mut e = part * CUBE_SIZE as u64 + unit;
+    let mut j = first_holding(&verify_scan, last_request, e);
     while e < verify_tile {
         j = step_to_holder(&verify_scan, j, e);
         let start = start_of(&verify_scan, j);
@@ -418,7 +439,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
                 prev_slot_indices[k as usize] = prev;
             }
         }
-        e += CUBE_SIZE as u64;
+        e += shape.tile_cubes * CUBE_SIZE as u64;
     }
     if lut_key != NO_ERROR {
         dependency |= report_error(&scratch[PLAN_ERRORS + 2], lut_key) >> 63;
@@ -428,6 +449,8 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         if UNIT_POS == 0 {
             let total = if features.counted {
                 scratch[PLAN_TOTAL].swap(0u64.runtime())
+            } else if shape.tiles == 1 {
+                verify_tile
             } else {
                 scratch[PLAN_STATES + shape.tiles as usize - 1].load() & VALUE_MASK
             };

@@ -99,13 +99,14 @@ pub fn cube_exclusive_scan_pair(
 }
 
 /// Takes the next tile ticket for this cube (dynamic ids: a cube only ever waits on tiles that a
-/// running cube already holds, so the look-back cannot deadlock). A launch of one cube takes
-/// tile 0 without the atomic's round trip.
+/// running cube already holds, so the look-back cannot deadlock). When there is only one tile
+/// there is nothing to wait on (`ordered` false): the cube's position is its ticket, without the
+/// atomic's round trip.
 #[cube]
-pub fn take_ticket(counter: &Atomic<u64>, cubes: u64, broadcast: &mut SharedMemory<u64>) -> u64 {
+pub fn take_ticket(counter: &Atomic<u64>, ordered: bool, broadcast: &mut SharedMemory<u64>) -> u64 {
     if UNIT_POS == 0 {
-        let mut ticket = 0u64.runtime();
-        if cubes > 1 {
+        let mut ticket = CUBE_POS as u64;
+        if ordered {
             ticket = counter.fetch_add(1u64);
         }
         broadcast[SLOT_TICKET] = ticket;
@@ -157,7 +158,8 @@ pub fn look_back(
     prefix
 }
 
-/// The exclusive prefix of `tile`, in every unit; unit 0 publishes the tile's state.
+/// The exclusive prefix of `tile`, in every unit; unit 0 publishes the tile's state when the
+/// cube is the tile's `publisher` (several cubes may share a tile; exactly one publishes it).
 ///
 /// `broadcast_prefix` (CUDA): unit 0 walks the look-back and hands the prefix to the cube through
 /// shared `slot`. Otherwise (lavapipe, which was seen to serve a stale broadcast to later
@@ -169,18 +171,19 @@ pub fn tile_prefix(
     base: usize,
     tile: usize,
     aggregate: u64,
+    publisher: bool,
     broadcast: &mut SharedMemory<u64>,
     #[comptime] slot: usize,
     #[comptime] broadcast_prefix: bool,
 ) -> u64 {
     if broadcast_prefix {
         if UNIT_POS == 0 {
-            broadcast[slot] = look_back(states, base, tile, aggregate, true);
+            broadcast[slot] = look_back(states, base, tile, aggregate, publisher);
         }
         sync_cube();
         broadcast[slot]
     } else {
-        look_back(states, base, tile, aggregate, UNIT_POS == 0)
+        look_back(states, base, tile, aggregate, UNIT_POS == 0 && publisher)
     }
 }
 

@@ -5,13 +5,14 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::TensorMetadata;
 use cubecl::prelude::*;
 use kvplan_kernels::plan::{
-    PlanFeatures, PlanShapeLaunch, TILE_ENTRIES, plan_count_kernel, plan_kernel,
+    CUBE_ENTRIES, PlanFeatures, PlanShapeLaunch, TILE_ENTRIES, plan_count_kernel, plan_kernel,
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
 use super::{
-    bindable, broadcast_prefix, dims2, grid, output_i64, storage, upload_i64, widened, writable,
+    bindable, broadcast_prefix, dims2, grid, output_i64, resident_cubes, storage, upload_i64,
+    widened, writable,
 };
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
 
@@ -43,16 +44,31 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
     // largest plan fits the verify capacity no overflow is possible, and one launch suffices.
     let window = usize::try_from(inputs.swa_window_size).unwrap_or(0);
     let longest = if window > 0 { cols.min(window) } else { cols };
+    let most_entries = requests.saturating_mul(longest);
+    // A batch of at most one cube's requests is one tile, which every cube of the launch scans
+    // whole and whose entries they share: no look-back, and no count launch (each cube knows the
+    // total). Larger batches are cut into tiles of at most about `TILE_ENTRIES` entries, which
+    // keeps the cubes evenly loaded.
+    // A table much wider than the prefixes makes `most_entries` a loose bound: the cubes are
+    // capped at what the device holds at once, and a grid-stride loop covers the rest.
+    let (tile_requests, tile_cubes) = if requests <= CUBE_SIZE as usize {
+        let per_unit = CUBE_ENTRIES as usize / CUBE_SIZE as usize;
+        (
+            requests.max(1),
+            resident_cubes(&table, most_entries, per_unit),
+        )
+    } else {
+        let tile_requests = (TILE_ENTRIES as usize / longest.max(1)).clamp(1, CUBE_SIZE as usize);
+        (tile_requests, 1)
+    };
+    let tiles = requests.div_ceil(tile_requests).max(1);
     let features = PlanFeatures {
         window: inputs.swa_window_size > 0,
         lut: inputs.full_to_swa.is_some(),
         pool: inputs.expected_tokens.is_some(),
-        counted: requests.saturating_mul(longest) > verify_capacity,
+        counted: tiles > 1 && most_entries > verify_capacity,
         broadcast_prefix: broadcast_prefix(&table),
     };
-    // Tiles of at most about `TILE_ENTRIES` entries keep the cubes evenly loaded.
-    let tile_requests = (TILE_ENTRIES as usize / longest.max(1)).clamp(1, CUBE_SIZE as usize);
-    let tiles = requests.div_ceil(tile_requests).max(1);
     // Without a LUT every slot counts as inside it (the kernels compare against this length).
     let lut_len = inputs
         .full_to_swa
@@ -62,7 +78,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         .expected_tokens
         .as_ref()
         .map_or((0, 0), |(pool, _)| dims2(pool));
-    let (plan_grid, cubes) = grid(tiles);
+    let (plan_grid, cubes) = grid(tiles * tile_cubes);
     let shape = || {
         PlanShapeLaunch::new(
             requests as u64,
@@ -77,6 +93,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             write_capacity as u64,
             tile_requests as u64,
             tiles as u64,
+            tile_cubes as u64,
             cubes as u64,
         )
     };
