@@ -69,6 +69,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     scratch: &Tensor<Atomic<u64>>,
     shape: MaskedShape,
     #[comptime] broadcast_prefix: bool,
+    #[comptime] planes: bool,
     #[define(T, Q, P, M)] _dtypes: [StorageType; 4],
 ) {
     let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
@@ -86,6 +87,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     let mut selected = 0u32.runtime();
     let mut stores = 0u32.runtime();
     let mut dependency = 0u64.runtime();
+    let mut reported = false.runtime();
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
         let cell = first + k as u64;
@@ -96,6 +98,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
             // Rule 8, once per pos row, true cells or not (the empty table skips it).
             if j == 0 && shape.cols > 0 && !row_ok {
                 dependency |= report_error(&scratch[SCRATCH_ERROR], KEY_ROW | cell) >> 63;
+                reported = true;
             }
             // Mask, position and row are read together (independent loads), true cell or not.
             let flag = mask[i as usize * mask.stride(0) + j as usize * mask.stride(1)];
@@ -105,11 +108,13 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
                 selected |= 1u32 << k;
                 if shape.cols == 0 {
                     dependency |= report_error(&scratch[SCRATCH_ERROR], KEY_EMPTY_TABLE) >> 63;
+                    reported = true;
                 } else {
                     let position_ok = position >= 0 && (position as u64) < shape.cols;
                     if !position_ok {
                         dependency |=
                             report_error(&scratch[SCRATCH_ERROR], KEY_POSITION | cell) >> 63;
+                        reported = true;
                     } else if row_ok {
                         let at =
                             row as usize * table.stride(0) + position as usize * table.stride(1);
@@ -125,13 +130,14 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
             i += 1;
         }
     }
-    let (unit_rank, tile_total) = cube_exclusive_scan(selected.count_ones() as u64, &mut shared);
+    let (unit_rank, tile_total) =
+        cube_exclusive_scan(selected.count_ones() as u64, &mut shared, planes);
     let mut rank = tile_prefix(
         scratch,
         SCRATCH_TILES,
         tile as usize,
         tile_total,
-        true,
+        shape.tiles > 1,
         &mut broadcast,
         SLOT_PREFIX,
         broadcast_prefix,
@@ -145,15 +151,23 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
             rank += 1;
         }
     }
-    let last = publish_block_done(
+    let (last, any_reported) = publish_block_done(
         &scratch[SCRATCH_DONE],
         shape.tiles,
         dependency,
+        reported,
         &mut broadcast,
     );
     if last && UNIT_POS == 0 {
-        let total = scratch[SCRATCH_TILES + shape.tiles as usize - 1].load() & VALUE_MASK;
-        let key = scratch[SCRATCH_ERROR].load();
+        let total = if shape.tiles == 1 {
+            tile_total
+        } else {
+            scratch[SCRATCH_TILES + shape.tiles as usize - 1].load() & VALUE_MASK
+        };
+        let mut key = NO_ERROR.runtime();
+        if any_reported {
+            key = scratch[SCRATCH_ERROR].load();
+        }
         finish_masked(req_pool_indices, pos2d, count, status, shape, total, key);
     }
 }
@@ -283,6 +297,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     shape: SegmentShape,
     #[comptime] has_start: bool,
     #[comptime] broadcast_prefix: bool,
+    #[comptime] planes: bool,
     #[define(T, Q, S, L)] _dtypes: [StorageType; 4],
 ) {
     let mut ends = SharedMemory::<u64>::new(CUBE_SIZE as usize);
@@ -296,16 +311,19 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     let length = select(owns && len > 0, len as u64, 0u64);
     // Rules 8 and 9 (the shape rules 5-7 come first; then nothing else is read).
     let mut dependency = 0u64.runtime();
+    let mut reported = false.runtime();
     if owns && shape.shape_error == 0 {
         let row = row_of(req_pool_indices, i, shape.shared_row);
         if row < 0 || row as u64 >= shape.rows {
             dependency |= report_error(&scratch[SEG_ERROR], KEY_SEGMENT_ROW | i) >> 63;
+            reported = true;
         } else if len > 0 && !segment_fits(start, i, len, shape.cols, has_start) {
             dependency |= report_error(&scratch[SEG_ERROR], KEY_SEGMENT_POSITION | i) >> 63;
+            reported = true;
         }
     }
     // `ends` keeps the tile's inclusive ends for the copy below.
-    let (_, tile_total) = cube_exclusive_scan(length, &mut ends);
+    let (_, tile_total) = cube_exclusive_scan(length, &mut ends, planes);
     let mut prefix = 0u64.runtime();
     if active {
         prefix = tile_prefix(
@@ -313,7 +331,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
             SEG_TILES,
             tile as usize,
             tile_total,
-            true,
+            shape.tiles > 1,
             &mut broadcast,
             SLOT_PREFIX,
             broadcast_prefix,
@@ -342,10 +360,23 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
         e += CUBE_SIZE as u64;
     }
 
-    let last = publish_block_done(&scratch[SEG_DONE], shape.cubes, dependency, &mut broadcast);
+    let (last, any_reported) = publish_block_done(
+        &scratch[SEG_DONE],
+        shape.cubes,
+        dependency,
+        reported,
+        &mut broadcast,
+    );
     if last && UNIT_POS == 0 {
-        let total = scratch[SEG_TILES + shape.tiles as usize - 1].load() & VALUE_MASK;
-        let key = scratch[SEG_ERROR].load();
+        let total = if shape.tiles == 1 {
+            tile_total
+        } else {
+            scratch[SEG_TILES + shape.tiles as usize - 1].load() & VALUE_MASK
+        };
+        let mut key = NO_ERROR.runtime();
+        if any_reported {
+            key = scratch[SEG_ERROR].load();
+        }
         finish_segments(
             req_pool_indices,
             start,

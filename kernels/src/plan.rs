@@ -52,8 +52,9 @@ pub const PLAN_STATES: usize = 12;
 pub const TILE_ENTRIES: u64 = 4096;
 
 /// Verify entries one cube of a lone tile fills at most: a batch that fits one tile has its
-/// entries spread over as many cubes as this asks for.
-pub const CUBE_ENTRIES: u64 = 1024;
+/// entries spread over as many cubes as this asks for. On the H200, 512 was the best of 256, 512
+/// and 1024 over bs 8, 64 and 256 (benches/RESULTS.md, session 5).
+pub const CUBE_ENTRIES: u64 = 512;
 
 /// Scratch words of a plan with write capacity `K`.
 pub fn scratch_len(write_capacity: usize) -> usize {
@@ -132,6 +133,8 @@ pub struct PlanFeatures {
     pub counted: bool,
     /// Unit 0 walks the look-back and broadcasts the prefix (see `scan::tile_prefix`).
     pub broadcast_prefix: bool,
+    /// The cube scans by plane sums (see `scan::cube_exclusive_scan`).
+    pub planes: bool,
 }
 
 /// One request's view of the step.
@@ -268,6 +271,8 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     // Extra cubes of a rounded-up grid hold tickets past the last tile: they own no request.
     let active = tile < shape.tiles;
     let lead = active && part == 0;
+    // A lone tile's prefix is 0 and its cubes know its total: nothing to publish.
+    let publisher = lead && shape.tiles > 1;
     let unit = UNIT_POS as u64;
     let r = tile * shape.tile_requests + unit;
     let owns = active && unit < shape.tile_requests && r < shape.requests;
@@ -289,6 +294,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         write_length,
         &mut verify_scan,
         &mut write_scan,
+        features.planes,
     );
     let mut verify_prefix = 0u64.runtime();
     let mut write_prefix = 0u64.runtime();
@@ -299,7 +305,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             PLAN_STATES,
             tile as usize,
             verify_tile,
-            lead,
+            publisher,
             &mut broadcast,
             SLOT_PREFIX,
             broadcast_prefix,
@@ -309,7 +315,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             PLAN_STATES + shape.write_capacity as usize,
             tile as usize,
             write_tile,
-            lead,
+            publisher,
             &mut broadcast,
             SLOT_SECOND_PREFIX,
             broadcast_prefix,
@@ -342,14 +348,19 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     if pool_position_fails {
         dependency |= report_error(&scratch[PLAN_ERRORS + 4], r) >> 63;
     }
-    if checks && request.row != 0 && request.extend > 0 && request.extend as u64 > EXACT_EXTEND {
+    let slow_write =
+        checks && request.row != 0 && request.extend > 0 && request.extend as u64 > EXACT_EXTEND;
+    if slow_write {
         dependency |= scratch[PLAN_SLOW_WRITE].swap(1u64) >> 63;
     }
-    let seed = seed_of(request, table, lut, shape, features);
+    let mut reported =
+        row_fails || position_fails || pool_row_fails || pool_position_fails || slow_write;
+    // The seed's table read is issued here and its value stored after the fill, so that its
+    // latency hides behind the fill's.
+    let seed_slot = seed_slot_of(request, table, shape);
     sync_cube();
 
     if checks {
-        seeds[r as usize] = seed;
         write_offsets[r as usize] = (write_prefix + write_rank) as i64;
         if r + 1 == shape.requests {
             write_offsets[shape.requests as usize] =
@@ -443,8 +454,18 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     }
     if lut_key != NO_ERROR {
         dependency |= report_error(&scratch[PLAN_ERRORS + 2], lut_key) >> 63;
+        reported = true;
     }
-    let last = publish_block_done(&scratch[PLAN_DONE], shape.cubes, dependency, &mut broadcast);
+    if checks {
+        seeds[r as usize] = seed_of(seed_slot, lut, shape.lut_len, features.lut);
+    }
+    let (last, any_reported) = publish_block_done(
+        &scratch[PLAN_DONE],
+        shape.cubes,
+        dependency,
+        reported,
+        &mut broadcast,
+    );
     if last {
         if UNIT_POS == 0 {
             let total = if features.counted {
@@ -468,17 +489,23 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
                 scratch,
                 shape,
                 total,
+                any_reported,
                 features,
             );
             // Swaps, not stores: cubecl 0.10 on SPIR-V was seen to drop the second of two
-            // atomic stores in a row.
-            scratch[PLAN_TICKETS].swap(0u64.runtime());
-            scratch[PLAN_DONE].swap(0u64.runtime());
+            // atomic stores in a row. A lone tile takes no ticket; a lone cube does not count.
+            if shape.tiles > 1 {
+                scratch[PLAN_TICKETS].swap(0u64.runtime());
+            }
+            if shape.cubes > 1 {
+                scratch[PLAN_DONE].swap(0u64.runtime());
+            }
         }
-        // Every other cube is done with the tile states: clear them for the next call. Last in
-        // the kernel, since lavapipe was seen to lose code after a loop holding an atomic.
+        // Every other cube is done with the tile states: clear them for the next call (a lone
+        // tile published none). Last in the kernel, since lavapipe was seen to lose code after a
+        // loop holding an atomic.
         let mut t = unit;
-        while t < shape.tiles {
+        while shape.tiles > 1 && t < shape.tiles {
             scratch[PLAN_STATES + t as usize].swap(0u64.runtime());
             scratch[PLAN_STATES + (shape.write_capacity + t) as usize].swap(0u64.runtime());
             t += CUBE_SIZE as u64;
@@ -509,7 +536,11 @@ pub fn plan_count_kernel<Q: Int, P: Int, E: Int>(
         shape.window,
         features.window,
     );
-    let (_, total) = cube_exclusive_scan(select(owns, verify_length(request), 0u64), &mut shared);
+    let (_, total) = cube_exclusive_scan(
+        select(owns, verify_length(request), 0u64),
+        &mut shared,
+        features.planes,
+    );
     if UNIT_POS == 0 && total > 0 {
         scratch[PLAN_TOTAL].fetch_add(total);
     }
@@ -534,29 +565,30 @@ fn write_length(request: Request) -> u64 {
     select(length > EXACT_EXTEND, EXACT_EXTEND, length)
 }
 
-/// The chain seed: the slot of the last prefix token, or -1. Rule 14 on it is the entries
-/// launch's; an untranslatable or unreadable seed is left at -1 (the plan is disabled then).
+/// The raw chain seed: the table slot of the last prefix token, or -1 when there is none or it
+/// cannot be read.
 #[cube]
-fn seed_of<T: Int, U: Int>(
-    request: Request,
-    table: &Tensor<T>,
-    lut: &Tensor<U>,
-    shape: PlanShape,
-    #[comptime] features: PlanFeatures,
-) -> i64 {
-    let mut seed = NONE.runtime();
+fn seed_slot_of<T: Int>(request: Request, table: &Tensor<T>, shape: PlanShape) -> i64 {
+    let mut slot = NONE.runtime();
     if request.row != 0
         && request.extend > 0
         && request.prefix > 0
         && in_table(request, shape.rows, shape.cols)
     {
-        let slot = table_at(table, request.row, request.prefix - 1);
-        if features.lut {
-            if slot_in_lut(slot, shape.lut_len) {
-                seed = translate(lut, slot, features.lut);
-            }
-        } else {
-            seed = slot;
+        slot = table_at(table, request.row, request.prefix - 1);
+    }
+    slot
+}
+
+/// The chain seed from its raw slot: translated through the LUT. Rule 14 on it is the entries'
+/// (the same slot is an entry); an untranslatable seed is left at -1 (the plan is disabled then).
+#[cube]
+fn seed_of<U: Int>(slot: i64, lut: &Tensor<U>, lut_len: u64, #[comptime] has_lut: bool) -> i64 {
+    let mut seed = slot;
+    if has_lut {
+        seed = NONE.runtime();
+        if slot_in_lut(slot, lut_len) {
+            seed = translate(lut, slot, has_lut);
         }
     }
     seed
@@ -579,12 +611,14 @@ fn finish_plan<Q: Int, P: Int, E: Int, T: Int, V: Int>(
     scratch: &Tensor<Atomic<u64>>,
     shape: PlanShape,
     total: u64,
+    any_reported: bool,
     #[comptime] features: PlanFeatures,
 ) {
     clear_status(status);
-    // Rule 17 and the exact offsets, only when some extend length was too large to scan.
+    // Rule 17 and the exact offsets, only when some extend length was too large to scan. A
+    // launch where no cube reported anything left the error words and this flag untouched.
     let mut overflow_at = NONE.runtime();
-    if scratch[PLAN_SLOW_WRITE].swap(0u64.runtime()) != 0u64 {
+    if any_reported && scratch[PLAN_SLOW_WRITE].swap(0u64.runtime()) != 0u64 {
         let mut sum = 0i64;
         let mut r = 0u64;
         while r < shape.requests {
@@ -611,13 +645,15 @@ fn finish_plan<Q: Int, P: Int, E: Int, T: Int, V: Int>(
     }
     let mut code = 0i64;
     let mut key = NO_ERROR.runtime();
-    #[unroll]
-    for rule in 0..5u32 {
-        // Read and reset: the scratch belongs to the plan and must be clean for the next call.
-        let candidate = scratch[PLAN_ERRORS + rule as usize].swap(NO_ERROR.runtime());
-        if code == 0 && candidate != NO_ERROR {
-            code = PLAN_ROW + rule as i64;
-            key = candidate;
+    if any_reported {
+        #[unroll]
+        for rule in 0..5u32 {
+            // Read and reset: the scratch belongs to the plan and must be clean for the next call.
+            let candidate = scratch[PLAN_ERRORS + rule as usize].swap(NO_ERROR.runtime());
+            if code == 0 && candidate != NO_ERROR {
+                code = PLAN_ROW + rule as i64;
+                key = candidate;
+            }
         }
     }
     if code == 0 && overflow_at >= 0 {

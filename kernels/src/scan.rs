@@ -35,14 +35,56 @@ pub const SLOT_SECOND_PREFIX: usize = 4;
 pub const SLOT_DEPENDENCY: usize = 2;
 /// Shared slot: the done-counter value this cube saw.
 pub const SLOT_DONE: usize = 3;
+/// Shared slot: some unit of this cube reported an error (see [`publish_block_done`]).
+pub const SLOT_REPORTED: usize = 5;
 /// Shared slots per cube.
 pub const SLOTS: usize = 8;
 
-/// Exclusive scan of one `u64` per unit over the cube (Hillis-Steele in shared memory, unrolled:
-/// no barrier sits inside a runtime loop). Returns `(exclusive prefix of this unit, cube total)`;
-/// `shared` is left holding the inclusive prefixes.
+/// Exclusive scan of one `u64` per unit over the cube. Returns `(exclusive prefix of this unit,
+/// cube total)`; `shared` is left holding the inclusive prefixes.
+///
+/// With `planes` (a device whose plane operations CubeCL exposes: CUDA) each plane scans its
+/// units with a plane sum and adds the totals of the planes before it: three barriers. Otherwise
+/// (lavapipe) Hillis-Steele in shared memory, unrolled so that no barrier sits inside a runtime
+/// loop: seventeen barriers, which dominate a small launch.
 #[cube]
-pub fn cube_exclusive_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
+pub fn cube_exclusive_scan(
+    value: u64,
+    shared: &mut SharedMemory<u64>,
+    #[comptime] planes: bool,
+) -> (u64, u64) {
+    if planes {
+        plane_scan(value, shared)
+    } else {
+        shared_scan(value, shared)
+    }
+}
+
+/// [`cube_exclusive_scan`] by planes.
+#[cube]
+fn plane_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
+    let unit = UNIT_POS as usize;
+    let in_plane = plane_inclusive_sum(value);
+    shared[unit] = in_plane;
+    sync_cube();
+    // A plane's total is its last unit's inclusive sum.
+    let plane = UNIT_POS / PLANE_DIM;
+    let mut before = 0u64.runtime();
+    let mut total = 0u64.runtime();
+    for p in 0..CUBE_SIZE / PLANE_DIM {
+        let plane_total = shared[((p + 1) * PLANE_DIM - 1) as usize];
+        before += select(p < plane, plane_total, 0u64);
+        total += plane_total;
+    }
+    sync_cube();
+    shared[unit] = before + in_plane;
+    sync_cube();
+    (before + in_plane - value, total)
+}
+
+/// [`cube_exclusive_scan`] in shared memory.
+#[cube]
+fn shared_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
     let unit = UNIT_POS as usize;
     shared[unit] = value;
     sync_cube();
@@ -67,6 +109,62 @@ pub fn cube_exclusive_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, 
 /// `(rank a, rank b, total a, total b)`; the shared arrays are left holding the inclusive prefixes.
 #[cube]
 pub fn cube_exclusive_scan_pair(
+    a: u64,
+    b: u64,
+    shared_a: &mut SharedMemory<u64>,
+    shared_b: &mut SharedMemory<u64>,
+    #[comptime] planes: bool,
+) -> (u64, u64, u64, u64) {
+    if planes {
+        plane_scan_pair(a, b, shared_a, shared_b)
+    } else {
+        shared_scan_pair(a, b, shared_a, shared_b)
+    }
+}
+
+/// [`cube_exclusive_scan_pair`] by planes (see [`plane_scan`]).
+#[cube]
+fn plane_scan_pair(
+    a: u64,
+    b: u64,
+    shared_a: &mut SharedMemory<u64>,
+    shared_b: &mut SharedMemory<u64>,
+) -> (u64, u64, u64, u64) {
+    let unit = UNIT_POS as usize;
+    let in_plane_a = plane_inclusive_sum(a);
+    let in_plane_b = plane_inclusive_sum(b);
+    shared_a[unit] = in_plane_a;
+    shared_b[unit] = in_plane_b;
+    sync_cube();
+    let plane = UNIT_POS / PLANE_DIM;
+    let mut before_a = 0u64.runtime();
+    let mut before_b = 0u64.runtime();
+    let mut total_a = 0u64.runtime();
+    let mut total_b = 0u64.runtime();
+    for p in 0..CUBE_SIZE / PLANE_DIM {
+        let last = ((p + 1) * PLANE_DIM - 1) as usize;
+        let plane_a = shared_a[last];
+        let plane_b = shared_b[last];
+        before_a += select(p < plane, plane_a, 0u64);
+        before_b += select(p < plane, plane_b, 0u64);
+        total_a += plane_a;
+        total_b += plane_b;
+    }
+    sync_cube();
+    shared_a[unit] = before_a + in_plane_a;
+    shared_b[unit] = before_b + in_plane_b;
+    sync_cube();
+    (
+        before_a + in_plane_a - a,
+        before_b + in_plane_b - b,
+        total_a,
+        total_b,
+    )
+}
+
+/// [`cube_exclusive_scan_pair`] in shared memory.
+#[cube]
+fn shared_scan_pair(
     a: u64,
     b: u64,
     shared_a: &mut SharedMemory<u64>,
@@ -194,43 +292,60 @@ pub fn report_error(key_word: &Atomic<u64>, key: u64) -> u64 {
     key_word.fetch_min(key)
 }
 
-/// Counts this cube as done; returns true, in every unit, for the last cube to finish.
+/// Counts this cube as done. Returns, in every unit, whether this cube is the last to finish and,
+/// for the last cube, whether any cube of the launch has `reported` something (so that a clean
+/// launch skips reading the error words).
 ///
 /// `dependency` is `old >> 63` of this unit's error reports and ordered atomics (always 0). The
 /// cube gathers them into one word and adds it to its increment, which makes the increment wait
 /// for those atomics: the last cube then sees every one of them.
 ///
-/// Each launch adds exactly `cubes`, so the last cube of a launch is the one whose increment
-/// reaches a multiple of `cubes`: a counter never reset and one reset by the last cube both work.
+/// The counter counts cubes in its low 32 bits and reports above them. Each launch adds exactly
+/// `cubes` to the low half, so the last cube of a launch is the one whose increment reaches a
+/// multiple of `cubes`; the reports are only meaningful when the counter starts each launch at 0.
 #[cube]
 pub fn publish_block_done(
     done: &Atomic<u64>,
     cubes: u64,
     dependency: u64,
+    reported: bool,
     broadcast: &mut SharedMemory<u64>,
-) -> bool {
+) -> (bool, bool) {
     if UNIT_POS == 0 {
         broadcast[SLOT_DEPENDENCY] = 0;
+        broadcast[SLOT_REPORTED] = 0;
     }
     sync_cube();
     if dependency != 0 {
         broadcast[SLOT_DEPENDENCY] = dependency;
     }
+    if reported {
+        broadcast[SLOT_REPORTED] = REPORT;
+    }
     sync_cube();
     let dependency = broadcast[SLOT_DEPENDENCY];
+    let report = broadcast[SLOT_REPORTED];
     if UNIT_POS == 0 {
         // A lone cube is last without counting (its own reports were awaited above).
-        let mut finished = dependency;
+        let mut finished = dependency + report;
         if cubes > 1 {
-            finished = done.fetch_add(1u64 + dependency);
+            finished = done.fetch_add(1u64 + dependency + report) + report;
         }
         broadcast[SLOT_DONE] = finished;
     }
     sync_cube();
     let finished = broadcast[SLOT_DONE];
     sync_cube();
-    (finished + 1) % cubes == 0
+    (
+        ((finished & CUBES_MASK) + 1) % cubes == 0,
+        finished >= REPORT,
+    )
 }
+
+/// A cube's report in a done counter (see [`publish_block_done`]).
+const REPORT: u64 = 1 << 32;
+/// The cube count bits of a done counter.
+const CUBES_MASK: u64 = REPORT - 1;
 
 /// The first `j <= last` with `ends[j] > e` (`ends` ascending), or `last`.
 #[cube]

@@ -14,7 +14,9 @@ use kvplan_kernels::status::{
     STATUS_LEN,
 };
 
-use super::{bindable, broadcast_prefix, dims2, grid, output_i64, storage, upload_u64, widened};
+use super::{
+    bindable, broadcast_prefix, dims2, grid, output_i64, planes, storage, upload_u64, widened,
+};
 use crate::ops::GatherOutput;
 
 pub(crate) fn masked_gather<R: CubeRuntime>(
@@ -37,6 +39,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
     let broadcast_prefix = broadcast_prefix(&req_to_token);
+    let planes = planes(&req_to_token);
     let dtypes = [
         storage(&req_to_token),
         storage(&req_pool_indices),
@@ -68,6 +71,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
             scratch.into_tensor_arg(),
             shape,
             broadcast_prefix,
+            planes,
             dtypes,
         );
     }
@@ -114,6 +118,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
     let broadcast_prefix = broadcast_prefix(&req_to_token);
+    let planes = planes(&req_to_token);
     let has_start = start.is_some();
     let (req_pool_indices, lengths) = (
         bindable(widened(req_pool_indices)),
@@ -156,6 +161,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
             shape,
             has_start,
             broadcast_prefix,
+            planes,
             dtypes,
         );
     }
