@@ -388,7 +388,7 @@ pub fn canary_write_kernel(
         if lane == 0 {
             own = written;
         }
-        let (_, total) = cube_exclusive_scan(own, &mut shared, features.shuffle);
+        let (_, total) = cube_exclusive_scan(own, &mut shared);
         if UNIT_POS == 0 {
             if total > 0 {
                 counters[SLOT_RUN].fetch_add(total);

@@ -69,7 +69,6 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     scratch: &Tensor<Atomic<u64>>,
     shape: MaskedShape,
     #[comptime] broadcast_prefix: bool,
-    #[comptime] planes: bool,
     #[define(T, Q, P, M)] _dtypes: [StorageType; 4],
 ) {
     let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
@@ -130,8 +129,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
             i += 1;
         }
     }
-    let (unit_rank, tile_total) =
-        cube_exclusive_scan(selected.count_ones() as u64, &mut shared, planes);
+    let (unit_rank, tile_total) = cube_exclusive_scan(selected.count_ones() as u64, &mut shared);
     let mut rank = tile_prefix(
         scratch,
         SCRATCH_TILES,
@@ -297,7 +295,6 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     shape: SegmentShape,
     #[comptime] has_start: bool,
     #[comptime] broadcast_prefix: bool,
-    #[comptime] planes: bool,
     #[define(T, Q, S, L)] _dtypes: [StorageType; 4],
 ) {
     let mut ends = SharedMemory::<u64>::new(CUBE_SIZE as usize);
@@ -323,7 +320,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
         }
     }
     // `ends` keeps the tile's inclusive ends for the copy below.
-    let (_, tile_total) = cube_exclusive_scan(length, &mut ends, planes);
+    let (_, tile_total) = cube_exclusive_scan(length, &mut ends);
     let mut prefix = 0u64.runtime();
     if active {
         prefix = tile_prefix(

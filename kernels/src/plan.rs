@@ -133,8 +133,6 @@ pub struct PlanFeatures {
     pub counted: bool,
     /// Unit 0 walks the look-back and broadcasts the prefix (see `scan::tile_prefix`).
     pub broadcast_prefix: bool,
-    /// The cube scans by plane sums (see `scan::cube_exclusive_scan`).
-    pub planes: bool,
 }
 
 /// One request's view of the step.
@@ -294,7 +292,6 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         write_length,
         &mut verify_scan,
         &mut write_scan,
-        features.planes,
     );
     let mut verify_prefix = 0u64.runtime();
     let mut write_prefix = 0u64.runtime();
@@ -536,11 +533,7 @@ pub fn plan_count_kernel<Q: Int, P: Int, E: Int>(
         shape.window,
         features.window,
     );
-    let (_, total) = cube_exclusive_scan(
-        select(owns, verify_length(request), 0u64),
-        &mut shared,
-        features.planes,
-    );
+    let (_, total) = cube_exclusive_scan(select(owns, verify_length(request), 0u64), &mut shared);
     if UNIT_POS == 0 && total > 0 {
         scratch[PLAN_TOTAL].fetch_add(total);
     }

@@ -40,51 +40,11 @@ pub const SLOT_REPORTED: usize = 5;
 /// Shared slots per cube.
 pub const SLOTS: usize = 8;
 
-/// Exclusive scan of one `u64` per unit over the cube. Returns `(exclusive prefix of this unit,
-/// cube total)`; `shared` is left holding the inclusive prefixes.
-///
-/// With `planes` (a device whose plane operations CubeCL exposes: CUDA) each plane scans its
-/// units with a plane sum and adds the totals of the planes before it: three barriers. Otherwise
-/// (lavapipe) Hillis-Steele in shared memory, unrolled so that no barrier sits inside a runtime
-/// loop: seventeen barriers, which dominate a small launch.
+/// Exclusive scan of one `u64` per unit over the cube (Hillis-Steele in shared memory, unrolled:
+/// no barrier sits inside a runtime loop). Returns `(exclusive prefix of this unit, cube total)`;
+/// `shared` is left holding the inclusive prefixes.
 #[cube]
-pub fn cube_exclusive_scan(
-    value: u64,
-    shared: &mut SharedMemory<u64>,
-    #[comptime] planes: bool,
-) -> (u64, u64) {
-    if planes {
-        plane_scan(value, shared)
-    } else {
-        shared_scan(value, shared)
-    }
-}
-
-/// [`cube_exclusive_scan`] by planes.
-#[cube]
-fn plane_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
-    let unit = UNIT_POS as usize;
-    let in_plane = plane_inclusive_sum(value);
-    shared[unit] = in_plane;
-    sync_cube();
-    // A plane's total is its last unit's inclusive sum.
-    let plane = UNIT_POS / PLANE_DIM;
-    let mut before = 0u64.runtime();
-    let mut total = 0u64.runtime();
-    for p in 0..CUBE_SIZE / PLANE_DIM {
-        let plane_total = shared[((p + 1) * PLANE_DIM - 1) as usize];
-        before += select(p < plane, plane_total, 0u64);
-        total += plane_total;
-    }
-    sync_cube();
-    shared[unit] = before + in_plane;
-    sync_cube();
-    (before + in_plane - value, total)
-}
-
-/// [`cube_exclusive_scan`] in shared memory.
-#[cube]
-fn shared_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
+pub fn cube_exclusive_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
     let unit = UNIT_POS as usize;
     shared[unit] = value;
     sync_cube();
@@ -109,62 +69,6 @@ fn shared_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
 /// `(rank a, rank b, total a, total b)`; the shared arrays are left holding the inclusive prefixes.
 #[cube]
 pub fn cube_exclusive_scan_pair(
-    a: u64,
-    b: u64,
-    shared_a: &mut SharedMemory<u64>,
-    shared_b: &mut SharedMemory<u64>,
-    #[comptime] planes: bool,
-) -> (u64, u64, u64, u64) {
-    if planes {
-        plane_scan_pair(a, b, shared_a, shared_b)
-    } else {
-        shared_scan_pair(a, b, shared_a, shared_b)
-    }
-}
-
-/// [`cube_exclusive_scan_pair`] by planes (see [`plane_scan`]).
-#[cube]
-fn plane_scan_pair(
-    a: u64,
-    b: u64,
-    shared_a: &mut SharedMemory<u64>,
-    shared_b: &mut SharedMemory<u64>,
-) -> (u64, u64, u64, u64) {
-    let unit = UNIT_POS as usize;
-    let in_plane_a = plane_inclusive_sum(a);
-    let in_plane_b = plane_inclusive_sum(b);
-    shared_a[unit] = in_plane_a;
-    shared_b[unit] = in_plane_b;
-    sync_cube();
-    let plane = UNIT_POS / PLANE_DIM;
-    let mut before_a = 0u64.runtime();
-    let mut before_b = 0u64.runtime();
-    let mut total_a = 0u64.runtime();
-    let mut total_b = 0u64.runtime();
-    for p in 0..CUBE_SIZE / PLANE_DIM {
-        let last = ((p + 1) * PLANE_DIM - 1) as usize;
-        let plane_a = shared_a[last];
-        let plane_b = shared_b[last];
-        before_a += select(p < plane, plane_a, 0u64);
-        before_b += select(p < plane, plane_b, 0u64);
-        total_a += plane_a;
-        total_b += plane_b;
-    }
-    sync_cube();
-    shared_a[unit] = before_a + in_plane_a;
-    shared_b[unit] = before_b + in_plane_b;
-    sync_cube();
-    (
-        before_a + in_plane_a - a,
-        before_b + in_plane_b - b,
-        total_a,
-        total_b,
-    )
-}
-
-/// [`cube_exclusive_scan_pair`] in shared memory.
-#[cube]
-fn shared_scan_pair(
     a: u64,
     b: u64,
     shared_a: &mut SharedMemory<u64>,

@@ -14,9 +14,7 @@ use kvplan_kernels::status::{
     STATUS_LEN,
 };
 
-use super::{
-    bindable, broadcast_prefix, dims2, grid, output_i64, planes, storage, upload_u64, widened,
-};
+use super::{bindable, broadcast_prefix, dims2, grid, output_i64, storage, upload_u64, widened};
 use crate::ops::GatherOutput;
 
 pub(crate) fn masked_gather<R: CubeRuntime>(
@@ -39,7 +37,6 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
     let broadcast_prefix = broadcast_prefix(&req_to_token);
-    let planes = planes(&req_to_token);
     let dtypes = [
         storage(&req_to_token),
         storage(&req_pool_indices),
@@ -71,7 +68,6 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
             scratch.into_tensor_arg(),
             shape,
             broadcast_prefix,
-            planes,
             dtypes,
         );
     }
@@ -118,7 +114,6 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
     let broadcast_prefix = broadcast_prefix(&req_to_token);
-    let planes = planes(&req_to_token);
     let has_start = start.is_some();
     let (req_pool_indices, lengths) = (
         bindable(widened(req_pool_indices)),
@@ -161,7 +156,6 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
             shape,
             has_start,
             broadcast_prefix,
-            planes,
             dtypes,
         );
     }

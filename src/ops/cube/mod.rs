@@ -9,9 +9,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::{DType, Shape, TensorMetadata};
-use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
-use kvplan_kernels::scan::CUBE_SIZE;
 
 pub(crate) use canary::{canary_verify, canary_write};
 pub(crate) use gather::{masked_gather, segment_gather};
@@ -133,18 +131,6 @@ fn widened<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
 /// serve a stale broadcast after a look-back.
 fn broadcast_prefix<R: CubeRuntime>(like: &CubeTensor<R>) -> bool {
     R::name(&like.client) == "cuda"
-}
-
-/// Whether cubes can scan by plane sums (`kvplan_kernels::scan::cube_exclusive_scan`): the runtime
-/// exposes plane operations and its planes have one fixed width that divides a cube (CUDA; not
-/// lavapipe, whose planes CubeCL does not expose).
-fn planes<R: CubeRuntime>(like: &CubeTensor<R>) -> bool {
-    let properties = like.client.properties();
-    let width = properties.hardware.plane_size_max;
-    properties.features.plane.contains(Plane::Ops)
-        && properties.hardware.plane_size_min == width
-        && width > 0
-        && CUBE_SIZE % width == 0
 }
 
 /// A grid of at least `cubes` cubes that every runtime accepts (Vulkan caps each axis at 65,535).

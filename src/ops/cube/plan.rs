@@ -11,8 +11,8 @@ use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
 use super::{
-    bindable, broadcast_prefix, dims2, grid, output_i64, planes, resident_cubes, storage,
-    upload_i64, widened, writable,
+    bindable, broadcast_prefix, dims2, grid, output_i64, resident_cubes, storage, upload_i64,
+    widened, writable,
 };
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
 
@@ -68,7 +68,6 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         pool: inputs.expected_tokens.is_some(),
         counted: tiles > 1 && most_entries > verify_capacity,
         broadcast_prefix: broadcast_prefix(&table),
-        planes: planes(&table),
     };
     // Without a LUT every slot counts as inside it (the kernels compare against this length).
     let lut_len = inputs
