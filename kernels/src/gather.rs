@@ -233,11 +233,13 @@ pub fn clear_status(status: &mut Tensor<i64>) {
 
 // ---- segment gather (spec `gather.md` §4) ----
 //
-// One launch, shaped like the plan: segments are cut into tiles of `tile_segments` (at most about
-// `SEGMENT_TILE_VALUES` values each, whatever the lengths), a cube takes a tile by ticket, scans its
-// lengths, checks its segments, chains the tile prefixes with a decoupled look-back and copies its
-// own segments' values; the last cube writes the count and the status. No position or mask is
-// ever built.
+// One launch, shaped like the plan: segments are cut into tiles of up to a cube's width, each
+// served by `tile_cubes` cubes. A cube takes a ticket, scans its tile's lengths, chains the tile
+// prefixes with a decoupled look-back and copies its share of the tile's values; the tile's lead
+// cube checks its segments and publishes the tile. The last cube writes the count and the status.
+// Wide tiles keep the look-back chain short (lengths are only known on the device, so a tile
+// cannot be sized by its values), and sharing a tile spreads long segments over the device. No
+// position or mask is ever built.
 
 /// Segment gather scratch: ticket counter.
 pub const SEG_TICKETS: usize = 0;
@@ -248,8 +250,8 @@ pub const SEG_DONE: usize = 2;
 /// First tile state.
 pub const SEG_TILES: usize = 4;
 
-/// Values a tile holds at most (the host's target when it sizes tiles).
-pub const SEGMENT_TILE_VALUES: u64 = 4096;
+/// Values a cube copies at most when the host can bound them (its target when it shares tiles).
+pub const SEGMENT_CUBE_VALUES: u64 = 1024;
 
 const KEY_SEGMENT_ROW: u64 = 8 << RULE_SHIFT;
 const KEY_SEGMENT_POSITION: u64 = 9 << RULE_SHIFT;
@@ -277,7 +279,10 @@ pub struct SegmentShape {
     pub tile_segments: u64,
     /// Tiles: `ceil(S / tile_segments)`, at least 1.
     pub tiles: u64,
-    /// Cubes of the launch (at least `tiles`; the extra cubes of a rounded-up grid idle).
+    /// Cubes per tile: each scans the whole tile and copies its share of the values.
+    pub tile_cubes: u64,
+    /// Cubes of the launch (at least `tiles * tile_cubes`; the extra cubes of a rounded-up grid
+    /// idle).
     pub cubes: u64,
 }
 
@@ -299,17 +304,21 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
 ) {
     let mut ends = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut broadcast = SharedMemory::<u64>::new(SLOTS);
-    let tile = take_ticket(&scratch[SEG_TICKETS], shape.tiles > 1, &mut broadcast);
+    let ticket = take_ticket(&scratch[SEG_TICKETS], shape.tiles > 1, &mut broadcast);
+    let tile = ticket / shape.tile_cubes;
+    let part = ticket % shape.tile_cubes;
     let active = tile < shape.tiles;
+    let lead = active && part == 0;
     let unit = UNIT_POS as u64;
     let i = tile * shape.tile_segments + unit;
     let owns = active && unit < shape.tile_segments && i < shape.segments;
     let len = i64::cast_from(lengths[select(owns, i, 0u64) as usize * lengths.stride(0)]);
     let length = select(owns && len > 0, len as u64, 0u64);
-    // Rules 8 and 9 (the shape rules 5-7 come first; then nothing else is read).
+    // Rules 8 and 9, by the tile's lead (the shape rules 5-7 come first; then nothing else is
+    // read).
     let mut dependency = 0u64.runtime();
     let mut reported = false.runtime();
-    if owns && shape.shape_error == 0 {
+    if lead && owns && shape.shape_error == 0 {
         let row = row_of(req_pool_indices, i, shape.shared_row);
         if row < 0 || row as u64 >= shape.rows {
             dependency |= report_error(&scratch[SEG_ERROR], KEY_SEGMENT_ROW | i) >> 63;
@@ -328,19 +337,19 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
             SEG_TILES,
             tile as usize,
             tile_total,
-            shape.tiles > 1,
+            lead && shape.tiles > 1,
             &mut broadcast,
             SLOT_PREFIX,
             broadcast_prefix,
         );
     }
 
-    // The tile's values, `CUBE_SIZE` apart per unit; the segment holding value `e` is the first
-    // whose end exceeds it. A segment that fails a rule is never read.
+    // The tile's values, dealt to its cubes `CUBE_SIZE` at a time; the segment holding value `e`
+    // is the first whose end exceeds it. A segment that fails a rule is never read.
     let copies = select(shape.shape_error == 0, tile_total, 0u64);
     let last_segment = select(shape.tile_segments > 0, shape.tile_segments - 1, 0u64);
-    let mut segment = first_holding(&ends, last_segment, unit);
-    let mut e = unit;
+    let mut e = part * CUBE_SIZE as u64 + unit;
+    let mut segment = first_holding(&ends, last_segment, e);
     while e < copies {
         segment = step_to_holder(&ends, segment, e);
         let before = start_of(&ends, segment);
@@ -354,7 +363,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
             let at = row as usize * table.stride(0) + position as usize * table.stride(1);
             out[k as usize] = i64::cast_from(table[at]);
         }
-        e += CUBE_SIZE as u64;
+        e += shape.tile_cubes * CUBE_SIZE as u64;
     }
 
     let (last, any_reported) = publish_block_done(

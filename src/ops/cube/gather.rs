@@ -5,7 +5,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::TensorMetadata;
 use cubecl::prelude::*;
 use kvplan_kernels::gather::{
-    MaskedShapeLaunch, SCRATCH_ERROR, SCRATCH_TILES, SEG_ERROR, SEG_TILES, SEGMENT_TILE_VALUES,
+    MaskedShapeLaunch, SCRATCH_ERROR, SCRATCH_TILES, SEG_ERROR, SEG_TILES, SEGMENT_CUBE_VALUES,
     SegmentShapeLaunch, TILE_CELLS, masked_gather_kernel, segment_gather_kernel,
 };
 use kvplan_kernels::scan::{CUBE_SIZE, NO_ERROR};
@@ -14,7 +14,10 @@ use kvplan_kernels::status::{
     STATUS_LEN,
 };
 
-use super::{bindable, broadcast_prefix, dims2, grid, output_i64, storage, upload_u64, widened};
+use super::{
+    bindable, broadcast_prefix, device_cubes, dims2, grid, output_i64, resident_cubes, storage,
+    upload_u64, widened,
+};
 use crate::ops::GatherOutput;
 
 pub(crate) fn masked_gather<R: CubeRuntime>(
@@ -104,10 +107,17 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     let out = output_i64(&req_to_token, capacity);
     let count = output_i64(&req_to_token, 1);
     let status = output_i64(&req_to_token, STATUS_LEN);
-    // Tiles of at most about `SEGMENT_TILE_VALUES` values keep the cubes evenly loaded.
-    let tile_segments = (SEGMENT_TILE_VALUES as usize / cols.max(1)).clamp(1, CUBE_SIZE as usize);
+    // Tiles of a cube's width of segments keep the look-back short. Their cubes share the values,
+    // at most about `SEGMENT_CUBE_VALUES` each by the host's bound (the capacity, or every
+    // segment as long as the table is wide), and together at most what the device holds at once.
+    let tile_segments = segments.clamp(1, CUBE_SIZE as usize);
     let tiles = segments.div_ceil(tile_segments).max(1);
-    let (cube_count, cubes) = grid(tiles);
+    let most_values = capacity.min(segments.saturating_mul(cols));
+    let per_unit = SEGMENT_CUBE_VALUES as usize / CUBE_SIZE as usize;
+    let tile_cubes = resident_cubes(&req_to_token, most_values.div_ceil(tiles), per_unit)
+        .min(device_cubes(&req_to_token) / tiles)
+        .max(1);
+    let (cube_count, cubes) = grid(tiles * tile_cubes);
     // Fresh scratch: no tickets taken, no cube done, no error, every tile state empty.
     let mut words = vec![0u64; SEG_TILES + tiles];
     words[SEG_ERROR] = NO_ERROR;
@@ -131,6 +141,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
         capacity as u64,
         tile_segments as u64,
         tiles as u64,
+        tile_cubes as u64,
         cubes as u64,
     );
     let dtypes = [

@@ -151,12 +151,16 @@ fn multiprocessors<R: CubeRuntime>(like: &CubeTensor<R>) -> usize {
         .unwrap_or(8) as usize
 }
 
+/// Cubes the device holds at once (8 per streaming multiprocessor).
+fn device_cubes<R: CubeRuntime>(like: &CubeTensor<R>) -> usize {
+    multiprocessors(like) * 8
+}
+
 /// Cubes for a grid-stride loop over at most `elements` values, `per_unit` of them per unit:
 /// enough to fill the device, never more than the work needs.
 fn resident_cubes<R: CubeRuntime>(like: &CubeTensor<R>, elements: usize, per_unit: usize) -> usize {
-    let sms = multiprocessors(like);
     let per_cube = per_unit * kvplan_kernels::scan::CUBE_SIZE as usize;
-    elements.div_ceil(per_cube).clamp(1, sms * 8)
+    elements.div_ceil(per_cube).clamp(1, device_cubes(like))
 }
 
 /// A tensor's dtype as a kernel storage type.

@@ -57,6 +57,13 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             requests.max(1),
             resident_cubes(&table, most_entries, per_unit),
         )
+    } else if std::env::var_os("KVPLAN_WIDE_TILES").is_some() {
+        let tiles = requests.div_ceil(CUBE_SIZE as usize);
+        let per_unit = CUBE_ENTRIES as usize / CUBE_SIZE as usize;
+        let cubes = resident_cubes(&table, most_entries.div_ceil(tiles), per_unit)
+            .min(super::device_cubes(&table) / tiles)
+            .max(1);
+        (CUBE_SIZE as usize, cubes)
     } else {
         let tile_requests = (TILE_ENTRIES as usize / longest.max(1)).clamp(1, CUBE_SIZE as usize);
         (tile_requests, 1)
