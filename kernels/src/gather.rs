@@ -251,7 +251,7 @@ pub const SEG_DONE: usize = 2;
 pub const SEG_TILES: usize = 4;
 
 /// Values a cube copies at most when the host can bound them (its target when it shares tiles).
-pub const SEGMENT_CUBE_VALUES: u64 = 1024;
+pub const SEGMENT_CUBE_VALUES: u64 = 256;
 
 const KEY_SEGMENT_ROW: u64 = 8 << RULE_SHIFT;
 const KEY_SEGMENT_POSITION: u64 = 9 << RULE_SHIFT;
@@ -351,7 +351,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     let mut e = part * CUBE_SIZE as u64 + unit;
     let mut segment = first_holding(&ends, last_segment, e);
     while e < copies {
-        segment = step_to_holder(&ends, segment, e);
+        segment = step_to_holder(&ends, segment, last_segment, e);
         let before = start_of(&ends, segment);
         let g = tile * shape.tile_segments + segment;
         let row = row_of(req_pool_indices, g, shape.shared_row);

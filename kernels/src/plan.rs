@@ -391,7 +391,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let mut e = part * CUBE_SIZE as u64 + unit;
     let mut j = first_holding(&verify_scan, last_request, e);
     while e < verify_tile {
-        j = step_to_holder(&verify_scan, j, e);
+        j = step_to_holder(&verify_scan, j, last_request, e);
         let start = start_of(&verify_scan, j);
         // The request is loaded again (cached) rather than kept in shared memory: lavapipe was
         // seen to serve stale shared values to a later phase of the kernel.

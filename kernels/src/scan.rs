@@ -254,7 +254,13 @@ const CUBES_MASK: u64 = REPORT - 1;
 /// The first `j <= last` with `ends[j] > e` (`ends` ascending), or `last`.
 #[cube]
 pub fn first_holding(ends: &SharedMemory<u64>, last: u64, e: u64) -> u64 {
-    let mut low = 0u64.runtime();
+    holder_between(ends, 0u64.runtime(), last, e)
+}
+
+/// The first `j` in `[low, last]` with `ends[j] > e`, or `last`, by bisection.
+#[cube]
+fn holder_between(ends: &SharedMemory<u64>, low: u64, last: u64, e: u64) -> u64 {
+    let mut low = low;
     let mut high = last;
     while low < high {
         let mid = (low + high) / 2;
@@ -267,13 +273,15 @@ pub fn first_holding(ends: &SharedMemory<u64>, last: u64, e: u64) -> u64 {
     low
 }
 
-/// From `j`, the first holder of `e`: entries only grow along a unit's pass, so a unit steps
-/// forward from the holder of its previous entry.
+/// From `j`, the holder of `e` (at most `last`): entries only grow along a unit's pass, so the
+/// search starts at the holder of the unit's previous entry. One read when `j` still holds `e`;
+/// otherwise a bisection of the rest, since a pass whose stride spans many cubes' worth of
+/// entries may skip many holders at once.
 #[cube]
-pub fn step_to_holder(ends: &SharedMemory<u64>, j: u64, e: u64) -> u64 {
+pub fn step_to_holder(ends: &SharedMemory<u64>, j: u64, last: u64, e: u64) -> u64 {
     let mut holder = j;
-    while ends[holder as usize] <= e {
-        holder += 1;
+    if ends[j as usize] <= e {
+        holder = holder_between(ends, j + 1, last, e);
     }
     holder
 }
