@@ -1,11 +1,11 @@
 //! The kv-canary plan (spec `canary-plan.md`): one launch, no host round trip, no memset, no
 //! batch cap.
 //!
-//! Requests are cut into tiles of `tile_requests`, and each tile is served by `tile_cubes` cubes.
-//! A batch of at most [`CUBE_SIZE`] requests is one tile shared by enough cubes to give each about
-//! [`CUBE_ENTRIES`] entries: a short batch of long prefixes is spread over the device and no
-//! look-back is needed. A larger batch is cut into tiles of at most about [`TILE_ENTRIES`] verify
-//! entries, one cube each.
+//! Requests are cut into tiles of up to [`CUBE_SIZE`] requests, and each tile is served by
+//! `tile_cubes` cubes, enough to give each about [`CUBE_ENTRIES`] entries within what the device
+//! holds at once. A short batch of long prefixes is then spread over the device, and the
+//! look-back chains only `bs / 256` tiles. A batch of at most 256 requests is one tile and needs
+//! no look-back at all.
 //!
 //! Each cube takes a ticket, scans its tile's verify and write lengths and chains the tile
 //! prefixes across the grid with a decoupled look-back. The tile's lead cube checks the request
@@ -48,12 +48,9 @@ pub const PLAN_ERRORS: usize = 4;
 /// tiles, and `bs <= K`).
 pub const PLAN_STATES: usize = 12;
 
-/// Verify entries a tile holds at most (the host's target when it sizes tiles).
-pub const TILE_ENTRIES: u64 = 4096;
-
-/// Verify entries one cube of a lone tile fills at most: a batch that fits one tile has its
-/// entries spread over as many cubes as this asks for. On the H200, 512 was the best of 256, 512
-/// and 1024 over bs 8, 64 and 256 (benches/RESULTS.md, session 5).
+/// Verify entries a cube fills at most by the host's bound: a tile's entries are spread over as
+/// many cubes as this asks for (within what the device holds). On the H200, 512 was the best of
+/// 256, 512 and 1024 over bs 8, 64 and 256 (benches/RESULTS.md, session 5).
 pub const CUBE_ENTRIES: u64 = 512;
 
 /// Scratch words of a plan with write capacity `K`.

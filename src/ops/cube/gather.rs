@@ -15,8 +15,7 @@ use kvplan_kernels::status::{
 };
 
 use super::{
-    bindable, broadcast_prefix, device_cubes, dims2, grid, output_i64, resident_cubes, storage,
-    upload_u64, widened,
+    bindable, broadcast_prefix, dims2, grid, output_i64, storage, tile_cubes, upload_u64, widened,
 };
 use crate::ops::GatherOutput;
 
@@ -114,9 +113,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     let tiles = segments.div_ceil(tile_segments).max(1);
     let most_values = capacity.min(segments.saturating_mul(cols));
     let per_unit = SEGMENT_CUBE_VALUES as usize / CUBE_SIZE as usize;
-    let tile_cubes = resident_cubes(&req_to_token, most_values.div_ceil(tiles), per_unit)
-        .min(device_cubes(&req_to_token) / tiles)
-        .max(1);
+    let tile_cubes = tile_cubes(&req_to_token, most_values, tiles, per_unit);
     let (cube_count, cubes) = grid(tiles * tile_cubes);
     // Fresh scratch: no tickets taken, no cube done, no error, every tile state empty.
     let mut words = vec![0u64; SEG_TILES + tiles];

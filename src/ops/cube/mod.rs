@@ -156,6 +156,20 @@ fn device_cubes<R: CubeRuntime>(like: &CubeTensor<R>) -> usize {
     multiprocessors(like) * 8
 }
 
+/// Cubes per tile when every tile's cubes share its work: about `per_unit` of at most `elements`
+/// values per unit over all `tiles`, and all tiles' cubes together at most what the device holds.
+fn tile_cubes<R: CubeRuntime>(
+    like: &CubeTensor<R>,
+    elements: usize,
+    tiles: usize,
+    per_unit: usize,
+) -> usize {
+    let tiles = tiles.max(1);
+    resident_cubes(like, elements.div_ceil(tiles), per_unit)
+        .min(device_cubes(like) / tiles)
+        .max(1)
+}
+
 /// Cubes for a grid-stride loop over at most `elements` values, `per_unit` of them per unit:
 /// enough to fill the device, never more than the work needs.
 fn resident_cubes<R: CubeRuntime>(like: &CubeTensor<R>, elements: usize, per_unit: usize) -> usize {

@@ -5,14 +5,14 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::TensorMetadata;
 use cubecl::prelude::*;
 use kvplan_kernels::plan::{
-    CUBE_ENTRIES, PlanFeatures, PlanShapeLaunch, TILE_ENTRIES, plan_count_kernel, plan_kernel,
+    CUBE_ENTRIES, PlanFeatures, PlanShapeLaunch, plan_count_kernel, plan_kernel,
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
 use super::{
-    bindable, broadcast_prefix, dims2, grid, output_i64, resident_cubes, storage, upload_i64,
-    widened, writable,
+    bindable, broadcast_prefix, dims2, grid, output_i64, storage, tile_cubes, upload_i64, widened,
+    writable,
 };
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
 
@@ -45,30 +45,15 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
     let window = usize::try_from(inputs.swa_window_size).unwrap_or(0);
     let longest = if window > 0 { cols.min(window) } else { cols };
     let most_entries = requests.saturating_mul(longest);
-    // A batch of at most one cube's requests is one tile, which every cube of the launch scans
-    // whole and whose entries they share: no look-back, and no count launch (each cube knows the
-    // total). Larger batches are cut into tiles of at most about `TILE_ENTRIES` entries, which
-    // keeps the cubes evenly loaded.
-    // A table much wider than the prefixes makes `most_entries` a loose bound: the cubes are
-    // capped at what the device holds at once, and a grid-stride loop covers the rest.
-    let (tile_requests, tile_cubes) = if requests <= CUBE_SIZE as usize {
-        let per_unit = CUBE_ENTRIES as usize / CUBE_SIZE as usize;
-        (
-            requests.max(1),
-            resident_cubes(&table, most_entries, per_unit),
-        )
-    } else if std::env::var_os("KVPLAN_WIDE_TILES").is_some() {
-        let tiles = requests.div_ceil(CUBE_SIZE as usize);
-        let per_unit = CUBE_ENTRIES as usize / CUBE_SIZE as usize;
-        let cubes = resident_cubes(&table, most_entries.div_ceil(tiles), per_unit)
-            .min(super::device_cubes(&table) / tiles)
-            .max(1);
-        (CUBE_SIZE as usize, cubes)
-    } else {
-        let tile_requests = (TILE_ENTRIES as usize / longest.max(1)).clamp(1, CUBE_SIZE as usize);
-        (tile_requests, 1)
-    };
+    // Tiles of a cube's width of requests keep the look-back short: a batch of at most 256
+    // requests is one tile, which needs none and no count launch either (its cubes know the
+    // total). A tile's cubes share its entries, about `CUBE_ENTRIES` each by the host's bound
+    // (a table much wider than the prefixes makes it loose), and all tiles' cubes together at
+    // most what the device holds at once; a grid-stride loop covers the rest.
+    let tile_requests = requests.clamp(1, CUBE_SIZE as usize);
     let tiles = requests.div_ceil(tile_requests).max(1);
+    let per_unit = CUBE_ENTRIES as usize / CUBE_SIZE as usize;
+    let tile_cubes = tile_cubes(&table, most_entries, tiles, per_unit);
     let features = PlanFeatures {
         window: inputs.swa_window_size > 0,
         lut: inputs.full_to_swa.is_some(),
