@@ -157,17 +157,39 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
         &mut broadcast,
     );
     if last && UNIT_POS == 0 {
-        let total = if shape.tiles == 1 {
-            tile_total
-        } else {
-            scratch[SCRATCH_TILES + shape.tiles as usize - 1].load() & VALUE_MASK
-        };
-        let mut key = NO_ERROR.runtime();
-        if any_reported {
-            key = scratch[SCRATCH_ERROR].load();
-        }
+        let (total, key) = launch_outcome(
+            scratch,
+            SCRATCH_TILES,
+            SCRATCH_ERROR,
+            shape.tiles,
+            tile_total,
+            any_reported,
+        );
         finish_masked(req_pool_indices, pos2d, count, status, shape, total, key);
     }
+}
+
+/// The last cube's view of a gather launch: the total of every tile (a lone tile's is the cube's
+/// own) and the smallest error key (none to read when no cube reported one).
+#[cube]
+fn launch_outcome(
+    scratch: &Tensor<Atomic<u64>>,
+    states: usize,
+    error: usize,
+    tiles: u64,
+    tile_total: u64,
+    any_reported: bool,
+) -> (u64, u64) {
+    let total = if tiles == 1 {
+        tile_total
+    } else {
+        scratch[states + tiles as usize - 1].load() & VALUE_MASK
+    };
+    let mut key = NO_ERROR.runtime();
+    if any_reported {
+        key = scratch[error].load();
+    }
+    (total, key)
 }
 
 /// `req_pool_indices[i]`, or entry 0 when it is shared, widened to i64.
@@ -374,15 +396,14 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
         &mut broadcast,
     );
     if last && UNIT_POS == 0 {
-        let total = if shape.tiles == 1 {
-            tile_total
-        } else {
-            scratch[SEG_TILES + shape.tiles as usize - 1].load() & VALUE_MASK
-        };
-        let mut key = NO_ERROR.runtime();
-        if any_reported {
-            key = scratch[SEG_ERROR].load();
-        }
+        let (total, key) = launch_outcome(
+            scratch,
+            SEG_TILES,
+            SEG_ERROR,
+            shape.tiles,
+            tile_total,
+            any_reported,
+        );
         finish_segments(
             req_pool_indices,
             start,
