@@ -65,6 +65,11 @@ macro_rules! suite {
             }
 
             #[test]
+            fn gather_large() {
+                crate::gather::large_cases::<B>(&device());
+            }
+
+            #[test]
             fn gather_caller_capacities() {
                 crate::gather::caller_capacities::<B>(&device());
             }

@@ -540,3 +540,61 @@ pub fn strided_inputs<B: KvPlanBackend>(device: &B::Device) {
         );
     }
 }
+
+/// Many tiles: the large masked case (bs 4096, W 2048, ragged windows at random
+/// offsets), a mid-sized random one, and segment batches of several shared tiles.
+pub fn large_cases<B: KvPlanBackend>(device: &B::Device) {
+    let mut rng = Rng::new(0x6269_6767);
+    for (r, c, ragged) in [(4096, 2048, true), (300, 100, false)] {
+        let (rows, cols) = (64, 4096);
+        let table = random_table(&mut rng, rows, cols);
+        let rpi = (0..r).map(|_| rng.range(1, rows as i64 - 1)).collect();
+        let mut pos2d = vec![0i64; r * c];
+        let mut mask = vec![false; r * c];
+        for i in 0..r {
+            let length = rng.urange(0, c);
+            let start = rng.range(0, (cols - c) as i64);
+            for j in 0..c {
+                pos2d[i * c + j] = start + j as i64;
+                mask[i * c + j] = if ragged { j < length } else { rng.chance(1, 2) };
+            }
+        }
+        let case = MaskedCase {
+            rows,
+            cols,
+            table,
+            rpi,
+            r,
+            c,
+            pos2d,
+            mask,
+            dtypes: [DType::I32, DType::I32, DType::I32],
+        };
+        run_masked::<B>(&case, device, &[], &format!("large masked ({r}, {c})"));
+    }
+    for (s, cols, longest) in [(4096, 128, 64), (1000, 4096, 2048), (300, 16, 16)] {
+        let rows = 32;
+        let table = random_table(&mut rng, rows, cols);
+        let rpi = (0..s).map(|_| rng.range(1, rows as i64 - 1)).collect();
+        let lengths: Vec<i64> = (0..s)
+            .map(|_| match rng.below(8) {
+                0 => rng.range(-3, 0),
+                _ => rng.range(1, longest),
+            })
+            .collect();
+        let start = lengths
+            .iter()
+            .map(|&len| rng.range(0, cols as i64 - len.max(0)))
+            .collect();
+        let case = SegmentCase {
+            rows,
+            cols,
+            table,
+            rpi,
+            start: Some(start),
+            lengths,
+            dtypes: [DType::I32, DType::I32, DType::I32, DType::I32],
+        };
+        run_segments::<B>(&case, device, &[], &format!("large segments S={s}"));
+    }
+}
