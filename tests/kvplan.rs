@@ -136,6 +136,11 @@ macro_rules! suite {
             }
 
             #[test]
+            fn errors_plan_past_the_lead() {
+                crate::errors::plan_errors_past_the_lead::<B>(&device());
+            }
+
+            #[test]
             fn errors_negative_values_both_dtypes() {
                 crate::errors::negative_values_both_dtypes::<B>(&device());
             }

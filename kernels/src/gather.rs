@@ -5,7 +5,7 @@
 use cubecl::prelude::*;
 
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOTS, VALUE_MASK, cube_exclusive_scan, first_holding,
+    CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOTS, cube_exclusive_scan, first_holding, launch_total,
     publish_block_done, report_error, start_of, step_to_holder, take_ticket, tile_prefix,
 };
 use crate::status::{
@@ -169,8 +169,8 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     }
 }
 
-/// The last cube's view of a gather launch: the total of every tile (a lone tile's is the cube's
-/// own) and the smallest error key (none to read when no cube reported one).
+/// The last cube's view of a gather launch: the total of every tile and the smallest error key
+/// (none to read when no cube reported one).
 #[cube]
 fn launch_outcome(
     scratch: &Tensor<Atomic<u64>>,
@@ -180,11 +180,7 @@ fn launch_outcome(
     tile_total: u64,
     any_reported: bool,
 ) -> (u64, u64) {
-    let total = if tiles == 1 {
-        tile_total
-    } else {
-        scratch[states + tiles as usize - 1].load() & VALUE_MASK
-    };
+    let total = launch_total(scratch, states, tiles, tile_total);
     let mut key = NO_ERROR.runtime();
     if any_reported {
         key = scratch[error].load();

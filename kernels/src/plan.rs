@@ -24,9 +24,9 @@ use cubecl::prelude::*;
 
 use crate::gather::clear_status;
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOT_SECOND_PREFIX, SLOTS, VALUE_MASK, cube_exclusive_scan,
-    cube_exclusive_scan_pair, first_holding, publish_block_done, report_error, start_of,
-    step_to_holder, take_ticket, tile_prefix,
+    CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOT_SECOND_PREFIX, SLOTS, cube_exclusive_scan,
+    cube_exclusive_scan_pair, first_holding, launch_total, publish_block_done, report_error,
+    start_of, step_to_holder, take_ticket, tile_prefix,
 };
 use crate::status::{
     CODE, FACTS, PLAN_POOL_POSITION, PLAN_POOL_ROW, PLAN_POSITION, PLAN_ROW, PLAN_SWA_SLOT,
@@ -384,7 +384,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let mut lut_key = NO_ERROR.runtime();
     let last_request = select(shape.tile_requests > 0, shape.tile_requests - 1, 0u64);
     // The request holding entry `e` is the first whose inclusive end exceeds `e`: found by
-    // bisection for the unit's first entry, then by stepping forward (entries only grow).
+    // bisection for the unit's first entry, then from the previous holder (entries only grow).
     let mut e = part * CUBE_SIZE as u64 + unit;
     let mut j = first_holding(&verify_scan, last_request, e);
     while e < verify_tile {
@@ -464,10 +464,8 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         if UNIT_POS == 0 {
             let total = if features.counted {
                 scratch[PLAN_TOTAL].swap(0u64.runtime())
-            } else if shape.tiles == 1 {
-                verify_tile
             } else {
-                scratch[PLAN_STATES + shape.tiles as usize - 1].load() & VALUE_MASK
+                launch_total(scratch, PLAN_STATES, shape.tiles, verify_tile)
             };
             finish_plan(
                 req_pool_indices,

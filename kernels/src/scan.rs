@@ -189,6 +189,26 @@ pub fn tile_prefix(
     }
 }
 
+/// The total over every tile, for the last cube: a lone tile's is the cube's own `aggregate`
+/// (it published none), otherwise the last tile's inclusive state.
+///
+/// That state was stored before its publisher counted itself done, but nothing orders the store
+/// before the increment the last cube saw (relaxed atomics to different words): lavapipe was seen
+/// to hand the last cube an empty state under load. So the last cube waits for it.
+#[cube]
+pub fn launch_total(states: &Tensor<Atomic<u64>>, base: usize, tiles: u64, aggregate: u64) -> u64 {
+    let mut total = aggregate;
+    if tiles > 1 {
+        let last = base + tiles as usize - 1;
+        let mut state = states[last].load();
+        while state & !VALUE_MASK != FLAG_INCLUSIVE {
+            state = states[last].load();
+        }
+        total = state & VALUE_MASK;
+    }
+    total
+}
+
 /// Records an error key (atomic minimum) and returns the old key, which the caller must keep in a
 /// data dependency of its "done" increment so that the minimum is performed first.
 #[cube]

@@ -1088,3 +1088,32 @@ pub fn negative_values_both_dtypes<B: KvPlanBackend>(device: &B::Device) {
         }
     }
 }
+
+/// Rule 14 found by a cube that is not its tile's lead: a lone tile whose entries span several
+/// cubes, and the second of two tiles. The error and the disabled plans come out as from a
+/// one-cube launch.
+pub fn plan_errors_past_the_lead<B: KvPlanBackend>(device: &B::Device) {
+    for (bs, cols) in [(2usize, 2000usize), (300, 600)] {
+        let rows = bs + 1;
+        let lut_len = rows * cols;
+        let mut table: Vec<i64> = (0..lut_len as i64).collect();
+        let (request, position) = (bs - 1, cols - 10);
+        // Request `r` reads row `r + 1`.
+        table[(request + 1) * cols + position] = lut_len as i64;
+        let rpi: Vec<i64> = (1..=bs as i64).collect();
+        let step = Step::new(rows, cols, table)
+            .batch(&rpi, &vec![cols as i64; bs], &vec![1; bs])
+            .window(cols as i32, Some((0..lut_len as i64).collect()));
+        let want = Error::SwaSlotOutsideLut {
+            slot: lut_len as i64,
+            lut_len,
+            request,
+            position,
+        };
+        for mode in MODES {
+            let mut mirror = Mirror::<B>::new(bs * cols, bs, device);
+            let what = format!("bs={bs}, cols={cols} ({mode:?})");
+            assert_eq!(mirror.step(&step, mode, &what), Err(want.clone()));
+        }
+    }
+}
