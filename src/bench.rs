@@ -39,6 +39,12 @@ fn int<B: KvPlanBackend, const D: usize>(
     Tensor::from_data(TensorData::new(values, shape), (device, dtype))
 }
 
+/// Whether a grid shape is to run: every shape, or the one `KVPLAN_BENCH_SHAPE=BSxW` names
+/// (to profile one shape's kernels).
+fn selected(bs: usize, width: usize) -> bool {
+    std::env::var("KVPLAN_BENCH_SHAPE").map_or(true, |shape| shape == format!("{bs}x{width}"))
+}
+
 /// Median of per-call microseconds.
 fn median(mut samples: Vec<f64>) -> f64 {
     samples.sort_by(|a, b| a.total_cmp(b));
@@ -60,6 +66,11 @@ fn take_kernel_time() -> Option<(u64, u64)> {
             .ok()
     });
     let stats = timer.as_ref()?.take().ok()?;
+    let mut driver = DRIVER.lock().unwrap_or_else(|e| e.into_inner());
+    driver.clear();
+    for &(cbid, count, ns) in &stats.per_driver {
+        driver.push((timer.as_ref()?.driver_name(cbid), count, ns));
+    }
     Some((stats.total_ns, stats.kernels))
 }
 
@@ -156,6 +167,9 @@ pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), S
         (4096, 128),
         (4096, 2048),
     ] {
+        if !selected(bs, width) {
+            continue;
+        }
         let mut rng = Rng(bs as u64 * 31 + width as u64);
         let rows = 2 * bs.max(64);
         let cols = 8192.max(2 * width);
@@ -263,6 +277,9 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
         (4096, 32768, true),
     ];
     for (bs, max_prefix, swa) in grid {
+        if !selected(bs, max_prefix) {
+            continue;
+        }
         for pool in [false, true] {
             let mut rng = Rng(bs as u64 * 7 + max_prefix as u64 + u64::from(pool));
             let rows = bs + 1;
@@ -586,4 +603,153 @@ pub fn canary<B: KvPlanBackend>(
         }
     }
     Ok(())
+}
+
+/// Where an exact-mode gather's host time goes, on one small shape (bs 64, W 16): the capacity
+/// call alone, one status read of a finished call, a backend sync, and the exact call.
+pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), String> {
+    let (bs, width, rows, cols) = (64usize, 16usize, 128usize, 8192usize);
+    let mut rng = Rng(5);
+    let table: Vec<i64> = (0..rows * cols)
+        .map(|_| rng.below(1 << 31) as i64)
+        .collect();
+    let rpi: Vec<i64> = (0..bs).map(|_| rng.below(rows as u64) as i64).collect();
+    let pos2d: Vec<i64> = (0..bs * width)
+        .map(|_| rng.below(cols as u64) as i64)
+        .collect();
+    let mask: Vec<bool> = (0..bs * width).map(|_| rng.below(2) == 1).collect();
+    let t = int::<B, 2>(table, [rows, cols], DType::I32, device);
+    let q = int::<B, 1>(rpi, [bs], DType::I32, device);
+    let p = int::<B, 2>(pos2d, [bs, width], DType::I32, device);
+    let m = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [bs, width]), device);
+    let capacity = || {
+        crate::masked_gather_with_capacity(t.clone(), q.clone(), p.clone(), m.clone(), None, "b")
+    };
+    let e = |error: crate::Error| error.to_string();
+    println!("| part (bs 64, W 16) | host us/call | pipelined us/call |");
+    println!("|---|---:|---:|");
+    let report = |label: &str, (host, pipelined): (f64, f64)| {
+        println!("| {label} | {host:.1} | {pipelined:.1} |");
+        driver_report(reps);
+    };
+    report(
+        "capacity call",
+        time::<B>(device, reps, || capacity().map(drop)).map_err(e)?,
+    );
+    let done = capacity().map_err(e)?;
+    done.status.check().map_err(e)?;
+    report(
+        "status read of a finished call",
+        time::<B>(device, reps, || done.status.check().map(drop)).map_err(e)?,
+    );
+    report(
+        "sync",
+        time::<B>(device, reps, || {
+            B::sync(device).ok();
+            Ok(())
+        })
+        .map_err(e)?,
+    );
+    report(
+        "capacity call + sync",
+        time::<B>(device, reps, || {
+            capacity()?;
+            B::sync(device).ok();
+            Ok(())
+        })
+        .map_err(e)?,
+    );
+    report(
+        "capacity call + status read",
+        time::<B>(device, reps, || capacity()?.status.check().map(drop)).map_err(e)?,
+    );
+    report(
+        "exact call",
+        time::<B>(device, reps, || {
+            crate::masked_gather(t.clone(), q.clone(), p.clone(), m.clone(), "b").map(drop)
+        })
+        .map_err(e)?,
+    );
+    Ok(())
+}
+
+/// The CubeCL CUDA client's own costs, below Burn: a blocking round trip to its server thread
+/// (`memory_usage`) after the thread has been idle for a while (it spins, then yields, then
+/// sleeps in 150 us steps), a 64-byte read of a finished buffer, an upload, and a sync.
+#[cfg(feature = "cuda")]
+pub fn cuda_client(reps: usize) -> Result<(), String> {
+    use cubecl::Runtime;
+    use cubecl::cuda::CudaRuntime;
+    let client = CudaRuntime::client(&Default::default());
+    let buffer = client.create_from_slice(&[7u8; 64]);
+    let read = || {
+        let descriptor = cubecl::server::CopyDescriptor::new(
+            buffer.clone().binding(),
+            [8].into(),
+            [1].into(),
+            8,
+        );
+        cubecl::future::block_on(client.read_one_tensor_async(descriptor)).map(drop)
+    };
+    let probes: [(&str, &dyn Fn()); 4] = [
+        ("client round trip (memory_usage)", &|| {
+            drop(client.memory_usage())
+        }),
+        ("read 64 B of a finished buffer", &|| read().expect("read")),
+        ("upload 64 B", &|| {
+            drop(client.create_from_slice(&[1u8; 64]))
+        }),
+        ("client sync", &|| {
+            cubecl::future::block_on(client.sync()).expect("sync")
+        }),
+    ];
+    // How long the client's server thread takes to answer after it has been idle for `idle` us.
+    for idle in [0u64, 10, 20, 40, 80, 160, 320, 640, 1280] {
+        let mut samples = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let until = Instant::now() + std::time::Duration::from_micros(idle);
+            while Instant::now() < until {
+                std::hint::spin_loop();
+            }
+            let start = Instant::now();
+            drop(client.memory_usage());
+            samples.push(start.elapsed().as_secs_f64() * 1e6);
+        }
+        samples.sort_by(|a, b| a.total_cmp(b));
+        println!(
+            "| cubecl: round trip after {idle} us idle | {:.1} (p90 {:.1}) | - |",
+            samples[reps / 2],
+            samples[reps * 9 / 10]
+        );
+    }
+    for (label, probe) in probes {
+        let mut samples = Vec::with_capacity(reps);
+        for _ in 0..reps + 3 {
+            let start = Instant::now();
+            probe();
+            samples.push(start.elapsed().as_secs_f64() * 1e6);
+        }
+        println!(
+            "| cubecl: {label} | {:.1} | - |",
+            median(samples.split_off(3))
+        );
+    }
+    Ok(())
+}
+
+/// Driver API calls of the last timed loop, `(name, calls, total ns)`, when CUPTI records them
+/// (`KVPLAN_CUPTI_DRIVER=1`).
+static DRIVER: std::sync::Mutex<Vec<(String, u64, u64)>> = std::sync::Mutex::new(Vec::new());
+
+/// Prints the driver API calls of the last timed loop (per call of the op), largest first.
+fn driver_report(reps: usize) {
+    let mut driver = DRIVER.lock().unwrap_or_else(|e| e.into_inner());
+    driver.sort_by_key(|d| std::cmp::Reverse(d.2));
+    for (name, count, ns) in driver.drain(..) {
+        println!(
+            "|   {name}: {:.1} per call, {:.2} us each | | |",
+            count as f64 / reps as f64,
+            ns as f64 / 1e3 / count as f64
+        );
+    }
 }

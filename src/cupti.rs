@@ -18,6 +18,8 @@ pub struct KernelStats {
     pub total_ns: u64,
     /// Per kernel name (first 60 chars): `(name, count, total ns)`, largest total first.
     pub per_kernel: Vec<(String, u64, u64)>,
+    /// Driver API calls `(callback id, count, total ns)`, recorded when `KVPLAN_CUPTI_DRIVER` is set.
+    pub per_driver: Vec<(u32, u64, u64)>,
 }
 
 type BufRequested = extern "C" fn(*mut *mut u8, *mut usize, *mut usize);
@@ -25,6 +27,7 @@ type BufCompleted = extern "C" fn(*mut c_void, u32, *mut u8, usize, usize);
 
 const KIND_KERNEL: u32 = 3;
 const KIND_CONCURRENT_KERNEL: u32 = 10;
+const KIND_DRIVER: u32 = 4;
 const BUF_SIZE: usize = 8 << 20;
 const BUF_ALIGN: usize = 8;
 
@@ -32,6 +35,7 @@ static STATS: Mutex<KernelStats> = Mutex::new(KernelStats {
     kernels: 0,
     total_ns: 0,
     per_kernel: Vec::new(),
+    per_driver: Vec::new(),
 });
 /// The loaded API; leaked on purpose: CUPTI must never be unloaded while its callbacks are registered.
 static API: Mutex<Option<&'static Api>> = Mutex::new(None);
@@ -46,6 +50,7 @@ struct Api {
     get_next_record: NextRecordFn,
     flush_all: unsafe extern "C" fn(u32) -> u32,
     result_string: Option<unsafe extern "C" fn(u32, *mut *const c_char) -> u32>,
+    callback_name: Option<unsafe extern "C" fn(u32, u32, *mut *const c_char) -> u32>,
 }
 
 /// Handle on the process-wide CUPTI kernel collection (the library stays loaded for the process).
@@ -87,6 +92,7 @@ impl KernelTimer {
                 .get("cuptiActivityFlushAll")
                 .map_err(|_| sym("cuptiActivityFlushAll"))?;
             let result_string = lib.get("cuptiGetResultString").ok().map(|s| *s);
+            let callback_name = lib.get("cuptiGetCallbackName").ok().map(|s| *s);
             (
                 register,
                 enable,
@@ -95,6 +101,7 @@ impl KernelTimer {
                     get_next_record,
                     flush_all,
                     result_string,
+                    callback_name,
                 },
             )
         };
@@ -108,6 +115,10 @@ impl KernelTimer {
         api.check("cuptiActivityEnable", unsafe {
             enable(KIND_CONCURRENT_KERNEL)
         })?;
+        if std::env::var_os("KVPLAN_CUPTI_DRIVER").is_some() {
+            // SAFETY: plain call with a valid activity kind.
+            api.check("cuptiActivityEnable", unsafe { enable(KIND_DRIVER) })?;
+        }
         *slot = Some(api);
         Ok(KernelTimer { api })
     }
@@ -121,6 +132,24 @@ impl KernelTimer {
         let mut stats = std::mem::take(&mut *STATS.lock().unwrap_or_else(|e| e.into_inner()));
         stats.per_kernel.sort_by_key(|k| std::cmp::Reverse(k.2));
         Ok(stats)
+    }
+}
+
+impl KernelTimer {
+    /// A driver API callback id's name (`cuLaunchKernel`, ...).
+    pub fn driver_name(&self, cbid: u32) -> String {
+        let mut name: *const c_char = std::ptr::null();
+        if let Some(f) = self.api.callback_name {
+            // SAFETY: valid out-pointer; domain 1 is CUPTI_CB_DOMAIN_DRIVER_API.
+            unsafe { f(1, cbid, &mut name) };
+        }
+        if name.is_null() {
+            return format!("cbid {cbid}");
+        }
+        // SAFETY: CUPTI returns static NUL-terminated names.
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned()
     }
 }
 
@@ -194,6 +223,22 @@ fn parse_buffer(next_record: NextRecordFn, buffer: *mut u8, valid: usize) {
     while unsafe { next_record(buffer, valid, &mut record) } == 0 {
         // SAFETY: every record starts with a u32 kind and is 8-byte aligned inside the buffer.
         let kind = unsafe { (record as *const u32).read() };
+        if kind == KIND_DRIVER {
+            // SAFETY: CUpti_ActivityAPI: kind u32, cbid u32 @4, start u64 @8, end u64 @16.
+            let (cbid, start, end) = unsafe {
+                (
+                    (record.add(4) as *const u32).read_unaligned(),
+                    (record.add(8) as *const u64).read_unaligned(),
+                    (record.add(16) as *const u64).read_unaligned(),
+                )
+            };
+            let ns = end.saturating_sub(start);
+            match stats.per_driver.iter_mut().find(|k| k.0 == cbid) {
+                Some(k) => (k.1, k.2) = (k.1 + 1, k.2 + ns),
+                None => stats.per_driver.push((cbid, 1, ns)),
+            }
+            continue;
+        }
         if kind != KIND_KERNEL && kind != KIND_CONCURRENT_KERNEL {
             continue;
         }

@@ -10,7 +10,7 @@ const USAGE: &str = "usage:
                                              with --inject-corruption, one live KV slot is
                                              corrupted mid-run and the canary must report it
   kvplan check FILE.jsonl [--backend NAME]   run conformance vectors
-  kvplan bench gather|plan|canary|canary-small [--backend NAME] [--reps N]   time the anchor grids
+  kvplan bench gather|plan|canary|canary-small|host|cuda-client [--backend NAME] [--reps N]   time the anchor grids
 backends: reference, flex, vulkan, vulkan-unfused, cuda, cuda-unfused";
 
 /// Why the binary stopped: a usage mistake (usage is printed) or a failure while running.
@@ -88,8 +88,11 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
                 "plan" => kvplan::bench::plan::<B>(&device, reps),
                 "canary" => kvplan::bench::canary::<B>(&device, reps, true),
                 "canary-small" => kvplan::bench::canary::<B>(&device, reps, false),
+                "host" => kvplan::bench::host::<B>(&device, reps),
+                #[cfg(feature = "cuda")]
+                "cuda-client" => kvplan::bench::cuda_client(reps),
                 other => Err(format!(
-                    "unknown bench {other:?} (gather, plan, canary, canary-small)"
+                    "unknown bench {other:?} (gather, plan, canary, canary-small, host, cuda-client)"
                 )),
             })??;
             Ok(ExitCode::SUCCESS)

@@ -5,8 +5,9 @@
 use cubecl::prelude::*;
 
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOTS, cube_exclusive_scan, first_holding, launch_total,
-    publish_block_done, report_error, start_of, step_to_holder, take_ticket, tile_prefix,
+    CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOTS, cube_exclusive_scan, cube_share, first_holding,
+    launch_total, publish_block_done, report_error, start_of, step_to_holder, take_ticket,
+    tile_prefix,
 };
 use crate::status::{
     CODE, COUNT, FACTS, GATHER_CAPACITY, GATHER_EMPTY_TABLE, GATHER_POSITION, GATHER_ROW,
@@ -362,13 +363,14 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
         );
     }
 
-    // The tile's values, dealt to its cubes `CUBE_SIZE` at a time; the segment holding value `e`
-    // is the first whose end exceeds it. A segment that fails a rule is never read.
+    // The tile's values, a contiguous share per cube, `CUBE_SIZE` at a time; the segment holding
+    // value `e` is the first whose end exceeds it. A segment that fails a rule is never read.
     let copies = select(shape.shape_error == 0, tile_total, 0u64);
+    let (share_first, share_end) = cube_share(copies, part, shape.tile_cubes);
     let last_segment = select(shape.tile_segments > 0, shape.tile_segments - 1, 0u64);
-    let mut e = part * CUBE_SIZE as u64 + unit;
+    let mut e = share_first + unit;
     let mut segment = first_holding(&ends, last_segment, e);
-    while e < copies {
+    while e < share_end {
         segment = step_to_holder(&ends, segment, last_segment, e);
         let before = start_of(&ends, segment);
         let g = tile * shape.tile_segments + segment;
@@ -381,7 +383,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
             let at = row as usize * table.stride(0) + position as usize * table.stride(1);
             out[k as usize] = i64::cast_from(table[at]);
         }
-        e += shape.tile_cubes * CUBE_SIZE as u64;
+        e += CUBE_SIZE as u64;
     }
 
     let (last, any_reported) = publish_block_done(

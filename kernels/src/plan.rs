@@ -25,8 +25,8 @@ use cubecl::prelude::*;
 use crate::gather::clear_status;
 use crate::scan::{
     CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOT_SECOND_PREFIX, SLOTS, cube_exclusive_scan,
-    cube_exclusive_scan_pair, first_holding, launch_total, publish_block_done, report_error,
-    start_of, step_to_holder, take_ticket, tile_prefix,
+    cube_exclusive_scan_pair, cube_share, first_holding, launch_total, publish_block_done,
+    report_error, start_of, step_to_holder, take_ticket, tile_prefix,
 };
 use crate::status::{
     CODE, FACTS, PLAN_POOL_POSITION, PLAN_POOL_ROW, PLAN_POSITION, PLAN_ROW, PLAN_SWA_SLOT,
@@ -372,7 +372,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         w += stride;
     }
 
-    // The tile's verify entries, dealt to its cubes `CUBE_SIZE` at a time. Entries may only be
+    // The tile's verify entries, a contiguous share per cube, `CUBE_SIZE` at a time. Entries may only be
     // written when the whole plan fits: a lone tile knows its total; for more tiles either the
     // count launch summed it or the host has proved that the plan fits.
     let mut fits = shape.tiles > 1 || verify_tile <= shape.verify_capacity;
@@ -385,9 +385,10 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let last_request = select(shape.tile_requests > 0, shape.tile_requests - 1, 0u64);
     // The request holding entry `e` is the first whose inclusive end exceeds `e`: found by
     // bisection for the unit's first entry, then from the previous holder (entries only grow).
-    let mut e = part * CUBE_SIZE as u64 + unit;
+    let (share_first, share_end) = cube_share(verify_tile, part, shape.tile_cubes);
+    let mut e = share_first + unit;
     let mut j = first_holding(&verify_scan, last_request, e);
-    while e < verify_tile {
+    while e < share_end {
         j = step_to_holder(&verify_scan, j, last_request, e);
         let start = start_of(&verify_scan, j);
         // The request is loaded again (cached) rather than kept in shared memory: lavapipe was
@@ -444,7 +445,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
                 prev_slot_indices[k as usize] = prev;
             }
         }
-        e += shape.tile_cubes * CUBE_SIZE as u64;
+        e += CUBE_SIZE as u64;
     }
     if lut_key != NO_ERROR {
         dependency |= report_error(&scratch[PLAN_ERRORS + 2], lut_key) >> 63;

@@ -294,16 +294,30 @@ fn holder_between(ends: &SharedMemory<u64>, low: u64, last: u64, e: u64) -> u64 
 }
 
 /// From `j`, the holder of `e` (at most `last`): entries only grow along a unit's pass, so the
-/// search starts at the holder of the unit's previous entry. One read when `j` still holds `e`;
-/// otherwise a bisection of the rest, since a pass whose stride spans many cubes' worth of
-/// entries may skip many holders at once.
+/// search starts at the holder of the unit's previous entry. A pass steps `CUBE_SIZE` entries
+/// through its cube's contiguous share, so the holder is mostly `j` or `j + 1` (one or two
+/// reads); past that, a bisection of the rest (short holders).
 #[cube]
 pub fn step_to_holder(ends: &SharedMemory<u64>, j: u64, last: u64, e: u64) -> u64 {
     let mut holder = j;
     if ends[j as usize] <= e {
-        holder = holder_between(ends, j + 1, last, e);
+        holder = select(j < last, j + 1, last);
+        if ends[holder as usize] <= e {
+            holder = holder_between(ends, holder, last, e);
+        }
     }
     holder
+}
+
+/// The `part`-th of `parts` contiguous shares of a tile's `total` entries, as `[first, end)`:
+/// whole multiples of `CUBE_SIZE`, so that each pass of a cube stores `CUBE_SIZE` consecutive
+/// entries and a unit's holder advances by at most a step or two per pass.
+#[cube]
+pub fn cube_share(total: u64, part: u64, parts: u64) -> (u64, u64) {
+    let size = CUBE_SIZE as u64;
+    let share = total.div_ceil(parts * size) * size;
+    let first = part * share;
+    (first, (first + share).min(total))
 }
 
 /// Where holder `j`'s entries start within the tile (`ends` holds inclusive ends).
