@@ -1,20 +1,23 @@
-//! Masked gather: one launch. Tiles of mask cells are compacted with a cube scan chained by a
-//! decoupled look-back; every true cell is checked, then scattered to its row-major rank; the last
-//! cube to finish writes the count and the status record (spec `gather.md` §3).
+//! Masked gather: one launch, or two for many tiles. Tiles of mask cells are compacted with a cube
+//! scan chained by a decoupled look-back (or, after a count launch, by summing the counts of the
+//! tiles before); every true cell is checked, then scattered to its row-major rank; the last cube
+//! to finish writes the count and the status record (spec `gather.md` §3).
 
 use cubecl::prelude::*;
 
 use crate::scan::{
-    CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOTS, cube_exclusive_scan, cube_share, first_holding,
-    launch_total, publish_block_done, report_error, start_of, step_to_holder, take_ticket,
-    tile_prefix,
+    CUBE_SIZE, NO_ERROR, SLOT_PREFIX, SLOTS, cube_exclusive_scan, cube_exclusive_scan_pair,
+    cube_share, first_holding, launch_total, publish_block_done, report_error, start_of,
+    step_to_holder, take_ticket, tile_prefix,
 };
 use crate::status::{
     CODE, COUNT, FACTS, GATHER_CAPACITY, GATHER_EMPTY_TABLE, GATHER_POSITION, GATHER_ROW,
 };
 
-/// Mask cells per unit (consecutive, row-major).
+/// Mask cells per unit (one per slab of `CUBE_SIZE` consecutive cells).
 pub const CELLS_PER_UNIT: u32 = 8;
+/// A 16-bit field of a packed slab count.
+const FIELD: u64 = 0xFFFF;
 /// Mask cells per tile (one cube).
 pub const TILE_CELLS: u64 = (CUBE_SIZE * CELLS_PER_UNIT) as u64;
 
@@ -51,13 +54,20 @@ pub struct MaskedShape {
     pub capacity: u64,
     /// Tiles (= cubes) of this launch, at least 1.
     pub tiles: u64,
+    /// Whole pos rows in `CUBE_SIZE` cells (a slab).
+    pub slab_rows: u64,
+    /// The rest of a slab's cells past `slab_rows` rows (less than `pos_cols`).
+    pub slab_cols: u64,
 }
 
 /// `T[row(i)][pos2d[i][j]]` for every true `mask[i][j]`, row-major, into `out[..capacity]`.
 ///
-/// Each unit owns `CELLS_PER_UNIT` consecutive cells: it reads their mask, checks and gathers the
-/// true ones into registers before the scan (so the loads' latency overlaps the look-back), then
-/// stores them at their ranks. One division per unit: the cell's row and column then advance.
+/// A tile is `CELLS_PER_UNIT` slabs of `CUBE_SIZE` consecutive cells; unit `u` owns cell `u` of
+/// every slab, so that each load and each store of a plane is coalesced. A unit reads its cells'
+/// mask, position and row, checks and gathers the true ones into registers before the scan (so
+/// the loads' latency overlaps the look-back), then stores them at their row-major ranks: the
+/// slabs before, then the units before it in its slab. One scan gives every slab's ranks, four
+/// 16-bit counts per word.
 #[cube(launch_unchecked)]
 pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     table: &Tensor<T>,
@@ -68,87 +78,120 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     count: &mut Tensor<i64>,
     status: &mut Tensor<i64>,
     scratch: &Tensor<Atomic<u64>>,
+    counts: &Tensor<u64>,
     shape: MaskedShape,
     #[comptime] broadcast_prefix: bool,
+    #[comptime] counted: bool,
     #[define(T, Q, P, M)] _dtypes: [StorageType; 4],
 ) {
-    let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
+    let mut low_slabs = SharedMemory::<u64>::new(CUBE_SIZE as usize);
+    let mut high_slabs = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut broadcast = SharedMemory::<u64>::new(SLOTS);
-    let tile = take_ticket(&scratch[SCRATCH_TICKETS], shape.tiles > 1, &mut broadcast);
+    // Counted tiles wait on no other tile: any order will do.
+    let ordered = shape.tiles > 1 && !counted;
+    let tile = take_ticket(&scratch[SCRATCH_TICKETS], ordered, &mut broadcast);
     let cells = shape.pos_rows * shape.pos_cols;
-    let first = tile * TILE_CELLS + (UNIT_POS * CELLS_PER_UNIT) as u64;
-    let columns = shape.pos_cols.max(1);
-    let mut i = first / columns;
-    let mut j = first % columns;
+    let first = tile * TILE_CELLS + UNIT_POS as u64;
+    let (mut i, mut j) = pos_of(first, shape.pos_cols);
 
-    // The unit's cells: which are true, their values, and whether each may be stored. Nothing is
-    // read before its bounds check passes.
-    let mut values = Array::<i64>::new(CELLS_PER_UNIT as usize);
-    let mut selected = 0u32.runtime();
-    let mut stores = 0u32.runtime();
-    let mut dependency = 0u64.runtime();
-    let mut reported = false.runtime();
+    // First every cell's mask, position and row, with no branch between the loads, so that all
+    // of them are in flight at once (a cell past the end reads element 0, which every binding
+    // has, and is then ignored).
+    let mut flags = 0u32.runtime();
+    let mut row_starts = 0u32.runtime();
+    let mut positions = Array::<i64>::new(CELLS_PER_UNIT as usize);
+    let mut rows = Array::<i64>::new(CELLS_PER_UNIT as usize);
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
-        let cell = first + k as u64;
+        let inside = first + ((k * CUBE_SIZE) as u64) < cells;
+        let (ci, cj) = (select(inside, i, 0u64), select(inside, j, 0u64));
+        let flag = mask[ci as usize * mask.stride(0) + cj as usize * mask.stride(1)];
+        positions[k as usize] =
+            i64::cast_from(pos2d[ci as usize * pos2d.stride(0) + cj as usize * pos2d.stride(1)]);
+        rows[k as usize] = row_of(req_pool_indices, ci, shape.shared_row);
+        flags |= u32::cast_from(inside && flag != M::new(0)) << k;
+        row_starts |= u32::cast_from(inside && j == 0) << k;
+        (i, j) = next_slab(i, j, shape);
+    }
+    // Then the checks and the table reads (again all in flight at once). A unit reports only its
+    // smallest error key, once, after the loop: no atomic sits between the loads.
+    let mut values = Array::<i64>::new(CELLS_PER_UNIT as usize);
+    let selected = flags;
+    let mut stores = 0u32.runtime();
+    let mut key = NO_ERROR.runtime();
+    #[unroll]
+    for k in 0..CELLS_PER_UNIT {
+        let cell = first + (k * CUBE_SIZE) as u64;
+        let row = rows[k as usize];
+        let position = positions[k as usize];
+        let row_ok = row >= 0 && (row as u64) < shape.rows;
+        let flagged = (flags >> k) & 1 == 1;
+        // Rule 8, once per pos row, true cells or not (the empty table skips it).
+        let row_fails = (row_starts >> k) & 1 == 1 && shape.cols > 0 && !row_ok;
+        let empty_fails = flagged && shape.cols == 0;
+        let position_ok = position >= 0 && (position as u64) < shape.cols;
+        let position_fails = flagged && shape.cols > 0 && !position_ok;
+        let row_key = select(row_fails, KEY_ROW | cell, NO_ERROR);
+        let empty_key = select(empty_fails, KEY_EMPTY_TABLE, NO_ERROR);
+        let position_key = select(position_fails, KEY_POSITION | cell, NO_ERROR);
+        let cell_key = row_key.min(empty_key).min(position_key);
+        key = select(cell_key < key, cell_key, key);
         values[k as usize] = 0;
-        if cell < cells {
-            let row = row_of(req_pool_indices, i, shape.shared_row);
-            let row_ok = row >= 0 && (row as u64) < shape.rows;
-            // Rule 8, once per pos row, true cells or not (the empty table skips it).
-            if j == 0 && shape.cols > 0 && !row_ok {
-                dependency |= report_error(&scratch[SCRATCH_ERROR], KEY_ROW | cell) >> 63;
-                reported = true;
-            }
-            // Mask, position and row are read together (independent loads), true cell or not.
-            let flag = mask[i as usize * mask.stride(0) + j as usize * mask.stride(1)];
-            let position =
-                i64::cast_from(pos2d[i as usize * pos2d.stride(0) + j as usize * pos2d.stride(1)]);
-            if flag != M::new(0) {
-                selected |= 1u32 << k;
-                if shape.cols == 0 {
-                    dependency |= report_error(&scratch[SCRATCH_ERROR], KEY_EMPTY_TABLE) >> 63;
-                    reported = true;
-                } else {
-                    let position_ok = position >= 0 && (position as u64) < shape.cols;
-                    if !position_ok {
-                        dependency |=
-                            report_error(&scratch[SCRATCH_ERROR], KEY_POSITION | cell) >> 63;
-                        reported = true;
-                    } else if row_ok {
-                        let at =
-                            row as usize * table.stride(0) + position as usize * table.stride(1);
-                        values[k as usize] = i64::cast_from(table[at]);
-                        stores |= 1u32 << k;
-                    }
-                }
-            }
-        }
-        j += 1;
-        if j == columns {
-            j = 0;
-            i += 1;
+        if flagged && shape.cols > 0 && position_ok && row_ok {
+            let at = row as usize * table.stride(0) + position as usize * table.stride(1);
+            values[k as usize] = i64::cast_from(table[at]);
+            stores |= 1u32 << k;
         }
     }
-    let (unit_rank, tile_total) = cube_exclusive_scan(selected.count_ones() as u64, &mut shared);
-    let mut rank = tile_prefix(
-        scratch,
-        SCRATCH_TILES,
-        tile as usize,
-        tile_total,
-        shape.tiles > 1,
-        &mut broadcast,
-        SLOT_PREFIX,
-        broadcast_prefix,
-    ) + unit_rank;
+    let mut dependency = 0u64.runtime();
+    let reported = key != NO_ERROR;
+    if reported {
+        dependency = report_error(&scratch[SCRATCH_ERROR], key) >> 63;
+    }
+    // Slab k's flag counts as field k % 4 (16 bits) of the low or high word.
+    let mut low = 0u64.runtime();
+    let mut high = 0u64.runtime();
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
-        if (selected >> k) & 1 == 1 {
-            if (stores >> k) & 1 == 1 && rank < shape.capacity {
-                out[rank as usize] = values[k as usize];
-            }
-            rank += 1;
+        let bit = ((selected >> k) & 1) as u64;
+        if k < 4 {
+            low |= bit << (16 * k) as u64;
+        } else {
+            high |= bit << (16 * (k - 4)) as u64;
         }
+    }
+    let (low_rank, high_rank, low_total, high_total) =
+        cube_exclusive_scan_pair(low, high, &mut low_slabs, &mut high_slabs);
+    let tile_total = field_sum(low_total) + field_sum(high_total);
+    let prefix = if counted {
+        sum_of_counts(counts, tile, &mut low_slabs)
+    } else {
+        tile_prefix(
+            scratch,
+            SCRATCH_TILES,
+            tile as usize,
+            tile_total,
+            shape.tiles > 1,
+            &mut broadcast,
+            SLOT_PREFIX,
+            broadcast_prefix,
+        )
+    };
+    // Ranks: the tile's prefix, the slabs before (their totals), the units before in the slab.
+    let mut slabs_before = prefix;
+    #[unroll]
+    for k in 0..CELLS_PER_UNIT {
+        let (ranks, totals) = if k < 4 {
+            (low_rank, low_total)
+        } else {
+            (high_rank, high_total)
+        };
+        let shift = (16 * (k % 4)) as u64;
+        let rank = slabs_before + ((ranks >> shift) & FIELD);
+        if (stores >> k) & 1 == 1 && rank < shape.capacity {
+            out[rank as usize] = values[k as usize];
+        }
+        slabs_before += (totals >> shift) & FIELD;
     }
     let (last, any_reported) = publish_block_done(
         &scratch[SCRATCH_DONE],
@@ -157,17 +200,71 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
         reported,
         &mut broadcast,
     );
-    if last && UNIT_POS == 0 {
-        let (total, key) = launch_outcome(
-            scratch,
-            SCRATCH_TILES,
-            SCRATCH_ERROR,
-            shape.tiles,
-            tile_total,
-            any_reported,
-        );
-        finish_masked(req_pool_indices, pos2d, count, status, shape, total, key);
+    if last {
+        // Counted: the total is every tile's count (no tile published a state).
+        let mut tiles = shape.tiles;
+        let mut own_total = tile_total;
+        if counted {
+            tiles = 1;
+            own_total = sum_of_counts(counts, shape.tiles, &mut low_slabs);
+        }
+        if UNIT_POS == 0 {
+            let (total, key) = launch_outcome(
+                scratch,
+                SCRATCH_TILES,
+                SCRATCH_ERROR,
+                tiles,
+                own_total,
+                any_reported,
+            );
+            finish_masked(req_pool_indices, pos2d, count, status, shape, total, key);
+        }
     }
+}
+
+/// The first launch of a counted masked gather: each tile's true cells, in `counts[tile]`. The
+/// gather then finds each tile's prefix by summing the counts before it, with no chain between
+/// tiles (a look-back over thousands of tiles costs more than this launch).
+#[cube(launch_unchecked)]
+pub fn masked_count_kernel<M: Int>(
+    mask: &Tensor<M>,
+    counts: &mut Tensor<u64>,
+    shape: MaskedShape,
+    #[define(M)] _dtype: StorageType,
+) {
+    let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
+    let tile = CUBE_POS as u64;
+    let cells = shape.pos_rows * shape.pos_cols;
+    let first = tile * TILE_CELLS + UNIT_POS as u64;
+    let (mut i, mut j) = pos_of(first, shape.pos_cols);
+    let mut selected = 0u64.runtime();
+    #[unroll]
+    for k in 0..CELLS_PER_UNIT {
+        let cell = first + (k * CUBE_SIZE) as u64;
+        if cell < cells
+            && mask[i as usize * mask.stride(0) + j as usize * mask.stride(1)] != M::new(0)
+        {
+            selected += 1;
+        }
+        (i, j) = next_slab(i, j, shape);
+    }
+    let (_, total) = cube_exclusive_scan(selected, &mut shared);
+    if UNIT_POS == 0 && tile < shape.tiles {
+        counts[tile as usize] = total;
+    }
+}
+
+/// `counts[0] + ... + counts[end - 1]`, summed by the whole cube.
+#[cube]
+fn sum_of_counts(counts: &Tensor<u64>, end: u64, shared: &mut SharedMemory<u64>) -> u64 {
+    let mut partial = 0u64.runtime();
+    let mut t = UNIT_POS as u64;
+    while t < end {
+        partial += counts[t as usize];
+        t += CUBE_SIZE as u64;
+    }
+    let (_, total) = cube_exclusive_scan(partial, shared);
+    total
 }
 
 /// The last cube's view of a gather launch: the total of every tile and the smallest error key
@@ -187,6 +284,31 @@ fn launch_outcome(
         key = scratch[error].load();
     }
     (total, key)
+}
+
+/// The pos row and column of a row-major cell.
+#[cube]
+fn pos_of(cell: u64, pos_cols: u64) -> (u64, u64) {
+    let columns = pos_cols.max(1);
+    (cell / columns, cell % columns)
+}
+
+/// The pos row and column `CUBE_SIZE` cells (a slab) after `(i, j)`, without a division.
+#[cube]
+fn next_slab(i: u64, j: u64, shape: MaskedShape) -> (u64, u64) {
+    let columns = shape.pos_cols.max(1);
+    let column = j + shape.slab_cols;
+    let wraps = column >= columns;
+    (
+        i + shape.slab_rows + u64::cast_from(wraps),
+        select(wraps, column - columns, column),
+    )
+}
+
+/// The sum of a word's four 16-bit fields.
+#[cube]
+fn field_sum(word: u64) -> u64 {
+    (word & FIELD) + ((word >> 16) & FIELD) + ((word >> 32) & FIELD) + (word >> 48)
 }
 
 /// `req_pool_indices[i]`, or entry 0 when it is shared, widened to i64.

@@ -572,6 +572,36 @@ pub fn large_cases<B: KvPlanBackend>(device: &B::Device) {
         };
         run_masked::<B>(&case, device, &[], &format!("large masked ({r}, {c})"));
     }
+    // More than 64 tiles of 2048 cells: the gather counts first. Clean (with a capacity one short
+    // and one exact), then a bad position and a bad row late in the batch, both at once.
+    let (rows, cols, r, c) = (64usize, 4096usize, 80usize, 2048usize);
+    let table = random_table(&mut rng, rows, cols);
+    let rpi: Vec<i64> = (0..r).map(|_| rng.range(1, rows as i64 - 1)).collect();
+    let pos2d: Vec<i64> = (0..r * c).map(|_| rng.range(0, cols as i64 - 1)).collect();
+    let mask: Vec<bool> = (0..r * c).map(|_| rng.chance(1, 2)).collect();
+    let mut case = MaskedCase {
+        rows,
+        cols,
+        table,
+        rpi,
+        r,
+        c,
+        pos2d,
+        mask,
+        dtypes: [DType::I32, DType::I32, DType::I32],
+    };
+    let valid = case.mask.iter().filter(|&&m| m).count();
+    run_masked::<B>(
+        &case,
+        device,
+        &[valid - 1, valid],
+        "counted masked (80, 2048)",
+    );
+    case.mask[77 * c + 1500] = true;
+    case.pos2d[77 * c + 1500] = cols as i64;
+    run_masked::<B>(&case, device, &[], "counted masked, bad position");
+    case.rpi[60] = rows as i64;
+    run_masked::<B>(&case, device, &[], "counted masked, bad row and position");
     for (s, cols, longest) in [(4096, 128, 64), (1000, 4096, 2048), (300, 16, 16)] {
         let rows = 32;
         let table = random_table(&mut rng, rows, cols);
