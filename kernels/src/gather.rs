@@ -58,6 +58,9 @@ pub struct MaskedShape {
     pub slab_rows: u64,
     /// The rest of a slab's cells past `slab_rows` rows (less than `pos_cols`).
     pub slab_cols: u64,
+    /// Tiles per group of a counted gather: `ceil(tiles / CUBE_SIZE)`, so at most `CUBE_SIZE`
+    /// groups.
+    pub group_tiles: u64,
 }
 
 /// `T[row(i)][pos2d[i][j]]` for every true `mask[i][j]`, row-major, into `out[..capacity]`.
@@ -116,7 +119,6 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     // Then the checks and the table reads (again all in flight at once). A unit reports only its
     // smallest error key, once, after the loop: no atomic sits between the loads.
     let mut values = Array::<i64>::new(CELLS_PER_UNIT as usize);
-    let selected = flags;
     let mut stores = 0u32.runtime();
     let mut key = NO_ERROR.runtime();
     #[unroll]
@@ -153,7 +155,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     let mut high = 0u64.runtime();
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
-        let bit = ((selected >> k) & 1) as u64;
+        let bit = ((flags >> k) & 1) as u64;
         if k < 4 {
             low |= bit << (16 * k) as u64;
         } else {
@@ -164,7 +166,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
         cube_exclusive_scan_pair(low, high, &mut low_slabs, &mut high_slabs);
     let tile_total = field_sum(low_total) + field_sum(high_total);
     let prefix = if counted {
-        sum_of_counts(counts, tile, &mut low_slabs)
+        counts_before(counts, scratch, tile, shape.group_tiles, &mut low_slabs)
     } else {
         tile_prefix(
             scratch,
@@ -201,34 +203,40 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
         &mut broadcast,
     );
     if last {
-        // Counted: the total is every tile's count (no tile published a state).
-        let mut tiles = shape.tiles;
-        let mut own_total = tile_total;
-        if counted {
-            tiles = 1;
-            own_total = sum_of_counts(counts, shape.tiles, &mut low_slabs);
-        }
-        if UNIT_POS == 0 {
-            let (total, key) = launch_outcome(
+        // Counted, no tile published a state: the total is every tile's count.
+        let counted_total = if counted {
+            counts_before(
+                counts,
                 scratch,
-                SCRATCH_TILES,
-                SCRATCH_ERROR,
-                tiles,
-                own_total,
-                any_reported,
-            );
+                shape.tiles,
+                shape.group_tiles,
+                &mut low_slabs,
+            )
+        } else {
+            0u64.runtime()
+        };
+        if UNIT_POS == 0 {
+            let total = if counted {
+                counted_total
+            } else {
+                launch_total(scratch, SCRATCH_TILES, shape.tiles, tile_total)
+            };
+            let key = first_error(scratch, SCRATCH_ERROR, any_reported);
             finish_masked(req_pool_indices, pos2d, count, status, shape, total, key);
         }
     }
 }
 
-/// The first launch of a counted masked gather: each tile's true cells, in `counts[tile]`. The
-/// gather then finds each tile's prefix by summing the counts before it, with no chain between
-/// tiles (a look-back over thousands of tiles costs more than this launch).
+/// The first launch of a counted masked gather: each tile's true cells, in `counts[tile]`, and
+/// each group of `group_tiles` tiles' total, added into `scratch[SCRATCH_TILES + group]` (the tile
+/// states, unused when counted; at most `CUBE_SIZE` groups). The gather then finds each tile's
+/// prefix from the groups and tiles before it (`counts_before`): a bounded sum, with no chain
+/// between tiles (a look-back over thousands of tiles costs more than this launch).
 #[cube(launch_unchecked)]
 pub fn masked_count_kernel<M: Int>(
     mask: &Tensor<M>,
     counts: &mut Tensor<u64>,
+    scratch: &Tensor<Atomic<u64>>,
     shape: MaskedShape,
     #[define(M)] _dtype: StorageType,
 ) {
@@ -249,16 +257,32 @@ pub fn masked_count_kernel<M: Int>(
         (i, j) = next_slab(i, j, shape);
     }
     let (_, total) = cube_exclusive_scan(selected, &mut shared);
-    if UNIT_POS == 0 && tile < shape.tiles {
+    if UNIT_POS == 0 {
         counts[tile as usize] = total;
+        scratch[SCRATCH_TILES + (tile / shape.group_tiles) as usize].fetch_add(total);
     }
 }
 
-/// `counts[0] + ... + counts[end - 1]`, summed by the whole cube.
+/// The true cells of tiles `0..end`, summed by the whole cube: the whole groups' totals (at most
+/// `CUBE_SIZE` groups: one read per unit), then the counts of the rest (fewer than a group).
+///
+/// A unit reads at most one group total, without a loop: lavapipe was seen to lose the code after
+/// a loop that contains an atomic.
 #[cube]
-fn sum_of_counts(counts: &Tensor<u64>, end: u64, shared: &mut SharedMemory<u64>) -> u64 {
+fn counts_before(
+    counts: &Tensor<u64>,
+    scratch: &Tensor<Atomic<u64>>,
+    end: u64,
+    group_tiles: u64,
+    shared: &mut SharedMemory<u64>,
+) -> u64 {
+    let groups = end / group_tiles;
+    let unit = UNIT_POS as u64;
     let mut partial = 0u64.runtime();
-    let mut t = UNIT_POS as u64;
+    if unit < groups {
+        partial += scratch[SCRATCH_TILES + unit as usize].load();
+    }
+    let mut t = groups * group_tiles + unit;
     while t < end {
         partial += counts[t as usize];
         t += CUBE_SIZE as u64;
@@ -267,23 +291,15 @@ fn sum_of_counts(counts: &Tensor<u64>, end: u64, shared: &mut SharedMemory<u64>)
     total
 }
 
-/// The last cube's view of a gather launch: the total of every tile and the smallest error key
-/// (none to read when no cube reported one).
+/// The smallest error key of a gather launch, for its last cube (none to read when no cube
+/// reported one).
 #[cube]
-fn launch_outcome(
-    scratch: &Tensor<Atomic<u64>>,
-    states: usize,
-    error: usize,
-    tiles: u64,
-    tile_total: u64,
-    any_reported: bool,
-) -> (u64, u64) {
-    let total = launch_total(scratch, states, tiles, tile_total);
+fn first_error(scratch: &Tensor<Atomic<u64>>, error: usize, any_reported: bool) -> u64 {
     let mut key = NO_ERROR.runtime();
     if any_reported {
         key = scratch[error].load();
     }
-    (total, key)
+    key
 }
 
 /// The pos row and column of a row-major cell.
@@ -516,14 +532,8 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
         &mut broadcast,
     );
     if last && UNIT_POS == 0 {
-        let (total, key) = launch_outcome(
-            scratch,
-            SEG_TILES,
-            SEG_ERROR,
-            shape.tiles,
-            tile_total,
-            any_reported,
-        );
+        let total = launch_total(scratch, SEG_TILES, shape.tiles, tile_total);
+        let key = first_error(scratch, SEG_ERROR, any_reported);
         finish_segments(
             req_pool_indices,
             start,

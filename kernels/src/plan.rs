@@ -372,9 +372,9 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         w += stride;
     }
 
-    // The tile's verify entries, a contiguous share per cube, `CUBE_SIZE` at a time. Entries may only be
-    // written when the whole plan fits: a lone tile knows its total; for more tiles either the
-    // count launch summed it or the host has proved that the plan fits.
+    // The tile's verify entries, a contiguous share per cube, `CUBE_SIZE` at a time. Entries may
+    // only be written when the whole plan fits: a lone tile knows its total; for more tiles either
+    // the count launch summed it or the host has proved that the plan fits.
     let mut fits = shape.tiles > 1 || verify_tile <= shape.verify_capacity;
     if features.counted {
         fits = scratch[PLAN_TOTAL].load() <= shape.verify_capacity;

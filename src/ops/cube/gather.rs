@@ -34,7 +34,8 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
     let count = output_i64(&req_to_token, 1);
     let status = output_i64(&req_to_token, STATUS_LEN);
     let (cube_count, tiles) = grid((pos_rows * pos_cols).div_ceil(TILE_CELLS as usize));
-    // Fresh scratch: ticket and done counters at 0, no error, every tile state empty.
+    // Fresh scratch: ticket and done counters at 0, no error, every tile state (or, counted, every
+    // group total) empty.
     let mut words = vec![0u64; SCRATCH_TILES + tiles];
     words[SCRATCH_ERROR] = NO_ERROR;
     let scratch = upload_u64(&req_to_token, &words);
@@ -61,6 +62,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
             tiles as u64,
             (CUBE_SIZE as usize / pos_cols.max(1)) as u64,
             (CUBE_SIZE as usize % pos_cols.max(1)) as u64,
+            tiles.div_ceil(CUBE_SIZE as usize).max(1) as u64,
         )
     };
     // SAFETY: every index the kernels form is bounds-checked against the shapes passed here.
@@ -72,6 +74,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
                 CubeDim::new_1d(CUBE_SIZE),
                 mask.clone().into_tensor_arg(),
                 counts.clone().into_tensor_arg(),
+                scratch.clone().into_tensor_arg(),
                 shape(),
                 dtypes[3],
             );
