@@ -420,6 +420,17 @@ pub enum Error {
         accepted: &'static str,
     },
 
+    /// A launch would index more elements than the device's kernels can address: it has no
+    /// 64-bit indexing and a binding (or a count the kernel keeps) passes 2^31 elements.
+    #[error(
+        "kvplan: a launch spans {elements} elements, beyond the {limit} this device can index (it has no 64-bit indexing)"
+    )]
+    IndexRange {
+        /// Elements of the widest binding or count.
+        elements: u64,
+        /// Elements a 32-bit launch may index.
+        limit: u64,
+    },
     /// The device failed to run or read back an op (not an input error).
     #[error("kvplan: device execution failed: {detail}")]
     Execution {
@@ -481,6 +492,7 @@ impl Error {
             Error::SourceRowTooNarrow { .. } => "source_row_too_narrow",
             Error::CanaryArgument { .. } => "canary_argument",
             Error::CorruptStatus { .. } => "corrupt_status",
+            Error::IndexRange { .. } => "index_range",
             Error::Execution { .. } => "execution",
         }
     }

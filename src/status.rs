@@ -96,6 +96,9 @@ pub fn encode(outcome: &Result<usize, Error>) -> StatusWords {
             Error::WriteOffsetsOverflow { request } => {
                 (PLAN_WRITE_OFFSETS_OVERFLOW, vec![request as i64])
             }
+            Error::IndexRange { elements, limit } => {
+                (INDEX_RANGE, vec![elements as i64, limit as i64])
+            }
             _ => (UNKNOWN_CODE, vec![]),
         },
     };
@@ -183,6 +186,10 @@ pub fn decode(words: &StatusWords, context: &str) -> Result<usize, Error> {
             valid_len: fact(3),
         },
         PLAN_WRITE_OFFSETS_OVERFLOW => Error::WriteOffsetsOverflow { request: index(0) },
+        INDEX_RANGE => Error::IndexRange {
+            elements: fact(0).max(0) as u64,
+            limit: fact(1).max(0) as u64,
+        },
         EXECUTION => Error::Execution {
             detail: "a fused kvplan op failed on the device".into(),
         },

@@ -17,6 +17,9 @@ mod errors;
 mod gather;
 #[path = "kvplan/plan.rs"]
 mod plan;
+#[cfg(feature = "cuda")]
+#[path = "kvplan/wide.rs"]
+mod wide;
 
 /// Instantiates every test for one backend.
 macro_rules! suite {
@@ -235,3 +238,17 @@ suite!(
     other_device: None,
     broadcast: HostRefused
 );
+
+// 64-bit indexing, on a table past 2^32 elements (17 GB: CUDA only).
+#[cfg(feature = "cuda")]
+mod wide_tables {
+    #[test]
+    fn cuda() {
+        crate::wide::wide_tables::<kvplan::backends::Cuda>(&burn_cuda::CudaDevice::default());
+    }
+
+    #[test]
+    fn cuda_unfused() {
+        crate::wide::wide_tables::<kvplan::backends::CudaUnfused>(&burn_cuda::CudaDevice::default());
+    }
+}

@@ -338,7 +338,7 @@ pub const GROUPS_PER_CUBE: u32 = CUBE_SIZE / GROUP;
 
 /// Write (spec §6). Cubes `[0, chain_cubes)` walk one request per group of `GROUP` units; under a
 /// real-KV mode the remaining cubes fold fingerprints over all active entries.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn canary_write_kernel(
     buffer: &mut Tensor<u64>,
@@ -736,7 +736,7 @@ fn store_assert_rows(
 }
 
 /// Verify (spec §7): one entry per unit over a grid-stride loop.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn canary_verify_kernel(
     buffer: &Tensor<u64>,

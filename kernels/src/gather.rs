@@ -71,7 +71,7 @@ pub struct MaskedShape {
 /// the loads' latency overlaps the look-back), then stores them at their row-major ranks: the
 /// slabs before, then the units before it in its slab. One scan gives every slab's ranks, four
 /// 16-bit counts per word.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, address_type = "dynamic")]
 pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     table: &Tensor<T>,
     req_pool_indices: &Tensor<Q>,
@@ -92,10 +92,13 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     let mut broadcast = SharedMemory::<u64>::new(SLOTS);
     // Counted tiles wait on no other tile: any order will do.
     let ordered = shape.tiles > 1 && !counted;
-    let tile = take_ticket(&scratch[SCRATCH_TICKETS], ordered, &mut broadcast);
-    let cells = shape.pos_rows * shape.pos_cols;
-    let first = tile * TILE_CELLS + UNIT_POS as u64;
-    let (mut i, mut j) = pos_of(first, shape.pos_cols);
+    let tile = take_ticket(&scratch[SCRATCH_TICKETS], ordered, &mut broadcast) as usize;
+    // Cells are counted in `usize`, 32-bit unless the launch needs more (the launcher picks the
+    // address type from every extent): 64-bit cell arithmetic was most of this kernel's
+    // instructions.
+    let cells = shape.pos_rows as usize * shape.pos_cols as usize;
+    let first = tile * TILE_CELLS as usize + UNIT_POS as usize;
+    let (mut i, mut j) = pos_of(first, shape.pos_cols as usize);
 
     // First every cell's mask, position and row, with no branch between the loads, so that all
     // of them are in flight at once (a cell past the end reads element 0, which every binding
@@ -106,44 +109,42 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     let mut rows = Array::<i64>::new(CELLS_PER_UNIT as usize);
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
-        let inside = first + ((k * CUBE_SIZE) as u64) < cells;
-        let (ci, cj) = (select(inside, i, 0u64), select(inside, j, 0u64));
-        let flag = mask[ci as usize * mask.stride(0) + cj as usize * mask.stride(1)];
-        positions[k as usize] =
-            i64::cast_from(pos2d[ci as usize * pos2d.stride(0) + cj as usize * pos2d.stride(1)]);
+        let inside = first + ((k * CUBE_SIZE) as usize) < cells;
+        let (ci, cj) = (select(inside, i, 0usize), select(inside, j, 0usize));
+        let flag = mask[ci * mask.stride(0) + cj * mask.stride(1)];
+        positions[k as usize] = i64::cast_from(pos2d[ci * pos2d.stride(0) + cj * pos2d.stride(1)]);
         rows[k as usize] = row_of(req_pool_indices, ci, shape.shared_row);
         flags |= u32::cast_from(inside && flag != M::new(0)) << k;
         row_starts |= u32::cast_from(inside && j == 0) << k;
         (i, j) = next_slab(i, j, shape);
     }
-    // Then the checks and the table reads (again all in flight at once). A unit reports only its
-    // smallest error key, once, after the loop: no atomic sits between the loads.
+    // Then the checks and the table reads (again all in flight at once). A failing cell only
+    // sets a bit here; its error key is built after the loop, off the common path.
     let mut values = Array::<i64>::new(CELLS_PER_UNIT as usize);
     let mut stores = 0u32.runtime();
-    let mut key = NO_ERROR.runtime();
+    let mut failures = 0u32.runtime();
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
-        let cell = first + (k * CUBE_SIZE) as u64;
         let row = rows[k as usize];
         let position = positions[k as usize];
         let row_ok = row >= 0 && (row as u64) < shape.rows;
         let flagged = (flags >> k) & 1 == 1;
         // Rule 8, once per pos row, true cells or not (the empty table skips it).
         let row_fails = (row_starts >> k) & 1 == 1 && shape.cols > 0 && !row_ok;
-        let empty_fails = flagged && shape.cols == 0;
         let position_ok = position >= 0 && (position as u64) < shape.cols;
-        let position_fails = flagged && shape.cols > 0 && !position_ok;
-        let row_key = select(row_fails, KEY_ROW | cell, NO_ERROR);
-        let empty_key = select(empty_fails, KEY_EMPTY_TABLE, NO_ERROR);
-        let position_key = select(position_fails, KEY_POSITION | cell, NO_ERROR);
-        let cell_key = row_key.min(empty_key).min(position_key);
-        key = select(cell_key < key, cell_key, key);
+        let cell_fails = row_fails || (flagged && (shape.cols == 0 || !position_ok));
+        failures |= u32::cast_from(cell_fails) << k;
         values[k as usize] = 0;
         if flagged && shape.cols > 0 && position_ok && row_ok {
             let at = row as usize * table.stride(0) + position as usize * table.stride(1);
             values[k as usize] = i64::cast_from(table[at]);
             stores |= 1u32 << k;
         }
+    }
+    // A unit reports only its smallest error key, once: no atomic sits between the loads.
+    let mut key = NO_ERROR.runtime();
+    if failures != 0 {
+        key = smallest_key(first, &rows, &positions, flags, row_starts, shape);
     }
     let mut dependency = 0u64.runtime();
     let reported = key != NO_ERROR;
@@ -166,7 +167,13 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
         cube_exclusive_scan_pair(low, high, &mut low_slabs, &mut high_slabs);
     let tile_total = field_sum(low_total) + field_sum(high_total);
     let prefix = if counted {
-        counts_before(counts, scratch, tile, shape.group_tiles, &mut low_slabs)
+        counts_before(
+            counts,
+            scratch,
+            tile as u64,
+            shape.group_tiles,
+            &mut low_slabs,
+        )
     } else {
         tile_prefix(
             scratch,
@@ -180,20 +187,15 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
         )
     };
     // Ranks: the tile's prefix, the slabs before (their totals), the units before in the slab.
-    let mut slabs_before = prefix;
+    let capacity = shape.capacity as usize;
+    let mut slabs_before = prefix as usize;
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
-        let (ranks, totals) = if k < 4 {
-            (low_rank, low_total)
-        } else {
-            (high_rank, high_total)
-        };
-        let shift = (16 * (k % 4)) as u64;
-        let rank = slabs_before + ((ranks >> shift) & FIELD);
-        if (stores >> k) & 1 == 1 && rank < shape.capacity {
-            out[rank as usize] = values[k as usize];
+        let rank = slabs_before + slab_field(low_rank, high_rank, k);
+        if (stores >> k) & 1 == 1 && rank < capacity {
+            out[rank] = values[k as usize];
         }
-        slabs_before += (totals >> shift) & FIELD;
+        slabs_before += slab_field(low_total, high_total, k);
     }
     let (last, any_reported) = publish_block_done(
         &scratch[SCRATCH_DONE],
@@ -232,7 +234,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
 /// states, unused when counted; at most `CUBE_SIZE` groups). The gather then finds each tile's
 /// prefix from the groups and tiles before it (`counts_before`): a bounded sum, with no chain
 /// between tiles (a look-back over thousands of tiles costs more than this launch).
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, address_type = "dynamic")]
 pub fn masked_count_kernel<M: Int>(
     mask: &Tensor<M>,
     counts: &mut Tensor<u64>,
@@ -241,25 +243,23 @@ pub fn masked_count_kernel<M: Int>(
     #[define(M)] _dtype: StorageType,
 ) {
     let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
-    let tile = CUBE_POS as u64;
-    let cells = shape.pos_rows * shape.pos_cols;
-    let first = tile * TILE_CELLS + UNIT_POS as u64;
-    let (mut i, mut j) = pos_of(first, shape.pos_cols);
+    let tile = CUBE_POS as usize;
+    let cells = shape.pos_rows as usize * shape.pos_cols as usize;
+    let first = tile * TILE_CELLS as usize + UNIT_POS as usize;
+    let (mut i, mut j) = pos_of(first, shape.pos_cols as usize);
     let mut selected = 0u64.runtime();
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
-        let cell = first + (k * CUBE_SIZE) as u64;
-        if cell < cells
-            && mask[i as usize * mask.stride(0) + j as usize * mask.stride(1)] != M::new(0)
-        {
+        let cell = first + (k * CUBE_SIZE) as usize;
+        if cell < cells && mask[i * mask.stride(0) + j * mask.stride(1)] != M::new(0) {
             selected += 1;
         }
         (i, j) = next_slab(i, j, shape);
     }
     let (_, total) = cube_exclusive_scan(selected, &mut shared);
     if UNIT_POS == 0 {
-        counts[tile as usize] = total;
-        scratch[SCRATCH_TILES + (tile / shape.group_tiles) as usize].fetch_add(total);
+        counts[tile] = total;
+        scratch[SCRATCH_TILES + tile / shape.group_tiles as usize].fetch_add(total);
     }
 }
 
@@ -304,19 +304,19 @@ fn first_error(scratch: &Tensor<Atomic<u64>>, error: usize, any_reported: bool) 
 
 /// The pos row and column of a row-major cell.
 #[cube]
-fn pos_of(cell: u64, pos_cols: u64) -> (u64, u64) {
+fn pos_of(cell: usize, pos_cols: usize) -> (usize, usize) {
     let columns = pos_cols.max(1);
     (cell / columns, cell % columns)
 }
 
 /// The pos row and column `CUBE_SIZE` cells (a slab) after `(i, j)`, without a division.
 #[cube]
-fn next_slab(i: u64, j: u64, shape: MaskedShape) -> (u64, u64) {
-    let columns = shape.pos_cols.max(1);
-    let column = j + shape.slab_cols;
+fn next_slab(i: usize, j: usize, shape: MaskedShape) -> (usize, usize) {
+    let columns = (shape.pos_cols as usize).max(1);
+    let column = j + shape.slab_cols as usize;
     let wraps = column >= columns;
     (
-        i + shape.slab_rows + u64::cast_from(wraps),
+        i + shape.slab_rows as usize + usize::cast_from(wraps),
         select(wraps, column - columns, column),
     )
 }
@@ -327,10 +327,53 @@ fn field_sum(word: u64) -> u64 {
     (word & FIELD) + ((word >> 16) & FIELD) + ((word >> 32) & FIELD) + (word >> 48)
 }
 
+/// Slab `k`'s 16-bit field of a packed pair of words, read from a 32-bit half.
+#[cube]
+fn slab_field(low: u64, high: u64, #[comptime] k: u32) -> usize {
+    let word = if k < 4 { low } else { high };
+    let half = if k % 4 < 2 {
+        word as u32
+    } else {
+        (word >> 32) as u32
+    };
+    ((half >> (16 * (k % 2))) & 0xFFFF) as usize
+}
+
+/// The smallest error key of a unit's cells (only called when one of them fails): the rule in
+/// the top byte, then the row-major cell.
+#[cube]
+fn smallest_key(
+    first: usize,
+    rows: &Array<i64>,
+    positions: &Array<i64>,
+    flags: u32,
+    row_starts: u32,
+    shape: MaskedShape,
+) -> u64 {
+    let mut key = NO_ERROR.runtime();
+    #[unroll]
+    for k in 0..CELLS_PER_UNIT {
+        let cell = (first + (k * CUBE_SIZE) as usize) as u64;
+        let row = rows[k as usize];
+        let position = positions[k as usize];
+        let row_ok = row >= 0 && (row as u64) < shape.rows;
+        let flagged = (flags >> k) & 1 == 1;
+        let row_fails = (row_starts >> k) & 1 == 1 && shape.cols > 0 && !row_ok;
+        let empty_fails = flagged && shape.cols == 0;
+        let position_fails =
+            flagged && shape.cols > 0 && !(position >= 0 && (position as u64) < shape.cols);
+        let row_key = select(row_fails, KEY_ROW | cell, NO_ERROR);
+        let empty_key = select(empty_fails, KEY_EMPTY_TABLE, NO_ERROR);
+        let position_key = select(position_fails, KEY_POSITION | cell, NO_ERROR);
+        key = key.min(row_key).min(empty_key).min(position_key);
+    }
+    key
+}
+
 /// `req_pool_indices[i]`, or entry 0 when it is shared, widened to i64.
 #[cube]
-fn row_of<Q: Int>(req_pool_indices: &Tensor<Q>, i: u64, shared_row: u64) -> i64 {
-    let index = select(shared_row == 1, 0usize, i as usize);
+fn row_of<Q: Int>(req_pool_indices: &Tensor<Q>, i: usize, shared_row: u64) -> i64 {
+    let index = select(shared_row == 1, 0usize, i);
     i64::cast_from(req_pool_indices[index * req_pool_indices.stride(0)])
 }
 
@@ -366,7 +409,7 @@ fn finish_masked<Q: Int, P: Int>(
         } else if key < KEY_POSITION {
             status[CODE] = GATHER_ROW;
             status[FACTS] = i as i64;
-            status[FACTS + 1] = row_of(req_pool_indices, i, shape.shared_row);
+            status[FACTS + 1] = row_of(req_pool_indices, i as usize, shape.shared_row);
             status[FACTS + 2] = shape.rows as i64;
         } else {
             status[CODE] = GATHER_POSITION;
@@ -444,7 +487,7 @@ pub struct SegmentShape {
 }
 
 /// `T[row(i)][start_i + j]` for `j < lengths[i]`, segments in order, into `out[..capacity]`.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, address_type = "dynamic")]
 pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     table: &Tensor<T>,
     req_pool_indices: &Tensor<Q>,
@@ -476,7 +519,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     let mut dependency = 0u64.runtime();
     let mut reported = false.runtime();
     if lead && owns && shape.shape_error == 0 {
-        let row = row_of(req_pool_indices, i, shape.shared_row);
+        let row = row_of(req_pool_indices, i as usize, shape.shared_row);
         if row < 0 || row as u64 >= shape.rows {
             dependency |= report_error(&scratch[SEG_ERROR], KEY_SEGMENT_ROW | i) >> 63;
             reported = true;
@@ -512,7 +555,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
         segment = step_to_holder(&ends, segment, last_segment, e);
         let before = start_of(&ends, segment);
         let g = tile * shape.tile_segments + segment;
-        let row = row_of(req_pool_indices, g, shape.shared_row);
+        let row = row_of(req_pool_indices, g as usize, shape.shared_row);
         let len = i64::cast_from(lengths[g as usize * lengths.stride(0)]);
         let k = prefix + e;
         let row_ok = row >= 0 && (row as u64) < shape.rows;
@@ -616,7 +659,7 @@ fn finish_segments<Q: Int, S: Int, L: Int>(
     if row_fails {
         words[CODE] = GATHER_ROW;
         words[FACTS] = i as i64;
-        words[FACTS + 1] = row_of(req_pool_indices, i, shape.shared_row);
+        words[FACTS + 1] = row_of(req_pool_indices, i as usize, shape.shared_row);
         words[FACTS + 2] = shape.rows as i64;
     }
     if position_fails {

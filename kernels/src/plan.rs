@@ -233,7 +233,7 @@ fn table_at<T: Int>(table: &Tensor<T>, row: i64, col: i64) -> i64 {
 }
 
 /// The plan launch: a tile of requests per `tile_cubes` cubes (see the module docs).
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, address_type = "dynamic")]
 pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     req_pool_indices: &Tensor<Q>,
     prefix_lens: &Tensor<P>,
@@ -508,7 +508,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
 
 /// The count launch (only when the plan may overflow): the sum of every verify length, one
 /// atomic per cube, into the scratch word the plan launch reads and resets.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, address_type = "dynamic")]
 pub fn plan_count_kernel<Q: Int, P: Int, E: Int>(
     req_pool_indices: &Tensor<Q>,
     prefix_lens: &Tensor<P>,

@@ -18,6 +18,8 @@ pub const FACTS: usize = 2;
 pub const OK: i64 = 0;
 /// The op failed to execute inside a lazily executed (fused) stream. []
 pub const EXECUTION: i64 = 99;
+/// A launch would index past what the device can address (no 64-bit indexing). [elements, limit]
+pub const INDEX_RANGE: i64 = 98;
 
 // Gather codes (spec gather.md §3/§4). Facts in brackets.
 /// `cols == 0` under a non-empty mask. []

@@ -246,7 +246,8 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
         };
         // A lazily executed op cannot return its error: it becomes the status record instead,
         // next to outputs of the declared shapes.
-        let tensors = result.unwrap_or_else(|_| failed_outputs::<B>(outputs, &self.device));
+        let tensors =
+            result.unwrap_or_else(|error| failed_outputs::<B>(outputs, &error, &self.device));
         for (ir, tensor) in outputs.iter().zip(tensors) {
             handles.register_int_tensor::<B>(&ir.id, tensor);
         }
@@ -329,8 +330,18 @@ fn inner_launch<B: FusionBackend>(
     }
 }
 
-/// Outputs of the declared shapes and dtypes, the status saying the execution failed.
-fn failed_outputs<B: FusionBackend>(outputs: &[TensorIr], device: &B::Device) -> Vec<IntTensor<B>> {
+/// Outputs of the declared shapes and dtypes, the status naming the failure.
+fn failed_outputs<B: FusionBackend>(
+    outputs: &[TensorIr],
+    error: &Error,
+    device: &B::Device,
+) -> Vec<IntTensor<B>> {
+    // The error's own record where it has a code, else a generic execution failure.
+    let mut words = crate::status::encode(&Err(error.clone()));
+    if words[CODE] < 0 {
+        words = [0; STATUS_LEN];
+        words[CODE] = EXECUTION;
+    }
     outputs
         .iter()
         .enumerate()
@@ -339,9 +350,7 @@ fn failed_outputs<B: FusionBackend>(outputs: &[TensorIr], device: &B::Device) ->
             let is_status = k + 1 == outputs.len();
             let mut data = TensorData::new(vec![0i64; len], ir.shape.clone());
             if is_status && len == STATUS_LEN {
-                let mut words = vec![0i64; STATUS_LEN];
-                words[CODE] = EXECUTION;
-                data = TensorData::new(words, ir.shape.clone());
+                data = TensorData::new(words.to_vec(), ir.shape.clone());
             }
             B::int_from_data(data.convert_dtype(ir.dtype), device)
         })

@@ -31,13 +31,7 @@ where
         mask: BoolTensor<Self>,
         capacity: usize,
     ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
-        Ok(super::cube::masked_gather(
-            req_to_token,
-            req_pool_indices,
-            pos2d,
-            mask,
-            capacity,
-        ))
+        super::cube::masked_gather(req_to_token, req_pool_indices, pos2d, mask, capacity)
     }
 
     fn segment_gather(
@@ -47,13 +41,7 @@ where
         lengths: IntTensor<Self>,
         capacity: usize,
     ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
-        Ok(super::cube::segment_gather(
-            req_to_token,
-            req_pool_indices,
-            start,
-            lengths,
-            capacity,
-        ))
+        super::cube::segment_gather(req_to_token, req_pool_indices, start, lengths, capacity)
     }
 
     fn canary_plan(
@@ -61,7 +49,7 @@ where
         write: WritePlanPrimitive<IntTensor<Self>>,
         inputs: PlanInputsPrimitive<IntTensor<Self>>,
     ) -> Result<PlanOutput<IntTensor<Self>>, Error> {
-        Ok(super::cube::canary_plan(verify, write, inputs))
+        super::cube::canary_plan(verify, write, inputs)
     }
 
     fn canary_write(
@@ -70,7 +58,7 @@ where
         inputs: WriteInputsPrimitive<IntTensor<Self>>,
         launch: CanaryLaunchOf<Self>,
     ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
-        Ok(super::cube::canary_write(canary, plan, inputs, launch))
+        super::cube::canary_write(canary, plan, inputs, launch)
     }
 
     fn canary_verify(
@@ -78,7 +66,7 @@ where
         plan: VerifyPlanPrimitive<IntTensor<Self>>,
         launch: CanaryLaunchOf<Self>,
     ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
-        Ok(super::cube::canary_verify(canary, plan, launch))
+        super::cube::canary_verify(canary, plan, launch)
     }
 
     fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {

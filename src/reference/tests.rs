@@ -1540,6 +1540,11 @@ fn status_round_trip_every_data_dependent_kind() {
             valid_len: 8,
         },
         Error::WriteOffsetsOverflow { request: 4096 },
+        // Not a plan rule, but also context-free: a launch too wide for the device.
+        Error::IndexRange {
+            elements: 5 << 30,
+            limit: 1 << 31,
+        },
     ];
     for error in plan_errors {
         let words = status::encode(&Err(error.clone()));

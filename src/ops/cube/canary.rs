@@ -12,7 +12,8 @@ use kvplan_kernels::canary::{
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 
-use super::{bindable, grid, multiprocessors, resident_cubes, writable};
+use super::{address_type, bindable, grid, multiprocessors, resident_cubes, writable};
+use crate::Error;
 use crate::ops::{
     CanaryLaunchPrimitive, CanaryPrimitive, KvBytes, SourceLayout, SourcePrimitive,
     VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
@@ -168,7 +169,7 @@ pub(crate) fn canary_write<R: CubeRuntime>(
     plan: WritePlanPrimitive<CubeTensor<R>>,
     inputs: WriteInputsPrimitive<CubeTensor<R>>,
     launch: Launch<R>,
-) -> CanaryPrimitive<CubeTensor<R>> {
+) -> Result<CanaryPrimitive<CubeTensor<R>>, Error> {
     let mut bound = bind_launch(launch);
     bound.features.input_assert = inputs.expected_inputs.is_some();
     // A verify-only switch: kept out of the write kernel's compile key.
@@ -222,6 +223,22 @@ pub(crate) fn canary_write<R: CubeRuntime>(
         .map_or_else(|| num_valid_reqs.clone(), bindable);
     let buffer_words = as_words(buffer.clone());
     let ring_words = as_words(ring.clone());
+    let address = address_type(
+        [
+            &buffer_words,
+            &ring_words,
+            &offsets,
+            &seeds,
+            &input_ids,
+            &positions,
+            &out_cache_loc,
+            &expected_tokens,
+            &expected_positions,
+        ]
+        .into_iter()
+        .chain(&bound.sources),
+        &[],
+    )?;
     let (sources, layouts) = bind_sources(&bound.sources, &bound.layouts, &offsets);
     // SAFETY: the kernel bounds-checks every index it forms against the sizes passed here.
     unsafe {
@@ -229,6 +246,7 @@ pub(crate) fn canary_write<R: CubeRuntime>(
             &buffer.client,
             cube_count,
             CubeDim::new_1d(CUBE_SIZE),
+            address,
             buffer_words.into_tensor_arg(),
             ring_words.into_tensor_arg(),
             counters.clone().into_tensor_arg(),
@@ -249,19 +267,19 @@ pub(crate) fn canary_write<R: CubeRuntime>(
             bound.features,
         );
     }
-    CanaryPrimitive {
+    Ok(CanaryPrimitive {
         buffer,
         ring,
         counters,
         ..canary
-    }
+    })
 }
 
 pub(crate) fn canary_verify<R: CubeRuntime>(
     canary: CanaryPrimitive<CubeTensor<R>>,
     plan: VerifyPlanPrimitive<CubeTensor<R>>,
     launch: Launch<R>,
-) -> CanaryPrimitive<CubeTensor<R>> {
+) -> Result<CanaryPrimitive<CubeTensor<R>>, Error> {
     let bound = bind_launch(launch);
     let buffer = canary.buffer;
     let ring = writable(canary.ring);
@@ -288,6 +306,19 @@ pub(crate) fn canary_verify<R: CubeRuntime>(
     let enable = bindable(plan.enable);
     let buffer_words = as_words(buffer.clone());
     let ring_words = as_words(ring.clone());
+    let address = address_type(
+        [
+            &buffer_words,
+            &ring_words,
+            &slot_indices,
+            &expected_tokens,
+            &expected_positions,
+            &prev_slot_indices,
+        ]
+        .into_iter()
+        .chain(&bound.sources),
+        &[],
+    )?;
     let (sources, layouts) = bind_sources(&bound.sources, &bound.layouts, &slot_indices);
     // SAFETY: the kernel bounds-checks every index it forms against the sizes passed here.
     unsafe {
@@ -295,6 +326,7 @@ pub(crate) fn canary_verify<R: CubeRuntime>(
             &buffer.client,
             cube_count,
             CubeDim::new_1d(CUBE_SIZE),
+            address,
             buffer_words.into_tensor_arg(),
             ring_words.into_tensor_arg(),
             counters.clone().into_tensor_arg(),
@@ -310,10 +342,10 @@ pub(crate) fn canary_verify<R: CubeRuntime>(
             bound.features,
         );
     }
-    CanaryPrimitive {
+    Ok(CanaryPrimitive {
         buffer,
         ring,
         counters,
         ..canary
-    }
+    })
 }

@@ -16,8 +16,10 @@ use kvplan_kernels::status::{
 };
 
 use super::{
-    bindable, broadcast_prefix, dims2, grid, output_i64, storage, tile_cubes, upload_u64, widened,
+    address_type, bindable, broadcast_prefix, dims2, grid, output_i64, storage, tile_cubes,
+    upload_u64, widened,
 };
+use crate::Error;
 use crate::ops::GatherOutput;
 
 pub(crate) fn masked_gather<R: CubeRuntime>(
@@ -26,7 +28,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
     pos2d: CubeTensor<R>,
     mask: CubeTensor<R>,
     capacity: usize,
-) -> GatherOutput<CubeTensor<R>> {
+) -> Result<GatherOutput<CubeTensor<R>>, Error> {
     let (rows, cols) = dims2(&req_to_token);
     let (pos_rows, pos_cols) = dims2(&pos2d);
     let n = req_pool_indices.shape()[0];
@@ -34,6 +36,11 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
     let count = output_i64(&req_to_token, 1);
     let status = output_i64(&req_to_token, STATUS_LEN);
     let (cube_count, tiles) = grid((pos_rows * pos_cols).div_ceil(TILE_CELLS as usize));
+    // The kernels count cells in `usize`, up to the last tile's end.
+    let address = address_type(
+        [&req_to_token, &req_pool_indices, &pos2d, &mask, &out],
+        &[tiles * TILE_CELLS as usize],
+    )?;
     // Fresh scratch: ticket and done counters at 0, no error, every tile state (or, counted, every
     // group total) empty.
     let mut words = vec![0u64; SCRATCH_TILES + tiles];
@@ -72,6 +79,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
                 &client,
                 cube_count.clone(),
                 CubeDim::new_1d(CUBE_SIZE),
+                address,
                 mask.clone().into_tensor_arg(),
                 counts.clone().into_tensor_arg(),
                 scratch.clone().into_tensor_arg(),
@@ -83,6 +91,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
             &client,
             cube_count,
             CubeDim::new_1d(CUBE_SIZE),
+            address,
             bindable(req_to_token).into_tensor_arg(),
             bindable(req_pool_indices).into_tensor_arg(),
             bindable(pos2d).into_tensor_arg(),
@@ -98,7 +107,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
             dtypes,
         );
     }
-    GatherOutput { out, count, status }
+    Ok(GatherOutput { out, count, status })
 }
 
 /// Tiles above which a masked gather counts first. On the H200 a count launch made 256 tiles
@@ -111,7 +120,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     start: Option<CubeTensor<R>>,
     lengths: CubeTensor<R>,
     capacity: usize,
-) -> GatherOutput<CubeTensor<R>> {
+) -> Result<GatherOutput<CubeTensor<R>>, Error> {
     let (rows, cols) = dims2(&req_to_token);
     let n = req_pool_indices.shape()[0];
     let segments = lengths.shape()[0];
@@ -147,6 +156,12 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     // Fresh scratch: no tickets taken, no cube done, no error, every tile state empty.
     let mut words = vec![0u64; SEG_TILES + tiles];
     words[SEG_ERROR] = NO_ERROR;
+    let address = address_type(
+        [&req_to_token, &req_pool_indices, &lengths, &out]
+            .into_iter()
+            .chain(start.as_ref()),
+        &[],
+    )?;
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
     let broadcast_prefix = broadcast_prefix(&req_to_token);
@@ -182,6 +197,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
             &client,
             cube_count,
             CubeDim::new_1d(CUBE_SIZE),
+            address,
             bindable(req_to_token).into_tensor_arg(),
             req_pool_indices.into_tensor_arg(),
             start.into_tensor_arg(),
@@ -196,5 +212,5 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
             dtypes,
         );
     }
-    GatherOutput { out, count, status }
+    Ok(GatherOutput { out, count, status })
 }

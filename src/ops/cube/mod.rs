@@ -187,3 +187,41 @@ fn dims2(tensor: &CubeTensor<impl CubeRuntime>) -> (usize, usize) {
     let shape = tensor.shape();
     (shape[0], shape[1])
 }
+
+/// Elements a launch may index with 32 bits: 2^31, leaving headroom for the rounding of a last
+/// tile past any extent.
+const NARROW_SPAN: usize = 1 << 31;
+
+/// The index width (`usize` in the kernels) of a launch over `bindings`, whose kernel also
+/// counts up to each of `extents` in `usize`: 32-bit while everything spans at most
+/// `NARROW_SPAN` elements, 64-bit beyond (a KV cache viewed as words passes 2^32 on large
+/// devices). A device without 64-bit indexing refuses such a launch rather than let an index
+/// wrap. `KVPLAN_WIDE_INDEX=1` forces 64-bit indexing where the device has it (a diagnostic that
+/// runs the wide path on ordinary inputs).
+fn address_type<'a, R: CubeRuntime>(
+    bindings: impl IntoIterator<Item = &'a CubeTensor<R>>,
+    extents: &[usize],
+) -> Result<AddressType, crate::Error> {
+    let mut client = None;
+    let mut widest = extents.iter().copied().max().unwrap_or(0);
+    for tensor in bindings {
+        widest = widest.max(tensor.handle.size() as usize / tensor.dtype.size().max(1));
+        client.get_or_insert_with(|| tensor.client.clone());
+    }
+    let forced = *FORCE_WIDE_INDEX
+        .get_or_init(|| std::env::var("KVPLAN_WIDE_INDEX").is_ok_and(|value| value == "1"));
+    let wide_capable =
+        client.is_some_and(|client| client.properties().supports_address(AddressType::U64));
+    if widest <= NARROW_SPAN && !(forced && wide_capable) {
+        Ok(AddressType::U32)
+    } else if wide_capable {
+        Ok(AddressType::U64)
+    } else {
+        Err(crate::Error::IndexRange {
+            elements: widest as u64,
+            limit: NARROW_SPAN as u64,
+        })
+    }
+}
+
+static FORCE_WIDE_INDEX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

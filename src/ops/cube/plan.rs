@@ -11,16 +11,17 @@ use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
 use super::{
-    bindable, broadcast_prefix, dims2, grid, output_i64, storage, tile_cubes, upload_i64, widened,
-    writable,
+    address_type, bindable, broadcast_prefix, dims2, grid, output_i64, storage, tile_cubes,
+    upload_i64, widened, writable,
 };
+use crate::Error;
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
 
 pub(crate) fn canary_plan<R: CubeRuntime>(
     verify: VerifyPlanPrimitive<CubeTensor<R>>,
     write: WritePlanPrimitive<CubeTensor<R>>,
     inputs: PlanInputsPrimitive<CubeTensor<R>>,
-) -> PlanOutput<CubeTensor<R>> {
+) -> Result<PlanOutput<CubeTensor<R>>, Error> {
     let table = inputs.req_to_token;
     let (rows, cols) = dims2(&table);
     // Rule 11 again, on the real strides: through `Fusion` the host could not see them. The plans
@@ -31,11 +32,11 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         words[CODE] = PLAN_STRIDE;
         words[FACTS] = stride;
         let status = upload_i64(&table, &words);
-        return PlanOutput {
+        return Ok(PlanOutput {
             verify,
             write,
             status,
-        };
+        });
     }
     let requests = inputs.req_pool_indices.shape()[0];
     let verify_capacity = verify.slot_indices.shape()[0];
@@ -133,6 +134,25 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         storage(&pool),
         storage(&valid_lens),
     );
+    let address = address_type(
+        [
+            &req_pool_indices,
+            &prefix_lens,
+            &extend_seq_lens,
+            &table,
+            &lut,
+            &pool,
+            &valid_lens,
+            &slot_indices,
+            &expected_tokens,
+            &expected_positions,
+            &prev_slot_indices,
+            &offsets,
+            &seeds,
+            &scratch,
+        ],
+        &[],
+    )?;
     // SAFETY: every index the kernels form is bounds-checked against the shapes passed here.
     unsafe {
         if features.counted {
@@ -141,6 +161,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
                 &client,
                 count_grid,
                 CubeDim::new_1d(CUBE_SIZE),
+                address,
                 req_pool_indices.clone().into_tensor_arg(),
                 prefix_lens.clone().into_tensor_arg(),
                 extend_seq_lens.clone().into_tensor_arg(),
@@ -154,6 +175,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             &client,
             plan_grid,
             CubeDim::new_1d(CUBE_SIZE),
+            address,
             req_pool_indices.into_tensor_arg(),
             prefix_lens.into_tensor_arg(),
             extend_seq_lens.into_tensor_arg(),
@@ -177,7 +199,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             [q, p, e, t, u, o, v],
         );
     }
-    PlanOutput {
+    Ok(PlanOutput {
         verify: VerifyPlanPrimitive {
             slot_indices,
             expected_tokens,
@@ -193,5 +215,5 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             scratch,
         },
         status,
-    }
+    })
 }
