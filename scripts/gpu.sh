@@ -2,7 +2,7 @@
 # The GPU session in one call (run through `device`): conformance, demo and benchmarks on CUDA.
 # Run `scripts/pack-gpu.sh` here first, then carry `gpu/` (the packed CUDA binaries and a copy of
 # ../shared/conformance). Logs go to $OUT; the last lines of stdout are the tables.
-# Usage: scripts/gpu.sh [tests|checks|canary|plan|gather|nocupti|unfused]...
+# Usage: scripts/gpu.sh [tests|checks|wide|canary|plan|gather|nocupti|unfused]...
 set -uo pipefail
 BIN=./target-cuda/release/kvplan
 OUT=${OUT:-/tmp/kvplan-gpu}
@@ -27,6 +27,15 @@ for part in "$@"; do
       "$BIN" demo --backend cuda > "$OUT/demo.txt" 2>&1; tail -18 "$OUT/demo.txt"
       "$BIN" demo --backend cuda --inject-corruption > "$OUT/demo-inject.txt" 2>&1
       grep -E "inject|canary|PASS|FAIL" "$OUT/demo-inject.txt"
+      ;;
+    wide)
+      # Every kernel on 64-bit indexes (KVPLAN_WIDE_INDEX=1 forces them on ordinary inputs).
+      for backend in cuda cuda-unfused; do
+        for file in gather plan canary; do
+          KVPLAN_WIDE_INDEX=1 "$BIN" check "gpu/$file.jsonl" --backend "$backend" > "$OUT/wide-$file-$backend.txt" 2>&1
+          echo "wide check $file $backend: $(tail -1 "$OUT/wide-$file-$backend.txt")"
+        done
+      done
       ;;
     canary)
       "$BIN" bench canary --backend cuda --reps 20 2>&1 | tee "$OUT/bench-canary.txt"

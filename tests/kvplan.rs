@@ -239,16 +239,11 @@ suite!(
     broadcast: HostRefused
 );
 
-// 64-bit indexing, on a table past 2^32 elements (17 GB: CUDA only).
+// 64-bit indexing, on a table past 2^32 elements (17 GB: CUDA only; one backend at a time).
 #[cfg(feature = "cuda")]
-mod wide_tables {
-    #[test]
-    fn cuda() {
-        crate::wide::wide_tables::<kvplan::backends::Cuda>(&burn_cuda::CudaDevice::default());
-    }
-
-    #[test]
-    fn cuda_unfused() {
-        crate::wide::wide_tables::<kvplan::backends::CudaUnfused>(&burn_cuda::CudaDevice::default());
-    }
+#[test]
+fn wide_tables_cuda() {
+    let device = burn_cuda::CudaDevice::default();
+    crate::wide::wide_tables::<kvplan::backends::CudaUnfused>(&device);
+    crate::wide::wide_tables::<kvplan::backends::Cuda>(&device);
 }

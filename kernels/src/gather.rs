@@ -98,7 +98,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     // instructions.
     let cells = shape.pos_rows as usize * shape.pos_cols as usize;
     let first = tile * TILE_CELLS as usize + UNIT_POS as usize;
-    let (mut i, mut j) = pos_of(first, shape.pos_cols as usize);
+    let (mut i, mut j) = pos_of(first, shape);
 
     // First every cell's mask, position and row, with no branch between the loads, so that all
     // of them are in flight at once (a cell past the end reads element 0, which every binding
@@ -110,7 +110,10 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
         let inside = first + ((k * CUBE_SIZE) as usize) < cells;
-        let (ci, cj) = (select(inside, i, 0usize), select(inside, j, 0usize));
+        let (ci, cj) = (
+            select(inside, i, index_zero()),
+            select(inside, j, index_zero()),
+        );
         let flag = mask[ci * mask.stride(0) + cj * mask.stride(1)];
         positions[k as usize] = i64::cast_from(pos2d[ci * pos2d.stride(0) + cj * pos2d.stride(1)]);
         rows[k as usize] = row_of(req_pool_indices, ci, shape.shared_row);
@@ -246,7 +249,7 @@ pub fn masked_count_kernel<M: Int>(
     let tile = CUBE_POS as usize;
     let cells = shape.pos_rows as usize * shape.pos_cols as usize;
     let first = tile * TILE_CELLS as usize + UNIT_POS as usize;
-    let (mut i, mut j) = pos_of(first, shape.pos_cols as usize);
+    let (mut i, mut j) = pos_of(first, shape);
     let mut selected = 0u64.runtime();
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
@@ -302,17 +305,25 @@ fn first_error(scratch: &Tensor<Atomic<u64>>, error: usize, any_reported: bool) 
     key
 }
 
+/// 0 as a `usize` of the launch's index width. A `usize` literal is always 32-bit in cubecl 0.10,
+/// even in a 64-bit launch (`select` with one then truncates, `max` does not compile): runtime
+/// `usize` values come from casts only.
+#[cube]
+fn index_zero() -> usize {
+    usize::cast_from(0u32)
+}
+
 /// The pos row and column of a row-major cell.
 #[cube]
-fn pos_of(cell: usize, pos_cols: usize) -> (usize, usize) {
-    let columns = pos_cols.max(1);
+fn pos_of(cell: usize, shape: MaskedShape) -> (usize, usize) {
+    let columns = shape.pos_cols.max(1) as usize;
     (cell / columns, cell % columns)
 }
 
 /// The pos row and column `CUBE_SIZE` cells (a slab) after `(i, j)`, without a division.
 #[cube]
 fn next_slab(i: usize, j: usize, shape: MaskedShape) -> (usize, usize) {
-    let columns = (shape.pos_cols as usize).max(1);
+    let columns = shape.pos_cols.max(1) as usize;
     let column = j + shape.slab_cols as usize;
     let wraps = column >= columns;
     (
@@ -373,7 +384,7 @@ fn smallest_key(
 /// `req_pool_indices[i]`, or entry 0 when it is shared, widened to i64.
 #[cube]
 fn row_of<Q: Int>(req_pool_indices: &Tensor<Q>, i: usize, shared_row: u64) -> i64 {
-    let index = select(shared_row == 1, 0usize, i);
+    let index = select(shared_row == 1, index_zero(), i);
     i64::cast_from(req_pool_indices[index * req_pool_indices.stride(0)])
 }
 
