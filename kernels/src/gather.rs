@@ -557,7 +557,10 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
 
     // The tile's values, a contiguous share per cube, `CUBE_SIZE` at a time; the segment holding
     // value `e` is the first whose end exceeds it. A segment that fails a rule is never read.
-    let copies = select(shape.shape_error == 0, tile_total, 0u64);
+    // Values at or past the capacity are never stored, so the copy stops there: that also bounds
+    // it when a failing segment (never read) claims a huge length.
+    let room = select(prefix < shape.capacity, shape.capacity - prefix, 0u64);
+    let copies = select(shape.shape_error == 0, tile_total.min(room), 0u64);
     let (share_first, share_end) = cube_share(copies, part, shape.tile_cubes);
     let last_segment = select(shape.tile_segments > 0, shape.tile_segments - 1, 0u64);
     let mut e = share_first + unit;

@@ -391,6 +391,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     while e < share_end {
         j = step_to_holder(&verify_scan, j, last_request, e);
         let start = start_of(&verify_scan, j);
+        let mut step = (CUBE_SIZE as u64).runtime();
         // The request is loaded again (cached) rather than kept in shared memory: lavapipe was
         // seen to serve stale shared values to a later phase of the kernel.
         let r_global = tile * shape.tile_requests + j;
@@ -444,8 +445,13 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
                 expected_positions[k as usize] = position;
                 prev_slot_indices[k as usize] = prev;
             }
+        } else {
+            // A request outside the table is never read: the unit skips its passes over the rest
+            // of the request's entries (a failing prefix may claim 2^31 of them).
+            let end = verify_scan[j as usize];
+            step = (end - e).div_ceil(CUBE_SIZE as u64) * CUBE_SIZE as u64;
         }
-        e += CUBE_SIZE as u64;
+        e += step;
     }
     if lut_key != NO_ERROR {
         dependency |= report_error(&scratch[PLAN_ERRORS + 2], lut_key) >> 63;

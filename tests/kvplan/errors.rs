@@ -372,11 +372,13 @@ pub fn segment_errors<B: KvPlanBackend>(device: &B::Device) {
         },
         false,
     );
-    // position_out_of_range: past the width, negative, near i64::MAX.
+    // position_out_of_range: past the width, negative, near i64::MAX, and a huge length (the
+    // kernel must not walk it).
     for (start, len, j, position) in [
         (4, 3, 2, 6),
         (-2, 2, 0, -2),
         (i64::MAX - 1, 5, 0, i64::MAX - 1),
+        (0, 1 << 40, 6, 6),
     ] {
         segment_error(
             t46::<B>(d),
@@ -753,6 +755,16 @@ pub fn plan_device_errors<B: KvPlanBackend>(device: &B::Device) {
                 context: PLAN_CONTEXT.into(),
                 site: Site::Request(0),
                 position: 9,
+                cols: 8,
+            },
+        ),
+        // A prefix far past the table: its 2^31 (capped) verify entries must not be walked.
+        (
+            base_step().batch(&[1, 2], &[1 << 40, 1], &[1, 1]),
+            Error::PositionOutOfRange {
+                context: PLAN_CONTEXT.into(),
+                site: Site::Request(0),
+                position: 1 << 40,
                 cols: 8,
             },
         ),
