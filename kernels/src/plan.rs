@@ -70,6 +70,9 @@ pub fn fresh_scratch(write_capacity: usize) -> Vec<u64> {
 /// Column bits of a rule-14 key (`r << 32 | column`).
 const COLUMN_MASK: u64 = (1 << 32) - 1;
 
+/// "No request cached yet" in the fill loop.
+const NO_REQUEST: u64 = u64::MAX;
+
 /// "No slot / no token / not found".
 const NONE: i64 = -1;
 
@@ -388,24 +391,44 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let (share_first, share_end) = cube_share(verify_tile, part, shape.tile_cubes);
     let mut e = share_first + unit;
     let mut j = first_holding(&verify_scan, last_request, e);
+    // A unit's passes mostly stay in one request: the request (loaded again, cached, rather than
+    // kept in shared memory: lavapipe was seen to serve stale shared values to a later phase of
+    // the kernel), its checks and its pool bounds are taken once per request, not per entry.
+    let mut cached = NO_REQUEST.runtime();
+    let mut readable = false.runtime();
+    let mut r_global = 0u64.runtime();
+    let mut row = 0i64.runtime();
+    let mut origin = 0i64.runtime();
+    let mut request_end = 0u64.runtime();
+    let mut valid_len = 0i64.runtime();
+    let mut pool_ok = false.runtime();
     while e < share_end {
         j = step_to_holder(&verify_scan, j, last_request, e);
-        let start = start_of(&verify_scan, j);
+        if j != cached {
+            cached = j;
+            r_global = tile * shape.tile_requests + j;
+            let owner = load_request(
+                req_pool_indices,
+                prefix_lens,
+                extend_seq_lens,
+                r_global,
+                shape.window,
+                features.window,
+            );
+            readable = in_table(owner, shape.rows, shape.cols);
+            row = owner.row;
+            // Entry `e`'s position is `origin + e`.
+            origin = owner.window_start - start_of(&verify_scan, j) as i64;
+            request_end = verify_scan[j as usize];
+            if features.pool {
+                valid_len = valid_len_of(valid_lens, r_global);
+                let last = last_pool_column(owner, shape.position_offset, valid_len);
+                pool_ok = (row as u64) < shape.pool_rows && last < shape.pool_cols as i64;
+            }
+        }
         let mut step = (CUBE_SIZE as u64).runtime();
-        // The request is loaded again (cached) rather than kept in shared memory: lavapipe was
-        // seen to serve stale shared values to a later phase of the kernel.
-        let r_global = tile * shape.tile_requests + j;
-        let owner = load_request(
-            req_pool_indices,
-            prefix_lens,
-            extend_seq_lens,
-            r_global,
-            shape.window,
-            features.window,
-        );
-        if in_table(owner, shape.rows, shape.cols) {
-            let row = owner.row;
-            let position = owner.window_start + (e - start) as i64;
+        if readable {
+            let position = origin + e as i64;
             let raw = table_at(table, row, position);
             // Column 0 stands in for the predecessor of position 0, which is never used.
             let prev_column = select(position > 0i64.runtime(), position - 1, 0i64.runtime());
@@ -425,10 +448,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             if fits && slot_ok && prev_ok && k < shape.verify_capacity {
                 let mut token = NONE.runtime();
                 if features.pool {
-                    let valid_len = valid_len_of(valid_lens, r_global);
                     let column = position + shape.position_offset;
-                    let last = last_pool_column(owner, shape.position_offset, valid_len);
-                    let pool_ok = (row as u64) < shape.pool_rows && last < shape.pool_cols as i64;
                     if pool_ok && column >= 0 && column < valid_len {
                         token = i64::cast_from(
                             pool[row as usize * pool.stride(0) + column as usize * pool.stride(1)],
@@ -448,8 +468,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         } else {
             // A request outside the table is never read: the unit skips its passes over the rest
             // of the request's entries (a failing prefix may claim 2^31 of them).
-            let end = verify_scan[j as usize];
-            step = (end - e).div_ceil(CUBE_SIZE as u64) * CUBE_SIZE as u64;
+            step = (request_end - e).div_ceil(CUBE_SIZE as u64) * CUBE_SIZE as u64;
         }
         e += step;
     }
