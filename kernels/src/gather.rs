@@ -461,9 +461,6 @@ pub const SEG_DONE: usize = 2;
 /// First tile state.
 pub const SEG_TILES: usize = 4;
 
-/// "No segment cached yet" in a copy loop.
-const NO_SEGMENT: u64 = u64::MAX;
-
 /// Values a cube copies at most when the host can bound them (its target when it shares tiles).
 pub const SEGMENT_CUBE_VALUES: u64 = 256;
 
@@ -568,27 +565,17 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     let last_segment = select(shape.tile_segments > 0, shape.tile_segments - 1, 0u64);
     let mut e = share_first + unit;
     let mut segment = first_holding(&ends, last_segment, e);
-    // A unit's passes mostly stay in one segment: its row, start and checks are loaded once per
-    // segment, not per value. `origin + e` is the value's position (wrapping arithmetic).
-    let mut cached = NO_SEGMENT.runtime();
-    let mut readable = false.runtime();
-    let mut row_at = index_zero();
-    let mut origin = 0u64.runtime();
     while e < share_end {
         segment = step_to_holder(&ends, segment, last_segment, e);
-        if segment != cached {
-            cached = segment;
-            let g = tile * shape.tile_segments + segment;
-            let row = row_of(req_pool_indices, g as usize, shape.shared_row);
-            let len = i64::cast_from(lengths[g as usize * lengths.stride(0)]);
-            let row_ok = row >= 0 && (row as u64) < shape.rows;
-            readable = row_ok && segment_fits(start, g, len, shape.cols, has_start);
-            row_at = row as usize * table.stride(0);
-            origin = segment_start(start, g, has_start) as u64 - start_of(&ends, segment);
-        }
+        let before = start_of(&ends, segment);
+        let g = tile * shape.tile_segments + segment;
+        let row = row_of(req_pool_indices, g as usize, shape.shared_row);
+        let len = i64::cast_from(lengths[g as usize * lengths.stride(0)]);
+        let row_ok = row >= 0 && (row as u64) < shape.rows;
         // `prefix + e` is below the capacity: the copy stops at `room`.
-        if readable {
-            let at = row_at + (origin + e) as usize * table.stride(1);
+        if row_ok && segment_fits(start, g, len, shape.cols, has_start) {
+            let position = segment_start(start, g, has_start) as u64 + (e - before);
+            let at = row as usize * table.stride(0) + position as usize * table.stride(1);
             out[(prefix + e) as usize] = i64::cast_from(table[at]);
         }
         e += CUBE_SIZE as u64;
