@@ -70,9 +70,6 @@ pub fn fresh_scratch(write_capacity: usize) -> Vec<u64> {
 /// Column bits of a rule-14 key (`r << 32 | column`).
 const COLUMN_MASK: u64 = (1 << 32) - 1;
 
-/// Entries a unit fills per pass of the fill loop (their loads overlap).
-const FILL_BATCH: u32 = 4;
-
 /// "No slot / no token / not found".
 const NONE: i64 = -1;
 
@@ -393,100 +390,60 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let mut j = first_holding(&verify_scan, last_request, e);
     while e < share_end {
         j = step_to_holder(&verify_scan, j, last_request, e);
-        // Requests are loaded again (cached) rather than kept in shared memory: lavapipe was seen
-        // to serve stale shared values to a later phase of the kernel.
-        let head = load_request(
+        let start = start_of(&verify_scan, j);
+        let mut step = (CUBE_SIZE as u64).runtime();
+        // The request is loaded again (cached) rather than kept in shared memory: lavapipe was
+        // seen to serve stale shared values to a later phase of the kernel.
+        let r_global = tile * shape.tile_requests + j;
+        let owner = load_request(
             req_pool_indices,
             prefix_lens,
             extend_seq_lens,
-            tile * shape.tile_requests + j,
+            r_global,
             shape.window,
             features.window,
         );
-        let mut step = ((CUBE_SIZE * FILL_BATCH) as u64).runtime();
-        if in_table(head, shape.rows, shape.cols) {
-            // `FILL_BATCH` entries a pass, `CUBE_SIZE` apart: first every entry's slots and token,
-            // so that all their loads are in flight at once (the fill is latency bound), then the
-            // checks and the stores.
-            let mut requests = Array::<u64>::new(FILL_BATCH as usize);
-            let mut positions = Array::<i64>::new(FILL_BATCH as usize);
-            let mut raws = Array::<i64>::new(FILL_BATCH as usize);
-            let mut raw_prevs = Array::<i64>::new(FILL_BATCH as usize);
-            let mut tokens = Array::<i64>::new(FILL_BATCH as usize);
-            let mut readable = 0u32.runtime();
-            #[unroll]
-            for b in 0..FILL_BATCH {
-                let entry = e + (b * CUBE_SIZE) as u64;
-                j = step_to_holder(&verify_scan, j, last_request, entry);
-                let r_global = tile * shape.tile_requests + j;
-                let owner = load_request(
-                    req_pool_indices,
-                    prefix_lens,
-                    extend_seq_lens,
-                    r_global,
-                    shape.window,
-                    features.window,
-                );
-                let ok = entry < share_end && in_table(owner, shape.rows, shape.cols);
-                let position = owner.window_start + (entry - start_of(&verify_scan, j)) as i64;
-                // An entry that reads nothing reads element 0 (every binding has one); column 0
-                // also stands in for the predecessor of position 0, which is never used.
-                let row = select(ok, owner.row, 0i64.runtime());
-                let column = select(ok, position, 0i64.runtime());
-                let prev_column = select(column > 0i64.runtime(), column - 1, 0i64.runtime());
-                raws[b as usize] = table_at(table, row, column);
-                raw_prevs[b as usize] = table_at(table, row, prev_column);
+        if in_table(owner, shape.rows, shape.cols) {
+            let row = owner.row;
+            let position = owner.window_start + (e - start) as i64;
+            let raw = table_at(table, row, position);
+            // Column 0 stands in for the predecessor of position 0, which is never used.
+            let prev_column = select(position > 0i64.runtime(), position - 1, 0i64.runtime());
+            let raw_prev = table_at(table, row, prev_column);
+            // Rule 14 on every slot read, the window head's predecessor included. Without a LUT
+            // the host passes `lut_len = i64::MAX`, so every slot is inside. (Pure expressions:
+            // see the note on mutable locals in `scan`.)
+            let slot_ok = slot_in_lut(raw, shape.lut_len);
+            let prev_ok = position == 0i64.runtime() || slot_in_lut(raw_prev, shape.lut_len);
+            let slot_key = select(slot_ok, NO_ERROR, (r_global << 32) | position as u64);
+            let prev_key = select(prev_ok, NO_ERROR, (r_global << 32) | prev_column as u64);
+            let entry_key = select(slot_key < prev_key, slot_key, prev_key);
+            lut_key = select(entry_key < lut_key, entry_key, lut_key);
+            // `k < V` also guards a plan with a device-checked error, whose lengths are not
+            // bounded by the host's proof.
+            let k = verify_prefix + e;
+            if fits && slot_ok && prev_ok && k < shape.verify_capacity {
                 let mut token = NONE.runtime();
                 if features.pool {
                     let valid_len = valid_len_of(valid_lens, r_global);
+                    let column = position + shape.position_offset;
                     let last = last_pool_column(owner, shape.position_offset, valid_len);
                     let pool_ok = (row as u64) < shape.pool_rows && last < shape.pool_cols as i64;
-                    let pool_column = position + shape.position_offset;
-                    if ok && pool_ok && pool_column >= 0 && pool_column < valid_len {
+                    if pool_ok && column >= 0 && column < valid_len {
                         token = i64::cast_from(
-                            pool[row as usize * pool.stride(0)
-                                + pool_column as usize * pool.stride(1)],
+                            pool[row as usize * pool.stride(0) + column as usize * pool.stride(1)],
                         );
                     }
                 }
-                tokens[b as usize] = token;
-                requests[b as usize] = r_global;
-                positions[b as usize] = position;
-                readable |= u32::cast_from(ok) << b;
-            }
-            #[unroll]
-            for b in 0..FILL_BATCH {
-                if (readable >> b) & 1 == 1 {
-                    let position = positions[b as usize];
-                    let raw = raws[b as usize];
-                    let raw_prev = raw_prevs[b as usize];
-                    let r_global = requests[b as usize];
-                    // Rule 14 on every slot read, the window head's predecessor included. Without
-                    // a LUT the host passes `lut_len = i64::MAX`, so every slot is inside. (Pure
-                    // expressions: see the note on mutable locals in `scan`.)
-                    let slot_ok = slot_in_lut(raw, shape.lut_len);
-                    let prev_ok =
-                        position == 0i64.runtime() || slot_in_lut(raw_prev, shape.lut_len);
-                    let slot_key = select(slot_ok, NO_ERROR, (r_global << 32) | position as u64);
-                    let prev_key =
-                        select(prev_ok, NO_ERROR, (r_global << 32) | (position - 1) as u64);
-                    let entry_key = select(slot_key < prev_key, slot_key, prev_key);
-                    lut_key = select(entry_key < lut_key, entry_key, lut_key);
-                    // `k < V` also guards a plan with a device-checked error, whose lengths are
-                    // not bounded by the host's proof.
-                    let k = verify_prefix + e + (b * CUBE_SIZE) as u64;
-                    if fits && slot_ok && prev_ok && k < shape.verify_capacity {
-                        let prev = select(
-                            position > 0i64.runtime(),
-                            translate(lut, raw_prev, features.lut),
-                            NONE.runtime(),
-                        );
-                        slot_indices[k as usize] = translate(lut, raw, features.lut);
-                        expected_tokens[k as usize] = tokens[b as usize];
-                        expected_positions[k as usize] = position;
-                        prev_slot_indices[k as usize] = prev;
-                    }
-                }
+                let prev = select(
+                    position > 0i64.runtime(),
+                    translate(lut, raw_prev, features.lut),
+                    NONE.runtime(),
+                );
+                slot_indices[k as usize] = translate(lut, raw, features.lut);
+                expected_tokens[k as usize] = token;
+                expected_positions[k as usize] = position;
+                prev_slot_indices[k as usize] = prev;
             }
         } else {
             // A request outside the table is never read: the unit skips its passes over the rest
