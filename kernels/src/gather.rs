@@ -147,7 +147,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     // A unit reports only its smallest error key, once: no atomic sits between the loads.
     let mut key = NO_ERROR.runtime();
     if failures != 0 {
-        key = smallest_key(req_pool_indices, pos2d, first, flags, row_starts, shape);
+        key = smallest_key(first, &rows, &positions, flags, row_starts, shape);
     }
     let mut dependency = 0u64.runtime();
     let reported = key != NO_ERROR;
@@ -351,40 +351,32 @@ fn slab_field(low: u64, high: u64, #[comptime] k: u32) -> usize {
 }
 
 /// The smallest error key of a unit's cells (only called when one of them fails): the rule in
-/// the top byte, then the row-major cell. Positions and rows are read again here, on the rare
-/// path, so that the common path does not keep them live (registers bound this kernel's
-/// occupancy).
+/// the top byte, then the row-major cell.
 #[cube]
-fn smallest_key<Q: Int, P: Int>(
-    req_pool_indices: &Tensor<Q>,
-    pos2d: &Tensor<P>,
+fn smallest_key(
     first: usize,
+    rows: &Array<i64>,
+    positions: &Array<i64>,
     flags: u32,
     row_starts: u32,
     shape: MaskedShape,
 ) -> u64 {
     let mut key = NO_ERROR.runtime();
-    let (mut i, mut j) = pos_of(first, shape);
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
+        let cell = (first + (k * CUBE_SIZE) as usize) as u64;
+        let row = rows[k as usize];
+        let position = positions[k as usize];
+        let row_ok = row >= 0 && (row as u64) < shape.rows;
         let flagged = (flags >> k) & 1 == 1;
-        let row_start = (row_starts >> k) & 1 == 1;
-        // Only a true cell or a row's first cell (both inside the mask) can fail.
-        if flagged || row_start {
-            let cell = (first + ((k * CUBE_SIZE) as usize)) as u64;
-            let row = row_of(req_pool_indices, i, shape.shared_row);
-            let position = i64::cast_from(pos2d[i * pos2d.stride(0) + j * pos2d.stride(1)]);
-            let row_ok = row >= 0 && (row as u64) < shape.rows;
-            let row_fails = row_start && shape.cols > 0 && !row_ok;
-            let empty_fails = flagged && shape.cols == 0;
-            let position_fails =
-                flagged && shape.cols > 0 && !(position >= 0 && (position as u64) < shape.cols);
-            let row_key = select(row_fails, KEY_ROW | cell, NO_ERROR);
-            let empty_key = select(empty_fails, KEY_EMPTY_TABLE, NO_ERROR);
-            let position_key = select(position_fails, KEY_POSITION | cell, NO_ERROR);
-            key = key.min(row_key).min(empty_key).min(position_key);
-        }
-        (i, j) = next_slab(i, j, shape);
+        let row_fails = (row_starts >> k) & 1 == 1 && shape.cols > 0 && !row_ok;
+        let empty_fails = flagged && shape.cols == 0;
+        let position_fails =
+            flagged && shape.cols > 0 && !(position >= 0 && (position as u64) < shape.cols);
+        let row_key = select(row_fails, KEY_ROW | cell, NO_ERROR);
+        let empty_key = select(empty_fails, KEY_EMPTY_TABLE, NO_ERROR);
+        let position_key = select(position_fails, KEY_POSITION | cell, NO_ERROR);
+        key = key.min(row_key).min(empty_key).min(position_key);
     }
     key
 }
