@@ -212,6 +212,17 @@ fn address_type<'a, R: CubeRuntime>(
         .get_or_init(|| std::env::var("KVPLAN_WIDE_INDEX").is_ok_and(|value| value == "1"));
     let wide_capable =
         client.is_some_and(|client| client.properties().supports_address(AddressType::U64));
+    index_width(widest, forced, wide_capable)
+}
+
+static FORCE_WIDE_INDEX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// The rule of [`address_type`], for `widest` elements spanned.
+fn index_width(
+    widest: usize,
+    forced: bool,
+    wide_capable: bool,
+) -> Result<AddressType, crate::Error> {
     if widest <= NARROW_SPAN && !(forced && wide_capable) {
         Ok(AddressType::U32)
     } else if wide_capable {
@@ -224,4 +235,43 @@ fn address_type<'a, R: CubeRuntime>(
     }
 }
 
-static FORCE_WIDE_INDEX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_width_is_32_bit_up_to_the_narrow_span() {
+        for capable in [false, true] {
+            assert_eq!(index_width(0, false, capable), Ok(AddressType::U32));
+            assert_eq!(
+                index_width(NARROW_SPAN, false, capable),
+                Ok(AddressType::U32)
+            );
+        }
+        assert_eq!(
+            index_width(NARROW_SPAN + 1, false, true),
+            Ok(AddressType::U64)
+        );
+        assert_eq!(index_width(usize::MAX, false, true), Ok(AddressType::U64));
+    }
+
+    #[test]
+    fn index_width_refuses_what_a_32_bit_device_cannot_index() {
+        let error = index_width(NARROW_SPAN + 1, false, false).unwrap_err();
+        assert_eq!(
+            error,
+            crate::Error::IndexRange {
+                elements: NARROW_SPAN as u64 + 1,
+                limit: NARROW_SPAN as u64,
+            }
+        );
+        assert_eq!(error.kind(), "index_range");
+        assert!(error.to_string().contains("2147483649 elements"), "{error}");
+    }
+
+    #[test]
+    fn forcing_wide_indexes_needs_a_capable_device() {
+        assert_eq!(index_width(8, true, true), Ok(AddressType::U64));
+        assert_eq!(index_width(8, true, false), Ok(AddressType::U32));
+    }
+}
