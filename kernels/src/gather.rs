@@ -14,11 +14,15 @@ use crate::status::{
     CODE, COUNT, FACTS, GATHER_CAPACITY, GATHER_EMPTY_TABLE, GATHER_POSITION, GATHER_ROW,
 };
 
-/// Mask cells per unit (one per slab of `CUBE_SIZE` consecutive cells).
+/// Mask cells per unit (one per slab of `CUBE_SIZE` consecutive cells) of a counted gather.
 pub const CELLS_PER_UNIT: u32 = 8;
+/// Mask cells per unit of a gather without a count launch. On the H200 four were faster there
+/// (more, shorter cubes: (64, 16) 4.46 -> 3.68 us), eight above (fewer tiles to sum:
+/// (4096, 2048) 92 vs 111 us).
+pub const SMALL_CELLS_PER_UNIT: u32 = 4;
 /// A 16-bit field of a packed slab count.
 const FIELD: u64 = 0xFFFF;
-/// Mask cells per tile (one cube).
+/// Mask cells per tile (one cube) of a counted gather.
 pub const TILE_CELLS: u64 = (CUBE_SIZE * CELLS_PER_UNIT) as u64;
 
 /// Scratch words before the tile states.
@@ -65,7 +69,7 @@ pub struct MaskedShape {
 
 /// `T[row(i)][pos2d[i][j]]` for every true `mask[i][j]`, row-major, into `out[..capacity]`.
 ///
-/// A tile is `CELLS_PER_UNIT` slabs of `CUBE_SIZE` consecutive cells; unit `u` owns cell `u` of
+/// A tile is `cells_per_unit` slabs of `CUBE_SIZE` consecutive cells; unit `u` owns cell `u` of
 /// every slab, so that each load and each store of a plane is coalesced. A unit reads its cells'
 /// mask, position and row, checks and gathers the true ones into registers before the scan (so
 /// the loads' latency overlaps the look-back), then stores them at their row-major ranks: the
@@ -85,6 +89,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     shape: MaskedShape,
     #[comptime] broadcast_prefix: bool,
     #[comptime] counted: bool,
+    #[comptime] cells_per_unit: u32,
     #[define(T, Q, P, M)] _dtypes: [StorageType; 4],
 ) {
     let mut low_slabs = SharedMemory::<u64>::new(CUBE_SIZE as usize);
@@ -97,7 +102,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     // address type from every extent): 64-bit cell arithmetic was most of this kernel's
     // instructions.
     let cells = shape.pos_rows as usize * shape.pos_cols as usize;
-    let first = tile * TILE_CELLS as usize + UNIT_POS as usize;
+    let first = tile * comptime!((CUBE_SIZE * cells_per_unit) as usize) + UNIT_POS as usize;
     let (mut i, mut j) = pos_of(first, shape);
 
     // First every cell's mask, position and row, with no branch between the loads, so that all
@@ -105,10 +110,10 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     // has, and is then ignored).
     let mut flags = 0u32.runtime();
     let mut row_starts = 0u32.runtime();
-    let mut positions = Array::<i64>::new(CELLS_PER_UNIT as usize);
-    let mut rows = Array::<i64>::new(CELLS_PER_UNIT as usize);
+    let mut positions = Array::<i64>::new(comptime!(cells_per_unit as usize));
+    let mut rows = Array::<i64>::new(comptime!(cells_per_unit as usize));
     #[unroll]
-    for k in 0..CELLS_PER_UNIT {
+    for k in 0..cells_per_unit {
         let inside = first + ((k * CUBE_SIZE) as usize) < cells;
         let (ci, cj) = (
             select(inside, i, index_zero()),
@@ -123,11 +128,11 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     }
     // Then the checks and the table reads (again all in flight at once). A failing cell only
     // sets a bit here; its error key is built after the loop, off the common path.
-    let mut values = Array::<i64>::new(CELLS_PER_UNIT as usize);
+    let mut values = Array::<i64>::new(comptime!(cells_per_unit as usize));
     let mut stores = 0u32.runtime();
     let mut failures = 0u32.runtime();
     #[unroll]
-    for k in 0..CELLS_PER_UNIT {
+    for k in 0..cells_per_unit {
         let row = rows[k as usize];
         let position = positions[k as usize];
         let row_ok = row >= 0 && (row as u64) < shape.rows;
@@ -147,7 +152,15 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     // A unit reports only its smallest error key, once: no atomic sits between the loads.
     let mut key = NO_ERROR.runtime();
     if failures != 0 {
-        key = smallest_key(first, &rows, &positions, flags, row_starts, shape);
+        key = smallest_key(
+            first,
+            &rows,
+            &positions,
+            flags,
+            row_starts,
+            shape,
+            cells_per_unit,
+        );
     }
     let mut dependency = 0u64.runtime();
     let reported = key != NO_ERROR;
@@ -158,7 +171,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     let mut low = 0u64.runtime();
     let mut high = 0u64.runtime();
     #[unroll]
-    for k in 0..CELLS_PER_UNIT {
+    for k in 0..cells_per_unit {
         let bit = ((flags >> k) & 1) as u64;
         if k < 4 {
             low |= bit << (16 * k) as u64;
@@ -193,7 +206,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     let capacity = shape.capacity as usize;
     let mut slabs_before = prefix as usize;
     #[unroll]
-    for k in 0..CELLS_PER_UNIT {
+    for k in 0..cells_per_unit {
         let rank = slabs_before + slab_field(low_rank, high_rank, k);
         if (stores >> k) & 1 == 1 && rank < capacity {
             out[rank] = values[k as usize];
@@ -360,10 +373,11 @@ fn smallest_key(
     flags: u32,
     row_starts: u32,
     shape: MaskedShape,
+    #[comptime] cells_per_unit: u32,
 ) -> u64 {
     let mut key = NO_ERROR.runtime();
     #[unroll]
-    for k in 0..CELLS_PER_UNIT {
+    for k in 0..cells_per_unit {
         let cell = (first + (k * CUBE_SIZE) as usize) as u64;
         let row = rows[k as usize];
         let position = positions[k as usize];
