@@ -135,15 +135,14 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     for k in 0..cells_per_unit {
         let row = rows[k as usize];
         let position = positions[k as usize];
-        let row_ok = row >= 0 && (row as u64) < shape.rows;
         let flagged = (flags >> k) & 1 == 1;
-        // Rule 8, once per pos row, true cells or not (the empty table skips it).
-        let row_fails = (row_starts >> k) & 1 == 1 && shape.cols > 0 && !row_ok;
-        let position_ok = position >= 0 && (position as u64) < shape.cols;
-        let cell_fails = row_fails || (flagged && (shape.cols == 0 || !position_ok));
-        failures |= u32::cast_from(cell_fails) << k;
+        let row_start = (row_starts >> k) & 1 == 1;
+        let (row_fails, empty_fails, position_fails) =
+            cell_rules(row, position, flagged, row_start, shape);
+        failures |= u32::cast_from(row_fails || empty_fails || position_fails) << k;
         values[k as usize] = 0;
-        if flagged && shape.cols > 0 && position_ok && row_ok {
+        let row_ok = row >= 0 && (row as u64) < shape.rows;
+        if flagged && !empty_fails && !position_fails && row_ok {
             let at = row as usize * table.stride(0) + position as usize * table.stride(1);
             values[k as usize] = i64::cast_from(table[at]);
             stores |= 1u32 << k;
@@ -360,7 +359,26 @@ fn slab_field(low: u64, high: u64, #[comptime] k: u32) -> usize {
     } else {
         (word >> 32) as u32
     };
-    ((half >> (16 * (k % 2))) & 0xFFFF) as usize
+    ((half >> (16 * (k % 2))) & FIELD as u32) as usize
+}
+
+/// The rules a cell fails: (rule 8, its row; rule 6, the empty table; rule 9, its position).
+/// Rule 8 is checked once per pos row, at its first cell, true or not (the empty table skips it).
+#[cube]
+fn cell_rules(
+    row: i64,
+    position: i64,
+    flagged: bool,
+    row_start: bool,
+    shape: MaskedShape,
+) -> (bool, bool, bool) {
+    let row_ok = row >= 0 && (row as u64) < shape.rows;
+    let position_ok = position >= 0 && (position as u64) < shape.cols;
+    (
+        row_start && shape.cols > 0 && !row_ok,
+        flagged && shape.cols == 0,
+        flagged && shape.cols > 0 && !position_ok,
+    )
 }
 
 /// The smallest error key of a unit's cells (only called when one of them fails): the rule in
@@ -379,14 +397,13 @@ fn smallest_key(
     #[unroll]
     for k in 0..cells_per_unit {
         let cell = (first + (k * CUBE_SIZE) as usize) as u64;
-        let row = rows[k as usize];
-        let position = positions[k as usize];
-        let row_ok = row >= 0 && (row as u64) < shape.rows;
-        let flagged = (flags >> k) & 1 == 1;
-        let row_fails = (row_starts >> k) & 1 == 1 && shape.cols > 0 && !row_ok;
-        let empty_fails = flagged && shape.cols == 0;
-        let position_fails =
-            flagged && shape.cols > 0 && !(position >= 0 && (position as u64) < shape.cols);
+        let (row_fails, empty_fails, position_fails) = cell_rules(
+            rows[k as usize],
+            positions[k as usize],
+            (flags >> k) & 1 == 1,
+            (row_starts >> k) & 1 == 1,
+            shape,
+        );
         let row_key = select(row_fails, KEY_ROW | cell, NO_ERROR);
         let empty_key = select(empty_fails, KEY_EMPTY_TABLE, NO_ERROR);
         let position_key = select(position_fails, KEY_POSITION | cell, NO_ERROR);

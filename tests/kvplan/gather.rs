@@ -542,10 +542,12 @@ pub fn strided_inputs<B: KvPlanBackend>(device: &B::Device) {
 }
 
 /// Many tiles: the large masked case (bs 4096, W 2048, ragged windows at random
-/// offsets), a mid-sized random one, and segment batches of several shared tiles.
+/// offsets), a mid-sized random one, the largest gather without a count launch (64 tiles' worth
+/// of 2,048 cells: 128 tiles of 1,024 chained by the look-back), and segment batches of several
+/// shared tiles.
 pub fn large_cases<B: KvPlanBackend>(device: &B::Device) {
     let mut rng = Rng::new(0x6269_6767);
-    for (r, c, ragged) in [(4096, 2048, true), (300, 100, false)] {
+    for (r, c, ragged) in [(4096, 2048, true), (300, 100, false), (512, 256, false)] {
         let (rows, cols) = (64, 4096);
         let table = random_table(&mut rng, rows, cols);
         let rpi = (0..r).map(|_| rng.range(1, rows as i64 - 1)).collect();

@@ -119,8 +119,9 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
     Ok(GatherOutput { out, count, status })
 }
 
-/// Tiles of `TILE_CELLS` above which a masked gather counts first. On the H200 a count launch made 256 tiles
-/// (bs 4096, W 128) 24% faster and 4,096 tiles 10% faster, and cost ~2 us below 32 tiles.
+/// Tiles of `TILE_CELLS` above which a masked gather counts first. On the H200 a count launch
+/// made 256 tiles (bs 4096, W 128) 24% faster and 4,096 tiles 10% faster, and cost ~2 us below
+/// 32 tiles.
 const COUNTED_TILES: usize = 64;
 
 pub(crate) fn segment_gather<R: CubeRuntime>(
