@@ -103,6 +103,11 @@ macro_rules! suite {
             }
 
             #[test]
+            fn plan_strided_inputs() {
+                crate::plan::strided_inputs::<B>(&device());
+            }
+
+            #[test]
             fn errors_gather() {
                 crate::errors::gather_errors::<B>(&device());
             }

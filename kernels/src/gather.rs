@@ -65,6 +65,15 @@ pub struct MaskedShape {
     /// Tiles per group of a counted gather: `ceil(tiles / CUBE_SIZE)`, so at most `CUBE_SIZE`
     /// groups.
     pub group_tiles: u64,
+    /// Element strides of the inputs, as launch scalars (see the crate docs): table rows and
+    /// columns, `req_pool_indices`, pos rows and columns, mask rows and columns.
+    pub table_row_stride: u64,
+    pub table_col_stride: u64,
+    pub index_stride: u64,
+    pub pos_row_stride: u64,
+    pub pos_col_stride: u64,
+    pub mask_row_stride: u64,
+    pub mask_col_stride: u64,
 }
 
 /// `T[row(i)][pos2d[i][j]]` for every true `mask[i][j]`, row-major, into `out[..capacity]`.
@@ -119,9 +128,10 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
             select(inside, i, index_zero()),
             select(inside, j, index_zero()),
         );
-        let flag = mask[ci * mask.stride(0) + cj * mask.stride(1)];
-        positions[k as usize] = i64::cast_from(pos2d[ci * pos2d.stride(0) + cj * pos2d.stride(1)]);
-        rows[k as usize] = row_of(req_pool_indices, ci, shape.shared_row);
+        let flag = mask[at2(ci, cj, shape.mask_row_stride, shape.mask_col_stride)];
+        positions[k as usize] =
+            i64::cast_from(pos2d[at2(ci, cj, shape.pos_row_stride, shape.pos_col_stride)]);
+        rows[k as usize] = row_of(req_pool_indices, ci, shape.shared_row, shape.index_stride);
         flags |= u32::cast_from(inside && flag != M::new(0)) << k;
         row_starts |= u32::cast_from(inside && j == 0) << k;
         (i, j) = next_slab(i, j, shape);
@@ -143,7 +153,12 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
         values[k as usize] = 0;
         let row_ok = row >= 0 && (row as u64) < shape.rows;
         if flagged && !empty_fails && !position_fails && row_ok {
-            let at = row as usize * table.stride(0) + position as usize * table.stride(1);
+            let at = at2(
+                row as usize,
+                position as usize,
+                shape.table_row_stride,
+                shape.table_col_stride,
+            );
             values[k as usize] = i64::cast_from(table[at]);
             stores |= 1u32 << k;
         }
@@ -199,6 +214,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
             &mut broadcast,
             SLOT_PREFIX,
             broadcast_prefix,
+            true,
         )
     };
     // Ranks: the tile's prefix, the slabs before (their totals), the units before in the slab.
@@ -266,7 +282,9 @@ pub fn masked_count_kernel<M: Int>(
     #[unroll]
     for k in 0..CELLS_PER_UNIT {
         let cell = first + (k * CUBE_SIZE) as usize;
-        if cell < cells && mask[i * mask.stride(0) + j * mask.stride(1)] != M::new(0) {
+        if cell < cells
+            && mask[at2(i, j, shape.mask_row_stride, shape.mask_col_stride)] != M::new(0)
+        {
             selected += 1;
         }
         (i, j) = next_slab(i, j, shape);
@@ -414,9 +432,15 @@ fn smallest_key(
 
 /// `req_pool_indices[i]`, or entry 0 when it is shared, widened to i64.
 #[cube]
-fn row_of<Q: Int>(req_pool_indices: &Tensor<Q>, i: usize, shared_row: u64) -> i64 {
+fn row_of<Q: Int>(req_pool_indices: &Tensor<Q>, i: usize, shared_row: u64, stride: u64) -> i64 {
     let index = select(shared_row == 1, index_zero(), i);
-    i64::cast_from(req_pool_indices[index * req_pool_indices.stride(0)])
+    i64::cast_from(req_pool_indices[index * stride as usize])
+}
+
+/// The element at `(i, j)` of a 2-D input with the given strides.
+#[cube]
+fn at2(i: usize, j: usize, row_stride: u64, col_stride: u64) -> usize {
+    i * row_stride as usize + j * col_stride as usize
 }
 
 /// The last cube: the count and the status record with the first offender's facts.
@@ -451,14 +475,24 @@ fn finish_masked<Q: Int, P: Int>(
         } else if key < KEY_POSITION {
             status[CODE] = GATHER_ROW;
             status[FACTS] = i as i64;
-            status[FACTS + 1] = row_of(req_pool_indices, i as usize, shape.shared_row);
+            status[FACTS + 1] = row_of(
+                req_pool_indices,
+                i as usize,
+                shape.shared_row,
+                shape.index_stride,
+            );
             status[FACTS + 2] = shape.rows as i64;
         } else {
             status[CODE] = GATHER_POSITION;
             status[FACTS] = i as i64;
             status[FACTS + 1] = j as i64;
-            status[FACTS + 2] =
-                i64::cast_from(pos2d[i as usize * pos2d.stride(0) + j as usize * pos2d.stride(1)]);
+            let at = at2(
+                i as usize,
+                j as usize,
+                shape.pos_row_stride,
+                shape.pos_col_stride,
+            );
+            status[FACTS + 2] = i64::cast_from(pos2d[at]);
             status[FACTS + 3] = shape.cols as i64;
         }
     }
@@ -526,6 +560,13 @@ pub struct SegmentShape {
     /// Cubes of the launch (at least `tiles * tile_cubes`; the extra cubes of a rounded-up grid
     /// idle).
     pub cubes: u64,
+    /// Element strides of the inputs, as launch scalars (see the crate docs): table rows and
+    /// columns, `req_pool_indices`, `start`, `lengths`.
+    pub table_row_stride: u64,
+    pub table_col_stride: u64,
+    pub index_stride: u64,
+    pub start_stride: u64,
+    pub lengths_stride: u64,
 }
 
 /// `T[row(i)][start_i + j]` for `j < lengths[i]`, segments in order, into `out[..capacity]`.
@@ -554,18 +595,24 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     let unit = UNIT_POS as u64;
     let i = tile * shape.tile_segments + unit;
     let owns = active && unit < shape.tile_segments && i < shape.segments;
-    let len = i64::cast_from(lengths[select(owns, i, 0u64) as usize * lengths.stride(0)]);
+    let len =
+        i64::cast_from(lengths[select(owns, i, 0u64) as usize * shape.lengths_stride as usize]);
     let length = select(owns && len > 0, len as u64, 0u64);
     // Rules 8 and 9, by the tile's lead (the shape rules 5-7 come first; then nothing else is
     // read).
     let mut dependency = 0u64.runtime();
     let mut reported = false.runtime();
     if lead && owns && shape.shape_error == 0 {
-        let row = row_of(req_pool_indices, i as usize, shape.shared_row);
+        let row = row_of(
+            req_pool_indices,
+            i as usize,
+            shape.shared_row,
+            shape.index_stride,
+        );
         if row < 0 || row as u64 >= shape.rows {
             dependency |= report_error(&scratch[SEG_ERROR], KEY_SEGMENT_ROW | i) >> 63;
             reported = true;
-        } else if len > 0 && !segment_fits(start, i, len, shape.cols, has_start) {
+        } else if len > 0 && !segment_fits(start, i, len, shape, has_start) {
             dependency |= report_error(&scratch[SEG_ERROR], KEY_SEGMENT_POSITION | i) >> 63;
             reported = true;
         }
@@ -583,6 +630,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
             &mut broadcast,
             SLOT_PREFIX,
             broadcast_prefix,
+            false,
         );
     }
 
@@ -600,13 +648,23 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
         segment = step_to_holder(&ends, segment, last_segment, e);
         let before = start_of(&ends, segment);
         let g = tile * shape.tile_segments + segment;
-        let row = row_of(req_pool_indices, g as usize, shape.shared_row);
-        let len = i64::cast_from(lengths[g as usize * lengths.stride(0)]);
+        let row = row_of(
+            req_pool_indices,
+            g as usize,
+            shape.shared_row,
+            shape.index_stride,
+        );
+        let len = i64::cast_from(lengths[g as usize * shape.lengths_stride as usize]);
         let row_ok = row >= 0 && (row as u64) < shape.rows;
         // `prefix + e` is below the capacity: the copy stops at `room`.
-        if row_ok && segment_fits(start, g, len, shape.cols, has_start) {
-            let position = segment_start(start, g, has_start) as u64 + (e - before);
-            let at = row as usize * table.stride(0) + position as usize * table.stride(1);
+        if row_ok && segment_fits(start, g, len, shape, has_start) {
+            let position = segment_start(start, g, shape, has_start) as u64 + (e - before);
+            let at = at2(
+                row as usize,
+                position as usize,
+                shape.table_row_stride,
+                shape.table_col_stride,
+            );
             out[(prefix + e) as usize] = i64::cast_from(table[at]);
         }
         e += CUBE_SIZE as u64;
@@ -642,19 +700,24 @@ fn segment_fits<S: Int>(
     start: &Tensor<S>,
     i: u64,
     len: i64,
-    cols: u64,
+    shape: SegmentShape,
     #[comptime] has_start: bool,
 ) -> bool {
-    let first = segment_start(start, i, has_start);
-    first >= 0 && first <= cols as i64 - len
+    let first = segment_start(start, i, shape, has_start);
+    first >= 0 && first <= shape.cols as i64 - len
 }
 
 /// `start[i]`, or 0 without starts.
 #[cube]
-fn segment_start<S: Int>(start: &Tensor<S>, i: u64, #[comptime] has_start: bool) -> i64 {
+fn segment_start<S: Int>(
+    start: &Tensor<S>,
+    i: u64,
+    shape: SegmentShape,
+    #[comptime] has_start: bool,
+) -> i64 {
     let mut first = 0i64;
     if has_start {
-        first = i64::cast_from(start[i as usize * start.stride(0)]);
+        first = i64::cast_from(start[i as usize * shape.start_stride as usize]);
     }
     first
 }
@@ -691,7 +754,8 @@ fn finish_segments<Q: Int, S: Int, L: Int>(
             // `L`, the longest segment: only needed on this error path.
             let mut longest = 0i64;
             for segment in 0..shape.segments {
-                let length = i64::cast_from(lengths[segment as usize * lengths.stride(0)]);
+                let length =
+                    i64::cast_from(lengths[segment as usize * shape.lengths_stride as usize]);
                 if length > longest {
                     longest = length;
                 }
@@ -704,11 +768,16 @@ fn finish_segments<Q: Int, S: Int, L: Int>(
     if row_fails {
         words[CODE] = GATHER_ROW;
         words[FACTS] = i as i64;
-        words[FACTS + 1] = row_of(req_pool_indices, i as usize, shape.shared_row);
+        words[FACTS + 1] = row_of(
+            req_pool_indices,
+            i as usize,
+            shape.shared_row,
+            shape.index_stride,
+        );
         words[FACTS + 2] = shape.rows as i64;
     }
     if position_fails {
-        let first = segment_start(start, i, has_start);
+        let first = segment_start(start, i, shape, has_start);
         let cols = shape.cols as i64;
         let position = select(first < 0 || first > cols, first, cols);
         words[CODE] = GATHER_POSITION;

@@ -115,6 +115,18 @@ pub struct PlanShape {
     /// Cubes of the launch (at least `tiles * tile_cubes`: a 2-D grid may round up; the extra
     /// cubes only zero write offsets).
     pub cubes: u64,
+    /// Element strides of the inputs, as launch scalars (see the crate docs):
+    /// `req_pool_indices`, `prefix_lens`, `extend_seq_lens`, table rows and columns, LUT, pool
+    /// rows and columns, `valid_lens`.
+    pub index_stride: u64,
+    pub prefix_stride: u64,
+    pub extend_stride: u64,
+    pub table_row_stride: u64,
+    pub table_col_stride: u64,
+    pub lut_stride: u64,
+    pub pool_row_stride: u64,
+    pub pool_col_stride: u64,
+    pub valid_stride: u64,
 }
 
 /// Compile-time switches: the common path carries no dead branches.
@@ -147,12 +159,13 @@ fn load_request<Q: Int, P: Int, E: Int>(
     prefix_lens: &Tensor<P>,
     extend_seq_lens: &Tensor<E>,
     r: u64,
-    window: i64,
+    shape: PlanShape,
     #[comptime] windowed: bool,
 ) -> Request {
-    let row = i64::cast_from(req_pool_indices[r as usize * req_pool_indices.stride(0)]);
-    let prefix = i64::cast_from(prefix_lens[r as usize * prefix_lens.stride(0)]);
-    let extend = i64::cast_from(extend_seq_lens[r as usize * extend_seq_lens.stride(0)]);
+    let row = i64::cast_from(req_pool_indices[r as usize * shape.index_stride as usize]);
+    let prefix = i64::cast_from(prefix_lens[r as usize * shape.prefix_stride as usize]);
+    let extend = i64::cast_from(extend_seq_lens[r as usize * shape.extend_stride as usize]);
+    let window = shape.window;
     let mut window_start = 0i64;
     if windowed {
         // Compare first, so `prefix - window` cannot overflow.
@@ -170,8 +183,8 @@ fn load_request<Q: Int, P: Int, E: Int>(
 
 /// `valid_lens[r]`, widened.
 #[cube]
-fn valid_len_of<V: Int>(valid_lens: &Tensor<V>, r: u64) -> i64 {
-    i64::cast_from(valid_lens[r as usize * valid_lens.stride(0)])
+fn valid_len_of<V: Int>(valid_lens: &Tensor<V>, r: u64, shape: PlanShape) -> i64 {
+    i64::cast_from(valid_lens[r as usize * shape.valid_stride as usize])
 }
 
 /// A live request reads the table; only live requests are checked.
@@ -214,22 +227,25 @@ fn slot_in_lut(slot: i64, lut_len: u64) -> bool {
 
 /// `xlat(s)`: LUT translation, negative slots pass through. Callers check `s < lut_len`.
 #[cube]
-fn translate<U: Int>(lut: &Tensor<U>, slot: i64, #[comptime] has_lut: bool) -> i64 {
+fn translate<U: Int>(lut: &Tensor<U>, slot: i64, stride: u64, #[comptime] has_lut: bool) -> i64 {
     let mut translated = slot;
     if has_lut {
         // Index 0 stands in for a negative slot, which passes through untranslated. Blended
         // arithmetically from the sign bit: `select` on this path was seen to pick wrongly.
         let negative = ((slot as u64) >> 63) as i64;
         let index = slot * (1 - negative);
-        let looked_up = i64::cast_from(lut[index as usize * lut.stride(0)]);
+        let looked_up = i64::cast_from(lut[index as usize * stride as usize]);
         translated = looked_up * (1 - negative) + slot * negative;
     }
     translated
 }
 
 #[cube]
-fn table_at<T: Int>(table: &Tensor<T>, row: i64, col: i64) -> i64 {
-    i64::cast_from(table[row as usize * table.stride(0) + col as usize * table.stride(1)])
+fn table_at<T: Int>(table: &Tensor<T>, row: i64, col: i64, shape: PlanShape) -> i64 {
+    i64::cast_from(
+        table[row as usize * shape.table_row_stride as usize
+            + col as usize * shape.table_col_stride as usize],
+    )
 }
 
 /// The plan launch: a tile of requests per `tile_cubes` cubes (see the module docs).
@@ -279,7 +295,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         prefix_lens,
         extend_seq_lens,
         select(owns, r, 0u64),
-        shape.window,
+        shape,
         features.window,
     );
     let verify_length = select(owns, verify_length(request), 0u64);
@@ -303,6 +319,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             &mut broadcast,
             SLOT_PREFIX,
             broadcast_prefix,
+            false,
         );
         write_prefix = tile_prefix(
             scratch,
@@ -313,6 +330,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             &mut broadcast,
             SLOT_SECOND_PREFIX,
             broadcast_prefix,
+            false,
         );
     }
 
@@ -324,7 +342,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let mut pool_row_fails = false.runtime();
     let mut pool_position_fails = false.runtime();
     if features.pool {
-        let valid_len = valid_len_of(valid_lens, select(owns, r, 0u64));
+        let valid_len = valid_len_of(valid_lens, select(owns, r, 0u64), shape);
         let column = last_pool_column(request, shape.position_offset, valid_len);
         pool_row_fails = live && column >= 0 && request.row as u64 >= shape.pool_rows;
         pool_position_fails = live && column >= 0 && column as u64 >= shape.pool_cols;
@@ -400,16 +418,16 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             prefix_lens,
             extend_seq_lens,
             r_global,
-            shape.window,
+            shape,
             features.window,
         );
         if in_table(owner, shape.rows, shape.cols) {
             let row = owner.row;
             let position = owner.window_start + (e - start) as i64;
-            let raw = table_at(table, row, position);
+            let raw = table_at(table, row, position, shape);
             // Column 0 stands in for the predecessor of position 0, which is never used.
             let prev_column = select(position > 0i64.runtime(), position - 1, 0i64.runtime());
-            let raw_prev = table_at(table, row, prev_column);
+            let raw_prev = table_at(table, row, prev_column, shape);
             // Rule 14 on every slot read, the window head's predecessor included. Without a LUT
             // the host passes `lut_len = i64::MAX`, so every slot is inside. (Pure expressions:
             // see the note on mutable locals in `scan`.)
@@ -425,22 +443,23 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             if fits && slot_ok && prev_ok && k < shape.verify_capacity {
                 let mut token = NONE.runtime();
                 if features.pool {
-                    let valid_len = valid_len_of(valid_lens, r_global);
+                    let valid_len = valid_len_of(valid_lens, r_global, shape);
                     let column = position + shape.position_offset;
                     let last = last_pool_column(owner, shape.position_offset, valid_len);
                     let pool_ok = (row as u64) < shape.pool_rows && last < shape.pool_cols as i64;
                     if pool_ok && column >= 0 && column < valid_len {
                         token = i64::cast_from(
-                            pool[row as usize * pool.stride(0) + column as usize * pool.stride(1)],
+                            pool[row as usize * shape.pool_row_stride as usize
+                                + column as usize * shape.pool_col_stride as usize],
                         );
                     }
                 }
                 let prev = select(
                     position > 0i64.runtime(),
-                    translate(lut, raw_prev, features.lut),
+                    translate(lut, raw_prev, shape.lut_stride, features.lut),
                     NONE.runtime(),
                 );
-                slot_indices[k as usize] = translate(lut, raw, features.lut);
+                slot_indices[k as usize] = translate(lut, raw, shape.lut_stride, features.lut);
                 expected_tokens[k as usize] = token;
                 expected_positions[k as usize] = position;
                 prev_slot_indices[k as usize] = prev;
@@ -458,7 +477,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         reported = true;
     }
     if checks {
-        seeds[r as usize] = seed_of(seed_slot, lut, shape.lut_len, features.lut);
+        seeds[r as usize] = seed_of(seed_slot, lut, shape, features.lut);
     }
     let (last, any_reported) = publish_block_done(
         &scratch[PLAN_DONE],
@@ -532,7 +551,7 @@ pub fn plan_count_kernel<Q: Int, P: Int, E: Int>(
         prefix_lens,
         extend_seq_lens,
         select(owns, r, 0u64),
-        shape.window,
+        shape,
         features.window,
     );
     let (_, total) = cube_exclusive_scan(select(owns, verify_length(request), 0u64), &mut shared);
@@ -570,7 +589,7 @@ fn seed_slot_of<T: Int>(request: Request, table: &Tensor<T>, shape: PlanShape) -
         && request.prefix > 0
         && in_table(request, shape.rows, shape.cols)
     {
-        slot = table_at(table, request.row, request.prefix - 1);
+        slot = table_at(table, request.row, request.prefix - 1, shape);
     }
     slot
 }
@@ -578,12 +597,12 @@ fn seed_slot_of<T: Int>(request: Request, table: &Tensor<T>, shape: PlanShape) -
 /// The chain seed from its raw slot: translated through the LUT. Rule 14 on it is the entries'
 /// (the same slot is an entry); an untranslatable seed is left at -1 (the plan is disabled then).
 #[cube]
-fn seed_of<U: Int>(slot: i64, lut: &Tensor<U>, lut_len: u64, #[comptime] has_lut: bool) -> i64 {
+fn seed_of<U: Int>(slot: i64, lut: &Tensor<U>, shape: PlanShape, #[comptime] has_lut: bool) -> i64 {
     let mut seed = slot;
     if has_lut {
         seed = NONE.runtime();
-        if slot_in_lut(slot, lut_len) {
-            seed = translate(lut, slot, has_lut);
+        if slot_in_lut(slot, shape.lut_len) {
+            seed = translate(lut, slot, shape.lut_stride, has_lut);
         }
     }
     seed
@@ -622,7 +641,7 @@ fn finish_plan<Q: Int, P: Int, E: Int, T: Int, V: Int>(
                 prefix_lens,
                 extend_seq_lens,
                 r,
-                shape.window,
+                shape,
                 features.window,
             );
             write_offsets[r as usize] = sum;
@@ -664,7 +683,7 @@ fn finish_plan<Q: Int, P: Int, E: Int, T: Int, V: Int>(
             prefix_lens,
             extend_seq_lens,
             r,
-            shape.window,
+            shape,
             features.window,
         );
         if code == PLAN_ROW {
@@ -679,7 +698,7 @@ fn finish_plan<Q: Int, P: Int, E: Int, T: Int, V: Int>(
         }
         if code == PLAN_SWA_SLOT {
             let column = (key & COLUMN_MASK) as i64;
-            status[FACTS] = table_at(table, request.row, column);
+            status[FACTS] = table_at(table, request.row, column, shape);
             status[FACTS + 1] = shape.lut_len as i64;
             status[FACTS + 2] = r as i64;
             status[FACTS + 3] = column;
@@ -690,7 +709,7 @@ fn finish_plan<Q: Int, P: Int, E: Int, T: Int, V: Int>(
             status[FACTS + 2] = shape.pool_rows as i64;
         }
         if code == PLAN_POOL_POSITION {
-            let valid_len = i64::cast_from(valid_lens[r as usize * valid_lens.stride(0)]);
+            let valid_len = valid_len_of(valid_lens, r, shape);
             status[FACTS] = r as i64;
             status[FACTS + 1] = last_pool_column(request, shape.position_offset, valid_len);
             status[FACTS + 2] = shape.pool_cols as i64;

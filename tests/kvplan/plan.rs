@@ -534,3 +534,64 @@ pub fn large_batch<B: KvPlanBackend>(device: &B::Device) {
         }
     }
 }
+
+/// Non-contiguous inputs (a transposed table and pool, offset slices of the per-request lists
+/// and the LUT) are read through their layout: the kernels take every stride from the launch, so
+/// each input's is exercised here against the reference on the same values.
+pub fn strided_inputs<B: KvPlanBackend>(device: &B::Device) {
+    let mut rng = Rng::new(0x6c61_796f);
+    let mut planned = 0;
+    for round in 0..6 {
+        let mut step = random_step(&mut rng, 7);
+        let (rows, cols) = (step.rows, step.cols);
+        // A reversed LUT of the same length keeps the table's slots inside it.
+        if let Some(len) = step.lut.as_ref().map(Vec::len) {
+            step = step.window(3, Some((0..len as i64).rev().collect()));
+        }
+        if step.pool.is_none() {
+            let data = (0..rows * (cols + 1)).map(|_| rng.i32_value()).collect();
+            let valid_lens: Vec<i64> = (0..7).map(|_| rng.range(-1, cols as i64 + 1)).collect();
+            step = step.pool(rows, cols + 1, data, &valid_lens, 1);
+        }
+        let d = step.dtypes;
+        // `data` as the transpose of a [cols, rows] tensor.
+        let transposed = |data: &[i64], rows: usize, cols: usize, dtype: DType| {
+            let t: Vec<i64> = (0..cols)
+                .flat_map(|c| (0..rows).map(move |r| data[r * cols + c]))
+                .collect();
+            ints::<B, 2>(&t, [cols, rows], dtype, device).transpose()
+        };
+        // `data` as the slice 3.. of a longer list.
+        let sliced = |data: &[i64], dtype: DType| {
+            let long: Vec<i64> = [0, 1, 2].into_iter().chain(data.iter().copied()).collect();
+            list::<B>(&long, dtype, device).slice(3..3 + data.len())
+        };
+        let mut inputs = PlanInputs::new(
+            sliced(&step.rpi, d[0]),
+            sliced(&step.prefix, d[1]),
+            sliced(&step.extend, d[2]),
+            transposed(&step.table, rows, cols, d[3]),
+        )
+        .swa_window_size(step.window)
+        .position_offset(step.offset);
+        if let Some(lut) = &step.lut {
+            inputs = inputs.full_to_swa_index_mapping(sliced(lut, d[4]));
+        }
+        if let Some((pool_rows, pool_cols, data)) = &step.pool {
+            inputs = inputs
+                .expected_tokens(transposed(data, *pool_rows, *pool_cols, d[5]))
+                .expected_tokens_valid_lens(sliced(&step.valid_lens, d[6]));
+        }
+        let mut mirror = Mirror::<B>::new(step.largest_total().max(1), 8, device);
+        let what = format!("strided round {round}: {step:?}");
+        // Device-checked errors are compared like results: both sides must agree.
+        if mirror
+            .step_with(&step, inputs, MODES[round % 2], &what)
+            .is_ok()
+        {
+            planned += 1;
+        }
+    }
+    // Most rounds must fill entries, not stop at an error.
+    assert!(planned >= 4, "only {planned} of 6 strided rounds planned");
+}

@@ -16,7 +16,7 @@ use kvplan_kernels::status::{
 };
 
 use super::{
-    address_type, bindable, broadcast_prefix, dims2, grid, output_i64, storage, tile_cubes,
+    address_type, bindable, broadcast_prefix, dims2, grid, output_i64, storage, stride, tile_cubes,
     upload_u64, widened,
 };
 use crate::Error;
@@ -64,8 +64,23 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
         storage(&pos2d),
         storage(&mask),
     ];
-    let mask = bindable(mask);
     let counts = output_i64(&req_to_token, if counted { tiles } else { 1 });
+    let (table, req_pool_indices, pos2d, mask) = (
+        bindable(req_to_token),
+        bindable(req_pool_indices),
+        bindable(pos2d),
+        bindable(mask),
+    );
+    // Read before the launch consumes the bindings.
+    let strides = [
+        stride(&table, 0),
+        stride(&table, 1),
+        stride(&req_pool_indices, 0),
+        stride(&pos2d, 0),
+        stride(&pos2d, 1),
+        stride(&mask, 0),
+        stride(&mask, 1),
+    ];
     let shape = || {
         MaskedShapeLaunch::new(
             rows as u64,
@@ -78,6 +93,13 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
             (CUBE_SIZE as usize / pos_cols.max(1)) as u64,
             (CUBE_SIZE as usize % pos_cols.max(1)) as u64,
             tiles.div_ceil(CUBE_SIZE as usize).max(1) as u64,
+            strides[0],
+            strides[1],
+            strides[2],
+            strides[3],
+            strides[4],
+            strides[5],
+            strides[6],
         )
     };
     // SAFETY: every index the kernels form is bounds-checked against the shapes passed here.
@@ -100,9 +122,9 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
             cube_count,
             CubeDim::new_1d(CUBE_SIZE),
             address,
-            bindable(req_to_token).into_tensor_arg(),
-            bindable(req_pool_indices).into_tensor_arg(),
-            bindable(pos2d).into_tensor_arg(),
+            table.into_tensor_arg(),
+            req_pool_indices.into_tensor_arg(),
+            pos2d.into_tensor_arg(),
             mask.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             count.clone().into_tensor_arg(),
@@ -181,6 +203,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
         bindable(widened(lengths)),
     );
     let start = start.map_or_else(|| lengths.clone(), |start| bindable(widened(start)));
+    let table = bindable(req_to_token);
     let shape = SegmentShapeLaunch::new(
         rows as u64,
         cols as u64,
@@ -194,9 +217,14 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
         tiles as u64,
         tile_cubes as u64,
         cubes as u64,
+        stride(&table, 0),
+        stride(&table, 1),
+        stride(&req_pool_indices, 0),
+        stride(&start, 0),
+        stride(&lengths, 0),
     );
     let dtypes = [
-        storage(&req_to_token),
+        storage(&table),
         storage(&req_pool_indices),
         storage(&start),
         storage(&lengths),
@@ -208,7 +236,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
             cube_count,
             CubeDim::new_1d(CUBE_SIZE),
             address,
-            bindable(req_to_token).into_tensor_arg(),
+            table.into_tensor_arg(),
             req_pool_indices.into_tensor_arg(),
             start.into_tensor_arg(),
             lengths.into_tensor_arg(),

@@ -177,6 +177,12 @@ fn resident_cubes<R: CubeRuntime>(like: &CubeTensor<R>, elements: usize, per_uni
     elements.div_ceil(per_cube).clamp(1, device_cubes(like))
 }
 
+/// A tensor's element stride along `dim` (0 past its rank), for a kernel's shape scalars (see
+/// `kvplan_kernels`: strides never come from the tensor's metadata buffer).
+fn stride<R: CubeRuntime>(tensor: &CubeTensor<R>, dim: usize) -> u64 {
+    tensor.meta.strides().get(dim).map_or(0, |&s| s as u64)
+}
+
 /// A tensor's dtype as a kernel storage type.
 fn storage(tensor: &CubeTensor<impl CubeRuntime>) -> StorageType {
     tensor.dtype.into()

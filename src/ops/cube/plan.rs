@@ -11,7 +11,7 @@ use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
 use super::{
-    address_type, bindable, broadcast_prefix, dims2, grid, output_i64, storage, tile_cubes,
+    address_type, bindable, broadcast_prefix, dims2, grid, output_i64, storage, stride, tile_cubes,
     upload_i64, widened, writable,
 };
 use crate::Error;
@@ -26,11 +26,11 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
     let (rows, cols) = dims2(&table);
     // Rule 11 again, on the real strides: through `Fusion` the host could not see them. The plans
     // are handed back untouched, as for every host rule.
-    let stride = table.meta.strides().first().map_or(1, |&s| s as i64);
-    if rows >= 1 && cols >= 1 && stride <= 0 {
+    let row_stride = table.meta.strides().first().map_or(1, |&s| s as i64);
+    if rows >= 1 && cols >= 1 && row_stride <= 0 {
         let mut words = [0i64; STATUS_LEN];
         words[CODE] = PLAN_STRIDE;
-        words[FACTS] = stride;
+        words[FACTS] = row_stride;
         let status = upload_i64(&table, &words);
         return Ok(PlanOutput {
             verify,
@@ -72,6 +72,33 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         .as_ref()
         .map_or((0, 0), |(pool, _)| dims2(pool));
     let (plan_grid, cubes) = grid(tiles * tile_cubes);
+    // The plan's own scratch, left ready by the previous call: nothing is uploaded.
+    let scratch = writable(write.scratch);
+    let status = output_i64(&table, STATUS_LEN);
+
+    let req_pool_indices = bindable(widened(inputs.req_pool_indices));
+    let prefix_lens = bindable(widened(inputs.prefix_lens));
+    let extend_seq_lens = bindable(widened(inputs.extend_seq_lens));
+    let table = bindable(table);
+    // Absent inputs are bound to a stand-in that the compile-time switches never read.
+    let stand_in = || req_pool_indices.clone();
+    let lut = inputs.full_to_swa.map_or_else(stand_in, bindable);
+    let (pool, valid_lens) = match inputs.expected_tokens {
+        Some((pool, valid_lens)) => (bindable(pool), bindable(widened(valid_lens))),
+        None => (stand_in(), stand_in()),
+    };
+    // Read before the launch consumes the bindings.
+    let strides = [
+        stride(&req_pool_indices, 0),
+        stride(&prefix_lens, 0),
+        stride(&extend_seq_lens, 0),
+        stride(&table, 0),
+        stride(&table, 1),
+        stride(&lut, 0),
+        stride(&pool, 0),
+        stride(&pool, 1),
+        stride(&valid_lens, 0),
+    ];
     let shape = || {
         PlanShapeLaunch::new(
             requests as u64,
@@ -88,22 +115,16 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             tiles as u64,
             tile_cubes as u64,
             cubes as u64,
+            strides[0],
+            strides[1],
+            strides[2],
+            strides[3],
+            strides[4],
+            strides[5],
+            strides[6],
+            strides[7],
+            strides[8],
         )
-    };
-    // The plan's own scratch, left ready by the previous call: nothing is uploaded.
-    let scratch = writable(write.scratch);
-    let status = output_i64(&table, STATUS_LEN);
-
-    let req_pool_indices = bindable(widened(inputs.req_pool_indices));
-    let prefix_lens = bindable(widened(inputs.prefix_lens));
-    let extend_seq_lens = bindable(widened(inputs.extend_seq_lens));
-    let table = bindable(table);
-    // Absent inputs are bound to a stand-in that the compile-time switches never read.
-    let stand_in = || req_pool_indices.clone();
-    let lut = inputs.full_to_swa.map_or_else(stand_in, bindable);
-    let (pool, valid_lens) = match inputs.expected_tokens {
-        Some((pool, valid_lens)) => (bindable(pool), bindable(widened(valid_lens))),
-        None => (stand_in(), stand_in()),
     };
     let [
         slot_indices,
