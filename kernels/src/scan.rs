@@ -223,9 +223,10 @@ fn plane_look_back(
 /// ([`plane_look_back`]), and hands the prefix to the cube through shared `slot`. The plane walk
 /// suits one cube per tile (the masked gather: (1024, 64) 7.8 -> 6.5 us on the H200); where many
 /// cubes share a tile and all walk it (plan, segments), 32 lanes each polling with an atomic
-/// read-modify-write contend on the same words ((4096, 512) plan 25 -> 61 us). Otherwise (lavapipe, which was seen to serve a stale broadcast to later
-/// subgroups after a look-back) every unit walks it; on a GPU that would poll one word from every
-/// thread and serialise on it.
+/// read-modify-write (cubecl's atomic load) contend on the same words ((4096, 512) plan 25 ->
+/// 61 us). Otherwise (lavapipe, which was seen to serve a stale broadcast to later subgroups after
+/// a look-back) every unit walks it; on a GPU that would poll one word from every thread and
+/// serialise on it.
 #[cube]
 pub fn tile_prefix(
     states: &Tensor<Atomic<u64>>,
