@@ -252,7 +252,14 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
             let total = if counted {
                 counted_total
             } else {
-                launch_total(scratch, SCRATCH_TILES, shape.tiles, tile_total)
+                launch_total(
+                    scratch,
+                    SCRATCH_TILES,
+                    shape.tiles,
+                    tile as u64,
+                    prefix,
+                    tile_total,
+                )
             };
             let key = first_error(scratch, SCRATCH_ERROR, any_reported);
             finish_masked(req_pool_indices, pos2d, count, status, shape, total, key);
@@ -678,7 +685,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
         &mut broadcast,
     );
     if last && UNIT_POS == 0 {
-        let total = launch_total(scratch, SEG_TILES, shape.tiles, tile_total);
+        let total = launch_total(scratch, SEG_TILES, shape.tiles, tile, prefix, tile_total);
         let key = first_error(scratch, SEG_ERROR, any_reported);
         finish_segments(
             req_pool_indices,

@@ -491,7 +491,14 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             let total = if features.counted {
                 scratch[PLAN_TOTAL].swap(0u64.runtime())
             } else {
-                launch_total(scratch, PLAN_STATES, shape.tiles, verify_tile)
+                launch_total(
+                    scratch,
+                    PLAN_STATES,
+                    shape.tiles,
+                    tile,
+                    verify_prefix,
+                    verify_tile,
+                )
             };
             finish_plan(
                 req_pool_indices,

@@ -259,16 +259,25 @@ pub fn tile_prefix(
     }
 }
 
-/// The total over every tile, for the last cube: a lone tile's is the cube's own `aggregate`
-/// (it published none), otherwise the last tile's inclusive state.
+/// The total over every tile, for the last cube. A cube of the last tile has it already: its
+/// tile's exclusive `prefix` plus its `aggregate` (a lone tile's prefix is 0). Any other cube reads
+/// the last tile's inclusive state.
 ///
 /// That state was stored before its publisher counted itself done, but nothing orders the store
 /// before the increment the last cube saw (relaxed atomics to different words): lavapipe was seen
 /// to hand the last cube an empty state under load. So the last cube waits for it.
 #[cube]
-pub fn launch_total(states: &Tensor<Atomic<u64>>, base: usize, tiles: u64, aggregate: u64) -> u64 {
-    let mut total = aggregate;
-    if tiles > 1 {
+pub fn launch_total(
+    states: &Tensor<Atomic<u64>>,
+    base: usize,
+    tiles: u64,
+    tile: u64,
+    prefix: u64,
+    aggregate: u64,
+) -> u64 {
+    let mut total = prefix + aggregate;
+    // A lone tile publishes no state.
+    if tiles > 1 && tile + 1 != tiles {
         let last = base + tiles as usize - 1;
         let mut state = states[last].load();
         while state & !VALUE_MASK != FLAG_INCLUSIVE {
