@@ -15,6 +15,9 @@ mod conformance;
 mod errors;
 #[path = "kvplan/gather.rs"]
 mod gather;
+#[cfg(feature = "vulkan")]
+#[path = "kvplan/narrow.rs"]
+mod narrow;
 #[path = "kvplan/plan.rs"]
 mod plan;
 #[cfg(feature = "cuda")]
@@ -243,6 +246,20 @@ suite!(
     other_device: None,
     broadcast: HostRefused
 );
+
+// `index_range` end to end, on a device that acts as one without 64-bit indexing (a child process:
+// the setting is read once per process).
+#[cfg(feature = "vulkan")]
+#[test]
+fn narrow_device_vulkan() {
+    if crate::narrow::in_child() {
+        let device = burn_wgpu::WgpuDevice::DefaultDevice;
+        crate::narrow::checks::<kvplan::backends::VulkanUnfused>(&device);
+        crate::narrow::checks::<kvplan::backends::Vulkan>(&device);
+    } else {
+        crate::narrow::run_in_child("narrow_device_vulkan");
+    }
+}
 
 // 64-bit indexing, on a table past 2^32 elements (17 GB: CUDA only; one backend at a time).
 #[cfg(feature = "cuda")]

@@ -147,7 +147,7 @@ impl<B: KvPlanBackend> VerifyPlan<B> {
     }
 }
 
-fn fresh_verify<B: KvPlanBackend>(
+pub(crate) fn fresh_verify<B: KvPlanBackend>(
     capacity: usize,
     enable: i32,
     device: &B::Device,
@@ -242,7 +242,7 @@ fn fresh_scratch<B: KvPlanBackend>(capacity: usize, device: &B::Device) -> IntTe
     B::int_from_data(TensorData::new(words, [len]), device)
 }
 
-fn fresh_write<B: KvPlanBackend>(
+pub(crate) fn fresh_write<B: KvPlanBackend>(
     capacity: usize,
     device: &B::Device,
 ) -> WritePlanPrimitive<IntTensor<B>> {

@@ -226,28 +226,17 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
                     num_valid_reqs: reqs,
                     scratch,
                 };
-                B::canary_plan(verify, write, inputs).map(|out| {
-                    let (v, w) = (out.verify, out.write);
-                    vec![
-                        v.slot_indices,
-                        v.expected_tokens,
-                        v.expected_positions,
-                        v.prev_slot_indices,
-                        v.num_valid,
-                        v.enable,
-                        w.offsets,
-                        w.seed_slot_indices,
-                        w.num_valid_reqs,
-                        w.scratch,
-                        out.status,
-                    ]
-                })
+                B::canary_plan(verify, write, inputs)
+                    .map(|out| plan_outputs(out.verify, out.write, out.status))
             }
         };
         // A lazily executed op cannot return its error: it becomes the status record instead,
-        // next to outputs of the declared shapes.
-        let tensors =
-            result.unwrap_or_else(|error| failed_outputs::<B>(outputs, &error, &self.device));
+        // next to outputs of the declared shapes. A failed plan leaves fresh, disabled plans, as
+        // on the unfused path (zeros would leave its scratch unlike a fresh plan's).
+        let tensors = result.unwrap_or_else(|error| match self.op {
+            Op::Plan { .. } => failed_plan_outputs::<B>(outputs, &error, &self.device),
+            _ => failed_outputs::<B>(outputs, &error, &self.device),
+        });
         for (ir, tensor) in outputs.iter().zip(tensors) {
             handles.register_int_tensor::<B>(&ir.id, tensor);
         }
@@ -355,6 +344,51 @@ fn failed_outputs<B: FusionBackend>(
             B::int_from_data(data.convert_dtype(ir.dtype), device)
         })
         .collect()
+}
+
+/// A failed plan's outputs: fresh plans of the declared capacities, disabled, and the status.
+fn failed_plan_outputs<B: FusionBackend + KvPlanBackend>(
+    outputs: &[TensorIr],
+    error: &Error,
+    device: &B::Device,
+) -> Vec<IntTensor<B>> {
+    let verify_capacity = outputs[0].shape.num_elements();
+    let write_capacity = outputs[7].shape.num_elements();
+    let verify = crate::canary::fresh_verify::<B>(verify_capacity, 0, device);
+    let write = crate::canary::fresh_write::<B>(write_capacity, device);
+    let status = failed_outputs::<B>(&outputs[outputs.len() - 1..], error, device);
+    plan_outputs(
+        verify,
+        write,
+        status.into_iter().next().expect("the status output"),
+    )
+}
+
+/// A plan op's outputs, in their declared order: the plans, then the status.
+fn plan_outputs<T>(
+    verify: VerifyPlanPrimitive<T>,
+    write: WritePlanPrimitive<T>,
+    status: T,
+) -> Vec<T> {
+    let mut outputs = plan_tensors(verify, write);
+    outputs.push(status);
+    outputs
+}
+
+/// The plans' tensors, in the order a plan op takes and returns them.
+fn plan_tensors<T>(verify: VerifyPlanPrimitive<T>, write: WritePlanPrimitive<T>) -> Vec<T> {
+    vec![
+        verify.slot_indices,
+        verify.expected_tokens,
+        verify.expected_positions,
+        verify.prev_slot_indices,
+        verify.num_valid,
+        verify.enable,
+        write.offsets,
+        write.seed_slot_indices,
+        write.num_valid_reqs,
+        write.scratch,
+    ]
 }
 
 fn output_ir<R: FusionRuntime>(
@@ -544,18 +578,7 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
         write: WritePlanPrimitive<IntTensor<Self>>,
         inputs: PlanInputsPrimitive<IntTensor<Self>>,
     ) -> Result<PlanOutput<IntTensor<Self>>, Error> {
-        let plans = vec![
-            verify.slot_indices,
-            verify.expected_tokens,
-            verify.expected_positions,
-            verify.prev_slot_indices,
-            verify.num_valid,
-            verify.enable,
-            write.offsets,
-            write.seed_slot_indices,
-            write.num_valid_reqs,
-            write.scratch,
-        ];
+        let plans = plan_tensors(verify, write);
         // The plans come back with their own shapes and dtypes, then the status record.
         let mut outputs: Vec<TensorIr> = plans
             .iter()

@@ -203,7 +203,9 @@ const NARROW_SPAN: usize = 1 << 31;
 /// `NARROW_SPAN` elements, 64-bit beyond (a KV cache viewed as words passes 2^32 on large
 /// devices). A device without 64-bit indexing refuses such a launch rather than let an index
 /// wrap. `KVPLAN_WIDE_INDEX=1` forces 64-bit indexing where the device has it (a diagnostic that
-/// runs the wide path on ordinary inputs).
+/// runs the wide path on ordinary inputs). `KVPLAN_NARROW_DEVICE=N` makes every device act as one
+/// without 64-bit indexing whose 32-bit launches span at most `N` elements (a diagnostic that lets
+/// small inputs reach the refusal: the tests' only way to see `index_range` end to end).
 fn address_type<'a, R: CubeRuntime>(
     bindings: impl IntoIterator<Item = &'a CubeTensor<R>>,
     extents: &[usize],
@@ -216,27 +218,40 @@ fn address_type<'a, R: CubeRuntime>(
     }
     let forced = *FORCE_WIDE_INDEX
         .get_or_init(|| std::env::var("KVPLAN_WIDE_INDEX").is_ok_and(|value| value == "1"));
-    let wide_capable =
-        client.is_some_and(|client| client.properties().supports_address(AddressType::U64));
-    index_width(widest, forced, wide_capable)
+    let narrow_device = *NARROW_DEVICE.get_or_init(|| {
+        std::env::var("KVPLAN_NARROW_DEVICE")
+            .ok()
+            .and_then(|value| value.parse().ok())
+    });
+    let wide_capable = narrow_device.is_none()
+        && client.is_some_and(|client| client.properties().supports_address(AddressType::U64));
+    index_width(
+        widest,
+        narrow_device.unwrap_or(NARROW_SPAN),
+        forced,
+        wide_capable,
+    )
 }
 
 static FORCE_WIDE_INDEX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+static NARROW_DEVICE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
 
-/// The rule of [`address_type`], for `widest` elements spanned.
+/// The rule of [`address_type`], for `widest` elements spanned and 32-bit launches spanning at
+/// most `narrow_span`.
 fn index_width(
     widest: usize,
+    narrow_span: usize,
     forced: bool,
     wide_capable: bool,
 ) -> Result<AddressType, crate::Error> {
-    if widest <= NARROW_SPAN && !(forced && wide_capable) {
+    if widest <= narrow_span && !(forced && wide_capable) {
         Ok(AddressType::U32)
     } else if wide_capable {
         Ok(AddressType::U64)
     } else {
         Err(crate::Error::IndexRange {
             elements: widest as u64,
-            limit: NARROW_SPAN as u64,
+            limit: narrow_span as u64,
         })
     }
 }
@@ -248,22 +263,28 @@ mod tests {
     #[test]
     fn index_width_is_32_bit_up_to_the_narrow_span() {
         for capable in [false, true] {
-            assert_eq!(index_width(0, false, capable), Ok(AddressType::U32));
             assert_eq!(
-                index_width(NARROW_SPAN, false, capable),
+                index_width(0, NARROW_SPAN, false, capable),
+                Ok(AddressType::U32)
+            );
+            assert_eq!(
+                index_width(NARROW_SPAN, NARROW_SPAN, false, capable),
                 Ok(AddressType::U32)
             );
         }
         assert_eq!(
-            index_width(NARROW_SPAN + 1, false, true),
+            index_width(NARROW_SPAN + 1, NARROW_SPAN, false, true),
             Ok(AddressType::U64)
         );
-        assert_eq!(index_width(usize::MAX, false, true), Ok(AddressType::U64));
+        assert_eq!(
+            index_width(usize::MAX, NARROW_SPAN, false, true),
+            Ok(AddressType::U64)
+        );
     }
 
     #[test]
     fn index_width_refuses_what_a_32_bit_device_cannot_index() {
-        let error = index_width(NARROW_SPAN + 1, false, false).unwrap_err();
+        let error = index_width(NARROW_SPAN + 1, NARROW_SPAN, false, false).unwrap_err();
         assert_eq!(
             error,
             crate::Error::IndexRange {
@@ -277,7 +298,13 @@ mod tests {
 
     #[test]
     fn forcing_wide_indexes_needs_a_capable_device() {
-        assert_eq!(index_width(8, true, true), Ok(AddressType::U64));
-        assert_eq!(index_width(8, true, false), Ok(AddressType::U32));
+        assert_eq!(
+            index_width(8, NARROW_SPAN, true, true),
+            Ok(AddressType::U64)
+        );
+        assert_eq!(
+            index_width(8, NARROW_SPAN, true, false),
+            Ok(AddressType::U32)
+        );
     }
 }
