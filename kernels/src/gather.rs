@@ -65,14 +65,20 @@ pub struct MaskedShape {
     /// Tiles per group of a counted gather: `ceil(tiles / CUBE_SIZE)`, so at most `CUBE_SIZE`
     /// groups.
     pub group_tiles: u64,
-    /// Element strides of the inputs, as launch scalars (see the crate docs): table rows and
-    /// columns, `req_pool_indices`, pos rows and columns, mask rows and columns.
+    // Element strides of the inputs, as launch scalars (see the crate docs).
+    /// Row stride of `req_to_token`.
     pub table_row_stride: u64,
+    /// Column stride of `req_to_token`.
     pub table_col_stride: u64,
+    /// Stride of `req_pool_indices`.
     pub index_stride: u64,
+    /// Row stride of `pos2d`.
     pub pos_row_stride: u64,
+    /// Column stride of `pos2d`.
     pub pos_col_stride: u64,
+    /// Row stride of `mask`.
     pub mask_row_stride: u64,
+    /// Column stride of `mask`.
     pub mask_col_stride: u64,
 }
 
@@ -567,12 +573,16 @@ pub struct SegmentShape {
     /// Cubes of the launch (at least `tiles * tile_cubes`; the extra cubes of a rounded-up grid
     /// idle).
     pub cubes: u64,
-    /// Element strides of the inputs, as launch scalars (see the crate docs): table rows and
-    /// columns, `req_pool_indices`, `start`, `lengths`.
+    // Element strides of the inputs, as launch scalars (see the crate docs).
+    /// Row stride of `req_to_token`.
     pub table_row_stride: u64,
+    /// Column stride of `req_to_token`.
     pub table_col_stride: u64,
+    /// Stride of `req_pool_indices`.
     pub index_stride: u64,
+    /// Stride of `start`.
     pub start_stride: u64,
+    /// Stride of `lengths`.
     pub lengths_stride: u64,
 }
 

@@ -115,17 +115,24 @@ pub struct PlanShape {
     /// Cubes of the launch (at least `tiles * tile_cubes`: a 2-D grid may round up; the extra
     /// cubes only zero write offsets).
     pub cubes: u64,
-    /// Element strides of the inputs, as launch scalars (see the crate docs):
-    /// `req_pool_indices`, `prefix_lens`, `extend_seq_lens`, table rows and columns, LUT, pool
-    /// rows and columns, `valid_lens`.
+    // Element strides of the inputs, as launch scalars (see the crate docs).
+    /// Stride of `req_pool_indices`.
     pub index_stride: u64,
+    /// Stride of `prefix_lens`.
     pub prefix_stride: u64,
+    /// Stride of `extend_seq_lens`.
     pub extend_stride: u64,
+    /// Row stride of `req_to_token`.
     pub table_row_stride: u64,
+    /// Column stride of `req_to_token`.
     pub table_col_stride: u64,
+    /// Stride of the LUT.
     pub lut_stride: u64,
+    /// Row stride of the expected-token pool.
     pub pool_row_stride: u64,
+    /// Column stride of the expected-token pool.
     pub pool_col_stride: u64,
+    /// Stride of `valid_lens`.
     pub valid_stride: u64,
 }
 

@@ -225,12 +225,13 @@ fn address_type<'a, R: CubeRuntime>(
     });
     let wide_capable = narrow_device.is_none()
         && client.is_some_and(|client| client.properties().supports_address(AddressType::U64));
-    index_width(
-        widest,
-        narrow_device.unwrap_or(NARROW_SPAN),
-        forced,
-        wide_capable,
-    )
+    index_width(widest, narrow_span(narrow_device), forced, wide_capable)
+}
+
+/// The span of a 32-bit launch: `NARROW_SPAN`, or less where `KVPLAN_NARROW_DEVICE` asks for
+/// less. Never more: a larger setting would let 32-bit indexes wrap.
+fn narrow_span(setting: Option<usize>) -> usize {
+    setting.map_or(NARROW_SPAN, |span| span.min(NARROW_SPAN))
 }
 
 static FORCE_WIDE_INDEX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -294,6 +295,13 @@ mod tests {
         );
         assert_eq!(error.kind(), "index_range");
         assert!(error.to_string().contains("2147483649 elements"), "{error}");
+    }
+
+    #[test]
+    fn a_narrow_device_setting_only_narrows() {
+        assert_eq!(narrow_span(None), NARROW_SPAN);
+        assert_eq!(narrow_span(Some(4096)), 4096);
+        assert_eq!(narrow_span(Some(usize::MAX)), NARROW_SPAN);
     }
 
     #[test]
