@@ -390,7 +390,23 @@ impl<B: KvPlanBackend> Canary<B> {
 
     /// Reads the whole state back: records, ring and counters.
     pub fn state(&self) -> Result<CanaryState, Error> {
+        self.check()?;
         crate::ops::canary_state::<B>(self.primitive())
+    }
+
+    /// The error of a write or verify that failed when it ran, after returning `Ok` (one small
+    /// read-back). Through `Fusion` an op runs when its stream is flushed, too late to return its
+    /// error: it leaves a zeroed canary, as a failed op does everywhere, and its error here. The
+    /// reads ([`Canary::violations`], [`Canary::state`]) report it too, until [`Canary::clear`].
+    /// Other backends return errors from the op itself: this is then `Ok` without a read.
+    pub fn check(&self) -> Result<(), Error> {
+        match &self.primitive().failure {
+            Some(failure) => {
+                let words = B::read_status(failure.clone())?;
+                crate::status::decode(&words, "kv-canary").map(drop)
+            }
+            None => Ok(()),
+        }
     }
 
     /// `N`.
@@ -456,6 +472,7 @@ impl<B: KvPlanBackend> Canary<B> {
 
     /// Reads the ring back (one sync) and decodes its rows.
     pub fn violations(&self) -> Result<Violations, Error> {
+        self.check()?;
         let state = self.primitive();
         let counters = read_ints::<B>(state.counters.clone())?;
         let ring = read_ints::<B>(state.ring.clone())?;
@@ -473,7 +490,8 @@ impl<B: KvPlanBackend> Canary<B> {
         })
     }
 
-    /// Empties the ring and resets its write index; the health counters keep counting.
+    /// Empties the ring and resets its write index; the health counters keep counting. Forgets the
+    /// failure that [`Canary::check`] reports.
     pub fn clear(&mut self) {
         let mut state = self
             .state
@@ -494,6 +512,8 @@ impl<B: KvPlanBackend> Canary<B> {
             .slice_assign(WRITE_INDEX..WRITE_INDEX + 1, zero)
             .into_primitive();
         debug_assert_eq!(state.counters.shape().num_elements(), COUNTERS);
+        // The next op brings a clear record.
+        state.failure = None;
         self.state = Some(state);
     }
 }

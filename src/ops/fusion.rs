@@ -136,7 +136,8 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
                 has_expected,
                 has_chain_flag,
             } => {
-                let state = canary_state(canary, int(0), int(1), int(2));
+                let failure = int(inputs.len() - 1);
+                let state = canary_state(canary, int(0), int(1), int(2), None);
                 let plan = WritePlanPrimitive {
                     offsets: int(3),
                     seed_slot_indices: int(4),
@@ -154,12 +155,14 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
                     expected_inputs,
                     chain_position_assert,
                 };
-                let first_source = flag_at + usize::from(has_chain_flag);
-                let launch = inner_launch::<B>(handles, launch, &self.desc.inputs[first_source..]);
-                B::canary_write(state, plan, inputs, launch).map(canary_outputs)
+                let sources = flag_at + usize::from(has_chain_flag)..self.desc.inputs.len() - 1;
+                let launch = inner_launch::<B>(handles, launch, &self.desc.inputs[sources]);
+                B::canary_write(state, plan, inputs, launch)
+                    .map(|state| canary_outputs(state, failure))
             }
             Op::CanaryVerify { canary, ref launch } => {
-                let state = canary_state(canary, int(0), int(1), int(2));
+                let failure = int(inputs.len() - 1);
+                let state = canary_state(canary, int(0), int(1), int(2), None);
                 let plan = VerifyPlanPrimitive {
                     slot_indices: int(3),
                     expected_tokens: int(4),
@@ -168,8 +171,8 @@ impl<B: FusionBackend + KvPlanBackend> Operation<B::FusionRuntime> for CustomOp<
                     num_valid: int(7),
                     enable: int(8),
                 };
-                let launch = inner_launch::<B>(handles, launch, &self.desc.inputs[9..]);
-                B::canary_verify(state, plan, launch).map(canary_outputs)
+                let launch = inner_launch::<B>(handles, launch, &inputs[9..inputs.len() - 1]);
+                B::canary_verify(state, plan, launch).map(|state| canary_outputs(state, failure))
             }
             Op::Plan {
                 swa_window_size,
@@ -253,16 +256,25 @@ impl CanaryShape {
     }
 }
 
-/// Registers a canary op whose first three inputs (buffer, ring, counters) come back as outputs
-/// of the same shapes and dtypes.
+/// Registers a canary op on `inputs` and the canary's failure record: the first three inputs
+/// (buffer, ring, counters) and the failure come back as outputs of the same shapes and dtypes.
 fn register_canary<B: FusionBackend + KvPlanBackend>(
     op: Op,
     name: &'static str,
-    inputs: Vec<FusionTensor<B::FusionRuntime>>,
-    shape: CanaryShape,
+    mut inputs: Vec<FusionTensor<B::FusionRuntime>>,
+    canary: CanaryShape,
+    failure: Option<FusionTensor<B::FusionRuntime>>,
 ) -> CanaryPrimitive<FusionTensor<B::FusionRuntime>> {
+    // The first op of a canary brings a clear record; later ones pass theirs on.
+    let failure = failure.unwrap_or_else(|| {
+        let words = crate::status::encode(&Ok(0)).to_vec();
+        let device = Fusion::<B>::int_device(&inputs[0]);
+        Fusion::<B>::int_from_data(TensorData::new(words, [STATUS_LEN]), &device)
+    });
+    inputs.push(failure);
     let outputs = inputs[..3]
         .iter()
+        .chain(inputs.last())
         .map(|state| {
             TensorIr::uninit(
                 state.client.create_empty_handle(),
@@ -271,13 +283,20 @@ fn register_canary<B: FusionBackend + KvPlanBackend>(
             )
         })
         .collect();
-    let [buffer, ring, counters] = <[_; 3]>::try_from(register::<B>(op, name, inputs, outputs))
-        .ok()
-        .expect("three canary outputs");
-    canary_state(shape, buffer, ring, counters)
+    let [buffer, ring, counters, failure] =
+        <[_; 4]>::try_from(register::<B>(op, name, inputs, outputs))
+            .ok()
+            .expect("four canary outputs");
+    canary_state(canary, buffer, ring, counters, Some(failure))
 }
 
-fn canary_state<T>(shape: CanaryShape, buffer: T, ring: T, counters: T) -> CanaryPrimitive<T> {
+fn canary_state<T>(
+    shape: CanaryShape,
+    buffer: T,
+    ring: T,
+    counters: T,
+    failure: Option<T>,
+) -> CanaryPrimitive<T> {
     CanaryPrimitive {
         buffer,
         ring,
@@ -285,11 +304,14 @@ fn canary_state<T>(shape: CanaryShape, buffer: T, ring: T, counters: T) -> Canar
         num_slots: shape.num_slots,
         slot_words: shape.slot_words,
         ring_capacity: shape.ring_capacity,
+        failure,
     }
 }
 
-fn canary_outputs<T>(canary: CanaryPrimitive<T>) -> Vec<T> {
-    vec![canary.buffer, canary.ring, canary.counters]
+/// A canary op's outputs, in their declared order: the state, then the failure record (passed on
+/// unchanged by an op that ran).
+fn canary_outputs<T>(canary: CanaryPrimitive<T>, failure: T) -> Vec<T> {
+    vec![canary.buffer, canary.ring, canary.counters, failure]
 }
 
 /// The inner backend's launch: the source tensors fetched by kind from `inputs`.
@@ -539,7 +561,13 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
             .flatten(),
         );
         all.extend(sources);
-        Ok(register_canary::<B>(op, "kvplan::canary_write", all, shape))
+        Ok(register_canary::<B>(
+            op,
+            "kvplan::canary_write",
+            all,
+            shape,
+            canary.failure,
+        ))
     }
 
     fn canary_verify(
@@ -570,6 +598,7 @@ impl<B: FusionBackend + KvPlanBackend> KvPlanBackend for Fusion<B> {
             "kvplan::canary_verify",
             all,
             shape,
+            canary.failure,
         ))
     }
 

@@ -309,6 +309,7 @@ pub(crate) fn upload_canary<B: Backend>(
         num_slots,
         slot_words,
         ring_capacity: state.ring.len(),
+        failure: None,
     }
 }
 

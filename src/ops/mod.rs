@@ -115,6 +115,10 @@ pub struct CanaryPrimitive<T> {
     pub slot_words: usize,
     /// `C` (the ring keeps at least one row, for the same reason).
     pub ring_capacity: usize,
+    /// `Fusion` only: i64 `[STATUS_LEN]`, the status record of the latest op whose launch failed
+    /// when its stream ran (a lazily run op cannot return its `Err`), else a clear record. `None`
+    /// on every other backend, whose ops return their errors.
+    pub failure: Option<T>,
 }
 
 /// The bytes of a real-KV source: a float or an int tensor, never copied.

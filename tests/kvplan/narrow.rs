@@ -5,6 +5,7 @@
 //! run in a child process of this test binary.
 
 use burn_tensor::{DType, Int, Tensor};
+use kvplan::canary::{Canary, CanaryLaunch, WriteInputs};
 use kvplan::error::{Error, Site};
 use kvplan::{KvPlanBackend, PlanInputs, VerifyPlan, WritePlan};
 
@@ -120,4 +121,47 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
     kvplan::plan(&mut verify, &mut write, inputs(small(), &[1, 1]))
         .expect("a plan within the span");
     assert_eq!(crate::common::values(verify.num_valid()), vec![6]);
+    canary_checks::<B>(&verify, &write, device);
+}
+
+/// A canary whose records span more than 32-bit indexes reach: its write and verify are refused
+/// with `index_range`, by the op itself (unfused) or by the canary's next read (fused: the op ran
+/// lazily), which reports it until `clear`; the refused op leaves a zeroed canary either way.
+fn canary_checks<B: KvPlanBackend>(
+    verify: &VerifyPlan<B>,
+    write: &WritePlan<B>,
+    device: &B::Device,
+) {
+    let l = |values: &[i64]| list::<B>(values, DType::I64, device);
+    let tokens = || WriteInputs::new(l(&[5, 6]), l(&[3, 3]), l(&[10, 11]));
+    // 4 words per slot: SPAN slots span 4 x SPAN words.
+    let mut canary = Canary::<B>::allocate(SPAN, 32, 4, device).unwrap();
+    match canary.write(write, tokens(), &CanaryLaunch::new(0)) {
+        Err(error) => index_range(Err::<(), _>(error), "canary write"),
+        // Fused: every read reports the failure until `clear`.
+        Ok(()) => {
+            index_range(canary.violations(), "fused canary write, violations");
+            index_range(canary.state(), "fused canary write, state");
+        }
+    }
+    canary.clear();
+    let state = canary.state().expect("cleared");
+    assert!(state.buffer.iter().all(|&word| word == 0), "zeroed records");
+    index_range(
+        canary
+            .verify(verify, &CanaryLaunch::new(1))
+            .and_then(|()| canary.check()),
+        "canary verify",
+    );
+    canary.clear();
+    assert_eq!(canary.violations().expect("cleared").recorded, 0);
+
+    // A canary within the span runs, and its reads are clean.
+    let mut canary = Canary::<B>::allocate(16, 32, 4, device).unwrap();
+    canary
+        .write(write, tokens(), &CanaryLaunch::new(0))
+        .expect("a write within the span");
+    canary.verify(verify, &CanaryLaunch::new(1)).unwrap();
+    canary.check().expect("no failure");
+    assert_eq!(canary.state().unwrap().buffer[10 * 4], 5, "slot 10's token");
 }
