@@ -58,7 +58,7 @@ pub struct MaskedShape {
     pub capacity: u64,
     /// Tiles (= cubes) of this launch, at least 1.
     pub tiles: u64,
-    /// Whole pos rows in `CUBE_SIZE` cells (a slab).
+    /// Whole pos rows in a slab (`CUBE_SIZE` vectors of the launch's lanes).
     pub slab_rows: u64,
     /// The rest of a slab's cells past `slab_rows` rows (less than `pos_cols`).
     pub slab_cols: u64,
@@ -84,18 +84,20 @@ pub struct MaskedShape {
 
 /// `T[row(i)][pos2d[i][j]]` for every true `mask[i][j]`, row-major, into `out[..capacity]`.
 ///
-/// A tile is `cells_per_unit` slabs of `CUBE_SIZE` consecutive cells; unit `u` owns cell `u` of
-/// every slab, so that each load and each store of a plane is coalesced. A unit reads its cells'
-/// mask, position and row, checks and gathers the true ones into registers before the scan (so
-/// the loads' latency overlaps the look-back), then stores them at their row-major ranks: the
-/// slabs before, then the units before it in its slab. One scan gives every slab's ranks, four
-/// 16-bit counts per word.
+/// A tile is `cells_per_unit / lanes` slabs of `CUBE_SIZE * lanes` consecutive cells; unit `u`
+/// owns the `lanes` cells (one vector of `pos2d` and of `mask`, in one pos row) at `u * lanes`
+/// of every slab, so that each load of a plane is coalesced, and wide where the inputs allow
+/// (`lanes` 4: a quarter of the loads and index arithmetic). A unit reads its cells' mask,
+/// position and row, checks and gathers the true ones into registers before the scan (so the
+/// loads' latency overlaps the look-back), then stores them at their row-major ranks: the slabs
+/// before, the units before it in its slab, its own cells before. One scan gives every slab's
+/// ranks, four 16-bit counts per word.
 #[cube(launch_unchecked, address_type = "dynamic")]
-pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
+pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
     table: &Tensor<T>,
     req_pool_indices: &Tensor<Q>,
-    pos2d: &Tensor<P>,
-    mask: &Tensor<M>,
+    pos2d: &Tensor<Vector<P, N>>,
+    mask: &Tensor<Vector<M, N>>,
     out: &mut Tensor<i64>,
     count: &mut Tensor<i64>,
     status: &mut Tensor<i64>,
@@ -105,8 +107,10 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     #[comptime] broadcast_prefix: bool,
     #[comptime] counted: bool,
     #[comptime] cells_per_unit: u32,
+    #[comptime] lanes: u32,
     #[define(T, Q, P, M)] _dtypes: [StorageType; 4],
 ) {
+    let vectors = comptime!(cells_per_unit / lanes);
     let mut low_slabs = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut high_slabs = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut broadcast = SharedMemory::<u64>::new(SLOTS);
@@ -117,28 +121,34 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     // address type from every extent): 64-bit cell arithmetic was most of this kernel's
     // instructions.
     let cells = shape.pos_rows as usize * shape.pos_cols as usize;
-    let first = tile * comptime!((CUBE_SIZE * cells_per_unit) as usize) + UNIT_POS as usize;
+    let first = tile * comptime!((CUBE_SIZE * cells_per_unit) as usize)
+        + UNIT_POS as usize * comptime!(lanes as usize);
     let (mut i, mut j) = pos_of(first, shape);
 
     // First every cell's mask, position and row, with no branch between the loads, so that all
-    // of them are in flight at once (a cell past the end reads element 0, which every binding
-    // has, and is then ignored).
+    // of them are in flight at once (a vector past the end reads vector 0, which every binding
+    // has, and is then ignored). Cell `c` of vector `k` is bit `k * lanes + c`; row starts are
+    // per vector (only its first cell can start a row).
     let mut flags = 0u32.runtime();
     let mut row_starts = 0u32.runtime();
     let mut positions = Array::<i64>::new(comptime!(cells_per_unit as usize));
-    let mut rows = Array::<i64>::new(comptime!(cells_per_unit as usize));
+    let mut rows = Array::<i64>::new(comptime!(vectors as usize));
     #[unroll]
-    for k in 0..cells_per_unit {
-        let inside = first + ((k * CUBE_SIZE) as usize) < cells;
+    for k in 0..vectors {
+        let inside = first + ((k * CUBE_SIZE * lanes) as usize) < cells;
         let (ci, cj) = (
             select(inside, i, index_zero()),
             select(inside, j, index_zero()),
         );
-        let flag = mask[at2(ci, cj, shape.mask_row_stride, shape.mask_col_stride)];
-        positions[k as usize] =
-            i64::cast_from(pos2d[at2(ci, cj, shape.pos_row_stride, shape.pos_col_stride)]);
+        let flag = mask[at2(ci, cj, shape.mask_row_stride, shape.mask_col_stride) / lanes as usize];
+        let position =
+            pos2d[at2(ci, cj, shape.pos_row_stride, shape.pos_col_stride) / lanes as usize];
         rows[k as usize] = row_of(req_pool_indices, ci, shape.shared_row, shape.index_stride);
-        flags |= u32::cast_from(inside && flag != M::new(0)) << k;
+        #[unroll]
+        for c in 0..lanes {
+            positions[(k * lanes + c) as usize] = i64::cast_from(position[c as usize]);
+            flags |= u32::cast_from(inside && flag[c as usize] != M::new(0)) << (k * lanes + c);
+        }
         row_starts |= u32::cast_from(inside && j == 0) << k;
         (i, j) = next_slab(i, j, shape);
     }
@@ -149,10 +159,10 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     let mut failures = 0u32.runtime();
     #[unroll]
     for k in 0..cells_per_unit {
-        let row = rows[k as usize];
+        let row = rows[(k / lanes) as usize];
         let position = positions[k as usize];
         let flagged = (flags >> k) & 1 == 1;
-        let row_start = (row_starts >> k) & 1 == 1;
+        let row_start = k % lanes == 0 && (row_starts >> (k / lanes)) & 1 == 1;
         let (row_fails, empty_fails, position_fails) =
             cell_rules(row, position, flagged, row_start, shape);
         failures |= u32::cast_from(row_fails || empty_fails || position_fails) << k;
@@ -180,6 +190,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
             row_starts,
             shape,
             cells_per_unit,
+            lanes,
         );
     }
     let mut dependency = 0u64.runtime();
@@ -187,16 +198,16 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     if reported {
         dependency = report_error(&scratch[SCRATCH_ERROR], key) >> 63;
     }
-    // Slab k's flag counts as field k % 4 (16 bits) of the low or high word.
+    // Slab k's true cells count as field k % 4 (16 bits) of the low or high word.
     let mut low = 0u64.runtime();
     let mut high = 0u64.runtime();
     #[unroll]
-    for k in 0..cells_per_unit {
-        let bit = ((flags >> k) & 1) as u64;
+    for k in 0..vectors {
+        let selected = vector_flags(flags, k, lanes).count_ones() as u64;
         if k < 4 {
-            low |= bit << (16 * k) as u64;
+            low |= selected << (16 * k) as u64;
         } else {
-            high |= bit << (16 * (k - 4)) as u64;
+            high |= selected << (16 * (k - 4)) as u64;
         }
     }
     let (low_rank, high_rank, low_total, high_total) =
@@ -227,10 +238,15 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
     let capacity = shape.capacity as usize;
     let mut slabs_before = prefix as usize;
     #[unroll]
-    for k in 0..cells_per_unit {
-        let rank = slabs_before + slab_field(low_rank, high_rank, k);
-        if (stores >> k) & 1 == 1 && rank < capacity {
-            out[rank] = values[k as usize];
+    for k in 0..vectors {
+        let mut rank = slabs_before + slab_field(low_rank, high_rank, k);
+        #[unroll]
+        for c in 0..lanes {
+            let cell = k * lanes + c;
+            if (stores >> cell) & 1 == 1 && rank < capacity {
+                out[rank] = values[cell as usize];
+            }
+            rank += ((flags >> cell) & 1) as usize;
         }
         slabs_before += slab_field(low_total, high_total, k);
     }
@@ -268,7 +284,16 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
                 )
             };
             let key = first_error(scratch, SCRATCH_ERROR, any_reported);
-            finish_masked(req_pool_indices, pos2d, count, status, shape, total, key);
+            finish_masked(
+                req_pool_indices,
+                pos2d,
+                count,
+                status,
+                shape,
+                total,
+                key,
+                lanes,
+            );
         }
     }
 }
@@ -279,26 +304,30 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int>(
 /// prefix from the groups and tiles before it (`counts_before`): a bounded sum, with no chain
 /// between tiles (a look-back over thousands of tiles costs more than this launch).
 #[cube(launch_unchecked, address_type = "dynamic")]
-pub fn masked_count_kernel<M: Int>(
-    mask: &Tensor<M>,
+pub fn masked_count_kernel<M: Int, N: Size>(
+    mask: &Tensor<Vector<M, N>>,
     counts: &mut Tensor<u64>,
     scratch: &Tensor<Atomic<u64>>,
     shape: MaskedShape,
+    #[comptime] lanes: u32,
     #[define(M)] _dtype: StorageType,
 ) {
     let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let tile = CUBE_POS as usize;
     let cells = shape.pos_rows as usize * shape.pos_cols as usize;
-    let first = tile * TILE_CELLS as usize + UNIT_POS as usize;
+    let first = tile * TILE_CELLS as usize + UNIT_POS as usize * comptime!(lanes as usize);
     let (mut i, mut j) = pos_of(first, shape);
     let mut selected = 0u64.runtime();
     #[unroll]
-    for k in 0..CELLS_PER_UNIT {
-        let cell = first + (k * CUBE_SIZE) as usize;
-        if cell < cells
-            && mask[at2(i, j, shape.mask_row_stride, shape.mask_col_stride)] != M::new(0)
-        {
-            selected += 1;
+    for k in 0..comptime!(CELLS_PER_UNIT / lanes) {
+        let cell = first + (k * CUBE_SIZE * lanes) as usize;
+        if cell < cells {
+            let flag =
+                mask[at2(i, j, shape.mask_row_stride, shape.mask_col_stride) / lanes as usize];
+            #[unroll]
+            for c in 0..lanes {
+                selected += u64::cast_from(flag[c as usize] != M::new(0));
+            }
         }
         (i, j) = next_slab(i, j, shape);
     }
@@ -375,6 +404,12 @@ fn next_slab(i: usize, j: usize, shape: MaskedShape) -> (usize, usize) {
     )
 }
 
+/// The flags of vector `k`'s cells, as its low bits.
+#[cube]
+fn vector_flags(flags: u32, #[comptime] k: u32, #[comptime] lanes: u32) -> u32 {
+    (flags >> (k * lanes)) & comptime!((1u32 << lanes) - 1)
+}
+
 /// The sum of a word's four 16-bit fields.
 #[cube]
 fn field_sum(word: u64) -> u64 {
@@ -415,6 +450,7 @@ fn cell_rules(
 /// The smallest error key of a unit's cells (only called when one of them fails): the rule in
 /// the top byte, then the row-major cell.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn smallest_key(
     first: usize,
     rows: &Array<i64>,
@@ -423,16 +459,18 @@ fn smallest_key(
     row_starts: u32,
     shape: MaskedShape,
     #[comptime] cells_per_unit: u32,
+    #[comptime] lanes: u32,
 ) -> u64 {
     let mut key = NO_ERROR.runtime();
     #[unroll]
     for k in 0..cells_per_unit {
-        let cell = (first + (k * CUBE_SIZE) as usize) as u64;
+        let (vector, c) = (k / lanes, k % lanes);
+        let cell = (first + (vector * CUBE_SIZE * lanes + c) as usize) as u64;
         let (row_fails, empty_fails, position_fails) = cell_rules(
-            rows[k as usize],
+            rows[vector as usize],
             positions[k as usize],
             (flags >> k) & 1 == 1,
-            (row_starts >> k) & 1 == 1,
+            c == 0 && (row_starts >> vector) & 1 == 1,
             shape,
         );
         let row_key = select(row_fails, KEY_ROW | cell, NO_ERROR);
@@ -458,14 +496,16 @@ fn at2(i: usize, j: usize, row_stride: u64, col_stride: u64) -> usize {
 
 /// The last cube: the count and the status record with the first offender's facts.
 #[cube]
-fn finish_masked<Q: Int, P: Int>(
+#[allow(clippy::too_many_arguments)]
+fn finish_masked<Q: Int, P: Int, N: Size>(
     req_pool_indices: &Tensor<Q>,
-    pos2d: &Tensor<P>,
+    pos2d: &Tensor<Vector<P, N>>,
     count: &mut Tensor<i64>,
     status: &mut Tensor<i64>,
     shape: MaskedShape,
     total: u64,
     key: u64,
+    #[comptime] lanes: u32,
 ) {
     clear_status(status);
     let cell = key & CELL_MASK;
@@ -505,7 +545,19 @@ fn finish_masked<Q: Int, P: Int>(
                 shape.pos_row_stride,
                 shape.pos_col_stride,
             );
-            status[FACTS + 2] = i64::cast_from(pos2d[at]);
+            // The cell's lane, picked without a dynamic vector index.
+            let vector = pos2d[at / lanes as usize];
+            let lane = at % lanes as usize;
+            let mut position = i64::cast_from(vector[0]);
+            #[unroll]
+            for c in 1..lanes {
+                position = select(
+                    lane == c as usize,
+                    i64::cast_from(vector[c as usize]),
+                    position,
+                );
+            }
+            status[FACTS + 2] = position;
             status[FACTS + 3] = shape.cols as i64;
         }
     }

@@ -119,10 +119,11 @@ pub fn take_ticket(counter: &Atomic<u64>, ordered: bool, broadcast: &mut SharedM
     ticket
 }
 
-/// Publishes `tile`'s aggregate in `states[base + tile]` (when `publisher`) and returns the
-/// exclusive prefix of all earlier tiles. Called by one unit, or by every unit of a cube with one
-/// publisher: each then holds the prefix itself, with no broadcast through shared memory (lavapipe
-/// was seen to serve a stale broadcast to later subgroups after a look-back).
+/// Publishes `tile`'s aggregate in `states[base + tile]` (when `publisher`), walks back to the
+/// exclusive prefix of all earlier tiles, and publishes the tile's inclusive state. Called by one
+/// unit, by every unit of a cube with one publisher (each then holds the prefix itself, with no
+/// broadcast through shared memory: lavapipe was seen to serve a stale broadcast to later
+/// subgroups after a look-back), or with `plane` by a whole plane ([`plane_walk`]).
 #[cube]
 pub fn look_back(
     states: &Tensor<Atomic<u64>>,
@@ -130,6 +131,7 @@ pub fn look_back(
     tile: usize,
     aggregate: u64,
     publisher: bool,
+    #[comptime] plane: bool,
 ) -> u64 {
     let mut prefix = 0u64.runtime();
     if tile == 0 {
@@ -140,19 +142,11 @@ pub fn look_back(
         if publisher {
             states[base + tile].store(FLAG_AGGREGATE | aggregate);
         }
-        let mut look = base + tile - 1;
-        let mut searching = true.runtime();
-        while searching {
-            let state = states[look].load();
-            let flag = state & !VALUE_MASK;
-            if flag == FLAG_INCLUSIVE {
-                prefix += state & VALUE_MASK;
-                searching = false;
-            } else if flag == FLAG_AGGREGATE {
-                prefix += state & VALUE_MASK;
-                look -= 1;
-            }
-        }
+        prefix = if plane {
+            plane_walk(states, base, tile)
+        } else {
+            unit_walk(states, base, tile)
+        };
         if publisher {
             states[base + tile].store(FLAG_INCLUSIVE | (prefix + aggregate));
         }
@@ -160,57 +154,59 @@ pub fn look_back(
     prefix
 }
 
-/// [`look_back`] by a whole plane (the cube's first), a window of `PLANE_DIM` tiles per step:
-/// lane `l` reads the state of tile `end - 1 - l`. The walk stops at the nearest inclusive state
-/// once every tile before it in the window is ready, and otherwise moves a window back when all of
-/// them are aggregates: a tile's prefix costs `tile / PLANE_DIM` round trips instead of `tile`.
-/// Every lane returns the prefix; lane 0 publishes for the `publisher`.
+/// The sum of the states from tile `tile - 1` back to the nearest inclusive one, a tile per step.
 #[cube]
-fn plane_look_back(
-    states: &Tensor<Atomic<u64>>,
-    base: usize,
-    tile: usize,
-    aggregate: u64,
-    publisher: bool,
-) -> u64 {
+fn unit_walk(states: &Tensor<Atomic<u64>>, base: usize, tile: usize) -> u64 {
+    let mut prefix = 0u64.runtime();
+    let mut look = base + tile - 1;
+    let mut searching = true.runtime();
+    while searching {
+        let state = states[look].load();
+        let flag = state & !VALUE_MASK;
+        if flag == FLAG_INCLUSIVE {
+            prefix += state & VALUE_MASK;
+            searching = false;
+        } else if flag == FLAG_AGGREGATE {
+            prefix += state & VALUE_MASK;
+            look -= 1;
+        }
+    }
+    prefix
+}
+
+/// [`unit_walk`] by a whole plane, a window of `PLANE_DIM` tiles per step: lane `l` reads the
+/// state of tile `end - 1 - l`. The walk stops at the nearest inclusive state once every tile
+/// before it in the window is ready, and otherwise moves a window back when all of them are
+/// aggregates: a tile's prefix costs `tile / PLANE_DIM` round trips instead of `tile`. Every lane
+/// returns the prefix.
+#[cube]
+fn plane_walk(states: &Tensor<Atomic<u64>>, base: usize, tile: usize) -> u64 {
     let lane = UNIT_POS_PLANE;
     let width = PLANE_DIM;
     let mut prefix = 0u64.runtime();
-    if tile == 0 {
-        if publisher && lane == 0 {
-            states[base].store(FLAG_INCLUSIVE | aggregate);
-        }
-    } else {
-        if publisher && lane == 0 {
-            states[base + tile].store(FLAG_AGGREGATE | aggregate);
-        }
-        let mut end = tile;
-        let mut searching = true.runtime();
-        while searching {
-            // A lane past tile 0 stands for an inclusive 0 (it reads tile 0 and ignores it).
-            let inside = (lane as usize) < end;
-            let look = select(inside, end - 1 - lane as usize, usize::cast_from(0u32));
-            let state = states[base + look].load();
-            let flag = state & !VALUE_MASK;
-            let inclusive = !inside || flag == FLAG_INCLUSIVE;
-            let ready = !inside || flag != 0u64;
-            // The nearest inclusive lane, and the nearest lane not yet published.
-            let stop = plane_min(select(inclusive, lane, width));
-            let gap = plane_min(select(ready, width, lane));
-            // Every lane up to `stop` (up to the window's end without one) must be ready;
-            // otherwise the window is read again.
-            if gap > stop || gap == width {
-                let counted = inside && lane <= stop;
-                prefix += plane_sum(select(counted, state & VALUE_MASK, 0u64));
-                if stop < width {
-                    searching = false;
-                } else {
-                    end -= width as usize;
-                }
+    let mut end = tile;
+    let mut searching = true.runtime();
+    while searching {
+        // A lane past tile 0 stands for an inclusive 0 (it reads tile 0 and ignores it).
+        let inside = (lane as usize) < end;
+        let look = select(inside, end - 1 - lane as usize, usize::cast_from(0u32));
+        let state = states[base + look].load();
+        let flag = state & !VALUE_MASK;
+        let inclusive = !inside || flag == FLAG_INCLUSIVE;
+        let ready = !inside || flag != 0u64;
+        // The nearest inclusive lane, and the nearest lane not yet published.
+        let stop = plane_min(select(inclusive, lane, width));
+        let gap = plane_min(select(ready, width, lane));
+        // Every lane up to `stop` (up to the window's end without one) must be ready;
+        // otherwise the window is read again.
+        if gap > stop || gap == width {
+            let counted = inside && lane <= stop;
+            prefix += plane_sum(select(counted, state & VALUE_MASK, 0u64));
+            if stop < width {
+                searching = false;
+            } else {
+                end -= width as usize;
             }
-        }
-        if publisher && lane == 0 {
-            states[base + tile].store(FLAG_INCLUSIVE | (prefix + aggregate));
         }
     }
     prefix
@@ -220,7 +216,7 @@ fn plane_look_back(
 /// cube is the tile's `publisher` (several cubes may share a tile; exactly one publishes it).
 ///
 /// `broadcast_prefix` (CUDA): unit 0 walks the look-back, or with `plane_walk` the first plane
-/// ([`plane_look_back`]), and hands the prefix to the cube through shared `slot`. The plane walk
+/// ([`plane_walk`]), and hands the prefix to the cube through shared `slot`. The plane walk
 /// suits one cube per tile (the masked gather: (1024, 64) 7.8 -> 6.5 us on the H200); where many
 /// cubes share a tile and all walk it (plan, segments), 32 lanes each polling with an atomic
 /// read-modify-write (cubecl's atomic load) contend on the same words ((4096, 512) plan 25 ->
@@ -241,7 +237,14 @@ pub fn tile_prefix(
 ) -> u64 {
     if broadcast_prefix && plane_walk {
         if UNIT_POS < PLANE_DIM {
-            let prefix = plane_look_back(states, base, tile, aggregate, publisher);
+            let prefix = look_back(
+                states,
+                base,
+                tile,
+                aggregate,
+                UNIT_POS == 0 && publisher,
+                true,
+            );
             if UNIT_POS == 0 {
                 broadcast[slot] = prefix;
             }
@@ -250,12 +253,19 @@ pub fn tile_prefix(
         broadcast[slot]
     } else if broadcast_prefix {
         if UNIT_POS == 0 {
-            broadcast[slot] = look_back(states, base, tile, aggregate, publisher);
+            broadcast[slot] = look_back(states, base, tile, aggregate, publisher, false);
         }
         sync_cube();
         broadcast[slot]
     } else {
-        look_back(states, base, tile, aggregate, UNIT_POS == 0 && publisher)
+        look_back(
+            states,
+            base,
+            tile,
+            aggregate,
+            UNIT_POS == 0 && publisher,
+            false,
+        )
     }
 }
 

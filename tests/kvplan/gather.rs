@@ -330,7 +330,7 @@ pub fn random_masked_cases<B: KvPlanBackend>(device: &B::Device) {
         MaskKind::Random,
     ];
     for r in [0, 1, 7, 33] {
-        for c in [0, 1, 5, 17] {
+        for c in [0, 1, 4, 5, 8, 17, 64] {
             for kind in kinds {
                 let case = random_masked(&mut rng, r, c, kind);
                 run_masked::<B>(
@@ -537,6 +537,68 @@ pub fn strided_inputs<B: KvPlanBackend>(device: &B::Device) {
             got,
             &seg.reference(None),
             &format!("strided segments round {round}"),
+        );
+    }
+    sliced_windows::<B>(&mut rng, device);
+}
+
+/// Windows cut from larger pos2d and mask buffers: a slice of rows (Burn keeps it a view when its
+/// byte offset is a multiple of the device's memory alignment, and such a view is read in aligned
+/// 4-cell vectors) and a slice of 8 columns at an offset of one cell (a copy).
+fn sliced_windows<B: KvPlanBackend>(rng: &mut Rng, device: &B::Device) {
+    let (rows, cols, r, wide) = (4, 32, 6, 64);
+    let table = random_table(rng, rows, cols);
+    let rpi: Vec<i64> = (0..r).map(|_| rng.range(0, rows as i64 - 1)).collect();
+    let all_pos: Vec<i64> = (0..(r + 4) * wide)
+        .map(|_| rng.range(0, cols as i64 - 1))
+        .collect();
+    let all_mask: Vec<bool> = (0..(r + 4) * wide).map(|_| rng.chance(1, 2)).collect();
+    let pos = ints::<B, 2>(&all_pos, [r + 4, wide], DType::I32, device);
+    let mask = bools::<B, 2>(&all_mask, [r + 4, wide], device);
+    let windows = [
+        ("rows 4.., every column", 4..r + 4, 0..wide),
+        ("rows 0..r, columns 1..9", 0..r, 1..9),
+    ];
+    for (what, row_range, col_range) in windows {
+        let c = col_range.len();
+        let pos2d = pos.clone().slice([row_range.clone(), col_range.clone()]);
+        let window_mask = mask.clone().slice([row_range, col_range]);
+        let case = MaskedCase {
+            rows,
+            cols,
+            table: table.clone(),
+            rpi: rpi.clone(),
+            r,
+            c,
+            pos2d: values(pos2d.clone()),
+            mask: window_mask.clone().into_data().iter::<bool>().collect(),
+            dtypes: [DType::I32; 3],
+        };
+        let t = ints::<B, 2>(&table, [rows, cols], DType::I32, device);
+        let q = list::<B>(&rpi, DType::I32, device);
+        let got = kvplan::masked_gather(
+            t.clone(),
+            q.clone(),
+            pos2d.clone(),
+            window_mask.clone(),
+            CTX,
+        );
+        check_exact(got, &case.reference(None), &format!("sliced {what}"));
+        // A true cell's position past the table, in a vector's third cell: the error names it.
+        let mut bad = case.clone();
+        bad.mask[2 * c + 6] = true;
+        bad.pos2d[2 * c + 6] = cols as i64 + 5;
+        let bad_pos = pos2d.slice_assign(
+            [2..3, 6..7],
+            ints::<B, 2>(&[cols as i64 + 5], [1, 1], DType::I32, device),
+        );
+        let bad_mask =
+            window_mask.slice_assign([2..3, 6..7], bools::<B, 2>(&[true], [1, 1], device));
+        let got = kvplan::masked_gather(t, q, bad_pos, bad_mask, CTX);
+        check_exact(
+            got,
+            &bad.reference(None),
+            &format!("sliced {what}, a bad position"),
         );
     }
 }
