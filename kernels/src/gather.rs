@@ -90,8 +90,9 @@ pub struct MaskedShape {
 /// (`lanes` 4: a quarter of the loads and index arithmetic). A unit reads its cells' mask,
 /// position and row, checks and gathers the true ones into registers before the scan (so the
 /// loads' latency overlaps the look-back), then stores them at their row-major ranks: the slabs
-/// before, the units before it in its slab, its own cells before. One scan gives every slab's
-/// ranks, four 16-bit counts per word.
+/// before, the units before it in its slab, its own cells before (a counted tile stages them in
+/// shared memory, to store them in coalesced runs). One scan gives every slab's ranks, four
+/// 16-bit counts per word.
 #[cube(launch_unchecked, address_type = "dynamic")]
 pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
     table: &Tensor<T>,
@@ -213,6 +214,34 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
     let (low_rank, high_rank, low_total, high_total) =
         cube_exclusive_scan_pair(low, high, &mut low_slabs, &mut high_slabs);
     let tile_total = field_sum(low_total) + field_sum(high_total);
+    // A counted tile compacts its values in shared memory while its prefix is not yet known, then
+    // stores them in coalesced runs (a unit's own cells take consecutive ranks: stored directly,
+    // one store of a plane spans `lanes` times the sectors). On the H200: (4096, 2048) 81.8 ->
+    // 69.7 us, (4096, 128) 11.4 -> 11.0; the barrier costs the one-launch sizes ~0.1 us.
+    let ranks = (low_rank, high_rank, low_total, high_total);
+    let staged_values = comptime!(if counted {
+        (CUBE_SIZE * cells_per_unit) as usize
+    } else {
+        1
+    });
+    let mut staged = SharedMemory::<i64>::new(staged_values);
+    if counted {
+        let unbounded = usize::cast_from(u32::MAX);
+        scatter_values(
+            &values,
+            stores,
+            flags,
+            ranks,
+            index_zero(),
+            unbounded,
+            &mut staged,
+            out,
+            cells_per_unit,
+            lanes,
+            true,
+        );
+        sync_cube();
+    }
     let prefix = if counted {
         counts_before(
             counts,
@@ -234,21 +263,32 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
             true,
         )
     };
-    // Ranks: the tile's prefix, the slabs before (their totals), the units before in the slab.
+    // Ranks: the tile's prefix, then the rank in the tile (staged: the staged order, where a
+    // failing cell leaves a hole, whose garbage goes out with an error status).
     let capacity = shape.capacity as usize;
-    let mut slabs_before = prefix as usize;
-    #[unroll]
-    for k in 0..vectors {
-        let mut rank = slabs_before + slab_field(low_rank, high_rank, k);
-        #[unroll]
-        for c in 0..lanes {
-            let cell = k * lanes + c;
-            if (stores >> cell) & 1 == 1 && rank < capacity {
-                out[rank] = values[cell as usize];
+    if counted {
+        let mut t = UNIT_POS as usize;
+        while t < tile_total as usize {
+            let rank = prefix as usize + t;
+            if rank < capacity {
+                out[rank] = staged[t];
             }
-            rank += ((flags >> cell) & 1) as usize;
+            t += CUBE_SIZE as usize;
         }
-        slabs_before += slab_field(low_total, high_total, k);
+    } else {
+        scatter_values(
+            &values,
+            stores,
+            flags,
+            ranks,
+            prefix as usize,
+            capacity,
+            &mut staged,
+            out,
+            cells_per_unit,
+            lanes,
+            false,
+        );
     }
     let (last, any_reported) = publish_block_done(
         &scratch[SCRATCH_DONE],
@@ -295,6 +335,46 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
                 lanes,
             );
         }
+    }
+}
+
+/// Stores a unit's values at `base` plus their ranks among the tile's true cells (the slabs
+/// before, by their totals; the units before in the slab; the unit's own cells before), below
+/// `capacity`: into `staged` or into `out`. Ranks are formed inline, cell by cell: held in an
+/// array they made the one-launch gather 4-12% slower on the H200.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn scatter_values(
+    values: &Array<i64>,
+    stores: u32,
+    flags: u32,
+    ranks: (u64, u64, u64, u64),
+    base: usize,
+    capacity: usize,
+    staged: &mut SharedMemory<i64>,
+    out: &mut Tensor<i64>,
+    #[comptime] cells_per_unit: u32,
+    #[comptime] lanes: u32,
+    #[comptime] to_staged: bool,
+) {
+    let (low_rank, high_rank, low_total, high_total) = ranks;
+    let mut slabs_before = base;
+    #[unroll]
+    for k in 0..comptime!(cells_per_unit / lanes) {
+        let mut rank = slabs_before + slab_field(low_rank, high_rank, k);
+        #[unroll]
+        for c in 0..lanes {
+            let cell = k * lanes + c;
+            if (stores >> cell) & 1 == 1 && rank < capacity {
+                if to_staged {
+                    staged[rank] = values[cell as usize];
+                } else {
+                    out[rank] = values[cell as usize];
+                }
+            }
+            rank += ((flags >> cell) & 1) as usize;
+        }
+        slabs_before += slab_field(low_total, high_total, k);
     }
 }
 
