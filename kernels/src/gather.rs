@@ -217,7 +217,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
     // A counted tile compacts its values in shared memory while its prefix is not yet known, then
     // stores them in coalesced runs (a unit's own cells take consecutive ranks: stored directly,
     // one store of a plane spans `lanes` times the sectors). On the H200: (4096, 2048) 81.8 ->
-    // 69.7 us, (4096, 128) 11.4 -> 11.0; the barrier costs the one-launch sizes ~0.1 us.
+    // 69.1 us, (4096, 128) 11.4 -> 11.0; the barrier cost the one-launch sizes ~0.1 us.
     let ranks = (low_rank, high_rank, low_total, high_total);
     let staged_values = comptime!(if counted {
         (CUBE_SIZE * cells_per_unit) as usize
@@ -341,7 +341,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
 /// Stores a unit's values at `base` plus their ranks among the tile's true cells (the slabs
 /// before, by their totals; the units before in the slab; the unit's own cells before), below
 /// `capacity`: into `staged` or into `out`. Ranks are formed inline, cell by cell: held in an
-/// array they made the one-launch gather 4-12% slower on the H200.
+/// array they made the one-launch gather 3-9% slower on the H200.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn scatter_values(

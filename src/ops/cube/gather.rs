@@ -154,10 +154,14 @@ const COUNTED_TILES: usize = 64;
 
 /// Cells per vector load of `pos2d` and `mask`: 4 where every vector lies in one pos row and is
 /// aligned (unit column strides, row strides and row lengths that are multiples of 4, aligned
-/// buffer offsets), else 1.
+/// buffer offsets), else 1. Never 4 without cells: an empty input is bound as a one-element
+/// stand-in, which a 4-wide read of vector 0 would overrun.
 fn mask_lanes<R: CubeRuntime>(pos2d: &CubeTensor<R>, mask: &CubeTensor<R>) -> usize {
     const LANES: usize = 4;
-    let (_, pos_cols) = dims2(pos2d);
+    let (pos_rows, pos_cols) = dims2(pos2d);
+    if pos_rows == 0 || pos_cols == 0 {
+        return 1;
+    }
     let vectorizable = |tensor: &CubeTensor<R>| {
         let aligned =
             tensor.handle.offset_start.unwrap_or(0) % (LANES * tensor.dtype.size()) as u64 == 0;
