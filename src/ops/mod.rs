@@ -51,6 +51,20 @@ pub struct VerifyPlanPrimitive<T> {
     pub enable: T,
 }
 
+impl<T> VerifyPlanPrimitive<T> {
+    /// The plan with `f` applied to each of its tensors.
+    pub fn map<U>(self, mut f: impl FnMut(T) -> U) -> VerifyPlanPrimitive<U> {
+        VerifyPlanPrimitive {
+            slot_indices: f(self.slot_indices),
+            expected_tokens: f(self.expected_tokens),
+            expected_positions: f(self.expected_positions),
+            prev_slot_indices: f(self.prev_slot_indices),
+            num_valid: f(self.num_valid),
+            enable: f(self.enable),
+        }
+    }
+}
+
 /// A `WritePlan`'s tensors, in the spec's field order.
 #[derive(Debug, Clone)]
 pub struct WritePlanPrimitive<T> {

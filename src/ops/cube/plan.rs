@@ -126,22 +126,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             strides[8],
         )
     };
-    let [
-        slot_indices,
-        expected_tokens,
-        expected_positions,
-        prev_slot_indices,
-        num_valid,
-        enable,
-    ] = [
-        verify.slot_indices,
-        verify.expected_tokens,
-        verify.expected_positions,
-        verify.prev_slot_indices,
-        verify.num_valid,
-        verify.enable,
-    ]
-    .map(writable);
+    let verify = verify.map(writable);
     let [offsets, seeds, num_valid_reqs] =
         [write.offsets, write.seed_slot_indices, write.num_valid_reqs].map(writable);
 
@@ -164,10 +149,10 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             &lut,
             &pool,
             &valid_lens,
-            &slot_indices,
-            &expected_tokens,
-            &expected_positions,
-            &prev_slot_indices,
+            &verify.slot_indices,
+            &verify.expected_tokens,
+            &verify.expected_positions,
+            &verify.prev_slot_indices,
             &offsets,
             &seeds,
             &scratch,
@@ -204,12 +189,12 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             lut.into_tensor_arg(),
             pool.into_tensor_arg(),
             valid_lens.into_tensor_arg(),
-            slot_indices.clone().into_tensor_arg(),
-            expected_tokens.clone().into_tensor_arg(),
-            expected_positions.clone().into_tensor_arg(),
-            prev_slot_indices.clone().into_tensor_arg(),
-            num_valid.clone().into_tensor_arg(),
-            enable.clone().into_tensor_arg(),
+            verify.slot_indices.clone().into_tensor_arg(),
+            verify.expected_tokens.clone().into_tensor_arg(),
+            verify.expected_positions.clone().into_tensor_arg(),
+            verify.prev_slot_indices.clone().into_tensor_arg(),
+            verify.num_valid.clone().into_tensor_arg(),
+            verify.enable.clone().into_tensor_arg(),
             offsets.clone().into_tensor_arg(),
             seeds.clone().into_tensor_arg(),
             num_valid_reqs.clone().into_tensor_arg(),
@@ -221,14 +206,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         );
     }
     Ok(PlanOutput {
-        verify: VerifyPlanPrimitive {
-            slot_indices,
-            expected_tokens,
-            expected_positions,
-            prev_slot_indices,
-            num_valid,
-            enable,
-        },
+        verify,
         write: WritePlanPrimitive {
             offsets,
             seed_slot_indices: seeds,
