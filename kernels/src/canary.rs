@@ -162,8 +162,13 @@ fn fold_strip(
     #[comptime] mode: u8,
     #[comptime] batch: u32,
 ) -> u64 {
-    let start = (slot / layout.page_size) * layout.row_words
-        + (slot % layout.page_size) * layout.strip_words;
+    // A 64-bit division sits between the slot's load and the strip's: token-granular caches
+    // (page size 1, the common case) skip it.
+    let mut start = slot * layout.row_words;
+    if layout.page_size != 1 {
+        start = (slot / layout.page_size) * layout.row_words
+            + (slot % layout.page_size) * layout.strip_words;
+    }
     let words = if comptime![mode == MODE_PARTIAL] {
         2u64.runtime()
     } else {

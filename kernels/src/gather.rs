@@ -673,6 +673,10 @@ pub const SEG_TILES: usize = 4;
 
 /// Values a cube copies at most when the host can bound them (its target when it shares tiles).
 pub const SEGMENT_CUBE_VALUES: u64 = 256;
+/// Values a unit loads before it stores them (one per `CUBE_SIZE`-value pass of its cube).
+const COPY_PASSES: usize = 4;
+/// The base of a segment that is never read (it fails rule 8 or 9, or is not the unit's).
+const NO_BASE: u64 = u64::MAX;
 
 const KEY_SEGMENT_ROW: u64 = 8 << RULE_SHIFT;
 const KEY_SEGMENT_POSITION: u64 = 9 << RULE_SHIFT;
@@ -747,25 +751,37 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     let len =
         i64::cast_from(lengths[select(owns, i, 0u64) as usize * shape.lengths_stride as usize]);
     let length = select(owns && len > 0, len as u64, 0u64);
-    // Rules 8 and 9, by the tile's lead (the shape rules 5-7 come first; then nothing else is
-    // read).
+    // Each unit finds where its segment's values start in the table (rules 8 and 9 first: a
+    // failing segment gets no base and is never read); the tile's lead reports the failures (the
+    // shape rules 5-7 come first; then nothing else is read).
+    let mut bases = SharedMemory::<u64>::new(CUBE_SIZE as usize);
+    let mut base = NO_BASE.runtime();
     let mut dependency = 0u64.runtime();
     let mut reported = false.runtime();
-    if lead && owns && shape.shape_error == 0 {
+    if owns && shape.shape_error == 0 {
         let row = row_of(
             req_pool_indices,
             i as usize,
             shape.shared_row,
             shape.index_stride,
         );
-        if row < 0 || row as u64 >= shape.rows {
+        let first = segment_start(start, i, shape, has_start);
+        let row_fails = row < 0 || row as u64 >= shape.rows;
+        let position_fails =
+            !row_fails && len > 0 && (first < 0 || first > shape.cols as i64 - len);
+        if !row_fails && !position_fails {
+            base = row as u64 * shape.table_row_stride + first as u64 * shape.table_col_stride;
+        }
+        if lead && row_fails {
             dependency |= report_error(&scratch[SEG_ERROR], KEY_SEGMENT_ROW | i) >> 63;
             reported = true;
-        } else if len > 0 && !segment_fits(start, i, len, shape, has_start) {
+        }
+        if lead && position_fails {
             dependency |= report_error(&scratch[SEG_ERROR], KEY_SEGMENT_POSITION | i) >> 63;
             reported = true;
         }
     }
+    bases[UNIT_POS as usize] = base;
     // `ends` keeps the tile's inclusive ends for the copy below.
     let (_, tile_total) = cube_exclusive_scan(length, &mut ends);
     let mut prefix = 0u64.runtime();
@@ -783,40 +799,55 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
         );
     }
 
-    // The tile's values, a contiguous share per cube, `CUBE_SIZE` at a time; the segment holding
-    // value `e` is the first whose end exceeds it. A segment that fails a rule is never read.
-    // Values at or past the capacity are never stored, so the copy stops there: that also bounds
-    // it when a failing segment (never read) claims a huge length.
+    // The tile's values, a contiguous share per cube, `COPY_PASSES * CUBE_SIZE` at a time; the
+    // segment holding value `e` is the first whose end exceeds it. A pass loads all its values
+    // before it stores any: a store between them would hold each load back until the previous
+    // one returned (the table and `out` may alias, as far as the compiler knows). Values at or
+    // past the capacity are never stored, so the copy stops there: that also bounds it when a
+    // failing segment (never read; its values are left unspecified) claims a huge length.
     let room = select(prefix < shape.capacity, shape.capacity - prefix, 0u64);
     let copies = select(shape.shape_error == 0, tile_total.min(room), 0u64);
     let (share_first, share_end) = cube_share(copies, part, shape.tile_cubes);
     let last_segment = select(shape.tile_segments > 0, shape.tile_segments - 1, 0u64);
+    let step = CUBE_SIZE as u64;
     let mut e = share_first + unit;
+    // The holder's facts stay in registers until a value passes its end.
     let mut segment = first_holding(&ends, last_segment, e);
+    let mut segment_end = ends[segment as usize];
+    let mut segment_first = start_of(&ends, segment);
+    let mut segment_base = bases[segment as usize];
     while e < share_end {
-        segment = step_to_holder(&ends, segment, last_segment, e);
-        let before = start_of(&ends, segment);
-        let g = tile * shape.tile_segments + segment;
-        let row = row_of(
-            req_pool_indices,
-            g as usize,
-            shape.shared_row,
-            shape.index_stride,
-        );
-        let len = i64::cast_from(lengths[g as usize * shape.lengths_stride as usize]);
-        let row_ok = row >= 0 && (row as u64) < shape.rows;
-        // `prefix + e` is below the capacity: the copy stops at `room`.
-        if row_ok && segment_fits(start, g, len, shape, has_start) {
-            let position = segment_start(start, g, shape, has_start) as u64 + (e - before);
-            let at = at2(
-                row as usize,
-                position as usize,
-                shape.table_row_stride,
-                shape.table_col_stride,
-            );
-            out[(prefix + e) as usize] = i64::cast_from(table[at]);
+        // Held in the table's type until stored: widened right after its load, inside the
+        // branch, each value was waited for before the next load went out ((4096, 2048) on the
+        // H200: 33.4 us against 25.6).
+        let mut values = Array::<T>::new(COPY_PASSES);
+        #[unroll]
+        for k in 0..COPY_PASSES {
+            let value_e = e + k as u64 * step;
+            let mut value = T::new(0);
+            if value_e < share_end {
+                if value_e >= segment_end {
+                    segment = step_to_holder(&ends, segment, last_segment, value_e);
+                    segment_end = ends[segment as usize];
+                    segment_first = start_of(&ends, segment);
+                    segment_base = bases[segment as usize];
+                }
+                if segment_base != NO_BASE {
+                    let offset = value_e - segment_first;
+                    let at = segment_base + offset * shape.table_col_stride;
+                    value = table[at as usize];
+                }
+            }
+            values[k] = value;
         }
-        e += CUBE_SIZE as u64;
+        #[unroll]
+        for k in 0..COPY_PASSES {
+            let value_e = e + k as u64 * step;
+            if value_e < share_end {
+                out[(prefix + value_e) as usize] = i64::cast_from(values[k]);
+            }
+        }
+        e += COPY_PASSES as u64 * step;
     }
 
     let (last, any_reported) = publish_block_done(
@@ -841,19 +872,6 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
             has_start,
         );
     }
-}
-
-/// Rule 9 for a segment of positive length `len`: `[start, start + len)` lies in the table.
-#[cube]
-fn segment_fits<S: Int>(
-    start: &Tensor<S>,
-    i: u64,
-    len: i64,
-    shape: SegmentShape,
-    #[comptime] has_start: bool,
-) -> bool {
-    let first = segment_start(start, i, shape, has_start);
-    first >= 0 && first <= shape.cols as i64 - len
 }
 
 /// `start[i]`, or 0 without starts.

@@ -157,16 +157,23 @@ fn device_cubes<R: CubeRuntime>(like: &CubeTensor<R>) -> usize {
 }
 
 /// Cubes per tile when every tile's cubes share its work: about `per_unit` of at most `elements`
-/// values per unit over all `tiles`, and all tiles' cubes together at most what the device holds.
+/// values per unit over all `tiles`, and all tiles' cubes together at most `per_sm` per
+/// streaming multiprocessor.
 fn tile_cubes<R: CubeRuntime>(
     like: &CubeTensor<R>,
     elements: usize,
     tiles: usize,
     per_unit: usize,
+    per_sm: usize,
 ) -> usize {
     let tiles = tiles.max(1);
-    resident_cubes(like, elements.div_ceil(tiles), per_unit)
-        .min(device_cubes(like) / tiles)
+    let device = multiprocessors(like) * per_sm;
+    let per_cube = per_unit * kvplan_kernels::scan::CUBE_SIZE as usize;
+    elements
+        .div_ceil(tiles)
+        .div_ceil(per_cube)
+        .clamp(1, device)
+        .min(device / tiles)
         .max(1)
 }
 

@@ -54,7 +54,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
     let tile_requests = requests.clamp(1, CUBE_SIZE as usize);
     let tiles = requests.div_ceil(tile_requests).max(1);
     let per_unit = CUBE_ENTRIES as usize / CUBE_SIZE as usize;
-    let tile_cubes = tile_cubes(&table, most_entries, tiles, per_unit);
+    let tile_cubes = tile_cubes(&table, most_entries, tiles, per_unit, 8);
     let features = PlanFeatures {
         window: inputs.swa_window_size > 0,
         lut: inputs.full_to_swa.is_some(),
