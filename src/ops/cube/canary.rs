@@ -12,7 +12,9 @@ use kvplan_kernels::canary::{
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 
-use super::{address_type, bindable, grid, multiprocessors, resident_cubes, writable};
+use super::{
+    CUBES_PER_SM, address_type, bindable, grid, multiprocessors, resident_cubes, writable,
+};
 use crate::Error;
 use crate::ops::{
     CanaryLaunchPrimitive, CanaryPrimitive, KvBytes, SourceLayout, SourcePrimitive,
@@ -285,7 +287,7 @@ pub(crate) fn canary_verify<R: CubeRuntime>(
     let ring = writable(canary.ring);
     let counters = writable(canary.counters);
     let entries = plan.slot_indices.shape()[0];
-    let cubes = resident_cubes(&buffer, entries, 4);
+    let cubes = resident_cubes(&buffer, entries, 4, CUBES_PER_SM);
     let (cube_count, cubes) = grid(cubes);
     let shape = CanaryShapeLaunch::new(
         canary.num_slots as u64,

@@ -151,10 +151,9 @@ fn multiprocessors<R: CubeRuntime>(like: &CubeTensor<R>) -> usize {
         .unwrap_or(8) as usize
 }
 
-/// Cubes the device holds at once (8 per streaming multiprocessor).
-fn device_cubes<R: CubeRuntime>(like: &CubeTensor<R>) -> usize {
-    multiprocessors(like) * 8
-}
+/// Cubes per streaming multiprocessor a launch fills unless its kernel measured better with
+/// fewer.
+pub(super) const CUBES_PER_SM: usize = 8;
 
 /// Cubes per tile when every tile's cubes share its work: about `per_unit` of at most `elements`
 /// values per unit over all `tiles`, and all tiles' cubes together at most `per_sm` per
@@ -167,21 +166,24 @@ fn tile_cubes<R: CubeRuntime>(
     per_sm: usize,
 ) -> usize {
     let tiles = tiles.max(1);
-    let device = multiprocessors(like) * per_sm;
-    let per_cube = per_unit * kvplan_kernels::scan::CUBE_SIZE as usize;
-    elements
-        .div_ceil(tiles)
-        .div_ceil(per_cube)
-        .clamp(1, device)
-        .min(device / tiles)
+    resident_cubes(like, elements.div_ceil(tiles), per_unit, per_sm)
+        .min(multiprocessors(like) * per_sm / tiles)
         .max(1)
 }
 
 /// Cubes for a grid-stride loop over at most `elements` values, `per_unit` of them per unit:
-/// enough to fill the device, never more than the work needs.
-fn resident_cubes<R: CubeRuntime>(like: &CubeTensor<R>, elements: usize, per_unit: usize) -> usize {
+/// enough to fill the device (`per_sm` per streaming multiprocessor), never more than the work
+/// needs.
+fn resident_cubes<R: CubeRuntime>(
+    like: &CubeTensor<R>,
+    elements: usize,
+    per_unit: usize,
+    per_sm: usize,
+) -> usize {
     let per_cube = per_unit * kvplan_kernels::scan::CUBE_SIZE as usize;
-    elements.div_ceil(per_cube).clamp(1, device_cubes(like))
+    elements
+        .div_ceil(per_cube)
+        .clamp(1, multiprocessors(like) * per_sm)
 }
 
 /// A tensor's element stride along `dim` (0 past its rank), for a kernel's shape scalars (see

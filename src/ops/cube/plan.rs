@@ -11,8 +11,8 @@ use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
 use super::{
-    address_type, bindable, broadcast_prefix, dims2, grid, output_i64, storage, stride, tile_cubes,
-    upload_i64, widened, writable,
+    CUBES_PER_SM, address_type, bindable, broadcast_prefix, dims2, grid, output_i64, storage,
+    stride, tile_cubes, upload_i64, widened, writable,
 };
 use crate::Error;
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
@@ -54,7 +54,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
     let tile_requests = requests.clamp(1, CUBE_SIZE as usize);
     let tiles = requests.div_ceil(tile_requests).max(1);
     let per_unit = CUBE_ENTRIES as usize / CUBE_SIZE as usize;
-    let tile_cubes = tile_cubes(&table, most_entries, tiles, per_unit, 8);
+    let tile_cubes = tile_cubes(&table, most_entries, tiles, per_unit, CUBES_PER_SM);
     let features = PlanFeatures {
         window: inputs.swa_window_size > 0,
         lut: inputs.full_to_swa.is_some(),
