@@ -536,7 +536,7 @@ pub fn canary<B: KvPlanBackend>(
         } else {
             &[1 << 12]
         };
-        for &entries in sizes {
+        for &entries in sizes.iter().filter(|&&entries| selected(entries, 1)) {
             let mut work = canary_workload::<B>(device, entries / 2048, 2048, fingerprints)?;
             let (plan, inputs) = work.write_step(device, 0, 2048)?;
             work.canary
@@ -572,7 +572,10 @@ pub fn canary<B: KvPlanBackend>(
         } else {
             &[(256, 1, "decode"), (4, 512, "prefill")]
         };
-        for &(requests, tokens, kind) in shapes {
+        for &(requests, tokens, kind) in shapes
+            .iter()
+            .filter(|&&(requests, tokens, _)| selected(requests, tokens))
+        {
             let prefix = if kind == "decode" { 64 } else { 0 };
             let mut work = canary_workload::<B>(device, requests, prefix + tokens, fingerprints)?;
             if prefix > 0 {

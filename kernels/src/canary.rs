@@ -537,22 +537,76 @@ fn walk_entry(
     let stored = slot >> 63 == 0;
     walk.own_chain = select(j == lane, walk.h, walk.own_chain);
     walk.own_superseded = walk.own_superseded || (j > lane && slot == walk.own_slot);
-    if comptime![features.input_assert || features.chain_assert] {
-        let (input_bits, chain_fails) = entry_asserts(
-            tokens,
-            index,
-            token,
-            position,
-            walk.last_position,
-            position_check,
-            features,
-        );
-        let rows = select(input_bits != 0, 1u64, 0u64) + select(chain_fails, 1u64, 0u64);
-        walk.rows += select(stored, rows, 0u64);
-        walk.last_position = select(stored, position, walk.last_position);
+    // With shuffles, `tile_counts` keeps these counts once per tile, beside the serial fold.
+    if comptime![!features.shuffle] {
+        if comptime![features.input_assert || features.chain_assert] {
+            let (input_bits, chain_fails) = entry_asserts(
+                tokens,
+                index,
+                token,
+                position,
+                walk.last_position,
+                position_check,
+                features,
+            );
+            let rows = select(input_bits != 0, 1u64, 0u64) + select(chain_fails, 1u64, 0u64);
+            walk.rows += select(stored, rows, 0u64);
+            walk.last_position = select(stored, position, walk.last_position);
+        }
+        walk.written += select(stored, 1u64, 0u64);
     }
     walk.h = select(stored, mix3(walk.h, token, position), walk.h);
-    walk.written += select(stored, 1u64, 0u64);
+}
+
+/// The walk's counts over one tile, where planes are the group (`features.shuffle`): each unit
+/// checks its own entry's asserts, and ballots count the stored entries and the rows. None of it
+/// depends on the chain value, so it runs beside the fold instead of adding to each of its steps.
+/// Units past the request hold a skipped entry (`load_entry`), so they count nothing.
+#[cube]
+fn tile_counts(
+    walk: &mut Walk,
+    tokens: &StepTokens,
+    tile: u64,
+    lane: u32,
+    position_check: bool,
+    #[comptime] features: CanaryFeatures,
+) {
+    let stored = walk.own_slot >> 63 == 0;
+    let stored_lanes = plane_ballot(stored)[0];
+    walk.written += u64::cast_from(stored_lanes.count_ones());
+    if comptime![features.input_assert || features.chain_assert] {
+        // The chain-position assert compares with the last stored entry before this one: an
+        // earlier unit's, or the previous tiles' when no earlier unit stores.
+        let earlier = stored_lanes & ((1u32 << lane) - 1);
+        let previous = plane_shuffle(walk.own_position, last_lane(earlier));
+        let last_position = select(earlier == 0, walk.last_position, previous);
+        let mut input_fails = false;
+        let mut chain_fails = false;
+        if stored {
+            let (input_bits, position_fails) = entry_asserts(
+                tokens,
+                tile + lane as u64,
+                walk.own_token,
+                walk.own_position,
+                last_position,
+                position_check,
+                features,
+            );
+            input_fails = input_bits != 0;
+            chain_fails = position_fails;
+        }
+        let rows =
+            plane_ballot(input_fails)[0].count_ones() + plane_ballot(chain_fails)[0].count_ones();
+        walk.rows += u64::cast_from(rows);
+        let tile_last = plane_shuffle(walk.own_position, last_lane(stored_lanes));
+        walk.last_position = select(stored_lanes == 0, walk.last_position, tile_last);
+    }
+}
+
+/// The highest unit whose bit is set in `lanes` (0 when none is).
+#[cube]
+fn last_lane(lanes: u32) -> u32 {
+    select(lanes == 0, 0u32, 31u32 - lanes.leading_zeros())
 }
 
 /// One request's write, by its group (`lane` is the unit's place in it). The group walks the
@@ -613,6 +667,9 @@ fn write_request(
             next.slot = entry.slot;
             next.token = entry.token;
             next.position = entry.position;
+        }
+        if comptime![features.shuffle] {
+            tile_counts(&mut walk, tokens, tile, lane, position_check, features);
         }
         if tile + GROUP as u64 <= end {
             for chunk in 0..GROUP / UNROLL {
