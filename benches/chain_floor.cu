@@ -3,13 +3,7 @@
 //   nvcc -O3 -arch=sm_90 -o chain_floor benches/chain_floor.cu && ./chain_floor
 #include <cstdio>
 #include <cuda_runtime.h>
-typedef unsigned long long u64;
-__device__ __forceinline__ u64 mix(u64 x) {
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-__device__ __forceinline__ u64 mix3(u64 h, u64 t, u64 p) { return mix(mix(mix(h) ^ t) ^ p); }
+#include "chain_mix.cuh"
 
 // A: vector registers, no loads.
 __global__ void vec_only(u64* out, int n) {

@@ -2,13 +2,8 @@
 //   nvcc -O3 -arch=sm_90 -o chain_halves benches/chain_halves.cu && ./chain_halves
 #include <cstdio>
 #include <cuda_runtime.h>
-typedef unsigned long long u64; typedef unsigned u32;
-__device__ __forceinline__ u64 mix(u64 x) {
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-__device__ __forceinline__ u64 mix3(u64 h, u64 t, u64 p) { return mix(mix(mix(h) ^ t) ^ p); }
+#include "chain_mix.cuh"
+typedef unsigned u32;
 // 32-bit halves; multiply as lo*Cl, umulhi + two low products
 template <int V>
 __device__ __forceinline__ void mulc(u32& lo, u32& hi, u32 cl, u32 ch) {

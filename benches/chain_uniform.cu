@@ -4,13 +4,7 @@
 // then `cuobjdump -sass chain_uniform | grep -c UIMAD` per function.
 #include <cstdio>
 #include <cuda_runtime.h>
-typedef unsigned long long u64;
-__device__ __forceinline__ u64 mix(u64 x) {
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-__device__ __forceinline__ u64 mix3(u64 h, u64 t, u64 p) { return mix(mix(mix(h) ^ t) ^ p); }
+#include "chain_mix.cuh"
 
 __global__ void k_vec(const u64* tok, const u64* pos, u64* out, int n) {
   u64 h = 0xDE7FAE23A9A1B716ull ^ threadIdx.x;
