@@ -98,6 +98,9 @@ pub struct CanaryFeatures {
     /// Write: planes are exactly `GROUP` units wide and support shuffles, so a group takes the
     /// tile's values from its units' registers instead of loading each one again.
     pub shuffle: bool,
+    /// Verify, mode `ALL`: words of every strip the cube stages per round ([`staged_strip`]),
+    /// as many as the device's shared memory holds; 0 where each unit folds its own strip.
+    pub stage_words: u32,
 }
 
 impl CanaryFeatures {
@@ -162,13 +165,7 @@ fn fold_strip(
     #[comptime] mode: u8,
     #[comptime] batch: u32,
 ) -> u64 {
-    // A 64-bit division sits between the slot's load and the strip's: token-granular caches
-    // (page size 1, the common case) skip it.
-    let mut start = slot * layout.row_words;
-    if layout.page_size != 1 {
-        start = (slot / layout.page_size) * layout.row_words
-            + (slot % layout.page_size) * layout.strip_words;
-    }
+    let start = strip_start(layout, slot);
     let words = if comptime![mode == MODE_PARTIAL] {
         2u64.runtime()
     } else {
@@ -203,27 +200,157 @@ fn fold_strip(
     h
 }
 
-/// `fp(s)` over the bound sources, in launch order.
+/// The first word of `slot`'s strip in a source.
+#[cube]
+fn strip_start(layout: &SourceLayout, slot: u64) -> u64 {
+    // A 64-bit division sits between the slot's load and the strip's: token-granular caches
+    // (page size 1, the common case) skip it.
+    let mut start = slot * layout.row_words;
+    if layout.page_size != 1 {
+        start = (slot / layout.page_size) * layout.row_words
+            + (slot % layout.page_size) * layout.strip_words;
+    }
+    start
+}
+
+/// Words of every strip a staging round holds where shared memory allows: a 128-byte line.
+pub const STAGE_WORDS: u32 = 16;
+
+/// Shared words of a stage of `stage_words` words per strip: each strip's row (padded by one word,
+/// so that the fold's reads, one word of every unit's strip at a time, fall in different banks),
+/// then the units' strip starts and word counts.
+pub const fn stage_len(stage_words: u32) -> u32 {
+    CUBE_SIZE * (stage_words + 1) + 2 * CUBE_SIZE
+}
+
+/// A unit's loads of staging round `k` (words `k..k + stage_words` of every strip): word
+/// `q % stage_words` of strip `q / stage_words` for each `q = r * CUBE_SIZE + unit`, all issued
+/// before any is used. Words past a strip's count (none at all for a strip not wanted) are 0.
+#[cube]
+fn load_round(
+    source: &Tensor<u64>,
+    layout: &SourceLayout,
+    stage: &SharedMemory<u64>,
+    k: u64,
+    lines: &mut Array<u64>,
+    #[comptime] stage_words: u32,
+) {
+    let starts = comptime![(CUBE_SIZE * (stage_words + 1)) as usize];
+    let limits = comptime![(CUBE_SIZE * (stage_words + 2)) as usize];
+    #[unroll]
+    for r in 0..stage_words {
+        let q = (r * CUBE_SIZE) as usize + UNIT_POS as usize;
+        let strip = q / stage_words as usize;
+        let word = k + (q % stage_words as usize) as u64;
+        let index = stage[starts + strip] + word;
+        let mut value = 0u64.runtime();
+        if word < stage[limits + strip] && index < layout.words {
+            value = source[index as usize];
+        }
+        lines[r as usize] = value;
+    }
+}
+
+/// [`fold_strip`] of an `ALL` strip for every unit of the cube at once (all units call it, each
+/// with its own `slot`; a unit that is not `wanted` gets an unspecified value). One unit's own
+/// strip is a serial fold, but reading it alone makes every load of a plane touch 32 random
+/// lines, a sector at a time: DRAM then serves 32- or 64-byte pieces of each strip, at random.
+/// Here the cube loads a line of each of its strips per round, 16 units to a line (whole lines,
+/// coalesced), into shared memory, and then each unit folds its own.
+#[cube]
+fn staged_strip(
+    source: &Tensor<u64>,
+    layout: &SourceLayout,
+    slot: u64,
+    wanted: bool,
+    stage: &mut SharedMemory<u64>,
+    #[comptime] stage_words: u32,
+) -> u64 {
+    let pitch = comptime![(stage_words + 1) as usize];
+    let starts = comptime![(CUBE_SIZE * (stage_words + 1)) as usize];
+    let limits = comptime![(CUBE_SIZE * (stage_words + 2)) as usize];
+    let unit = UNIT_POS as usize;
+    let words = layout.read_words;
+    stage[starts + unit] = strip_start(layout, slot);
+    stage[limits + unit] = select(wanted, words, 0u64);
+    sync_cube();
+    let mut lines = Array::<u64>::new(stage_words as usize);
+    let mut h = 0u64.runtime();
+    let mut k = 0u64.runtime();
+    while k < words {
+        load_round(source, layout, stage, k, &mut lines, stage_words);
+        #[unroll]
+        for r in 0..stage_words {
+            let q = (r * CUBE_SIZE) as usize + unit;
+            let strip = q / stage_words as usize;
+            stage[strip * pitch + q % stage_words as usize] = lines[r as usize];
+        }
+        sync_cube();
+        #[unroll]
+        for j in 0..stage_words {
+            if k + (j as u64) < words {
+                h = mix(h ^ stage[unit * pitch + j as usize]);
+            }
+        }
+        sync_cube();
+        k += stage_words as u64;
+    }
+    h
+}
+
+/// How a launch folds real-KV strips (compile-time).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+struct StripFold {
+    /// `MODE_PARTIAL` or `MODE_ALL`.
+    mode: u8,
+    /// Words a unit folding alone loads before folding them.
+    batch: u32,
+    /// Words per strip of a cube-staged round ([`staged_strip`]); 0 where each unit folds alone.
+    stage_words: u32,
+}
+
+/// One source's fold of `slot`'s strip, as `fold` says.
+#[cube]
+fn source_fold(
+    source: &Tensor<u64>,
+    layout: &SourceLayout,
+    slot: u64,
+    wanted: bool,
+    stage: &mut SharedMemory<u64>,
+    #[comptime] fold: StripFold,
+) -> u64 {
+    if comptime![fold.stage_words > 0] {
+        staged_strip(source, layout, slot, wanted, stage, fold.stage_words)
+    } else {
+        fold_strip(source, layout, slot, fold.mode, fold.batch)
+    }
+}
+
+/// `fp(s)` over the bound sources, in launch order. A staged fold needs every unit of the cube,
+/// each with its `slot` and whether it `wants` the value, and a stage of [`stage_len`] words; a
+/// unit folding alone ignores `wanted` and `stage`.
 #[cube]
 fn fingerprint(
     sources: &Sources,
     layouts: &Layouts,
     slot: u64,
-    #[comptime] features: CanaryFeatures,
-    #[comptime] batch: u32,
+    wanted: bool,
+    stage: &mut SharedMemory<u64>,
+    #[comptime] count: u8,
+    #[comptime] fold: StripFold,
 ) -> u64 {
     let mut acc = 0u64.runtime();
-    if comptime![features.sources > 0] {
-        acc = mix(acc ^ fold_strip(&sources.s0, &layouts.l0, slot, features.mode, batch));
+    if comptime![count > 0] {
+        acc = mix(acc ^ source_fold(&sources.s0, &layouts.l0, slot, wanted, stage, fold));
     }
-    if comptime![features.sources > 1] {
-        acc = mix(acc ^ fold_strip(&sources.s1, &layouts.l1, slot, features.mode, batch));
+    if comptime![count > 1] {
+        acc = mix(acc ^ source_fold(&sources.s1, &layouts.l1, slot, wanted, stage, fold));
     }
-    if comptime![features.sources > 2] {
-        acc = mix(acc ^ fold_strip(&sources.s2, &layouts.l2, slot, features.mode, batch));
+    if comptime![count > 2] {
+        acc = mix(acc ^ source_fold(&sources.s2, &layouts.l2, slot, wanted, stage, fold));
     }
-    if comptime![features.sources > 3] {
-        acc = mix(acc ^ fold_strip(&sources.s3, &layouts.l3, slot, features.mode, batch));
+    if comptime![count > 3] {
+        acc = mix(acc ^ source_fold(&sources.s3, &layouts.l3, slot, wanted, stage, fold));
     }
     acc
 }
@@ -411,12 +538,26 @@ pub fn canary_write_kernel(
         // spread over many SMs instead of queueing in one SM's L1 (each lane reads its own strip,
         // so a warp's loads do not coalesce).
         let cubes = shape.stride_units / CUBE_SIZE as u64;
+        let mut unused_stage = SharedMemory::<u64>::new(1usize);
         let unit = UNIT_POS as u64 * cubes + (CUBE_POS as u64 - shape.chain_cubes);
         let mut i = unit;
         while i < shape.tokens {
             let slot = tokens.out_cache_loc[i as usize];
             if slot < shape.num_slots {
-                let value = fingerprint(sources, layouts, slot, features, WRITE_STRIP_BATCH);
+                let fold = comptime![StripFold {
+                    mode: features.mode,
+                    batch: WRITE_STRIP_BATCH,
+                    stage_words: 0,
+                }];
+                let value = fingerprint(
+                    sources,
+                    layouts,
+                    slot,
+                    true,
+                    &mut unused_stage,
+                    features.sources,
+                    fold,
+                );
                 let first = token_offset(offsets, 0, shape.tokens);
                 let requests = clamp_count(count, shape.capacity);
                 let end = token_offset(offsets, requests, shape.tokens);
@@ -797,7 +938,8 @@ fn store_assert_rows(
     }
 }
 
-/// Verify (spec §7): one entry per unit over a grid-stride loop.
+/// Verify (spec §7): one entry per unit over a grid-stride loop (in step with its cube where an
+/// `ALL` fingerprint is staged by the whole cube).
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn canary_verify_kernel(
@@ -815,6 +957,11 @@ pub fn canary_verify_kernel(
     shape: CanaryShape,
     #[comptime] features: CanaryFeatures,
 ) {
+    let mut stage = SharedMemory::<u64>::new(comptime![if features.stage_words > 0 {
+        stage_len(features.stage_words) as usize
+    } else {
+        1usize
+    }]);
     let enabled = enable[0] != 0;
     let entries = active_count(num_valid, shape.capacity);
     if ABSOLUTE_POS == 0 {
@@ -824,8 +971,14 @@ pub fn canary_verify_kernel(
         }
     }
     if enabled {
-        let mut k = ABSOLUTE_POS as u64;
-        while k < entries {
+        // A staged cube walks its entries together (`base` is the same in all its units); other
+        // units walk alone.
+        let mut lead = 0u64.runtime();
+        if comptime![features.stage_words > 0] {
+            lead = UNIT_POS as u64;
+        }
+        let mut base = ABSOLUTE_POS as u64 - lead;
+        while base < entries {
             verify_entry(
                 buffer,
                 ring,
@@ -836,15 +989,18 @@ pub fn canary_verify_kernel(
                 prev_slot_indices,
                 sources,
                 layouts,
-                k,
+                base + lead,
+                entries,
+                &mut stage,
                 &shape,
                 features,
             );
-            k += shape.stride_units;
+            base += shape.stride_units;
         }
     }
 }
 
+/// Entry `k` when `k < entries`; every unit of the cube calls it (see [`fingerprint`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn verify_entry(
@@ -858,15 +1014,41 @@ fn verify_entry(
     sources: &Sources,
     layouts: &Layouts,
     k: u64,
+    entries: u64,
+    stage: &mut SharedMemory<u64>,
     shape: &CanaryShape,
     #[comptime] features: CanaryFeatures,
 ) {
-    let slot = slot_indices[k as usize];
-    if slot != 0 {
-        let prev = prev_slot_indices[k as usize];
+    let staged = comptime![features.stage_words > 0];
+    // Entry 0 stands in past the end: read, never checked.
+    let live = k < entries;
+    let index = select(live, k, 0u64) as usize;
+    let slot = slot_indices[index];
+    let checked = live && slot != 0;
+    let mut expected_real_kv = 0u64.runtime();
+    if comptime![features.fingerprints()] {
+        if staged || checked {
+            let fold = comptime![StripFold {
+                mode: features.mode,
+                batch: VERIFY_STRIP_BATCH,
+                stage_words: features.stage_words,
+            }];
+            expected_real_kv = fingerprint(
+                sources,
+                layouts,
+                slot,
+                checked,
+                stage,
+                features.sources,
+                fold,
+            );
+        }
+    }
+    if checked {
+        let prev = prev_slot_indices[index];
         let mut expected_token = u64::MAX.runtime();
         if comptime![features.check_token] {
-            expected_token = expected_tokens[k as usize];
+            expected_token = expected_tokens[index];
         }
         let record = read_record(buffer, slot, shape);
         let mut expected_chain = record.chain;
@@ -880,12 +1062,8 @@ fn verify_entry(
         if expected_token != u64::MAX && record.token != expected_token {
             bits |= FAIL_VERIFY_TOKEN;
         }
-        if record.position != expected_positions[k as usize] {
+        if record.position != expected_positions[index] {
             bits |= FAIL_VERIFY_POSITION;
-        }
-        let mut expected_real_kv = 0u64.runtime();
-        if comptime![features.fingerprints()] {
-            expected_real_kv = fingerprint(sources, layouts, slot, features, VERIFY_STRIP_BATCH);
         }
         if record.real_kv != expected_real_kv {
             bits |= FAIL_REAL_KV;

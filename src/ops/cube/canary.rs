@@ -7,8 +7,8 @@ use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 use kvplan_kernels::canary::{
     CanaryFeatures, CanaryShapeLaunch, GROUP, GROUPS_PER_CUBE, LayoutsLaunch, MODE_ALL, MODE_NONE,
-    MODE_PARTIAL, SourceLayoutLaunch, SourcesLaunch, StepTokensLaunch, canary_verify_kernel,
-    canary_write_kernel,
+    MODE_PARTIAL, STAGE_WORDS, SourceLayoutLaunch, SourcesLaunch, StepTokensLaunch,
+    canary_verify_kernel, canary_write_kernel, stage_len,
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 
@@ -149,6 +149,7 @@ fn bind_launch<R: CubeRuntime>(launch: Launch<R>) -> Bound<R> {
             chain_assert: false,
             check_token: launch.check_expected_token,
             shuffle: false,
+            stage_words: 0,
         },
         sources,
         layouts,
@@ -277,12 +278,25 @@ pub(crate) fn canary_write<R: CubeRuntime>(
     })
 }
 
+/// Words per strip a verify cube stages per round: a whole line where the device's shared memory
+/// holds it (CUDA), else half or a quarter of one (lavapipe offers 32 KiB).
+fn stage_words<R: CubeRuntime>(like: &CubeTensor<R>) -> u32 {
+    let shared = like.client.properties().hardware.max_shared_memory_size;
+    [STAGE_WORDS, STAGE_WORDS / 2, STAGE_WORDS / 4]
+        .into_iter()
+        .find(|&words| stage_len(words) as usize * 8 <= shared)
+        .unwrap_or(0)
+}
+
 pub(crate) fn canary_verify<R: CubeRuntime>(
     canary: CanaryPrimitive<CubeTensor<R>>,
     plan: VerifyPlanPrimitive<CubeTensor<R>>,
     launch: Launch<R>,
 ) -> Result<CanaryPrimitive<CubeTensor<R>>, Error> {
-    let bound = bind_launch(launch);
+    let mut bound = bind_launch(launch);
+    if bound.features.mode == MODE_ALL && !bound.sources.is_empty() {
+        bound.features.stage_words = stage_words(&canary.buffer);
+    }
     let buffer = canary.buffer;
     let ring = writable(canary.ring);
     let counters = writable(canary.counters);
