@@ -106,16 +106,15 @@ pub fn cube_exclusive_scan_pair(
 /// atomic's round trip.
 #[cube]
 pub fn take_ticket(counter: &Atomic<u64>, ordered: bool, broadcast: &mut SharedMemory<u64>) -> u64 {
-    if UNIT_POS == 0 {
-        let mut ticket = CUBE_POS as u64;
-        if ordered {
-            ticket = counter.fetch_add(1u64);
+    let mut ticket = CUBE_POS as u64;
+    if ordered {
+        if UNIT_POS == 0 {
+            broadcast[SLOT_TICKET] = counter.fetch_add(1u64);
         }
-        broadcast[SLOT_TICKET] = ticket;
+        sync_cube();
+        ticket = broadcast[SLOT_TICKET];
+        sync_cube();
     }
-    sync_cube();
-    let ticket = broadcast[SLOT_TICKET];
-    sync_cube();
     ticket
 }
 
@@ -235,38 +234,45 @@ pub fn tile_prefix(
     #[comptime] broadcast_prefix: bool,
     #[comptime] plane_walk: bool,
 ) -> u64 {
-    if broadcast_prefix && plane_walk {
-        if UNIT_POS < PLANE_DIM {
-            let prefix = look_back(
-                states,
-                base,
-                tile,
-                aggregate,
-                UNIT_POS == 0 && publisher,
-                true,
-            );
-            if UNIT_POS == 0 {
-                broadcast[slot] = prefix;
+    let mut prefix = 0u64.runtime();
+    if comptime![broadcast_prefix] {
+        if tile == 0 {
+            // The first tile's prefix is 0: nothing to walk or hand out, only its state to publish.
+            if UNIT_POS == 0 && publisher {
+                states[base].store(FLAG_INCLUSIVE | aggregate);
             }
+        } else {
+            if comptime![plane_walk] {
+                if UNIT_POS < PLANE_DIM {
+                    let walked = look_back(
+                        states,
+                        base,
+                        tile,
+                        aggregate,
+                        UNIT_POS == 0 && publisher,
+                        true,
+                    );
+                    if UNIT_POS == 0 {
+                        broadcast[slot] = walked;
+                    }
+                }
+            } else if UNIT_POS == 0 {
+                broadcast[slot] = look_back(states, base, tile, aggregate, publisher, false);
+            }
+            sync_cube();
+            prefix = broadcast[slot];
         }
-        sync_cube();
-        broadcast[slot]
-    } else if broadcast_prefix {
-        if UNIT_POS == 0 {
-            broadcast[slot] = look_back(states, base, tile, aggregate, publisher, false);
-        }
-        sync_cube();
-        broadcast[slot]
     } else {
-        look_back(
+        prefix = look_back(
             states,
             base,
             tile,
             aggregate,
             UNIT_POS == 0 && publisher,
             false,
-        )
+        );
     }
+    prefix
 }
 
 /// The total over every tile, for the last cube. A cube of the last tile has it already: its
@@ -338,17 +344,16 @@ pub fn publish_block_done(
     sync_cube();
     let dependency = broadcast[SLOT_DEPENDENCY];
     let report = broadcast[SLOT_REPORTED];
-    if UNIT_POS == 0 {
-        // A lone cube is last without counting (its own reports were awaited above).
-        let mut finished = dependency + report;
-        if cubes > 1 {
-            finished = done.fetch_add(1u64 + dependency + report) + report;
+    // A lone cube is last without counting (its own reports were awaited above).
+    let mut finished = dependency + report;
+    if cubes > 1 {
+        if UNIT_POS == 0 {
+            broadcast[SLOT_DONE] = done.fetch_add(1u64 + dependency + report) + report;
         }
-        broadcast[SLOT_DONE] = finished;
+        sync_cube();
+        finished = broadcast[SLOT_DONE];
+        sync_cube();
     }
-    sync_cube();
-    let finished = broadcast[SLOT_DONE];
-    sync_cube();
     (
         ((finished & CUBES_MASK) + 1) % cubes == 0,
         finished >= REPORT,
