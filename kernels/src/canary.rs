@@ -216,16 +216,37 @@ fn strip_start(layout: &SourceLayout, slot: u64) -> u64 {
 /// Words of every strip a staging round holds where shared memory allows: a 128-byte line.
 pub const STAGE_WORDS: u32 = 16;
 
-/// Shared words of a stage of `stage_words` words per strip: each strip's row (padded by one word,
-/// so that the fold's reads, one word of every unit's strip at a time, fall in different banks),
-/// then the units' strip starts and word counts.
-pub const fn stage_len(stage_words: u32) -> u32 {
-    CUBE_SIZE * (stage_words + 1) + 2 * CUBE_SIZE
+// A stage of `stage_words` words per strip holds each unit's strip row (padded by one word, so
+// that the fold's reads, one word of every unit's strip at a time, fall in different banks), then
+// the units' strip starts, then their word counts.
+
+/// Where a stage's strip starts begin.
+const fn stage_starts(stage_words: u32) -> u32 {
+    CUBE_SIZE * (stage_words + 1)
 }
 
-/// A unit's loads of staging round `k` (words `k..k + stage_words` of every strip): word
-/// `q % stage_words` of strip `q / stage_words` for each `q = r * CUBE_SIZE + unit`, all issued
-/// before any is used. Words past a strip's count (none at all for a strip not wanted) are 0.
+/// Where a stage's word counts begin.
+const fn stage_limits(stage_words: u32) -> u32 {
+    stage_starts(stage_words) + CUBE_SIZE
+}
+
+/// Shared words of a stage.
+pub const fn stage_len(stage_words: u32) -> u32 {
+    stage_limits(stage_words) + CUBE_SIZE
+}
+
+/// The strip and word a unit handles in slot `r` of a staging round: cell `q = r * CUBE_SIZE +
+/// unit` is word `q % stage_words` of strip `q / stage_words`, so consecutive units cover one
+/// strip's line.
+#[cube]
+fn round_cell(#[comptime] r: u32, #[comptime] stage_words: u32) -> (usize, usize) {
+    let q = (r * CUBE_SIZE) as usize + UNIT_POS as usize;
+    (q / stage_words as usize, q % stage_words as usize)
+}
+
+/// A unit's loads of staging round `k` (words `k..k + stage_words` of every strip, its cells by
+/// [`round_cell`]), all issued before any is used. Words past a strip's count (none at all for a
+/// strip not wanted) are 0.
 #[cube]
 fn load_round(
     source: &Tensor<u64>,
@@ -235,13 +256,12 @@ fn load_round(
     lines: &mut Array<u64>,
     #[comptime] stage_words: u32,
 ) {
-    let starts = comptime![(CUBE_SIZE * (stage_words + 1)) as usize];
-    let limits = comptime![(CUBE_SIZE * (stage_words + 2)) as usize];
+    let starts = comptime![stage_starts(stage_words) as usize];
+    let limits = comptime![stage_limits(stage_words) as usize];
     #[unroll]
     for r in 0..stage_words {
-        let q = (r * CUBE_SIZE) as usize + UNIT_POS as usize;
-        let strip = q / stage_words as usize;
-        let word = k + (q % stage_words as usize) as u64;
+        let (strip, cell) = round_cell(r, stage_words);
+        let word = k + cell as u64;
         let index = stage[starts + strip] + word;
         let mut value = 0u64.runtime();
         if word < stage[limits + strip] && index < layout.words {
@@ -267,8 +287,8 @@ fn staged_strip(
     #[comptime] stage_words: u32,
 ) -> u64 {
     let pitch = comptime![(stage_words + 1) as usize];
-    let starts = comptime![(CUBE_SIZE * (stage_words + 1)) as usize];
-    let limits = comptime![(CUBE_SIZE * (stage_words + 2)) as usize];
+    let starts = comptime![stage_starts(stage_words) as usize];
+    let limits = comptime![stage_limits(stage_words) as usize];
     let unit = UNIT_POS as usize;
     let words = layout.read_words;
     stage[starts + unit] = strip_start(layout, slot);
@@ -281,9 +301,8 @@ fn staged_strip(
         load_round(source, layout, stage, k, &mut lines, stage_words);
         #[unroll]
         for r in 0..stage_words {
-            let q = (r * CUBE_SIZE) as usize + unit;
-            let strip = q / stage_words as usize;
-            stage[strip * pitch + q % stage_words as usize] = lines[r as usize];
+            let (strip, cell) = round_cell(r, stage_words);
+            stage[strip * pitch + cell] = lines[r as usize];
         }
         sync_cube();
         #[unroll]

@@ -103,7 +103,7 @@ pub fn cube_exclusive_scan_pair(
 /// Takes the next tile ticket for this cube (dynamic ids: a cube only ever waits on tiles that a
 /// running cube already holds, so the look-back cannot deadlock). When there is only one tile
 /// there is nothing to wait on (`ordered` false): the cube's position is its ticket, without the
-/// atomic's round trip.
+/// atomic's round trip or the barriers that hand a ticket out.
 #[cube]
 pub fn take_ticket(counter: &Atomic<u64>, ordered: bool, broadcast: &mut SharedMemory<u64>) -> u64 {
     let mut ticket = CUBE_POS as u64;
@@ -213,6 +213,7 @@ fn plane_walk(states: &Tensor<Atomic<u64>>, base: usize, tile: usize) -> u64 {
 
 /// The exclusive prefix of `tile`, in every unit; unit 0 publishes the tile's state when the
 /// cube is the tile's `publisher` (several cubes may share a tile; exactly one publishes it).
+/// Tile 0's prefix is 0 in every unit without a walk, so its cubes skip the broadcast's barrier.
 ///
 /// `broadcast_prefix` (CUDA): unit 0 walks the look-back, or with `plane_walk` the first plane
 /// ([`plane_walk`]), and hands the prefix to the cube through shared `slot`. The plane walk
