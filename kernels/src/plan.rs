@@ -11,8 +11,9 @@
 //! prefixes across the grid with a decoupled look-back. The tile's lead cube checks the request
 //! rules (12, 13, 15, 16) and stores the write offsets and seeds; every cube of the tile fills its
 //! share of the tile's verify entries (rule 14 on every slot it reads). The last cube to finish
-//! writes the scalars and the status, and leaves the scratch clean for the next call. Window, LUT
-//! and pool are compile-time switches.
+//! writes the scalars and the status, and leaves the scratch clean for the next call; a lone tile
+//! without a LUT needs no last cube: its lead writes them before the fill
+//! (`PlanFeatures::lead_finishes`). Window, LUT and pool are compile-time switches.
 //!
 //! On overflow (`total > V`) the spec forbids writing any entry. A lone tile knows its total
 //! after the scan. With more tiles a cube only learns the total once every tile has been scanned:
@@ -149,6 +150,10 @@ pub struct PlanFeatures {
     pub counted: bool,
     /// Unit 0 walks the look-back and broadcasts the prefix (see `scan::tile_prefix`).
     pub broadcast_prefix: bool,
+    /// A lone tile without a LUT: only its lead cube can find an error (rule 14 needs a LUT), and
+    /// every cube knows the total, so the lead writes the scalars and the status before the fill
+    /// and no cube counts itself done.
+    pub lead_finishes: bool,
 }
 
 /// One request's view of the step.
@@ -389,6 +394,37 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     if shape.requests == 0 && ticket == 0 && UNIT_POS == 0 {
         write_offsets[0] = 0;
     }
+    if comptime![features.lead_finishes] {
+        // The lead's own reports are gathered here (a lone cube's count, with no counter). Its
+        // barriers also put the write offsets above before the slow path's exact ones. On the
+        // H200 the done counter and the last cube's hand-off cost ~1.2 us at bs 1-64.
+        let (_, any_reported) = publish_block_done(
+            &scratch[PLAN_DONE],
+            1u64,
+            dependency,
+            reported,
+            &mut broadcast,
+        );
+        if lead && UNIT_POS == 0 {
+            finish_plan(
+                req_pool_indices,
+                prefix_lens,
+                extend_seq_lens,
+                table,
+                valid_lens,
+                write_offsets,
+                num_valid,
+                enable,
+                num_valid_reqs,
+                status,
+                scratch,
+                shape,
+                verify_tile,
+                any_reported,
+                features,
+            );
+        }
+    }
     // Write offsets past `bs` are zeroed (no memset launch).
     let stride = shape.cubes * CUBE_SIZE as u64;
     let mut w = shape.requests + 1 + ticket * CUBE_SIZE as u64 + unit;
@@ -486,61 +522,63 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     if checks {
         seeds[r as usize] = seed_of(seed_slot, lut, shape, features.lut);
     }
-    let (last, any_reported) = publish_block_done(
-        &scratch[PLAN_DONE],
-        shape.cubes,
-        dependency,
-        reported,
-        &mut broadcast,
-    );
-    if last {
-        if UNIT_POS == 0 {
-            let total = if features.counted {
-                scratch[PLAN_TOTAL].swap(0u64.runtime())
-            } else {
-                launch_total(
+    if comptime![!features.lead_finishes] {
+        let (last, any_reported) = publish_block_done(
+            &scratch[PLAN_DONE],
+            shape.cubes,
+            dependency,
+            reported,
+            &mut broadcast,
+        );
+        if last {
+            if UNIT_POS == 0 {
+                let total = if features.counted {
+                    scratch[PLAN_TOTAL].swap(0u64.runtime())
+                } else {
+                    launch_total(
+                        scratch,
+                        PLAN_STATES,
+                        shape.tiles,
+                        tile,
+                        verify_prefix,
+                        verify_tile,
+                    )
+                };
+                finish_plan(
+                    req_pool_indices,
+                    prefix_lens,
+                    extend_seq_lens,
+                    table,
+                    valid_lens,
+                    write_offsets,
+                    num_valid,
+                    enable,
+                    num_valid_reqs,
+                    status,
                     scratch,
-                    PLAN_STATES,
-                    shape.tiles,
-                    tile,
-                    verify_prefix,
-                    verify_tile,
-                )
-            };
-            finish_plan(
-                req_pool_indices,
-                prefix_lens,
-                extend_seq_lens,
-                table,
-                valid_lens,
-                write_offsets,
-                num_valid,
-                enable,
-                num_valid_reqs,
-                status,
-                scratch,
-                shape,
-                total,
-                any_reported,
-                features,
-            );
-            // Swaps, not stores: cubecl 0.10 on SPIR-V was seen to drop the second of two
-            // atomic stores in a row. A lone tile takes no ticket; a lone cube does not count.
-            if shape.tiles > 1 {
-                scratch[PLAN_TICKETS].swap(0u64.runtime());
+                    shape,
+                    total,
+                    any_reported,
+                    features,
+                );
+                // Swaps, not stores: cubecl 0.10 on SPIR-V was seen to drop the second of two
+                // atomic stores in a row. A lone tile takes no ticket; a lone cube does not count.
+                if shape.tiles > 1 {
+                    scratch[PLAN_TICKETS].swap(0u64.runtime());
+                }
+                if shape.cubes > 1 {
+                    scratch[PLAN_DONE].swap(0u64.runtime());
+                }
             }
-            if shape.cubes > 1 {
-                scratch[PLAN_DONE].swap(0u64.runtime());
+            // Every other cube is done with the tile states: clear them for the next call (a lone
+            // tile published none). Last in the kernel, since lavapipe was seen to lose code after a
+            // loop holding an atomic.
+            let mut t = unit;
+            while shape.tiles > 1 && t < shape.tiles {
+                scratch[PLAN_STATES + t as usize].swap(0u64.runtime());
+                scratch[PLAN_STATES + (shape.write_capacity + t) as usize].swap(0u64.runtime());
+                t += CUBE_SIZE as u64;
             }
-        }
-        // Every other cube is done with the tile states: clear them for the next call (a lone
-        // tile published none). Last in the kernel, since lavapipe was seen to lose code after a
-        // loop holding an atomic.
-        let mut t = unit;
-        while shape.tiles > 1 && t < shape.tiles {
-            scratch[PLAN_STATES + t as usize].swap(0u64.runtime());
-            scratch[PLAN_STATES + (shape.write_capacity + t) as usize].swap(0u64.runtime());
-            t += CUBE_SIZE as u64;
         }
     }
 }

@@ -61,6 +61,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         pool: inputs.expected_tokens.is_some(),
         counted: tiles > 1 && most_entries > verify_capacity,
         broadcast_prefix: broadcast_prefix(&table),
+        lead_finishes: tiles == 1 && inputs.full_to_swa.is_none(),
     };
     // Without a LUT every slot counts as inside it (the kernels compare against this length).
     let lut_len = inputs
