@@ -1,7 +1,9 @@
 //! Masked gather: one launch, or two for many tiles. Tiles of mask cells are compacted with a cube
 //! scan chained by a decoupled look-back (or, after a count launch, by summing the counts of the
-//! tiles before); every true cell is checked, then scattered to its row-major rank; the last cube
-//! to finish writes the count and the status record (spec `gather.md` §3).
+//! tiles before); every true cell is checked, then scattered to its row-major rank. The count and
+//! the status record are written by the last tile's cube of a chained launch (the look-back hands
+//! it the total and whether any tile reported an error), or by the last cube to finish a counted
+//! one (spec `gather.md` §3).
 
 use cubecl::prelude::*;
 
@@ -22,6 +24,12 @@ pub const CELLS_PER_UNIT: u32 = 8;
 pub const SMALL_CELLS_PER_UNIT: u32 = 4;
 /// A 16-bit field of a packed slab count.
 const FIELD: u64 = 0xFFFF;
+/// The field of a chained tile's `high` scan word that counts its reporting units.
+const REPORTS_FIELD: u64 = 48;
+/// Where a chained tile's state says that it reported an error; its count sits below.
+const REPORTED_SHIFT: u64 = 40;
+/// The count bits of a chained tile's state.
+const COUNT_MASK: u64 = (1 << REPORTED_SHIFT) - 1;
 /// Mask cells per tile (one cube) of a counted gather.
 pub const TILE_CELLS: u64 = (CUBE_SIZE * CELLS_PER_UNIT) as u64;
 
@@ -211,9 +219,26 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
             high |= selected << (16 * (k - 4)) as u64;
         }
     }
+    if comptime![!counted] {
+        // A launch without a count has at most 4 slabs per tile, so `high` is free: its top field
+        // counts this cube's reporting units, and its low bits carry the reports' dependency into
+        // the tile's published state (see below).
+        high = (u64::cast_from(reported) << REPORTS_FIELD) | dependency;
+    }
     let (low_rank, high_rank, low_total, high_total) =
         cube_exclusive_scan_pair(low, high, &mut low_slabs, &mut high_slabs);
-    let tile_total = field_sum(low_total) + field_sum(high_total);
+    let mut tile_total = field_sum(low_total) + field_sum(high_total);
+    // A chained tile publishes its count plus, above `REPORTED_SHIFT`, whether it reported an
+    // error: the look-back then hands the last tile's cube the total and whether any tile reported,
+    // so no cube counts itself done (on the H200 the done counter and the last cube's hand-off cost
+    // (1024, 64) ~1 us). A tile publishes only after its reports were performed (their dependency
+    // is in `high_total`), so the last tile's cube sees them all.
+    let mut tile_state = tile_total;
+    if comptime![!counted] {
+        tile_total = field_sum(low_total);
+        let tile_reported = select(high_total >> REPORTS_FIELD > 0, 1u64, 0u64);
+        tile_state = tile_total + (tile_reported << REPORTED_SHIFT) + (high_total & FIELD);
+    }
     // A counted tile compacts its values in shared memory while its prefix is not yet known, then
     // stores them in coalesced runs (a unit's own cells take consecutive ranks: stored directly,
     // one store of a plane spans `lanes` times the sectors). On the H200: (4096, 2048) 81.8 ->
@@ -255,7 +280,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
             scratch,
             SCRATCH_TILES,
             tile as usize,
-            tile_total,
+            tile_state,
             shape.tiles > 1,
             &mut broadcast,
             SLOT_PREFIX,
@@ -263,6 +288,9 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
             true,
         )
     };
+    // The states before this tile: the values before it and whether any of them reported.
+    let reported_before = prefix >> REPORTED_SHIFT;
+    let prefix = prefix & COUNT_MASK;
     // Ranks: the tile's prefix, then the rank in the tile (staged: the staged order, where a
     // failing cell leaves a hole, whose garbage goes out with an error status).
     let capacity = shape.capacity as usize;
@@ -290,51 +318,48 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
             false,
         );
     }
-    let (last, any_reported) = publish_block_done(
-        &scratch[SCRATCH_DONE],
-        shape.tiles,
-        dependency,
-        reported,
-        &mut broadcast,
-    );
-    if last {
-        // Counted, no tile published a state: the total is every tile's count.
-        let counted_total = if counted {
-            counts_before(
+    // The cube that writes the count and the status: the last to finish a counted launch, else the
+    // last tile's (see `tile_state`).
+    let mut finisher = false.runtime();
+    let mut total = 0u64.runtime();
+    let mut any_reported = false.runtime();
+    if counted {
+        let (last, any) = publish_block_done(
+            &scratch[SCRATCH_DONE],
+            shape.tiles,
+            dependency,
+            reported,
+            &mut broadcast,
+        );
+        if last {
+            // No tile published a state: the total is every tile's count.
+            total = counts_before(
                 counts,
                 scratch,
                 shape.tiles,
                 shape.group_tiles,
                 &mut low_slabs,
-            )
-        } else {
-            0u64.runtime()
-        };
-        if UNIT_POS == 0 {
-            let total = if counted {
-                counted_total
-            } else {
-                launch_total(
-                    scratch,
-                    SCRATCH_TILES,
-                    shape.tiles,
-                    tile as u64,
-                    prefix,
-                    tile_total,
-                )
-            };
-            let key = first_error(scratch, SCRATCH_ERROR, any_reported);
-            finish_masked(
-                req_pool_indices,
-                pos2d,
-                count,
-                status,
-                shape,
-                total,
-                key,
-                lanes,
             );
+            finisher = UNIT_POS == 0;
+            any_reported = any;
         }
+    } else {
+        finisher = tile as u64 + 1 == shape.tiles && UNIT_POS == 0;
+        total = prefix + tile_total;
+        any_reported = reported_before + (tile_state >> REPORTED_SHIFT) > 0;
+    }
+    if finisher {
+        let key = first_error(scratch, SCRATCH_ERROR, any_reported);
+        finish_masked(
+            req_pool_indices,
+            pos2d,
+            count,
+            status,
+            shape,
+            total,
+            key,
+            lanes,
+        );
     }
 }
 
@@ -446,8 +471,8 @@ fn counts_before(
     total
 }
 
-/// The smallest error key of a gather launch, for its last cube (none to read when no cube
-/// reported one).
+/// The smallest error key of a gather launch, for the cube that finishes it (none to read when no
+/// cube reported one).
 #[cube]
 fn first_error(scratch: &Tensor<Atomic<u64>>, error: usize, any_reported: bool) -> u64 {
     let mut key = NO_ERROR.runtime();
@@ -574,7 +599,7 @@ fn at2(i: usize, j: usize, row_stride: u64, col_stride: u64) -> usize {
     i * row_stride as usize + j * col_stride as usize
 }
 
-/// The last cube: the count and the status record with the first offender's facts.
+/// The finishing cube: the count and the status record with the first offender's facts.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn finish_masked<Q: Int, P: Int, N: Size>(

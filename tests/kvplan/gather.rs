@@ -607,6 +607,22 @@ fn sliced_windows<B: KvPlanBackend>(rng: &mut Rng, device: &B::Device) {
 /// offsets), a mid-sized random one, the largest gather without a count launch (64 tiles' worth
 /// of 2,048 cells: 128 tiles of 1,024 chained by the look-back), and segment batches of several
 /// shared tiles.
+/// `r x c` cells, each true with probability 1/2 at a random position of a `rows x cols` table,
+/// rows from 1 (row 0 stays free), all inputs i32.
+fn uniform_masked(rng: &mut Rng, rows: usize, cols: usize, r: usize, c: usize) -> MaskedCase {
+    MaskedCase {
+        rows,
+        cols,
+        table: random_table(rng, rows, cols),
+        rpi: (0..r).map(|_| rng.range(1, rows as i64 - 1)).collect(),
+        r,
+        c,
+        pos2d: (0..r * c).map(|_| rng.range(0, cols as i64 - 1)).collect(),
+        mask: (0..r * c).map(|_| rng.chance(1, 2)).collect(),
+        dtypes: [DType::I32, DType::I32, DType::I32],
+    }
+}
+
 pub fn large_cases<B: KvPlanBackend>(device: &B::Device) {
     let mut rng = Rng::new(0x6269_6767);
     for (r, c, ragged) in [(4096, 2048, true), (300, 100, false), (512, 256, false)] {
@@ -636,24 +652,38 @@ pub fn large_cases<B: KvPlanBackend>(device: &B::Device) {
         };
         run_masked::<B>(&case, device, &[], &format!("large masked ({r}, {c})"));
     }
+    // Tiles chained by the look-back (30 tiles, no count launch), whose last tile's cube writes the
+    // count and the status: a capacity one short and one exact, then a bad row in a middle tile,
+    // then also a bad position in the first tile. Both reach the last tile through the look-back.
+    let (rows, c) = (64usize, 100usize);
+    let mut case = uniform_masked(&mut rng, rows, 4096, 300, c);
+    let valid = case.mask.iter().filter(|&&m| m).count();
+    run_masked::<B>(
+        &case,
+        device,
+        &[valid - 1, valid],
+        "chained masked (300, 100)",
+    );
+    case.mask[150 * c..151 * c].fill(true);
+    case.rpi[150] = rows as i64;
+    run_masked::<B>(
+        &case,
+        device,
+        &[],
+        "chained masked, bad row in a middle tile",
+    );
+    case.mask[5] = true;
+    case.pos2d[5] = -1;
+    run_masked::<B>(
+        &case,
+        device,
+        &[],
+        "chained masked, bad position in the first tile",
+    );
     // More than 64 tiles of 2048 cells: the gather counts first. Clean (with a capacity one short
     // and one exact), then a bad position and a bad row late in the batch, both at once.
-    let (rows, cols, r, c) = (64usize, 4096usize, 80usize, 2048usize);
-    let table = random_table(&mut rng, rows, cols);
-    let rpi: Vec<i64> = (0..r).map(|_| rng.range(1, rows as i64 - 1)).collect();
-    let pos2d: Vec<i64> = (0..r * c).map(|_| rng.range(0, cols as i64 - 1)).collect();
-    let mask: Vec<bool> = (0..r * c).map(|_| rng.chance(1, 2)).collect();
-    let mut case = MaskedCase {
-        rows,
-        cols,
-        table,
-        rpi,
-        r,
-        c,
-        pos2d,
-        mask,
-        dtypes: [DType::I32, DType::I32, DType::I32],
-    };
+    let (rows, cols, c) = (64usize, 4096usize, 2048usize);
+    let mut case = uniform_masked(&mut rng, rows, cols, 80, c);
     let valid = case.mask.iter().filter(|&&m| m).count();
     run_masked::<B>(
         &case,
