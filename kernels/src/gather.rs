@@ -227,18 +227,21 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
     }
     let (low_rank, high_rank, low_total, high_total) =
         cube_exclusive_scan_pair(low, high, &mut low_slabs, &mut high_slabs);
-    let mut tile_total = field_sum(low_total) + field_sum(high_total);
     // A chained tile publishes its count plus, above `REPORTED_SHIFT`, whether it reported an
     // error: the look-back then hands the last tile's cube the total and whether any tile reported,
     // so no cube counts itself done (on the H200 the done counter and the last cube's hand-off cost
     // (1024, 64) ~1 us). A tile publishes only after its reports were performed (their dependency
     // is in `high_total`), so the last tile's cube sees them all.
-    let mut tile_state = tile_total;
-    if comptime![!counted] {
-        tile_total = field_sum(low_total);
-        let tile_reported = select(high_total >> REPORTS_FIELD > 0, 1u64, 0u64);
-        tile_state = tile_total + (tile_reported << REPORTED_SHIFT) + (high_total & FIELD);
-    }
+    let tile_total = if counted {
+        field_sum(low_total) + field_sum(high_total)
+    } else {
+        field_sum(low_total)
+    };
+    let tile_reported = if counted {
+        0u64.runtime()
+    } else {
+        select(high_total >> REPORTS_FIELD > 0, 1u64, 0u64)
+    };
     // A counted tile compacts its values in shared memory while its prefix is not yet known, then
     // stores them in coalesced runs (a unit's own cells take consecutive ranks: stored directly,
     // one store of a plane spans `lanes` times the sectors). On the H200: (4096, 2048) 81.8 ->
@@ -280,7 +283,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
             scratch,
             SCRATCH_TILES,
             tile as usize,
-            tile_state,
+            tile_total + (tile_reported << REPORTED_SHIFT) + (high_total & FIELD),
             shape.tiles > 1,
             &mut broadcast,
             SLOT_PREFIX,
@@ -319,7 +322,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
         );
     }
     // The cube that writes the count and the status: the last to finish a counted launch, else the
-    // last tile's (see `tile_state`).
+    // last tile's (see `tile_reported`).
     let mut finisher = false.runtime();
     let mut total = 0u64.runtime();
     let mut any_reported = false.runtime();
@@ -346,7 +349,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
     } else {
         finisher = tile as u64 + 1 == shape.tiles && UNIT_POS == 0;
         total = prefix + tile_total;
-        any_reported = reported_before + (tile_state >> REPORTED_SHIFT) > 0;
+        any_reported = reported_before + tile_reported > 0;
     }
     if finisher {
         let key = first_error(scratch, SCRATCH_ERROR, any_reported);
