@@ -226,7 +226,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
         high = (u64::cast_from(reported) << REPORTS_FIELD) | dependency;
     }
     let (low_rank, high_rank, low_total, high_total) =
-        cube_exclusive_scan_pair(low, high, &mut low_slabs, &mut high_slabs);
+        cube_exclusive_scan_pair(low, high, &mut low_slabs, &mut high_slabs, false);
     // A chained tile publishes its count plus, above `REPORTED_SHIFT`, whether it reported an
     // error: the look-back then hands the last tile's cube the total and whether any tile reported,
     // so no cube counts itself done (on the H200 the done counter and the last cube's hand-off cost

@@ -154,6 +154,12 @@ pub struct PlanFeatures {
     /// every cube knows the total, so the lead writes the scalars and the status before the fill
     /// and no cube counts itself done.
     pub lead_finishes: bool,
+    /// The runtime's planes are [`PLANE_WIDTH`] units wide: the tile is scanned by shuffles.
+    pub planes: bool,
+    /// The fill takes its holders from shared memory, where their units left them, instead of
+    /// loading each request again (CUDA: lavapipe was seen to serve stale shared values to a
+    /// later phase of the kernel).
+    pub shared_holders: bool,
 }
 
 /// One request's view of the step.
@@ -190,6 +196,44 @@ fn load_request<Q: Int, P: Int, E: Int>(
         prefix,
         extend,
         window_start,
+    }
+}
+
+/// What the fill needs of the request holding an entry.
+#[derive(CubeType, Clone, Copy)]
+struct Holder {
+    /// The table row, or 0 when rules 12 and 13 forbid reading the table (row 0 is never read).
+    row: i64,
+    /// The position of the request's first verify entry.
+    window_start: i64,
+    /// Pool columns below this one may be read (0 without a pool, or when rules 15 and 16 fail).
+    pool_limit: i64,
+}
+
+#[cube]
+fn holder_of<V: Int>(
+    request: Request,
+    valid_lens: &Tensor<V>,
+    r: u64,
+    shape: PlanShape,
+    #[comptime] pool: bool,
+) -> Holder {
+    let mut row = request.row;
+    if !in_table(request, shape.rows, shape.cols) {
+        row = 0i64;
+    }
+    let mut pool_limit = 0i64.runtime();
+    if pool {
+        let valid_len = valid_len_of(valid_lens, r, shape);
+        let last = last_pool_column(request, shape.position_offset, valid_len);
+        if (request.row as u64) < shape.pool_rows && last < shape.pool_cols as i64 {
+            pool_limit = valid_len;
+        }
+    }
+    Holder {
+        row,
+        window_start: request.window_start,
+        pool_limit,
     }
 }
 
@@ -288,6 +332,14 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let mut verify_scan = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut write_scan = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut broadcast = SharedMemory::<u64>::new(SLOTS);
+    let holders = comptime![if features.shared_holders {
+        CUBE_SIZE as usize
+    } else {
+        1
+    }];
+    let mut holder_rows = SharedMemory::<i64>::new(holders);
+    let mut holder_starts = SharedMemory::<i64>::new(holders);
+    let mut holder_pool_limits = SharedMemory::<i64>::new(holders);
     let ticket = take_ticket(&scratch[PLAN_TICKETS], shape.tiles > 1, &mut broadcast);
     let tile = ticket / shape.tile_cubes;
     let part = ticket % shape.tile_cubes;
@@ -317,6 +369,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         write_length,
         &mut verify_scan,
         &mut write_scan,
+        features.planes,
     );
     let mut verify_prefix = 0u64.runtime();
     let mut write_prefix = 0u64.runtime();
@@ -382,6 +435,18 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     // The seed's table read is issued here and its value stored after the fill, so that its
     // latency hides behind the fill's.
     let seed_slot = seed_slot_of(request, table, shape);
+    if comptime![features.shared_holders] {
+        let holder = holder_of(
+            request,
+            valid_lens,
+            select(owns, r, 0u64),
+            shape,
+            features.pool,
+        );
+        holder_rows[unit as usize] = holder.row;
+        holder_starts[unit as usize] = holder.window_start;
+        holder_pool_limits[unit as usize] = holder.pool_limit;
+    }
     sync_cube();
 
     if checks {
@@ -453,20 +518,29 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         j = step_to_holder(&verify_scan, j, last_request, e);
         let start = start_of(&verify_scan, j);
         let mut step = (CUBE_SIZE as u64).runtime();
-        // The request is loaded again (cached) rather than kept in shared memory: lavapipe was
-        // seen to serve stale shared values to a later phase of the kernel.
         let r_global = tile * shape.tile_requests + j;
-        let owner = load_request(
-            req_pool_indices,
-            prefix_lens,
-            extend_seq_lens,
-            r_global,
-            shape,
-            features.window,
-        );
-        if in_table(owner, shape.rows, shape.cols) {
-            let row = owner.row;
-            let position = owner.window_start + (e - start) as i64;
+        let holder = if comptime![features.shared_holders] {
+            Holder {
+                row: holder_rows[j as usize],
+                window_start: holder_starts[j as usize],
+                pool_limit: holder_pool_limits[j as usize],
+            }
+        } else {
+            // Loaded again (cached) rather than kept in shared memory: lavapipe was seen to
+            // serve stale shared values to a later phase of the kernel.
+            let owner = load_request(
+                req_pool_indices,
+                prefix_lens,
+                extend_seq_lens,
+                r_global,
+                shape,
+                features.window,
+            );
+            holder_of(owner, valid_lens, r_global, shape, features.pool)
+        };
+        if holder.row != 0 {
+            let row = holder.row;
+            let position = holder.window_start + (e - start) as i64;
             let raw = table_at(table, row, position, shape);
             // Column 0 stands in for the predecessor of position 0, which is never used.
             let prev_column = select(position > 0i64.runtime(), position - 1, 0i64.runtime());
@@ -486,11 +560,8 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             if fits && slot_ok && prev_ok && k < shape.verify_capacity {
                 let mut token = NONE.runtime();
                 if features.pool {
-                    let valid_len = valid_len_of(valid_lens, r_global, shape);
                     let column = position + shape.position_offset;
-                    let last = last_pool_column(owner, shape.position_offset, valid_len);
-                    let pool_ok = (row as u64) < shape.pool_rows && last < shape.pool_cols as i64;
-                    if pool_ok && column >= 0 && column < valid_len {
+                    if column >= 0 && column < holder.pool_limit {
                         token = i64::cast_from(
                             pool[row as usize * shape.pool_row_stride as usize
                                 + column as usize * shape.pool_col_stride as usize],

@@ -3,7 +3,6 @@
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::{DType, Shape, TensorMetadata};
-use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 use kvplan_kernels::canary::{
     CanaryFeatures, CanaryShapeLaunch, GROUP, GROUPS_PER_CUBE, LayoutsLaunch, MODE_ALL, MODE_NONE,
@@ -13,7 +12,8 @@ use kvplan_kernels::canary::{
 use kvplan_kernels::scan::CUBE_SIZE;
 
 use super::{
-    CUBES_PER_SM, address_type, bindable, grid, multiprocessors, resident_cubes, writable,
+    CUBES_PER_SM, address_type, bindable, fixed_planes, grid, multiprocessors, resident_cubes,
+    writable,
 };
 use crate::Error;
 use crate::ops::{
@@ -157,16 +157,6 @@ fn bind_launch<R: CubeRuntime>(launch: Launch<R>) -> Bound<R> {
     }
 }
 
-/// Whether a write group can take the tile's values by plane shuffles: the runtime has plane
-/// operations and its planes are exactly one group wide (CUDA; not lavapipe, whose planes CubeCL
-/// does not expose).
-fn group_shuffles<R: CubeRuntime>(like: &CubeTensor<R>) -> bool {
-    let properties = like.client.properties();
-    properties.features.plane.contains(Plane::Ops)
-        && properties.hardware.plane_size_min == GROUP
-        && properties.hardware.plane_size_max == GROUP
-}
-
 pub(crate) fn canary_write<R: CubeRuntime>(
     canary: CanaryPrimitive<CubeTensor<R>>,
     plan: WritePlanPrimitive<CubeTensor<R>>,
@@ -178,7 +168,8 @@ pub(crate) fn canary_write<R: CubeRuntime>(
     // A verify-only switch: kept out of the write kernel's compile key.
     bound.features.check_token = false;
     bound.features.chain_assert = inputs.chain_position_assert.is_some();
-    bound.features.shuffle = group_shuffles(&canary.buffer);
+    // A write group takes the tile's values by plane shuffles when a plane is one group.
+    bound.features.shuffle = fixed_planes(&canary.buffer, GROUP);
     let buffer = writable(canary.buffer);
     let ring = writable(canary.ring);
     let counters = writable(canary.counters);

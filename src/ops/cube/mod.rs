@@ -9,6 +9,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_tensor::{DType, Shape, TensorMetadata};
+use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
 pub(crate) use canary::{canary_verify, canary_write};
@@ -131,6 +132,15 @@ fn widened<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
 /// serve a stale broadcast after a look-back.
 fn broadcast_prefix<R: CubeRuntime>(like: &CubeTensor<R>) -> bool {
     R::name(&like.client) == "cuda"
+}
+
+/// Whether the runtime's planes are exactly `width` units wide and support plane operations
+/// (CUDA; not lavapipe, whose planes CubeCL does not expose).
+fn fixed_planes<R: CubeRuntime>(like: &CubeTensor<R>, width: u32) -> bool {
+    let properties = like.client.properties();
+    properties.features.plane.contains(Plane::Ops)
+        && properties.hardware.plane_size_min == width
+        && properties.hardware.plane_size_max == width
 }
 
 /// A grid of at least `cubes` cubes that every runtime accepts (Vulkan caps each axis at 65,535).

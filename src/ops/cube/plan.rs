@@ -7,15 +7,21 @@ use cubecl::prelude::*;
 use kvplan_kernels::plan::{
     CUBE_ENTRIES, PlanFeatures, PlanShapeLaunch, plan_count_kernel, plan_kernel,
 };
-use kvplan_kernels::scan::CUBE_SIZE;
+use kvplan_kernels::scan::{CUBE_SIZE, PLANE_WIDTH};
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
 use super::{
-    CUBES_PER_SM, address_type, bindable, broadcast_prefix, dims2, grid, output_i64, storage,
-    stride, tile_cubes, upload_i64, widened, writable,
+    CUBES_PER_SM, address_type, bindable, broadcast_prefix, dims2, fixed_planes, grid, output_i64,
+    storage, stride, tile_cubes, upload_i64, widened, writable,
 };
 use crate::Error;
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
+
+/// Cubes per streaming multiprocessor of a lone tile (bs <= 256), at most. Each of its cubes
+/// scans the whole tile and bisects it for its entries' holders; past two per SM that repeated
+/// work costs more than the parallelism gains (H200, `KVPLAN_BENCH_SHAPE=64x4096`, GPU us at
+/// 512 / 256 / 128 cubes: 5.84 / 5.03 / 5.27; (256, 4096, SWA): 9.40 / 8.90 / 10.15).
+const LONE_TILE_CUBES_PER_SM: usize = 2;
 
 pub(crate) fn canary_plan<R: CubeRuntime>(
     verify: VerifyPlanPrimitive<CubeTensor<R>>,
@@ -54,7 +60,12 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
     let tile_requests = requests.clamp(1, CUBE_SIZE as usize);
     let tiles = requests.div_ceil(tile_requests).max(1);
     let per_unit = CUBE_ENTRIES as usize / CUBE_SIZE as usize;
-    let tile_cubes = tile_cubes(&table, most_entries, tiles, per_unit, CUBES_PER_SM);
+    let per_sm = if tiles == 1 {
+        LONE_TILE_CUBES_PER_SM
+    } else {
+        CUBES_PER_SM
+    };
+    let tile_cubes = tile_cubes(&table, most_entries, tiles, per_unit, per_sm);
     let features = PlanFeatures {
         window: inputs.swa_window_size > 0,
         lut: inputs.full_to_swa.is_some(),
@@ -62,6 +73,8 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         counted: tiles > 1 && most_entries > verify_capacity,
         broadcast_prefix: broadcast_prefix(&table),
         lead_finishes: tiles == 1 && inputs.full_to_swa.is_none(),
+        planes: fixed_planes(&table, PLANE_WIDTH),
+        shared_holders: broadcast_prefix(&table),
     };
     // Without a LUT every slot counts as inside it (the kernels compare against this length).
     let lut_len = inputs
