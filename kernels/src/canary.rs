@@ -539,7 +539,7 @@ pub fn canary_write_kernel(
         if lane == 0 {
             own = written;
         }
-        let (_, total) = cube_exclusive_scan(own, &mut shared);
+        let (_, total) = cube_exclusive_scan(own, &mut shared, false);
         if UNIT_POS == 0 {
             if total > 0 {
                 counters[SLOT_RUN].fetch_add(total);

@@ -225,6 +225,8 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
         // the tile's published state (see below).
         high = (u64::cast_from(reported) << REPORTS_FIELD) | dependency;
     }
+    // The shared-memory scan: by plane shuffles the H200 measured (4096, 2048) 70.6 -> 76.0 us
+    // and (1024, 64) 5.25 -> 5.32 (the segment gather gained at every shape, and uses them).
     let (low_rank, high_rank, low_total, high_total) =
         cube_exclusive_scan_pair(low, high, &mut low_slabs, &mut high_slabs, false);
     // A chained tile publishes its count plus, above `REPORTED_SHIFT`, whether it reported an
@@ -439,7 +441,7 @@ pub fn masked_count_kernel<M: Int, N: Size>(
         }
         (i, j) = next_slab(i, j, shape);
     }
-    let (_, total) = cube_exclusive_scan(selected, &mut shared);
+    let (_, total) = cube_exclusive_scan(selected, &mut shared, false);
     if UNIT_POS == 0 {
         counts[tile] = total;
         scratch[SCRATCH_TILES + tile / shape.group_tiles as usize].fetch_add(total);
@@ -470,7 +472,7 @@ fn counts_before(
         partial += counts[t as usize];
         t += CUBE_SIZE as u64;
     }
-    let (_, total) = cube_exclusive_scan(partial, shared);
+    let (_, total) = cube_exclusive_scan(partial, shared, false);
     total
 }
 
@@ -764,6 +766,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     shape: SegmentShape,
     #[comptime] has_start: bool,
     #[comptime] broadcast_prefix: bool,
+    #[comptime] planes: bool,
     #[define(T, Q, S, L)] _dtypes: [StorageType; 4],
 ) {
     let mut ends = SharedMemory::<u64>::new(CUBE_SIZE as usize);
@@ -811,7 +814,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     }
     bases[UNIT_POS as usize] = base;
     // `ends` keeps the tile's inclusive ends for the copy below.
-    let (_, tile_total) = cube_exclusive_scan(length, &mut ends);
+    let (_, tile_total) = cube_exclusive_scan(length, &mut ends, planes);
     let mut prefix = 0u64.runtime();
     if active {
         prefix = tile_prefix(

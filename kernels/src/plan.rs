@@ -677,7 +677,11 @@ pub fn plan_count_kernel<Q: Int, P: Int, E: Int>(
         shape,
         features.window,
     );
-    let (_, total) = cube_exclusive_scan(select(owns, verify_length(request), 0u64), &mut shared);
+    let (_, total) = cube_exclusive_scan(
+        select(owns, verify_length(request), 0u64),
+        &mut shared,
+        false,
+    );
     if UNIT_POS == 0 && total > 0 {
         scratch[PLAN_TOTAL].fetch_add(total);
     }

@@ -43,8 +43,24 @@ pub const SLOTS: usize = 8;
 /// Exclusive scan of one `u64` per unit over the cube (Hillis-Steele in shared memory, unrolled:
 /// no barrier sits inside a runtime loop). Returns `(exclusive prefix of this unit, cube total)`;
 /// `shared` is left holding the inclusive prefixes.
+///
+/// With `planes`, by plane shuffles (see [`cube_exclusive_scan_pair`]).
 #[cube]
-pub fn cube_exclusive_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
+pub fn cube_exclusive_scan(
+    value: u64,
+    shared: &mut SharedMemory<u64>,
+    #[comptime] planes: bool,
+) -> (u64, u64) {
+    if comptime![planes] {
+        plane_scan(value, shared)
+    } else {
+        shared_scan(value, shared)
+    }
+}
+
+/// [`cube_exclusive_scan`] in shared memory (Hillis-Steele, unrolled).
+#[cube]
+fn shared_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
     let unit = UNIT_POS as usize;
     shared[unit] = value;
     sync_cube();
@@ -124,11 +140,28 @@ fn shared_scan_pair(
 pub const PLANE_WIDTH: u32 = 32;
 /// Planes of a cube that is [`PLANE_WIDTH`] units per plane.
 const CUBE_PLANES: usize = (CUBE_SIZE / PLANE_WIDTH) as usize;
+/// Shuffle steps of a plane's scan.
+const PLANE_LEVELS: u32 = PLANE_WIDTH.trailing_zeros();
 
-/// [`cube_exclusive_scan_pair`] by plane shuffles: every unit adds the totals of the planes
-/// before its own (and of all of them for the cube's totals) from shared memory. The shuffles are
-/// unrolled over the known plane width: cubecl's `plane_inclusive_sum` loops over the runtime
-/// plane width and divides for the lane.
+/// [`cube_exclusive_scan`] by plane shuffles: every unit adds the totals of the planes before
+/// its own (and of all of them for the cube's total) from shared memory.
+#[cube]
+fn plane_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
+    let mut plane_totals = SharedMemory::<u64>::new(CUBE_PLANES);
+    let unit = UNIT_POS as usize;
+    let plane = unit / PLANE_WIDTH as usize;
+    let inclusive = plane_inclusive(value);
+    if UNIT_POS % PLANE_WIDTH == PLANE_WIDTH - 1 {
+        plane_totals[plane] = inclusive;
+    }
+    sync_cube();
+    let (before, total) = planes_before(&plane_totals, 0usize, plane);
+    shared[unit] = before + inclusive;
+    sync_cube();
+    (before + inclusive - value, total)
+}
+
+/// [`cube_exclusive_scan_pair`] by plane shuffles (see [`plane_scan`]).
 #[cube]
 fn plane_scan_pair(
     a: u64,
@@ -139,36 +172,15 @@ fn plane_scan_pair(
     let mut plane_totals = SharedMemory::<u64>::new(2 * CUBE_PLANES);
     let unit = UNIT_POS as usize;
     let plane = unit / PLANE_WIDTH as usize;
-    let lane = UNIT_POS % PLANE_WIDTH;
-    let mut inclusive_a = a;
-    let mut inclusive_b = b;
-    #[unroll]
-    for level in 0..5u32 {
-        let delta = comptime!(1u32 << level);
-        let up_a = plane_shuffle_up(inclusive_a, delta);
-        let up_b = plane_shuffle_up(inclusive_b, delta);
-        inclusive_a += select(lane >= delta, up_a, 0u64);
-        inclusive_b += select(lane >= delta, up_b, 0u64);
-    }
-    if lane == PLANE_WIDTH - 1 {
+    let inclusive_a = plane_inclusive(a);
+    let inclusive_b = plane_inclusive(b);
+    if UNIT_POS % PLANE_WIDTH == PLANE_WIDTH - 1 {
         plane_totals[plane] = inclusive_a;
         plane_totals[CUBE_PLANES + plane] = inclusive_b;
     }
     sync_cube();
-    // Pure expressions (see the note on mutable locals above).
-    let mut before_a = 0u64.runtime();
-    let mut before_b = 0u64.runtime();
-    let mut total_a = 0u64.runtime();
-    let mut total_b = 0u64.runtime();
-    #[unroll]
-    for p in 0..CUBE_PLANES {
-        let plane_a = plane_totals[p];
-        let plane_b = plane_totals[CUBE_PLANES + p];
-        before_a += select(p < plane, plane_a, 0u64);
-        before_b += select(p < plane, plane_b, 0u64);
-        total_a += plane_a;
-        total_b += plane_b;
-    }
+    let (before_a, total_a) = planes_before(&plane_totals, 0usize, plane);
+    let (before_b, total_b) = planes_before(&plane_totals, CUBE_PLANES, plane);
     shared_a[unit] = before_a + inclusive_a;
     shared_b[unit] = before_b + inclusive_b;
     sync_cube();
@@ -178,6 +190,37 @@ fn plane_scan_pair(
         total_a,
         total_b,
     )
+}
+
+/// The inclusive sum of `value` over this unit's plane, by shuffles unrolled over the known plane
+/// width: cubecl's `plane_inclusive_sum` loops over the runtime plane width and divides for the
+/// lane (on the H200 the plan's 512-cube shapes were ~0.5 us slower with it).
+#[cube]
+fn plane_inclusive(value: u64) -> u64 {
+    let lane = UNIT_POS % PLANE_WIDTH;
+    let mut inclusive = value;
+    #[unroll]
+    for level in 0..PLANE_LEVELS {
+        let delta = comptime!(1u32 << level);
+        let up = plane_shuffle_up(inclusive, delta);
+        inclusive += select(lane >= delta, up, 0u64);
+    }
+    inclusive
+}
+
+/// The sum of the plane totals `totals[first..]` before `plane`, and of all of them.
+#[cube]
+fn planes_before(totals: &SharedMemory<u64>, #[comptime] first: usize, plane: usize) -> (u64, u64) {
+    // Pure expressions (see the note on mutable locals above).
+    let mut before = 0u64.runtime();
+    let mut total = 0u64.runtime();
+    #[unroll]
+    for p in 0..CUBE_PLANES {
+        let plane_total = totals[first + p];
+        before += select(p < plane, plane_total, 0u64);
+        total += plane_total;
+    }
+    (before, total)
 }
 
 /// Takes the next tile ticket for this cube (dynamic ids: a cube only ever waits on tiles that a

@@ -9,15 +9,15 @@ use kvplan_kernels::gather::{
     SEGMENT_CUBE_VALUES, SMALL_CELLS_PER_UNIT, SegmentShapeLaunch, TILE_CELLS, masked_count_kernel,
     masked_gather_kernel, segment_gather_kernel,
 };
-use kvplan_kernels::scan::{CUBE_SIZE, NO_ERROR};
+use kvplan_kernels::scan::{CUBE_SIZE, NO_ERROR, PLANE_WIDTH};
 use kvplan_kernels::status::{
     GATHER_EMPTY_TABLE, GATHER_INDEX_SHAPE, GATHER_MASK_INDEX_SHAPE, GATHER_SEGMENT_SHAPE,
     STATUS_LEN,
 };
 
 use super::{
-    address_type, bindable, broadcast_prefix, dims2, grid, output_i64, storage, stride, tile_cubes,
-    upload_u64, widened,
+    address_type, bindable, broadcast_prefix, dims2, fixed_planes, grid, output_i64, storage,
+    stride, tile_cubes, upload_u64, widened,
 };
 use crate::Error;
 use crate::ops::GatherOutput;
@@ -237,6 +237,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
     let broadcast_prefix = broadcast_prefix(&req_to_token);
+    let planes = fixed_planes(&req_to_token, PLANE_WIDTH);
     let has_start = start.is_some();
     let (req_pool_indices, lengths) = (
         bindable(widened(req_pool_indices)),
@@ -287,6 +288,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
             shape,
             has_start,
             broadcast_prefix,
+            planes,
             dtypes,
         );
     }
