@@ -210,6 +210,7 @@ struct Holder {
     pool_limit: i64,
 }
 
+/// A request's [`Holder`] (`r` indexes `valid_lens`).
 #[cube]
 fn holder_of<V: Int>(
     request: Request,

@@ -131,6 +131,12 @@ fn widened<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
 /// tile_prefix`): on CUDA. Elsewhere every unit walks it, since lavapipe (CI's device) was seen to
 /// serve a stale broadcast after a look-back.
 fn broadcast_prefix<R: CubeRuntime>(like: &CubeTensor<R>) -> bool {
+    faithful_shared(like)
+}
+
+/// Whether shared memory serves every unit the values written before a barrier, in every phase
+/// of a kernel: on CUDA. lavapipe (CI's device) was seen to serve stale values to a later phase.
+fn faithful_shared<R: CubeRuntime>(like: &CubeTensor<R>) -> bool {
     R::name(&like.client) == "cuda"
 }
 

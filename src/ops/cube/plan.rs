@@ -11,16 +11,17 @@ use kvplan_kernels::scan::{CUBE_SIZE, PLANE_WIDTH};
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
 use super::{
-    CUBES_PER_SM, address_type, bindable, broadcast_prefix, dims2, fixed_planes, grid, output_i64,
-    storage, stride, tile_cubes, upload_i64, widened, writable,
+    CUBES_PER_SM, address_type, bindable, broadcast_prefix, dims2, faithful_shared, fixed_planes,
+    grid, output_i64, storage, stride, tile_cubes, upload_i64, widened, writable,
 };
 use crate::Error;
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
 
 /// Cubes per streaming multiprocessor of a lone tile (bs <= 256), at most. Each of its cubes
 /// scans the whole tile and bisects it for its entries' holders; past two per SM that repeated
-/// work costs more than the parallelism gains (H200, `KVPLAN_BENCH_SHAPE=64x4096`, GPU us at
-/// 512 / 256 / 128 cubes: 5.84 / 5.03 / 5.27; (256, 4096, SWA): 9.40 / 8.90 / 10.15).
+/// work costs more than the parallelism gains (H200, GPU us with 513 / 257 / 129 cubes:
+/// (64, 4096) 5.84 / 5.03 / 5.27, (256, 4096, SWA) 9.40 / 8.90 / 10.15; benches/RESULTS.md,
+/// session 14).
 const LONE_TILE_CUBES_PER_SM: usize = 2;
 
 pub(crate) fn canary_plan<R: CubeRuntime>(
@@ -74,7 +75,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         broadcast_prefix: broadcast_prefix(&table),
         lead_finishes: tiles == 1 && inputs.full_to_swa.is_none(),
         planes: fixed_planes(&table, PLANE_WIDTH),
-        shared_holders: broadcast_prefix(&table),
+        shared_holders: faithful_shared(&table),
     };
     // Without a LUT every slot counts as inside it (the kernels compare against this length).
     let lut_len = inputs
