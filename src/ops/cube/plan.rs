@@ -11,8 +11,8 @@ use kvplan_kernels::scan::{CUBE_SIZE, PLANE_WIDTH};
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
 use super::{
-    CUBES_PER_SM, address_type, bindable, broadcast_prefix, dims2, faithful_shared, fixed_planes,
-    grid, output_i64, storage, stride, tile_cubes, upload_i64, widened, writable,
+    address_type, bindable, broadcast_prefix, dims2, faithful_shared, fixed_planes, grid,
+    output_i64, storage, stride, tile_cubes, upload_i64, widened, writable,
 };
 use crate::Error;
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
@@ -23,6 +23,14 @@ use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlan
 /// (64, 4096) 5.84 / 5.03 / 5.27, (256, 4096, SWA) 9.40 / 8.90 / 10.15; benches/RESULTS.md,
 /// session 14).
 const LONE_TILE_CUBES_PER_SM: usize = 2;
+
+/// Cubes per streaming multiprocessor of a plan of several tiles, at most: as many as surely stay
+/// resident together. The kernel takes 40-48 registers, so only 5 or 6 of its 256-unit cubes
+/// fit on an SM, and a grid sized for more runs a partial second wave whose cubes start late;
+/// how late moved with every small change of the kernel's code (H200, GPU us with 8 / 6 / 5 / 4
+/// per SM: (4096, 32768, SWA+pool) 213 / 180 / 176 / 171, (4096, 4096, FULL+pool) 146 / 173 /
+/// 150 / 147, (4096, 512, FULL) 23.2 / 24.3 / 21.9 / 21.4; benches/RESULTS.md, session 15).
+const MULTI_TILE_CUBES_PER_SM: usize = 4;
 
 pub(crate) fn canary_plan<R: CubeRuntime>(
     verify: VerifyPlanPrimitive<CubeTensor<R>>,
@@ -64,7 +72,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
     let per_sm = if tiles == 1 {
         LONE_TILE_CUBES_PER_SM
     } else {
-        CUBES_PER_SM
+        MULTI_TILE_CUBES_PER_SM
     };
     let tile_cubes = tile_cubes(&table, most_entries, tiles, per_unit, per_sm);
     let features = PlanFeatures {
