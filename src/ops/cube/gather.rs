@@ -16,7 +16,7 @@ use kvplan_kernels::status::{
 };
 
 use super::{
-    address_type, bindable, broadcast_prefix, dims2, fixed_planes, grid, output_i64, storage,
+    address_type, bindable, dims2, faithful_shared, fixed_planes, grid, output_i64, storage,
     stride, tile_cubes, upload_u64, widened,
 };
 use crate::Error;
@@ -65,7 +65,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
     words[SCRATCH_ERROR] = NO_ERROR;
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
-    let broadcast_prefix = broadcast_prefix(&req_to_token);
+    let broadcast_prefix = faithful_shared(&req_to_token);
     let dtypes = [
         storage(&req_to_token),
         storage(&req_pool_indices),
@@ -236,7 +236,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     )?;
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
-    let broadcast_prefix = broadcast_prefix(&req_to_token);
+    let broadcast_prefix = faithful_shared(&req_to_token);
     let planes = fixed_planes(&req_to_token, PLANE_WIDTH);
     let has_start = start.is_some();
     let (req_pool_indices, lengths) = (

@@ -127,15 +127,10 @@ fn widened<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
     burn_cubecl::kernel::cast(tensor, DType::I64)
 }
 
-/// Whether a look-back's prefix is walked by one unit and broadcast (`kvplan_kernels::scan::
-/// tile_prefix`): on CUDA. Elsewhere every unit walks it, since lavapipe (CI's device) was seen to
-/// serve a stale broadcast after a look-back.
-fn broadcast_prefix<R: CubeRuntime>(like: &CubeTensor<R>) -> bool {
-    faithful_shared(like)
-}
-
 /// Whether shared memory serves every unit the values written before a barrier, in every phase
-/// of a kernel: on CUDA. lavapipe (CI's device) was seen to serve stale values to a later phase.
+/// of a kernel: on CUDA. lavapipe (CI's device) was seen to serve stale values to a later phase,
+/// e.g. a look-back's prefix broadcast by one unit (`kvplan_kernels::scan::tile_prefix`), so
+/// there every unit walks the look-back itself and reloads what it needs.
 fn faithful_shared<R: CubeRuntime>(like: &CubeTensor<R>) -> bool {
     R::name(&like.client) == "cuda"
 }

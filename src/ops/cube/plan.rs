@@ -11,8 +11,8 @@ use kvplan_kernels::scan::{CUBE_SIZE, PLANE_WIDTH};
 use kvplan_kernels::status::{CODE, FACTS, PLAN_STRIDE, STATUS_LEN};
 
 use super::{
-    address_type, bindable, broadcast_prefix, dims2, faithful_shared, fixed_planes, grid,
-    output_i64, storage, stride, tile_cubes, upload_i64, widened, writable,
+    address_type, bindable, dims2, faithful_shared, fixed_planes, grid, output_i64, storage,
+    stride, tile_cubes, upload_i64, widened, writable,
 };
 use crate::Error;
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
@@ -25,7 +25,7 @@ use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlan
 const LONE_TILE_CUBES_PER_SM: usize = 2;
 
 /// Cubes per streaming multiprocessor of a plan of several tiles, at most: as many as surely stay
-/// resident together. The kernel takes 40-48 registers, so only 5 or 6 of its 256-unit cubes
+/// resident together. The kernel takes 40-46 registers (ncu), so only 5 or 6 of its 256-unit cubes
 /// fit on an SM, and a grid sized for more runs a partial second wave whose cubes start late;
 /// how late moved with every small change of the kernel's code (H200, GPU us with 8 / 6 / 5 / 4
 /// per SM: (4096, 32768, SWA+pool) 213 / 180 / 176 / 171, (4096, 4096, FULL+pool) 146 / 173 /
@@ -80,7 +80,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         lut: inputs.full_to_swa.is_some(),
         pool: inputs.expected_tokens.is_some(),
         counted: tiles > 1 && most_entries > verify_capacity,
-        broadcast_prefix: broadcast_prefix(&table),
+        broadcast_prefix: faithful_shared(&table),
         lead_finishes: tiles == 1 && inputs.full_to_swa.is_none(),
         planes: fixed_planes(&table, PLANE_WIDTH),
         shared_holders: faithful_shared(&table),
