@@ -546,29 +546,20 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             // Column 0 stands in for the predecessor of position 0, which is never used.
             let prev_column = select(position > 0i64.runtime(), position - 1, 0i64.runtime());
             let raw_prev = table_at(table, row, prev_column, shape);
-            // Rule 14 on every slot read, the window head's predecessor included. Without a LUT
-            // the host passes `lut_len = i64::MAX`, so every slot is inside. (Pure expressions:
-            // see the note on mutable locals in `scan`.)
-            let slot_ok = slot_in_lut(raw, shape.lut_len);
-            let prev_ok = position == 0i64.runtime() || slot_in_lut(raw_prev, shape.lut_len);
-            let slot_key = select(slot_ok, NO_ERROR, (r_global << 32) | position as u64);
-            let prev_key = select(prev_ok, NO_ERROR, (r_global << 32) | prev_column as u64);
-            let entry_key = select(slot_key < prev_key, slot_key, prev_key);
+            let (slot_ok, prev_ok, entry_key) = rule_14(
+                raw,
+                raw_prev,
+                r_global,
+                position,
+                prev_column,
+                shape.lut_len,
+            );
             lut_key = select(entry_key < lut_key, entry_key, lut_key);
             // `k < V` also guards a plan with a device-checked error, whose lengths are not
             // bounded by the host's proof.
             let k = verify_prefix + e;
             if fits && slot_ok && prev_ok && k < shape.verify_capacity {
-                let mut token = NONE.runtime();
-                if features.pool {
-                    let column = position + shape.position_offset;
-                    if column >= 0 && column < holder.pool_limit {
-                        token = i64::cast_from(
-                            pool[row as usize * shape.pool_row_stride as usize
-                                + column as usize * shape.pool_col_stride as usize],
-                        );
-                    }
-                }
+                let token = expected_token(pool, holder, position, shape, features.pool);
                 let prev = select(
                     position > 0i64.runtime(),
                     translate(lut, raw_prev, shape.lut_stride, features.lut),
@@ -653,6 +644,53 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             }
         }
     }
+}
+
+/// Rule 14 on an entry's slot and its predecessor's (the window head's included): whether each
+/// can be translated, and the entry's error key (`r << 32 | column`, [`NO_ERROR`] when both can).
+/// Without a LUT the host passes `lut_len = i64::MAX`, so every slot is inside. (Pure
+/// expressions: see the note on mutable locals in `scan`.)
+#[cube]
+fn rule_14(
+    raw: i64,
+    raw_prev: i64,
+    r: u64,
+    position: i64,
+    prev_column: i64,
+    lut_len: u64,
+) -> (bool, bool, u64) {
+    let slot_ok = slot_in_lut(raw, lut_len);
+    let prev_ok = position == 0i64.runtime() || slot_in_lut(raw_prev, lut_len);
+    let slot_key = select(slot_ok, NO_ERROR, (r << 32) | position as u64);
+    let prev_key = select(prev_ok, NO_ERROR, (r << 32) | prev_column as u64);
+    (
+        slot_ok,
+        prev_ok,
+        select(slot_key < prev_key, slot_key, prev_key),
+    )
+}
+
+/// The expected token of the entry at `position` of `holder`: the pool's, where it may be read,
+/// else -1.
+#[cube]
+fn expected_token<O: Int>(
+    pool: &Tensor<O>,
+    holder: Holder,
+    position: i64,
+    shape: PlanShape,
+    #[comptime] has_pool: bool,
+) -> i64 {
+    let mut token = NONE.runtime();
+    if has_pool {
+        let column = position + shape.position_offset;
+        if column >= 0 && column < holder.pool_limit {
+            token = i64::cast_from(
+                pool[holder.row as usize * shape.pool_row_stride as usize
+                    + column as usize * shape.pool_col_stride as usize],
+            );
+        }
+    }
+    token
 }
 
 /// The count launch (only when the plan may overflow): the sum of every verify length, one
