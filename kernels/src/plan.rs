@@ -148,18 +148,18 @@ pub struct PlanFeatures {
     pub pool: bool,
     /// The verify total comes from the count launch: `bs * min(cols, W)` may exceed `V`.
     pub counted: bool,
-    /// Unit 0 walks the look-back and broadcasts the prefix (see `scan::tile_prefix`).
-    pub broadcast_prefix: bool,
     /// A lone tile without a LUT: only its lead cube can find an error (rule 14 needs a LUT), and
     /// every cube knows the total, so the lead writes the scalars and the status before the fill
     /// and no cube counts itself done.
     pub lead_finishes: bool,
     /// The runtime's planes are [`PLANE_WIDTH`] units wide: the tile is scanned by shuffles.
     pub planes: bool,
-    /// The fill takes its holders from shared memory, where their units left them, instead of
-    /// loading each request again (CUDA: lavapipe was seen to serve stale shared values to a
-    /// later phase of the kernel).
-    pub shared_holders: bool,
+    /// Shared memory serves every unit what was written before a barrier, in every phase of the
+    /// kernel (CUDA; lavapipe was seen to serve stale values to a later phase). Then unit 0 walks
+    /// the look-back and broadcasts the prefix (see `scan::tile_prefix`), and the fill takes its
+    /// holders from shared memory, where their units left them, instead of loading each request
+    /// again.
+    pub faithful_shared: bool,
 }
 
 /// One request's view of the step.
@@ -333,7 +333,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let mut verify_scan = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut write_scan = SharedMemory::<u64>::new(CUBE_SIZE as usize);
     let mut broadcast = SharedMemory::<u64>::new(SLOTS);
-    let holders = comptime![if features.shared_holders {
+    let holders = comptime![if features.faithful_shared {
         CUBE_SIZE as usize
     } else {
         1
@@ -375,7 +375,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let mut verify_prefix = 0u64.runtime();
     let mut write_prefix = 0u64.runtime();
     if active {
-        let broadcast_prefix = features.broadcast_prefix;
+        let broadcast_prefix = features.faithful_shared;
         verify_prefix = tile_prefix(
             scratch,
             PLAN_STATES,
@@ -436,7 +436,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     // The seed's table read is issued here and its value stored after the fill, so that its
     // latency hides behind the fill's.
     let seed_slot = seed_slot_of(request, table, shape);
-    if comptime![features.shared_holders] {
+    if comptime![features.faithful_shared] {
         let holder = holder_of(
             request,
             valid_lens,
@@ -520,7 +520,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         let start = start_of(&verify_scan, j);
         let mut step = (CUBE_SIZE as u64).runtime();
         let r_global = tile * shape.tile_requests + j;
-        let holder = if comptime![features.shared_holders] {
+        let holder = if comptime![features.faithful_shared] {
             Holder {
                 row: holder_rows[j as usize],
                 window_start: holder_starts[j as usize],

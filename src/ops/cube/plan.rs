@@ -80,10 +80,9 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         lut: inputs.full_to_swa.is_some(),
         pool: inputs.expected_tokens.is_some(),
         counted: tiles > 1 && most_entries > verify_capacity,
-        broadcast_prefix: faithful_shared(&table),
         lead_finishes: tiles == 1 && inputs.full_to_swa.is_none(),
         planes: fixed_planes(&table, PLANE_WIDTH),
-        shared_holders: faithful_shared(&table),
+        faithful_shared: faithful_shared(&table),
     };
     // Without a LUT every slot counts as inside it (the kernels compare against this length).
     let lut_len = inputs
