@@ -1,66 +1,98 @@
-//! Masked and segment gather over `req_to_token`: the public, tensor-level API.
+//! Masked and segment gather over `req_to_token`.
+//!
+//! Each op comes as a pair: the plain form reads one status record back and returns exactly the
+//! gathered slots; the `_deferred` form only enqueues and returns a fixed-capacity output whose
+//! status the caller checks when it chooses (inside a decode step, prefer it).
 //!
 //! ```no_run
-//! use burn_tensor::{Bool, Int, Tensor};
-//! # fn step<B: kvplan::KvPlanBackend>(
-//! #     req_to_token: Tensor<B, 2, Int>, req_pool_indices: Tensor<B, 1, Int>,
-//! #     pos2d: Tensor<B, 2, Int>, mask: Tensor<B, 2, Bool>,
-//! # ) -> Result<(), kvplan::Error> {
-//! // KV slots of the draft window, compacted row-major (one read-back for the count).
-//! let slots = kvplan::masked_gather(req_to_token.clone(), req_pool_indices.clone(), pos2d.clone(), mask.clone(), "draft")?;
-//! // Inside a decode step: no read-back, no sync; check the status when you choose to.
-//! let gathered = kvplan::masked_gather_with_capacity(req_to_token, req_pool_indices, pos2d, mask, None, "draft")?;
-//! let count = gathered.status.check()?;
+//! use burn_core::tensor::{Bool, Int, Tensor};
+//! use kvplan::GatherOptions;
+//! # fn step(req_to_token: Tensor<2, Int>, req_pool_indices: Tensor<1, Int>,
+//! #     draft_positions: Tensor<2, Int>, draft_mask: Tensor<2, Bool>) -> Result<(), kvplan::Error> {
+//! let options = GatherOptions::new().context("draft window");
+//! let draft = kvplan::masked_gather_deferred(req_to_token, req_pool_indices, draft_positions, draft_mask, &options)?;
+//! // ... later, once per step:
+//! let count = draft.status.check()?;
 //! # Ok(()) }
 //! ```
 
-use burn_tensor::{Bool, Int, Tensor};
+use burn_core::backend::Backend;
+use burn_core::backend::tensor::{BoolTensor, IntTensor};
+use burn_core::backend::{Dispatch, TensorMetadata};
+use burn_core::tensor::{Bool, Int, Tensor};
 
 use crate::error::{Error, SEGMENT_CONTEXT};
-use crate::ops::{GatherOutput, KvPlanBackend};
+use crate::ops::{GatherPrimitive, KvPlanBackend, OptionalInt};
 use crate::status;
 use crate::validate::{self, Arg};
 
-/// The result of a capacity-mode gather: nothing was read back and nothing synchronised.
-#[derive(Debug, Clone)]
-pub struct CapacityGather<B: KvPlanBackend> {
-    /// i64 `[capacity]`. `out[0..count]` are the gathered slots; the tail is unspecified.
-    pub out: Tensor<B, 1, Int>,
-    /// i64 `[1]`: the number of gathered values, 0 after a deferred error.
-    pub count: Tensor<B, 1, Int>,
-    /// The device-side validation status.
-    pub status: GatherStatus<B>,
-}
-
-/// The device-side status of a capacity-mode gather.
-#[derive(Debug, Clone)]
-pub struct GatherStatus<B: KvPlanBackend> {
-    words: Tensor<B, 1, Int>,
+/// The knobs of a gather.
+#[derive(Debug, Clone, Default)]
+pub struct GatherOptions {
+    capacity: Option<usize>,
     context: String,
 }
 
-impl<B: KvPlanBackend> GatherStatus<B> {
-    /// Reads the status back (one transfer) and returns `count`, or the error exact mode would
-    /// have returned.
+impl GatherOptions {
+    /// No capacity (the largest possible output), no context.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The output's capacity: `R * C` (masked) or `S * cols` (segments) by default; a smaller one
+    /// is checked on the device (`capacity_exceeded`).
+    pub fn capacity(mut self, capacity: usize) -> Self {
+        self.capacity = Some(capacity);
+        self
+    }
+
+    /// The prefix of every masked-gather error message (segment gathers use the spec's own).
+    pub fn context(mut self, context: impl Into<String>) -> Self {
+        self.context = context.into();
+        self
+    }
+}
+
+/// The result of a deferred gather: nothing was read back and nothing synchronised.
+#[derive(Debug, Clone)]
+pub struct DeferredGather<B: Backend = Dispatch> {
+    /// i64 `[capacity]`. `out[0..count]` are the gathered slots; the tail is unspecified.
+    pub out: IntTensor<B>,
+    /// i64 `[1]`: the number of gathered values, 0 after a deferred error.
+    pub count: IntTensor<B>,
+    /// The device-side validation status.
+    pub status: Status<B>,
+}
+
+/// The device-side status record of a deferred op.
+#[derive(Debug, Clone)]
+pub struct Status<B: Backend = Dispatch> {
+    words: IntTensor<B>,
+    context: String,
+}
+
+impl<B: Backend> Status<B> {
+    pub(crate) fn new(words: IntTensor<B>, context: &str) -> Self {
+        Self {
+            words,
+            context: context.into(),
+        }
+    }
+
+    /// Reads the status back (one transfer) and returns the op's count (a gather's number of
+    /// values, 0 for a plan), or the error the checked form would have returned.
     pub fn check(&self) -> Result<usize, Error> {
-        let words = B::read_status(self.words.clone().into_primitive())?;
+        let words = crate::ops::read_status::<B>(self.words.clone())?;
         status::decode(&words, &self.context)
     }
 
-    /// The raw i64 status record (`kvplan_kernels::status` layout), for callers that keep it on
-    /// the device.
-    pub fn words(&self) -> &Tensor<B, 1, Int> {
+    /// The raw i64 status record, for callers that keep it on the device.
+    pub fn words(&self) -> &IntTensor<B> {
         &self.words
     }
 }
 
-pub(crate) fn arg<B: KvPlanBackend, const D: usize, K>(
-    name: &'static str,
-    tensor: &Tensor<B, D, K>,
-) -> Arg<B::Device>
-where
-    K: burn_tensor::BasicOps<B>,
-{
+pub(crate) fn arg<T: TensorMetadata>(name: &'static str, tensor: &T) -> Arg<T::Device> {
     Arg {
         name,
         shape: tensor.shape().to_vec(),
@@ -69,56 +101,108 @@ where
     }
 }
 
+/// The gathers on any backend's primitives: what the `Tensor` API runs with `B = Dispatch`, and
+/// what backend-generic code (or a test of one backend without Fusion) calls directly.
+pub mod backend {
+    use super::*;
+
+    /// [`masked_gather_deferred`](super::masked_gather_deferred) on primitives.
+    pub fn masked_gather_deferred<B: KvPlanBackend>(
+        req_to_token: IntTensor<B>,
+        req_pool_indices: IntTensor<B>,
+        pos2d: IntTensor<B>,
+        mask: BoolTensor<B>,
+        options: &GatherOptions,
+    ) -> Result<DeferredGather<B>, Error> {
+        let context = options.context.as_str();
+        validate::masked_gather(
+            &arg("req_to_token", &req_to_token),
+            &arg("req_pool_indices", &req_pool_indices),
+            &arg("pos2d", &pos2d),
+            &arg("mask", &mask),
+            context,
+        )?;
+        let capacity = options
+            .capacity
+            .unwrap_or_else(|| mask.shape().num_elements());
+        let output = B::masked_gather(req_to_token, req_pool_indices, pos2d, mask, capacity);
+        Ok(deferred(output, context))
+    }
+
+    /// [`segment_gather_deferred`](super::segment_gather_deferred) on primitives.
+    pub fn segment_gather_deferred<B: KvPlanBackend>(
+        req_to_token: IntTensor<B>,
+        req_pool_indices: IntTensor<B>,
+        start: Option<IntTensor<B>>,
+        lengths: IntTensor<B>,
+        options: &GatherOptions,
+    ) -> Result<DeferredGather<B>, Error> {
+        validate::segment_gather(
+            &arg("req_to_token", &req_to_token),
+            &arg("req_pool_indices", &req_pool_indices),
+            start.as_ref().map(|start| arg("start", start)).as_ref(),
+            &arg("lengths", &lengths),
+        )?;
+        let cols = req_to_token.shape().as_slice().get(1).copied().unwrap_or(0);
+        let capacity = options
+            .capacity
+            .unwrap_or_else(|| lengths.shape().num_elements().saturating_mul(cols));
+        let output = B::segment_gather(
+            req_to_token,
+            req_pool_indices,
+            OptionalInt::from(start),
+            lengths,
+            capacity,
+        );
+        Ok(deferred(output, SEGMENT_CONTEXT))
+    }
+
+    /// Exact mode: one read-back of the status, then the first `count` values.
+    pub fn exact<B: KvPlanBackend>(gathered: DeferredGather<B>) -> Result<IntTensor<B>, Error> {
+        let count = gathered.status.check()?;
+        Ok(crate::ops::int_prefix::<B>(gathered.out, count))
+    }
+
+    fn deferred<B: Backend>(output: GatherPrimitive<B>, context: &str) -> DeferredGather<B> {
+        DeferredGather {
+            out: output.out,
+            count: output.count,
+            status: Status::new(output.status, context),
+        }
+    }
+}
+
 /// `req_to_token[req_pool_indices[i], pos2d[i, j]]` for every true `mask[i, j]`, row-major, as a
 /// 1-D i64 tensor of exactly `count` values (spec `gather.md` §3).
 ///
 /// One device-to-host transfer (count and status together). `req_pool_indices` may hold one index
-/// shared by every pos row. Every error message starts with `context`.
-pub fn masked_gather<B, const DT: usize, const DP: usize, const DM: usize>(
-    req_to_token: Tensor<B, DT, Int>,
-    req_pool_indices: Tensor<B, 1, Int>,
-    pos2d: Tensor<B, DP, Int>,
-    mask: Tensor<B, DM, Bool>,
-    context: &str,
-) -> Result<Tensor<B, 1, Int>, Error>
-where
-    B: KvPlanBackend,
-{
-    let gathered =
-        masked_gather_with_capacity(req_to_token, req_pool_indices, pos2d, mask, None, context)?;
-    exact(gathered)
+/// shared by every pos row. Every error message starts with the options' context.
+pub fn masked_gather(
+    req_to_token: Tensor<2, Int>,
+    req_pool_indices: Tensor<1, Int>,
+    pos2d: Tensor<2, Int>,
+    mask: Tensor<2, Bool>,
+    options: &GatherOptions,
+) -> Result<Tensor<1, Int>, Error> {
+    let gathered = masked_gather_deferred(req_to_token, req_pool_indices, pos2d, mask, options)?;
+    backend::exact(gathered).map(Tensor::from_dispatch)
 }
 
-/// `masked_gather` into a fixed-capacity output, without any transfer to the host (spec §5).
-///
-/// `capacity` defaults to `R * C`; a smaller one is checked on the device (`capacity_exceeded`).
-pub fn masked_gather_with_capacity<B, const DT: usize, const DP: usize, const DM: usize>(
-    req_to_token: Tensor<B, DT, Int>,
-    req_pool_indices: Tensor<B, 1, Int>,
-    pos2d: Tensor<B, DP, Int>,
-    mask: Tensor<B, DM, Bool>,
-    capacity: Option<usize>,
-    context: &str,
-) -> Result<CapacityGather<B>, Error>
-where
-    B: KvPlanBackend,
-{
-    validate::masked_gather(
-        &arg("req_to_token", &req_to_token),
-        &arg("req_pool_indices", &req_pool_indices),
-        &arg("pos2d", &pos2d),
-        &arg("mask", &mask),
-        context,
-    )?;
-    let capacity = capacity.unwrap_or_else(|| mask.shape().num_elements());
-    let output = B::masked_gather(
-        req_to_token.into_primitive(),
-        req_pool_indices.into_primitive(),
-        pos2d.into_primitive(),
-        mask.into_primitive(),
-        capacity,
-    )?;
-    Ok(capacity_gather(output, context))
+/// [`masked_gather`] into a fixed-capacity output, without any transfer to the host (spec §5).
+pub fn masked_gather_deferred(
+    req_to_token: Tensor<2, Int>,
+    req_pool_indices: Tensor<1, Int>,
+    pos2d: Tensor<2, Int>,
+    mask: Tensor<2, Bool>,
+    options: &GatherOptions,
+) -> Result<DeferredGather, Error> {
+    backend::masked_gather_deferred::<Dispatch>(
+        req_to_token.into_dispatch(),
+        req_pool_indices.into_dispatch(),
+        pos2d.into_dispatch(),
+        mask.into_dispatch(),
+        options,
+    )
 }
 
 /// The slots of one run of consecutive positions per segment: `req_to_token[row(i)][start[i] + j]`
@@ -126,74 +210,43 @@ where
 ///
 /// `start = None` starts every segment at position 0. Neither a position rectangle nor a mask is
 /// ever built.
-pub fn segment_gather<B, const DT: usize>(
-    req_to_token: Tensor<B, DT, Int>,
-    req_pool_indices: Tensor<B, 1, Int>,
-    start: Option<Tensor<B, 1, Int>>,
-    lengths: Tensor<B, 1, Int>,
-) -> Result<Tensor<B, 1, Int>, Error>
-where
-    B: KvPlanBackend,
-{
-    exact(segment_gather_with_capacity(
-        req_to_token,
-        req_pool_indices,
-        start,
-        lengths,
-        None,
-    )?)
+pub fn segment_gather(
+    req_to_token: Tensor<2, Int>,
+    req_pool_indices: Tensor<1, Int>,
+    start: Option<Tensor<1, Int>>,
+    lengths: Tensor<1, Int>,
+    options: &GatherOptions,
+) -> Result<Tensor<1, Int>, Error> {
+    let gathered =
+        segment_gather_deferred(req_to_token, req_pool_indices, start, lengths, options)?;
+    backend::exact(gathered).map(Tensor::from_dispatch)
 }
 
-/// `segment_gather` into a fixed-capacity output, without any transfer to the host (spec §5).
-///
-/// `capacity` defaults to `S * cols`; another one is checked on the device (`capacity_exceeded`).
-pub fn segment_gather_with_capacity<B, const DT: usize>(
-    req_to_token: Tensor<B, DT, Int>,
-    req_pool_indices: Tensor<B, 1, Int>,
-    start: Option<Tensor<B, 1, Int>>,
-    lengths: Tensor<B, 1, Int>,
-    capacity: Option<usize>,
-) -> Result<CapacityGather<B>, Error>
-where
-    B: KvPlanBackend,
-{
-    validate::segment_gather(
-        &arg("req_to_token", &req_to_token),
-        &arg("req_pool_indices", &req_pool_indices),
-        start.as_ref().map(|start| arg("start", start)).as_ref(),
-        &arg("lengths", &lengths),
-    )?;
-    let cols = req_to_token.shape().as_slice().get(1).copied().unwrap_or(0);
-    let capacity = capacity.unwrap_or_else(|| lengths.shape().num_elements().saturating_mul(cols));
-    let output = B::segment_gather(
-        req_to_token.into_primitive(),
-        req_pool_indices.into_primitive(),
-        start.map(Tensor::into_primitive),
-        lengths.into_primitive(),
-        capacity,
-    )?;
-    Ok(capacity_gather(output, SEGMENT_CONTEXT))
+/// [`segment_gather`] into a fixed-capacity output, without any transfer to the host (spec §5).
+pub fn segment_gather_deferred(
+    req_to_token: Tensor<2, Int>,
+    req_pool_indices: Tensor<1, Int>,
+    start: Option<Tensor<1, Int>>,
+    lengths: Tensor<1, Int>,
+    options: &GatherOptions,
+) -> Result<DeferredGather, Error> {
+    backend::segment_gather_deferred::<Dispatch>(
+        req_to_token.into_dispatch(),
+        req_pool_indices.into_dispatch(),
+        start.map(Tensor::into_dispatch),
+        lengths.into_dispatch(),
+        options,
+    )
 }
 
-fn capacity_gather<B: KvPlanBackend>(
-    output: GatherOutput<burn_tensor::ops::IntTensor<B>>,
-    context: &str,
-) -> CapacityGather<B> {
-    CapacityGather {
-        out: Tensor::from_primitive(output.out),
-        count: Tensor::from_primitive(output.count),
-        status: GatherStatus {
-            words: Tensor::from_primitive(output.status),
-            context: context.into(),
-        },
+impl DeferredGather {
+    /// `out` as a tensor.
+    pub fn out_tensor(&self) -> Tensor<1, Int> {
+        Tensor::from_dispatch(self.out.clone())
     }
-}
 
-/// Exact mode: one read-back of the status, then the first `count` values.
-fn exact<B: KvPlanBackend>(gathered: CapacityGather<B>) -> Result<Tensor<B, 1, Int>, Error> {
-    let count = gathered.status.check()?;
-    Ok(Tensor::from_primitive(B::int_prefix(
-        gathered.out.into_primitive(),
-        count,
-    )))
+    /// `count` as a tensor.
+    pub fn count_tensor(&self) -> Tensor<1, Int> {
+        Tensor::from_dispatch(self.count.clone())
+    }
 }

@@ -1,32 +1,33 @@
-//! kvplan: KV-cache bookkeeping ops for Burn — masked `req_to_token` gather and the kv-canary plan —
-//! with CubeCL kernels on CubeCL backends and a host reference everywhere else.
+//! kvplan: the KV-cache bookkeeping of an LLM server as Burn 0.22 backend extensions: the masked
+//! and segment `req_to_token` gathers, the kv-canary plan, and the canary's write and verify, with
+//! CubeCL kernels on the Cube backend (CUDA, wgpu/Vulkan) and the host reference elsewhere.
 //!
-//! Data flows one way: public API ([`gather`], [`canary`]) -> [`validate`] -> [`ops::KvPlanBackend`]
+//! Data flows one way: public API ([`gather`], [`canary`]) -> host rules -> [`KvPlanBackend`]
 //! -> (kernels | [`reference`]).
 
 #![warn(missing_docs)]
 
-pub mod backends;
-pub mod bench;
 pub mod canary;
-pub mod conformance;
-#[cfg(feature = "cuda")]
-pub mod cupti;
-pub mod demo;
-pub mod error;
+mod error;
 pub mod gather;
-pub mod ops;
+mod layout;
+mod ops;
 pub mod reference;
-pub mod status;
-pub mod validate;
+mod status;
+mod validate;
 
 pub use canary::{
-    Canary, CanaryLaunch, PlanInputs, PlanStatus, RealKvSource, VerifyPlan, WriteInputs, WritePlan,
+    Canary, CanaryLaunch, KernelKind, PlanInputs, RealKvSource, SourceBytes, StepPlan, WriteInputs,
     plan, plan_deferred,
 };
-pub use error::{Error, Result};
+pub use error::{Dims, Error, Result, Site};
 pub use gather::{
-    CapacityGather, GatherStatus, masked_gather, masked_gather_with_capacity, segment_gather,
-    segment_gather_with_capacity,
+    DeferredGather, GatherOptions, Status, masked_gather, masked_gather_deferred, segment_gather,
+    segment_gather_deferred,
 };
-pub use ops::KvPlanBackend;
+pub use layout::SourceLayout;
+pub use ops::{
+    CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes, KvPlanBackend, LaunchMeta,
+    OptionalInt, PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WriteInputsPrimitive,
+    WritePlanPrimitive,
+};

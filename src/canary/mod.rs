@@ -6,8 +6,8 @@ mod state;
 
 pub use crate::reference::RealKvHashMode;
 pub use crate::reference::canary::CanaryState;
-pub use plan::{PlanInputs, PlanStatus, VerifyPlan, WritePlan, plan, plan_deferred, read_plans};
-pub(crate) use plan::{fresh_verify, fresh_write};
+pub use plan::{PlanInputs, StepPlan, VerifyPlan, WritePlan, plan, plan_deferred, read_plans};
 pub use state::{
-    Canary, CanaryLaunch, FailReasons, RealKvSource, Violation, Violations, WriteInputs,
+    Canary, CanaryLaunch, FailReasons, KernelKind, RealKvSource, SourceBytes, Violation,
+    Violations, WriteInputs,
 };

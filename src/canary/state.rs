@@ -2,16 +2,15 @@
 //! `verify` ops that keep and check them (spec `canary-write-verify.md`).
 //!
 //! ```no_run
-//! use burn_tensor::{Int, Tensor};
-//! use kvplan::canary::{Canary, CanaryLaunch, VerifyPlan, WriteInputs, WritePlan};
-//! # fn step<B: kvplan::KvPlanBackend>(device: &B::Device, verify: &VerifyPlan<B>,
-//! #     write: &WritePlan<B>, ids: Tensor<B, 1, Int>, positions: Tensor<B, 1, Int>,
-//! #     out_cache_loc: Tensor<B, 1, Int>) -> Result<(), kvplan::Error> {
+//! use burn_core::tensor::{Device, Int, Tensor};
+//! use kvplan::canary::{Canary, CanaryLaunch, KernelKind, WriteInputs};
+//! # fn step(device: &Device, plan: &kvplan::StepPlan, ids: Tensor<1, Int>,
+//! #     positions: Tensor<1, Int>, out_cache_loc: Tensor<1, Int>) -> Result<(), kvplan::Error> {
 //! // Once: one 32-byte record per KV slot, room for 1024 violation rows.
-//! let mut canary = Canary::<B>::allocate(1 << 20, 32, 1024, device)?;
+//! let mut canary = Canary::allocate(1 << 20, 32, 1024, device)?;
 //! // Every step, after `plan`: no host round trip between the three ops.
-//! canary.write(write, WriteInputs::new(ids, positions, out_cache_loc), &CanaryLaunch::new(0))?;
-//! canary.verify(verify, &CanaryLaunch::new(1))?;
+//! canary.write(&plan.write, WriteInputs::new(ids, positions, out_cache_loc), &CanaryLaunch::new(KernelKind::HEAD_K_FULL))?;
+//! canary.verify(&plan.verify, &CanaryLaunch::new(KernelKind::HEAD_V_FULL))?;
 //! // Whenever the host chooses to look.
 //! for violation in canary.violations()?.rows {
 //!     eprintln!("KV slot {} at position {}: {:?}", violation.slot, violation.position,
@@ -22,15 +21,16 @@
 
 use core::fmt;
 
-use burn_tensor::ops::{FloatTensor, IntTensor};
-use burn_tensor::{Int, Tensor, TensorData, TensorMetadata};
-use kvplan_kernels::canary::{COUNTERS, ROW_WORDS, WRITE_INDEX};
+use burn_core::backend::tensor::IntTensor;
+use burn_core::backend::{Backend, Dispatch, TensorMetadata};
+use burn_core::tensor::{DType, Device, Float, Int, Tensor};
 
 use super::{VerifyPlan, WritePlan};
 use crate::error::Error;
 use crate::gather::arg;
+use crate::layout::{COUNTERS, MAX_SOURCES, ROW_WORDS, STATUS_LEN, SourceLayout, WRITE_INDEX};
 use crate::ops::{
-    CanaryLaunchPrimitive, CanaryPrimitive, KvBytes, KvPlanBackend, SourceLayout, SourcePrimitive,
+    CanaryLaunchPrimitive, CanaryPrimitive, KvBytes, KvPlanBackend, LaunchMeta,
     WriteInputsPrimitive, read_ints,
 };
 use crate::reference::canary::{ViolationRow, fail};
@@ -41,56 +41,63 @@ use crate::validate;
 /// caller's tensor (no copy of its data); build it per step from the current KV tensor, so that
 /// the engine's own updates of that tensor stay in place once the step's ops have run.
 #[derive(Debug, Clone)]
-pub struct RealKvSource<B: KvPlanBackend> {
-    tensor: KvBytes<FloatTensor<B>, IntTensor<B>>,
+pub struct RealKvSource<B: Backend = Dispatch> {
+    tensor: KvBytes<B>,
     layout: SourceLayout,
 }
 
-impl<B: KvPlanBackend> RealKvSource<B> {
-    /// A float KV tensor of rank >= 2: dim 0 are rows, the rest of a row is contiguous bytes.
-    /// Slot `s` owns `num_bytes_per_token` bytes at `(s % page_size) * num_bytes_per_token` of
-    /// row `s / page_size`; `read_bytes` of them are folded in mode `ALL`.
-    pub fn float<const D: usize>(
-        tensor: Tensor<B, D>,
-        page_size: i64,
-        num_bytes_per_token: i64,
-        read_bytes: i64,
-    ) -> Result<Self, Error> {
-        let (shape, dtype) = (tensor.shape(), tensor.dtype());
-        let bytes = KvBytes::Float(tensor.into_primitive().tensor());
-        Self::new(
-            bytes,
-            shape.as_slice(),
-            dtype,
-            [page_size, num_bytes_per_token, read_bytes],
-        )
+impl RealKvSource {
+    /// A float KV tensor `[rows, row_len]`: a row is contiguous bytes. Slot `s` owns
+    /// `num_bytes_per_token` bytes at `(s % page_size) * num_bytes_per_token` of row
+    /// `s / page_size`; `read_bytes` of them are folded in mode `ALL`.
+    pub fn float(tensor: Tensor<2, Float>, layout: SourceBytes) -> Result<Self, Error> {
+        Self::from_primitive(KvBytes::Float(tensor.into_dispatch()), layout)
     }
 
-    /// An int KV tensor (any int dtype, e.g. raw `u8` bytes); as [`RealKvSource::float`].
-    pub fn int<const D: usize>(
-        tensor: Tensor<B, D, Int>,
-        page_size: i64,
-        num_bytes_per_token: i64,
-        read_bytes: i64,
-    ) -> Result<Self, Error> {
-        let (shape, dtype) = (tensor.shape(), tensor.dtype());
-        let bytes = KvBytes::Int(tensor.into_primitive());
-        Self::new(
-            bytes,
+    /// An int KV tensor `[rows, row_len]` (any int dtype, e.g. raw `u8` bytes); as
+    /// [`RealKvSource::float`].
+    pub fn int(tensor: Tensor<2, Int>, layout: SourceBytes) -> Result<Self, Error> {
+        Self::from_primitive(KvBytes::Int(tensor.into_dispatch()), layout)
+    }
+}
+
+/// How a source's bytes map to slots (validated when the source is built).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceBytes {
+    /// Slots per row.
+    pub page_size: i64,
+    /// Bytes per slot strip.
+    pub num_bytes_per_token: i64,
+    /// Bytes mode `ALL` folds.
+    pub read_bytes: i64,
+}
+
+impl SourceBytes {
+    /// One slot per row, strips of `num_bytes_per_token`, all of them folded in mode `ALL`.
+    pub fn per_slot(num_bytes_per_token: i64) -> Self {
+        Self {
+            page_size: 1,
+            num_bytes_per_token,
+            read_bytes: num_bytes_per_token,
+        }
+    }
+}
+
+impl<B: Backend> RealKvSource<B> {
+    /// A source from a backend's primitive (`KvBytes::Float` or `KvBytes::Int`).
+    pub fn from_primitive(tensor: KvBytes<B>, layout: SourceBytes) -> Result<Self, Error> {
+        let (shape, dtype) = match &tensor {
+            KvBytes::Float(t) => (t.shape(), t.dtype()),
+            KvBytes::Int(t) => (t.shape(), t.dtype()),
+            KvBytes::Absent => (burn_core::tensor::Shape::new([0, 0]), DType::U8),
+        };
+        let layout = validate::canary::source(
             shape.as_slice(),
             dtype,
-            [page_size, num_bytes_per_token, read_bytes],
-        )
-    }
-
-    fn new(
-        tensor: KvBytes<FloatTensor<B>, IntTensor<B>>,
-        shape: &[usize],
-        dtype: burn_tensor::DType,
-        [page_size, num_bytes_per_token, read_bytes]: [i64; 3],
-    ) -> Result<Self, Error> {
-        let layout =
-            validate::canary::source(shape, dtype, page_size, num_bytes_per_token, read_bytes)?;
+            layout.page_size,
+            layout.num_bytes_per_token,
+            layout.read_bytes,
+        )?;
         Ok(Self { tensor, layout })
     }
 
@@ -100,20 +107,51 @@ impl<B: KvPlanBackend> RealKvSource<B> {
     }
 }
 
+/// The launch tag stamped into every violation row (`kernel_kind`); sglang's values are the
+/// associated constants, any other i32 is the caller's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KernelKind(pub i32);
+
+impl KernelKind {
+    /// sglang `HEAD_K_FULL`.
+    pub const HEAD_K_FULL: Self = Self(0);
+    /// sglang `HEAD_V_FULL`.
+    pub const HEAD_V_FULL: Self = Self(1);
+    /// sglang `TAIL_K_FULL`.
+    pub const TAIL_K_FULL: Self = Self(2);
+    /// sglang `TAIL_V_FULL`.
+    pub const TAIL_V_FULL: Self = Self(3);
+    /// sglang `SWEEP_K_FULL`.
+    pub const SWEEP_K_FULL: Self = Self(4);
+    /// sglang `SWEEP_V_FULL`.
+    pub const SWEEP_V_FULL: Self = Self(5);
+    /// sglang `HEAD_K_SWA`.
+    pub const HEAD_K_SWA: Self = Self(6);
+    /// sglang `HEAD_V_SWA`.
+    pub const HEAD_V_SWA: Self = Self(7);
+    /// sglang `TAIL_K_SWA`.
+    pub const TAIL_K_SWA: Self = Self(8);
+    /// sglang `TAIL_V_SWA`.
+    pub const TAIL_V_SWA: Self = Self(9);
+    /// sglang `SWEEP_K_SWA`.
+    pub const SWEEP_K_SWA: Self = Self(10);
+    /// sglang `SWEEP_V_SWA`.
+    pub const SWEEP_V_SWA: Self = Self(11);
+}
+
 /// What a write or verify launch takes besides its plan: the tag stamped into its violation
 /// rows, the real-KV mode and sources, and (verify only) whether tokens are checked.
 #[derive(Debug, Clone)]
-pub struct CanaryLaunch<B: KvPlanBackend> {
-    kernel_kind: i32,
+pub struct CanaryLaunch<B: Backend = Dispatch> {
+    kernel_kind: KernelKind,
     mode: RealKvHashMode,
     sources: Vec<RealKvSource<B>>,
     check_verify_expected_token: bool,
 }
 
-impl<B: KvPlanBackend> CanaryLaunch<B> {
-    /// A launch tagged `kernel_kind` (sglang: `HEAD_K_FULL 0` .. `SWEEP_V_SWA 11`), mode `NONE`,
-    /// token check on.
-    pub fn new(kernel_kind: i32) -> Self {
+impl<B: Backend> CanaryLaunch<B> {
+    /// A launch tagged `kernel_kind`, mode `NONE`, token check on.
+    pub fn new(kernel_kind: KernelKind) -> Self {
         Self {
             kernel_kind,
             mode: RealKvHashMode::None,
@@ -140,41 +178,73 @@ impl<B: KvPlanBackend> CanaryLaunch<B> {
         validate::canary::launch(self.mode, &layouts)
     }
 
-    fn to_primitive(&self) -> CanaryLaunchPrimitive<FloatTensor<B>, IntTensor<B>> {
+    fn to_primitive(&self) -> CanaryLaunchPrimitive<B> {
+        debug_assert!(self.sources.len() <= MAX_SOURCES);
+        let mut places = self.sources.iter().map(|source| source.tensor.clone());
+        let mut next = || places.next().unwrap_or(KvBytes::Absent);
         CanaryLaunchPrimitive {
-            kernel_kind: self.kernel_kind,
-            mode: self.mode,
-            sources: self
-                .sources
-                .iter()
-                .map(|source| SourcePrimitive {
-                    tensor: source.tensor.clone(),
-                    layout: source.layout,
-                })
-                .collect(),
-            check_expected_token: self.check_verify_expected_token,
+            source_0: next(),
+            source_1: next(),
+            source_2: next(),
+            source_3: next(),
+            meta: LaunchMeta {
+                kernel_kind: self.kernel_kind.0,
+                mode: self.mode,
+                layouts: self.sources.iter().map(|s| s.layout).collect(),
+                check_expected_token: self.check_verify_expected_token,
+            },
         }
     }
 }
 
 /// A write step's token arrays (i64 `[T]` each) and its asserts.
 #[derive(Debug, Clone)]
-pub struct WriteInputs<B: KvPlanBackend> {
-    input_ids: Tensor<B, 1, Int>,
-    positions: Tensor<B, 1, Int>,
-    out_cache_loc: Tensor<B, 1, Int>,
+pub struct WriteInputs<B: Backend = Dispatch> {
+    input_ids: IntTensor<B>,
+    positions: IntTensor<B>,
+    out_cache_loc: IntTensor<B>,
     enable_write_input_assert: bool,
-    expected_input_tokens: Option<Tensor<B, 1, Int>>,
-    expected_input_positions: Option<Tensor<B, 1, Int>>,
-    chain_position_assert: Option<Tensor<B, 1, Int>>,
+    expected_input_tokens: Option<IntTensor<B>>,
+    expected_input_positions: Option<IntTensor<B>>,
+    chain_position_assert: Option<IntTensor<B>>,
+}
+
+impl WriteInputs {
+    /// Token ids, positions and canary slots (negative: skip the token) of the step's tokens.
+    pub fn new(
+        input_ids: Tensor<1, Int>,
+        positions: Tensor<1, Int>,
+        out_cache_loc: Tensor<1, Int>,
+    ) -> Self {
+        Self::from_primitives(
+            input_ids.into_dispatch(),
+            positions.into_dispatch(),
+            out_cache_loc.into_dispatch(),
+        )
+    }
+
+    /// `expected_input_tokens`, i64 `[T]`.
+    pub fn expected_input_tokens(self, tokens: Tensor<1, Int>) -> Self {
+        self.expected_input_tokens_primitive(tokens.into_dispatch())
+    }
+
+    /// `expected_input_positions`, i64 `[T]`.
+    pub fn expected_input_positions(self, positions: Tensor<1, Int>) -> Self {
+        self.expected_input_positions_primitive(positions.into_dispatch())
+    }
+
+    /// `enable_chain_position_assert`, an i32 `[1]` device flag (non-zero: on). Absent: off.
+    pub fn chain_position_assert(self, flag: Tensor<1, Int>) -> Self {
+        self.chain_position_assert_primitive(flag.into_dispatch())
+    }
 }
 
 impl<B: KvPlanBackend> WriteInputs<B> {
-    /// Token ids, positions and canary slots (negative: skip the token) of the step's tokens.
-    pub fn new(
-        input_ids: Tensor<B, 1, Int>,
-        positions: Tensor<B, 1, Int>,
-        out_cache_loc: Tensor<B, 1, Int>,
+    /// [`WriteInputs::new`] on a backend's primitives.
+    pub fn from_primitives(
+        input_ids: IntTensor<B>,
+        positions: IntTensor<B>,
+        out_cache_loc: IntTensor<B>,
     ) -> Self {
         Self {
             input_ids,
@@ -194,20 +264,20 @@ impl<B: KvPlanBackend> WriteInputs<B> {
         self
     }
 
-    /// `expected_input_tokens`, i64 `[T]`.
-    pub fn expected_input_tokens(mut self, tokens: Tensor<B, 1, Int>) -> Self {
+    /// [`WriteInputs::expected_input_tokens`] on a primitive.
+    pub fn expected_input_tokens_primitive(mut self, tokens: IntTensor<B>) -> Self {
         self.expected_input_tokens = Some(tokens);
         self
     }
 
-    /// `expected_input_positions`, i64 `[T]`.
-    pub fn expected_input_positions(mut self, positions: Tensor<B, 1, Int>) -> Self {
+    /// [`WriteInputs::expected_input_positions`] on a primitive.
+    pub fn expected_input_positions_primitive(mut self, positions: IntTensor<B>) -> Self {
         self.expected_input_positions = Some(positions);
         self
     }
 
-    /// `enable_chain_position_assert`, an i32 `[1]` device flag (non-zero: on). Absent: off.
-    pub fn chain_position_assert(mut self, flag: Tensor<B, 1, Int>) -> Self {
+    /// [`WriteInputs::chain_position_assert`] on a primitive.
+    pub fn chain_position_assert_primitive(mut self, flag: IntTensor<B>) -> Self {
         self.chain_position_assert = Some(flag);
         self
     }
@@ -235,16 +305,19 @@ impl<B: KvPlanBackend> WriteInputs<B> {
         })
     }
 
-    fn into_primitive(self) -> WriteInputsPrimitive<IntTensor<B>> {
+    fn into_primitive(self) -> WriteInputsPrimitive<B> {
+        let (tokens, positions) = match (self.expected_input_tokens, self.expected_input_positions)
+        {
+            (Some(tokens), Some(positions)) => (Some(tokens), Some(positions)),
+            _ => (None, None),
+        };
         WriteInputsPrimitive {
-            input_ids: self.input_ids.into_primitive(),
-            positions: self.positions.into_primitive(),
-            out_cache_loc: self.out_cache_loc.into_primitive(),
-            expected_inputs: self
-                .expected_input_tokens
-                .zip(self.expected_input_positions)
-                .map(|(tokens, positions)| (tokens.into_primitive(), positions.into_primitive())),
-            chain_position_assert: self.chain_position_assert.map(Tensor::into_primitive),
+            input_ids: self.input_ids,
+            positions: self.positions,
+            out_cache_loc: self.out_cache_loc,
+            expected_input_tokens: tokens.into(),
+            expected_input_positions: positions.into(),
+            chain_position_assert: self.chain_position_assert.into(),
         }
     }
 }
@@ -353,16 +426,40 @@ pub struct Violations {
 /// The canary of one KV pool: a record per slot, the violation ring and the health counters,
 /// all on the device.
 #[derive(Debug)]
-pub struct Canary<B: KvPlanBackend> {
+pub struct Canary<B: KvPlanBackend = Dispatch> {
     // `None` only while an op has the state.
-    state: Option<CanaryPrimitive<IntTensor<B>>>,
+    state: Option<CanaryPrimitive<B>>,
     device: B::Device,
 }
 
-impl<B: KvPlanBackend> Canary<B> {
+impl Canary {
     /// A zeroed canary of `num_slots` slots of `slot_stride_bytes` (a multiple of 8, at least 32;
     /// bytes past the first 32 are the caller's) and a ring of `ring_capacity` rows.
     pub fn allocate(
+        num_slots: usize,
+        slot_stride_bytes: usize,
+        ring_capacity: usize,
+        device: &Device,
+    ) -> Result<Self, Error> {
+        Self::allocate_on(
+            num_slots,
+            slot_stride_bytes,
+            ring_capacity,
+            device.as_dispatch(),
+        )
+    }
+
+    /// The records, i64 `[max(N, 1), S / 8]` (`token, position, prev_hash, real_kv_hash, ..`).
+    pub fn buffer(&self) -> Tensor<2, Int> {
+        let state = self.primitive();
+        Tensor::<1, Int>::from_dispatch(state.buffer.clone())
+            .reshape([state.num_slots.max(1), state.slot_words])
+    }
+}
+
+impl<B: KvPlanBackend> Canary<B> {
+    /// [`Canary::allocate`] on a backend's device.
+    pub fn allocate_on(
         num_slots: usize,
         slot_stride_bytes: usize,
         ring_capacity: usize,
@@ -377,15 +474,24 @@ impl<B: KvPlanBackend> Canary<B> {
     pub fn from_state(state: &CanaryState, device: &B::Device) -> Result<Self, Error> {
         validate::canary::slot_stride(state.slot_stride_words * 8)?;
         Ok(Self {
-            state: Some(crate::ops::upload_canary::<B>(state, device)),
+            state: Some(crate::ops::upload_canary::<B>(
+                state,
+                [0; STATUS_LEN],
+                device,
+            )),
             device: device.clone(),
         })
     }
 
-    fn primitive(&self) -> &CanaryPrimitive<IntTensor<B>> {
+    fn primitive(&self) -> &CanaryPrimitive<B> {
         self.state
             .as_ref()
             .expect("the canary state is only lent out during an op")
+    }
+
+    /// The canary's tensors.
+    pub fn primitives(&self) -> &CanaryPrimitive<B> {
+        self.primitive()
     }
 
     /// Reads the whole state back: records, ring and counters.
@@ -394,19 +500,12 @@ impl<B: KvPlanBackend> Canary<B> {
         crate::ops::canary_state::<B>(self.primitive())
     }
 
-    /// The error of a write or verify that failed when it ran, after returning `Ok` (one small
-    /// read-back). Through `Fusion` an op runs when its stream is flushed, too late to return its
-    /// error: it leaves a zeroed canary, as a failed op does everywhere, and its error here. The
-    /// reads ([`Canary::violations`], [`Canary::state`]) report it too, until [`Canary::clear`].
-    /// Other backends return errors from the op itself: this is then `Ok` without a read.
+    /// The error of a write or verify whose launch failed (one small read-back). The ops only
+    /// enqueue, so a failure (e.g. `index_range`) leaves a zeroed canary holding its status, and
+    /// every read ([`Canary::violations`], [`Canary::state`]) reports it until [`Canary::clear`].
     pub fn check(&self) -> Result<(), Error> {
-        match &self.primitive().failure {
-            Some(failure) => {
-                let words = B::read_status(failure.clone())?;
-                crate::status::decode(&words, "kv-canary").map(drop)
-            }
-            None => Ok(()),
-        }
+        let words = crate::ops::read_status::<B>(self.primitive().status.clone())?;
+        crate::status::decode(&words, "kv-canary").map(drop)
     }
 
     /// `N`.
@@ -414,34 +513,12 @@ impl<B: KvPlanBackend> Canary<B> {
         self.primitive().num_slots
     }
 
-    /// The records, i64 `[max(N, 1), S / 8]` (`token, position, prev_hash, real_kv_hash, ..`).
-    pub fn buffer(&self) -> Tensor<B, 2, Int> {
-        let state = self.primitive();
-        Tensor::<B, 1, Int>::from_primitive(state.buffer.clone())
-            .reshape([state.num_slots.max(1), state.slot_words])
-    }
-
-    /// Runs `op` on the state; a failed op leaves a zeroed canary of the same shape.
-    fn run(
-        &mut self,
-        op: impl FnOnce(CanaryPrimitive<IntTensor<B>>) -> Result<CanaryPrimitive<IntTensor<B>>, Error>,
-    ) -> Result<(), Error> {
+    fn run(&mut self, op: impl FnOnce(CanaryPrimitive<B>) -> CanaryPrimitive<B>) {
         let state = self
             .state
             .take()
             .expect("the canary state is always returned");
-        let shape = (state.num_slots, state.slot_words, state.ring_capacity);
-        match op(state) {
-            Ok(state) => {
-                self.state = Some(state);
-                Ok(())
-            }
-            Err(error) => {
-                let zeroed = CanaryState::zeroed(shape.0, shape.1, shape.2);
-                self.state = Some(crate::ops::upload_canary::<B>(&zeroed, &self.device));
-                Err(error)
-            }
-        }
+        self.state = Some(op(state));
     }
 
     /// Write (spec §6): stores a record for every non-skipped token of the plan's active
@@ -458,7 +535,8 @@ impl<B: KvPlanBackend> Canary<B> {
         let plan = plan.primitive().clone();
         let inputs = inputs.into_primitive();
         let launch = launch.to_primitive();
-        self.run(|state| B::canary_write(state, plan, inputs, launch))
+        self.run(|state| B::canary_write(state, plan, inputs, launch));
+        Ok(())
     }
 
     /// Verify (spec §7): checks the plan's active entries against the records and the real KV
@@ -467,7 +545,8 @@ impl<B: KvPlanBackend> Canary<B> {
         launch.validate()?;
         let plan = plan.primitive().clone();
         let launch = launch.to_primitive();
-        self.run(|state| B::canary_verify(state, plan, launch))
+        self.run(|state| B::canary_verify(state, plan, launch));
+        Ok(())
     }
 
     /// Reads the ring back (one sync) and decodes its rows.
@@ -498,22 +577,16 @@ impl<B: KvPlanBackend> Canary<B> {
             .take()
             .expect("the canary state is always returned");
         let rows = state.ring_capacity.max(1);
-        state.ring = B::int_from_data(
-            TensorData::new(vec![0i64; rows * ROW_WORDS], [rows * ROW_WORDS]),
-            &self.device,
-        );
+        state.ring = crate::ops::upload_i64::<B>(vec![0i64; rows * ROW_WORDS], &self.device);
         // Moved, not cloned: a unique handle is updated in place.
-        let counters = Tensor::<B, 1, Int>::from_primitive(state.counters);
-        let zero = Tensor::<B, 1, Int>::from_data(
-            TensorData::new(vec![0i64], [1]),
-            (&self.device, burn_tensor::DType::I64),
+        let zero = crate::ops::upload_i64::<B>(vec![0i64], &self.device);
+        state.counters = B::int_slice_assign(
+            state.counters,
+            &[burn_core::tensor::Slice::from(WRITE_INDEX..WRITE_INDEX + 1)],
+            zero,
         );
-        state.counters = counters
-            .slice_assign(WRITE_INDEX..WRITE_INDEX + 1, zero)
-            .into_primitive();
         debug_assert_eq!(state.counters.shape().num_elements(), COUNTERS);
-        // The next op brings a clear record.
-        state.failure = None;
+        state.status = crate::ops::upload_i64::<B>(vec![0i64; STATUS_LEN], &self.device);
         self.state = Some(state);
     }
 }

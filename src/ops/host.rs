@@ -1,13 +1,19 @@
 //! The default bodies of `KvPlanBackend`: read the inputs back, run the reference, upload.
+//!
+//! The ops are infallible (the macro's contract): a read-back that fails becomes an `execution`
+//! status record, and a canary op that cannot read its state hands back a zeroed canary holding it.
 
-use burn_tensor::backend::Backend;
-use burn_tensor::ops::{BoolTensor, IntTensor};
-use burn_tensor::{TensorData, TensorMetadata, try_read_sync};
+use burn_core::backend::tensor::{BoolTensor, IntTensor};
+use burn_core::backend::{Backend, TensorData, TensorMetadata, try_read_sync};
+use burn_core::tensor::{BoolStore, DType, Slice};
+use kvplan_kernels::status::{COUNT, STATUS_LEN};
 
 use super::{
-    GatherOutput, PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive,
+    CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes, OptionalInt,
+    PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
 };
 use crate::error::Error;
+use crate::layout::{COUNTERS, KERNEL_RUN, ROW_WORDS, SLOT_RUN, SourceLayout, WRITE_INDEX};
 use crate::reference::canary::{Launch, SourceBytes, VerifyArgs, WriteArgs};
 use crate::reference::{self, CanaryState, ExpectedTokens, PlanArgs, PlanBuffers, Table};
 use crate::status::{self, StatusWords};
@@ -40,7 +46,7 @@ where
         })
 }
 
-fn upload_i64<B: Backend>(values: Vec<i64>, device: &B::Device) -> IntTensor<B> {
+pub(crate) fn upload_i64<B: Backend>(values: Vec<i64>, device: &B::Device) -> IntTensor<B> {
     let len = values.len();
     B::int_from_data(TensorData::new(values, [len]), device)
 }
@@ -49,12 +55,17 @@ fn upload_i32<B: Backend>(value: i32, device: &B::Device) -> IntTensor<B> {
     B::int_from_data(TensorData::new(vec![value], [1]), device)
 }
 
+/// A status record on the device.
+pub(crate) fn upload_status<B: Backend>(words: StatusWords, device: &B::Device) -> IntTensor<B> {
+    upload_i64::<B>(words.to_vec(), device)
+}
+
 /// Packs a reference outcome as the kernels would: `out` padded to `capacity`, `count` 0 on error.
-fn gather_output<B: Backend>(
+pub(crate) fn gather_output<B: Backend>(
     outcome: Result<Vec<i64>, Error>,
     capacity: usize,
     device: &B::Device,
-) -> GatherOutput<IntTensor<B>> {
+) -> GatherPrimitive<B> {
     let (mut out, words) = match outcome {
         Ok(values) => {
             let words = status::encode(&Ok(values.len()));
@@ -63,10 +74,10 @@ fn gather_output<B: Backend>(
         Err(error) => (Vec::new(), status::encode(&Err(error))),
     };
     out.resize(capacity, 0);
-    GatherOutput {
+    GatherPrimitive {
         out: upload_i64::<B>(out, device),
-        count: upload_i64::<B>(vec![words[kvplan_kernels::status::COUNT]], device),
-        status: upload_i64::<B>(words.to_vec(), device),
+        count: upload_i64::<B>(vec![words[COUNT]], device),
+        status: upload_status::<B>(words, device),
     }
 }
 
@@ -84,138 +95,154 @@ pub(super) fn masked_gather<B: Backend>(
     pos2d: IntTensor<B>,
     mask: BoolTensor<B>,
     capacity: usize,
-) -> Result<GatherOutput<IntTensor<B>>, Error> {
-    let device = B::int_device(&req_to_token);
-    let (table_shape, table) = read_int::<B>(req_to_token)?;
-    let (_, req_pool_indices) = read_int::<B>(req_pool_indices)?;
-    let (pos_shape, pos2d) = read_int::<B>(pos2d)?;
-    let mask = read_bool::<B>(mask)?;
-    let (rows, cols) = rows_cols(&table_shape);
-    let (pos_rows, pos_cols) = rows_cols(&pos_shape);
-    // The context is re-attached when the status is decoded.
-    let outcome = reference::masked_gather(
-        Table::new(rows, cols, &table),
-        &req_pool_indices,
-        &pos2d,
-        &mask,
-        [pos_rows, pos_cols],
-        Some(capacity),
-        "",
-    );
-    Ok(gather_output::<B>(outcome, capacity, &device))
+) -> GatherPrimitive<B> {
+    let device = req_to_token.device();
+    let outcome = (|| {
+        let (table_shape, table) = read_int::<B>(req_to_token)?;
+        let (_, req_pool_indices) = read_int::<B>(req_pool_indices)?;
+        let (pos_shape, pos2d) = read_int::<B>(pos2d)?;
+        let mask = read_bool::<B>(mask)?;
+        let (rows, cols) = rows_cols(&table_shape);
+        let (pos_rows, pos_cols) = rows_cols(&pos_shape);
+        // The context is re-attached when the status is decoded.
+        reference::masked_gather(
+            Table::new(rows, cols, &table),
+            &req_pool_indices,
+            &pos2d,
+            &mask,
+            [pos_rows, pos_cols],
+            Some(capacity),
+            "",
+        )
+    })();
+    gather_output::<B>(outcome, capacity, &device)
 }
 
 pub(super) fn segment_gather<B: Backend>(
     req_to_token: IntTensor<B>,
     req_pool_indices: IntTensor<B>,
-    start: Option<IntTensor<B>>,
+    start: OptionalInt<B>,
     lengths: IntTensor<B>,
     capacity: usize,
-) -> Result<GatherOutput<IntTensor<B>>, Error> {
-    let device = B::int_device(&req_to_token);
-    let (table_shape, table) = read_int::<B>(req_to_token)?;
-    let (_, req_pool_indices) = read_int::<B>(req_pool_indices)?;
-    let start = start
-        .map(read_int::<B>)
-        .transpose()?
-        .map(|(_, values)| values);
-    let (_, lengths) = read_int::<B>(lengths)?;
-    let (rows, cols) = rows_cols(&table_shape);
-    let outcome = reference::segment_gather(
-        Table::new(rows, cols, &table),
-        &req_pool_indices,
-        start.as_deref(),
-        &lengths,
-        Some(capacity),
-    );
-    Ok(gather_output::<B>(outcome, capacity, &device))
+) -> GatherPrimitive<B> {
+    let device = req_to_token.device();
+    let outcome = (|| {
+        let (table_shape, table) = read_int::<B>(req_to_token)?;
+        let (_, req_pool_indices) = read_int::<B>(req_pool_indices)?;
+        let start = read_optional::<B>(start)?;
+        let (_, lengths) = read_int::<B>(lengths)?;
+        let (rows, cols) = rows_cols(&table_shape);
+        reference::segment_gather(
+            Table::new(rows, cols, &table),
+            &req_pool_indices,
+            start.as_deref(),
+            &lengths,
+            Some(capacity),
+        )
+    })();
+    gather_output::<B>(outcome, capacity, &device)
 }
 
-pub(super) fn canary_plan<B: Backend>(
-    verify: VerifyPlanPrimitive<IntTensor<B>>,
-    write: WritePlanPrimitive<IntTensor<B>>,
-    inputs: PlanInputsPrimitive<IntTensor<B>>,
-) -> Result<PlanOutput<IntTensor<B>>, Error> {
-    let device = B::int_device(&verify.slot_indices);
-    let scalar = |tensor| -> Result<i32, Error> {
-        Ok(read_int::<B>(tensor)?.1.first().copied().unwrap_or(0) as i32)
-    };
-    let scratch = write.scratch;
-    let mut buffers = PlanBuffers {
-        verify_slot_indices: read_int::<B>(verify.slot_indices)?.1,
-        verify_expected_tokens: read_int::<B>(verify.expected_tokens)?.1,
-        verify_expected_positions: read_int::<B>(verify.expected_positions)?.1,
-        verify_prev_slot_indices: read_int::<B>(verify.prev_slot_indices)?.1,
-        verify_num_valid: scalar(verify.num_valid)?,
-        enable: scalar(verify.enable)?,
-        write_offsets: read_int::<B>(write.offsets)?.1,
-        write_seed_slot_indices: read_int::<B>(write.seed_slot_indices)?.1,
-        write_num_valid_reqs: scalar(write.num_valid_reqs)?,
-    };
-    let (_, req_pool_indices) = read_int::<B>(inputs.req_pool_indices)?;
-    let (_, prefix_lens) = read_int::<B>(inputs.prefix_lens)?;
-    let (_, extend_seq_lens) = read_int::<B>(inputs.extend_seq_lens)?;
-    let (table_shape, table) = read_int::<B>(inputs.req_to_token)?;
-    let lut = inputs
-        .full_to_swa
-        .map(read_int::<B>)
-        .transpose()?
-        .map(|(_, values)| values);
-    let pool = match inputs.expected_tokens {
-        Some((pool, valid_lens)) => Some((read_int::<B>(pool)?, read_int::<B>(valid_lens)?.1)),
+fn read_optional<B: Backend>(tensor: OptionalInt<B>) -> Result<Option<Vec<i64>>, Error> {
+    Ok(match tensor.into_option() {
+        Some(tensor) => Some(read_int::<B>(tensor)?.1),
         None => None,
-    };
-    let (rows, cols) = rows_cols(&table_shape);
-    let args = PlanArgs {
-        req_pool_indices: &req_pool_indices,
-        prefix_lens: &prefix_lens,
-        extend_seq_lens: &extend_seq_lens,
-        req_to_token: Table::new(rows, cols, &table),
-        swa_window_size: inputs.swa_window_size,
-        full_to_swa: lut.as_deref(),
-        expected_tokens: pool.as_ref().map(|((shape, values), valid_lens)| {
-            let (prow, pcol) = rows_cols(shape);
-            ExpectedTokens {
-                pool: Table::new(prow, pcol, values),
-                valid_lens,
-            }
-        }),
-        position_offset: inputs.position_offset,
-    };
-    let outcome = reference::plan(&args, &mut buffers).map(|()| 0);
-    let words = status::encode(&outcome);
-    Ok(PlanOutput {
-        verify: VerifyPlanPrimitive {
-            slot_indices: upload_i64::<B>(buffers.verify_slot_indices, &device),
-            expected_tokens: upload_i64::<B>(buffers.verify_expected_tokens, &device),
-            expected_positions: upload_i64::<B>(buffers.verify_expected_positions, &device),
-            prev_slot_indices: upload_i64::<B>(buffers.verify_prev_slot_indices, &device),
-            num_valid: upload_i32::<B>(buffers.verify_num_valid, &device),
-            enable: upload_i32::<B>(buffers.enable, &device),
-        },
-        write: WritePlanPrimitive {
-            offsets: upload_i64::<B>(buffers.write_offsets, &device),
-            seed_slot_indices: upload_i64::<B>(buffers.write_seed_slot_indices, &device),
-            num_valid_reqs: upload_i32::<B>(buffers.write_num_valid_reqs, &device),
-            scratch,
-        },
-        status: upload_i64::<B>(words.to_vec(), &device),
     })
 }
 
-pub(super) fn int_prefix<B: Backend>(tensor: IntTensor<B>, len: usize) -> IntTensor<B> {
-    if len == 0 {
-        // `slice` answers an empty range with the backend's default int dtype, not i64.
-        return upload_i64::<B>(Vec::new(), &B::int_device(&tensor));
-    }
-    burn_tensor::Tensor::<B, 1, burn_tensor::Int>::from_primitive(tensor)
-        .slice(0..len)
-        .into_primitive()
+fn read_scalar<B: Backend>(tensor: IntTensor<B>) -> Result<i32, Error> {
+    Ok(read_int::<B>(tensor)?.1.first().copied().unwrap_or(0) as i32)
 }
 
-pub(super) fn read_status<B: Backend>(status: IntTensor<B>) -> Result<StatusWords, Error> {
+pub(super) fn canary_plan<B: Backend>(
+    verify: VerifyPlanPrimitive<B>,
+    write: WritePlanPrimitive<B>,
+    inputs: PlanInputsPrimitive<B>,
+) -> PlanOutput<B> {
+    let device = verify.slot_indices.device();
+    let (verify_ref, write_ref) = (verify.clone(), write.clone());
+    let run = || -> Result<(PlanBuffers, Result<(), Error>), Error> {
+        let mut buffers = PlanBuffers {
+            verify_slot_indices: read_int::<B>(verify.slot_indices)?.1,
+            verify_expected_tokens: read_int::<B>(verify.expected_tokens)?.1,
+            verify_expected_positions: read_int::<B>(verify.expected_positions)?.1,
+            verify_prev_slot_indices: read_int::<B>(verify.prev_slot_indices)?.1,
+            verify_num_valid: read_scalar::<B>(verify.num_valid)?,
+            enable: read_scalar::<B>(verify.enable)?,
+            write_offsets: read_int::<B>(write.offsets)?.1,
+            write_seed_slot_indices: read_int::<B>(write.seed_slot_indices)?.1,
+            write_num_valid_reqs: read_scalar::<B>(write.num_valid_reqs)?,
+        };
+        let (_, req_pool_indices) = read_int::<B>(inputs.req_pool_indices)?;
+        let (_, prefix_lens) = read_int::<B>(inputs.prefix_lens)?;
+        let (_, extend_seq_lens) = read_int::<B>(inputs.extend_seq_lens)?;
+        let (table_shape, table) = read_int::<B>(inputs.req_to_token)?;
+        let lut = read_optional::<B>(inputs.full_to_swa)?;
+        let pool = match inputs.expected_tokens.into_option() {
+            Some(pool) => Some(read_int::<B>(pool)?),
+            None => None,
+        };
+        let valid_lens = read_optional::<B>(inputs.expected_tokens_valid_lens)?;
+        let (rows, cols) = rows_cols(&table_shape);
+        let args = PlanArgs {
+            req_pool_indices: &req_pool_indices,
+            prefix_lens: &prefix_lens,
+            extend_seq_lens: &extend_seq_lens,
+            req_to_token: Table::new(rows, cols, &table),
+            swa_window_size: inputs.swa_window_size,
+            full_to_swa: lut.as_deref(),
+            expected_tokens: pool.as_ref().map(|(shape, values)| {
+                let (prow, pcol) = rows_cols(shape);
+                ExpectedTokens {
+                    pool: Table::new(prow, pcol, values),
+                    valid_lens: valid_lens.as_deref().unwrap_or(&[]),
+                }
+            }),
+            position_offset: inputs.position_offset,
+        };
+        let outcome = reference::plan(&args, &mut buffers);
+        Ok((buffers, outcome))
+    };
+    match run() {
+        Ok((buffers, outcome)) => PlanOutput {
+            verify: VerifyPlanPrimitive {
+                slot_indices: upload_i64::<B>(buffers.verify_slot_indices, &device),
+                expected_tokens: upload_i64::<B>(buffers.verify_expected_tokens, &device),
+                expected_positions: upload_i64::<B>(buffers.verify_expected_positions, &device),
+                prev_slot_indices: upload_i64::<B>(buffers.verify_prev_slot_indices, &device),
+                num_valid: upload_i32::<B>(buffers.verify_num_valid, &device),
+                enable: upload_i32::<B>(buffers.enable, &device),
+            },
+            write: WritePlanPrimitive {
+                offsets: upload_i64::<B>(buffers.write_offsets, &device),
+                seed_slot_indices: upload_i64::<B>(buffers.write_seed_slot_indices, &device),
+                num_valid_reqs: upload_i32::<B>(buffers.write_num_valid_reqs, &device),
+                scratch: write_ref.scratch,
+            },
+            status: upload_status::<B>(status::encode(&outcome.map(|()| 0)), &device),
+        },
+        // The plans as they were: only the status says what happened.
+        Err(error) => PlanOutput {
+            verify: verify_ref,
+            write: write_ref,
+            status: upload_status::<B>(status::encode(&Err(error)), &device),
+        },
+    }
+}
+
+/// The first `len` values of a 1-D i64 tensor, as an i64 tensor of exactly `len` values.
+pub(crate) fn int_prefix<B: Backend>(tensor: IntTensor<B>, len: usize) -> IntTensor<B> {
+    if len == 0 {
+        // `slice` answers an empty range with the backend's default int dtype, not i64.
+        return upload_i64::<B>(Vec::new(), &tensor.device());
+    }
+    B::int_slice(tensor, &[Slice::from(0..len)])
+}
+
+/// Reads a status record back: the single transfer of a checked call.
+pub(crate) fn read_status<B: Backend>(status: IntTensor<B>) -> Result<StatusWords, Error> {
     let (_, words) = read_int::<B>(status)?;
-    let mut record = [0; kvplan_kernels::status::STATUS_LEN];
+    let mut record = [0; STATUS_LEN];
     for (slot, word) in record.iter_mut().zip(words) {
         *slot = word;
     }
@@ -224,9 +251,8 @@ pub(super) fn read_status<B: Backend>(status: IntTensor<B>) -> Result<StatusWord
 
 /// The values of int or bool tensor data as i64, whatever the dtype, without assuming the bytes
 /// are aligned (`TensorData::iter` panics on unaligned bytes, which CUDA read-backs can give).
-pub fn data_to_i64(data: &TensorData) -> Vec<i64> {
-    use burn_tensor::DType;
-    let bytes: &[u8] = &data.bytes;
+pub(crate) fn data_to_i64(data: &TensorData) -> Vec<i64> {
+    let bytes: &[u8] = data.bytes();
     macro_rules! read {
         ($t:ty) => {
             bytes
@@ -235,7 +261,7 @@ pub fn data_to_i64(data: &TensorData) -> Vec<i64> {
                 .collect()
         };
     }
-    match data.dtype {
+    match data.dtype() {
         DType::I64 => read!(i64),
         DType::I32 => read!(i32),
         DType::I16 => read!(i16),
@@ -244,7 +270,7 @@ pub fn data_to_i64(data: &TensorData) -> Vec<i64> {
         DType::U32 => read!(u32),
         DType::U16 => read!(u16),
         DType::U8 => read!(u8),
-        DType::Bool(burn_tensor::BoolStore::U32) => read!(u32),
+        DType::Bool(BoolStore::U32) => read!(u32),
         DType::Bool(_) => read!(u8),
         _ => data.iter::<i64>().collect(),
     }
@@ -256,42 +282,38 @@ pub(crate) fn read_ints<B: Backend>(tensor: IntTensor<B>) -> Result<Vec<i64>, Er
 }
 
 /// A source's bytes, read back (little-endian, whatever the dtype).
-fn read_source<B: Backend>(
-    source: super::SourcePrimitive<burn_tensor::ops::FloatTensor<B>, IntTensor<B>>,
-) -> Result<(Vec<u8>, super::SourceLayout), Error> {
-    let data = match source.tensor {
-        super::KvBytes::Float(tensor) => read(B::float_into_data(tensor))?,
-        super::KvBytes::Int(tensor) => read(B::int_into_data(tensor))?,
+fn read_source<B: Backend>(tensor: KvBytes<B>) -> Result<Vec<u8>, Error> {
+    let data = match tensor {
+        KvBytes::Float(tensor) => read(B::float_into_data(tensor))?,
+        KvBytes::Int(tensor) => read(B::int_into_data(tensor))?,
+        KvBytes::Absent => return Ok(Vec::new()),
     };
-    Ok((data.bytes.to_vec(), source.layout))
+    Ok(data.bytes().to_vec())
 }
 
-fn read_canary<B: Backend>(
-    canary: &super::CanaryPrimitive<IntTensor<B>>,
-) -> Result<CanaryState, Error> {
+fn read_canary<B: Backend>(canary: &CanaryPrimitive<B>) -> Result<CanaryState, Error> {
     let buffer = read_int::<B>(canary.buffer.clone())?.1;
     let ring = read_int::<B>(canary.ring.clone())?.1;
     let counters = read_int::<B>(canary.counters.clone())?.1;
     let mut state = CanaryState::zeroed(canary.num_slots, canary.slot_words, canary.ring_capacity);
     let words = state.buffer.len();
     state.buffer.copy_from_slice(&buffer[..words]);
-    let row_words = kvplan_kernels::canary::ROW_WORDS;
-    for (row, values) in state.ring.iter_mut().zip(ring.chunks_exact(row_words)) {
+    for (row, values) in state.ring.iter_mut().zip(ring.chunks_exact(ROW_WORDS)) {
         row.copy_from_slice(values);
     }
-    use kvplan_kernels::canary::{KERNEL_RUN, SLOT_RUN, WRITE_INDEX};
     state.write_index = counters[WRITE_INDEX];
     state.slot_run_counter = counters[SLOT_RUN];
     state.kernel_run_counter = counters[KERNEL_RUN];
     Ok(state)
 }
 
-/// Uploads a host state as a canary's tensors (at least one buffer and one ring row).
+/// Uploads a host state as a canary's tensors (at least one buffer and one ring row), with a
+/// status record.
 pub(crate) fn upload_canary<B: Backend>(
     state: &CanaryState,
+    status: StatusWords,
     device: &B::Device,
-) -> super::CanaryPrimitive<IntTensor<B>> {
-    use kvplan_kernels::canary::{COUNTERS, KERNEL_RUN, ROW_WORDS, SLOT_RUN, WRITE_INDEX};
+) -> CanaryPrimitive<B> {
     let (num_slots, slot_words) = (state.num_slots(), state.slot_stride_words);
     let mut buffer = state.buffer.clone();
     buffer.resize(num_slots.max(1) * slot_words, 0);
@@ -302,24 +324,48 @@ pub(crate) fn upload_canary<B: Backend>(
     counters[SLOT_RUN] = state.slot_run_counter;
     counters[KERNEL_RUN] = state.kernel_run_counter;
     // 1-D on purpose: CUDA may pad the rows of a 2-D allocation, and the kernels index words.
-    super::CanaryPrimitive {
+    CanaryPrimitive {
         buffer: upload_i64::<B>(buffer, device),
         ring: upload_i64::<B>(ring, device),
         counters: upload_i64::<B>(counters.to_vec(), device),
+        status: upload_status::<B>(status, device),
         num_slots,
         slot_words,
         ring_capacity: state.ring.len(),
-        failure: None,
     }
 }
 
-fn read_sources<B: Backend>(
-    sources: Vec<super::SourcePrimitive<burn_tensor::ops::FloatTensor<B>, IntTensor<B>>>,
-) -> Result<Vec<(Vec<u8>, super::SourceLayout)>, Error> {
-    sources.into_iter().map(read_source::<B>).collect()
+/// A canary whose op could not run: zeroed, holding the failure's status.
+pub(crate) fn failed_canary<B: Backend>(
+    num_slots: usize,
+    slot_words: usize,
+    ring_capacity: usize,
+    error: Error,
+    device: &B::Device,
+) -> CanaryPrimitive<B> {
+    let state = CanaryState::zeroed(num_slots, slot_words, ring_capacity);
+    upload_canary::<B>(&state, status::encode(&Err(error)), device)
 }
 
-fn source_views(sources: &[(Vec<u8>, super::SourceLayout)]) -> Vec<SourceBytes<'_>> {
+/// The canary's standing status: a failure recorded earlier stays until `clear`.
+fn standing_status<B: Backend>(canary: &CanaryPrimitive<B>) -> Result<StatusWords, Error> {
+    read_status::<B>(canary.status.clone())
+}
+
+type Sources = Vec<(Vec<u8>, SourceLayout)>;
+
+fn read_sources<B: Backend>(
+    launch: CanaryLaunchPrimitive<B>,
+) -> Result<(super::LaunchMeta, Sources), Error> {
+    let (meta, sources) = launch.sources();
+    let sources = sources
+        .into_iter()
+        .map(|(tensor, layout)| Ok((read_source::<B>(tensor)?, layout)))
+        .collect::<Result<_, Error>>()?;
+    Ok((meta, sources))
+}
+
+fn source_views(sources: &Sources) -> Vec<SourceBytes<'_>> {
     sources
         .iter()
         .map(|(bytes, layout)| SourceBytes {
@@ -332,85 +378,103 @@ fn source_views(sources: &[(Vec<u8>, super::SourceLayout)]) -> Vec<SourceBytes<'
         .collect()
 }
 
+/// Runs a canary op on the host state; a failed read hands back a zeroed canary holding it.
+fn with_state<B: Backend>(
+    canary: CanaryPrimitive<B>,
+    op: impl FnOnce(&mut CanaryState) -> Result<(), Error>,
+) -> CanaryPrimitive<B> {
+    let device = canary.buffer.device();
+    let (num_slots, slot_words, ring_capacity) =
+        (canary.num_slots, canary.slot_words, canary.ring_capacity);
+    let run = || -> Result<(CanaryState, StatusWords), Error> {
+        let standing = standing_status::<B>(&canary)?;
+        let mut state = read_canary::<B>(&canary)?;
+        op(&mut state)?;
+        Ok((state, standing))
+    };
+    match run() {
+        Ok((state, standing)) => upload_canary::<B>(&state, standing, &device),
+        Err(error) => failed_canary::<B>(num_slots, slot_words, ring_capacity, error, &device),
+    }
+}
+
 pub(super) fn canary_write<B: Backend>(
-    canary: super::CanaryPrimitive<IntTensor<B>>,
-    plan: WritePlanPrimitive<IntTensor<B>>,
-    inputs: super::WriteInputsPrimitive<IntTensor<B>>,
-    launch: super::CanaryLaunchOf<B>,
-) -> Result<super::CanaryPrimitive<IntTensor<B>>, Error> {
-    let device = B::int_device(&canary.buffer);
-    let mut state = read_canary::<B>(&canary)?;
-    let offsets = read_int::<B>(plan.offsets)?.1;
-    let seeds = read_int::<B>(plan.seed_slot_indices)?.1;
-    let num_valid_reqs = read_int::<B>(plan.num_valid_reqs)?.1[0] as i32;
-    let input_ids = read_int::<B>(inputs.input_ids)?.1;
-    let positions = read_int::<B>(inputs.positions)?.1;
-    let out_cache_loc = read_int::<B>(inputs.out_cache_loc)?.1;
-    let expected = match inputs.expected_inputs {
-        Some((tokens, positions)) => Some((read_int::<B>(tokens)?.1, read_int::<B>(positions)?.1)),
-        None => None,
-    };
-    let chain_position_assert = match inputs.chain_position_assert {
-        Some(flag) => read_int::<B>(flag)?.1.first().is_some_and(|&v| v != 0),
-        None => false,
-    };
-    let sources = read_sources::<B>(launch.sources)?;
-    let views = source_views(&sources);
-    let args = WriteArgs {
-        offsets: &offsets,
-        seed_slot_indices: &seeds,
-        num_valid_reqs,
-        input_ids: &input_ids,
-        positions: &positions,
-        out_cache_loc: &out_cache_loc,
-        expected_inputs: expected.as_ref().map(|(t, p)| (t.as_slice(), p.as_slice())),
-        chain_position_assert,
-    };
-    let launch = Launch {
-        kernel_kind: launch.kernel_kind,
-        mode: launch.mode,
-        sources: &views,
-    };
-    reference::canary::write(&mut state, &args, &launch);
-    Ok(upload_canary::<B>(&state, &device))
+    canary: CanaryPrimitive<B>,
+    plan: WritePlanPrimitive<B>,
+    inputs: WriteInputsPrimitive<B>,
+    launch: CanaryLaunchPrimitive<B>,
+) -> CanaryPrimitive<B> {
+    with_state(canary, |state| {
+        let offsets = read_int::<B>(plan.offsets)?.1;
+        let seeds = read_int::<B>(plan.seed_slot_indices)?.1;
+        let num_valid_reqs = read_scalar::<B>(plan.num_valid_reqs)?;
+        let input_ids = read_int::<B>(inputs.input_ids)?.1;
+        let positions = read_int::<B>(inputs.positions)?.1;
+        let out_cache_loc = read_int::<B>(inputs.out_cache_loc)?.1;
+        let expected_tokens = read_optional::<B>(inputs.expected_input_tokens)?;
+        let expected_positions = read_optional::<B>(inputs.expected_input_positions)?;
+        let chain_position_assert = match inputs.chain_position_assert.into_option() {
+            Some(flag) => read_scalar::<B>(flag)? != 0,
+            None => false,
+        };
+        let (meta, sources) = read_sources::<B>(launch)?;
+        let views = source_views(&sources);
+        let args = WriteArgs {
+            offsets: &offsets,
+            seed_slot_indices: &seeds,
+            num_valid_reqs,
+            input_ids: &input_ids,
+            positions: &positions,
+            out_cache_loc: &out_cache_loc,
+            expected_inputs: expected_tokens
+                .as_deref()
+                .zip(expected_positions.as_deref()),
+            chain_position_assert,
+        };
+        let launch = Launch {
+            kernel_kind: meta.kernel_kind,
+            mode: meta.mode,
+            sources: &views,
+        };
+        reference::canary::write(state, &args, &launch);
+        Ok(())
+    })
 }
 
 pub(super) fn canary_verify<B: Backend>(
-    canary: super::CanaryPrimitive<IntTensor<B>>,
-    plan: VerifyPlanPrimitive<IntTensor<B>>,
-    launch: super::CanaryLaunchOf<B>,
-) -> Result<super::CanaryPrimitive<IntTensor<B>>, Error> {
-    let device = B::int_device(&canary.buffer);
-    let mut state = read_canary::<B>(&canary)?;
-    let slot_indices = read_int::<B>(plan.slot_indices)?.1;
-    let expected_tokens = read_int::<B>(plan.expected_tokens)?.1;
-    let expected_positions = read_int::<B>(plan.expected_positions)?.1;
-    let prev_slot_indices = read_int::<B>(plan.prev_slot_indices)?.1;
-    let num_valid = read_int::<B>(plan.num_valid)?.1[0] as i32;
-    let enable = read_int::<B>(plan.enable)?.1[0] as i32;
-    let sources = read_sources::<B>(launch.sources)?;
-    let views = source_views(&sources);
-    let args = VerifyArgs {
-        slot_indices: &slot_indices,
-        expected_tokens: &expected_tokens,
-        expected_positions: &expected_positions,
-        prev_slot_indices: &prev_slot_indices,
-        num_valid,
-        enable,
-        check_expected_token: launch.check_expected_token,
-    };
-    let launch = Launch {
-        kernel_kind: launch.kernel_kind,
-        mode: launch.mode,
-        sources: &views,
-    };
-    reference::canary::verify(&mut state, &args, &launch);
-    Ok(upload_canary::<B>(&state, &device))
+    canary: CanaryPrimitive<B>,
+    plan: VerifyPlanPrimitive<B>,
+    launch: CanaryLaunchPrimitive<B>,
+) -> CanaryPrimitive<B> {
+    with_state(canary, |state| {
+        let slot_indices = read_int::<B>(plan.slot_indices)?.1;
+        let expected_tokens = read_int::<B>(plan.expected_tokens)?.1;
+        let expected_positions = read_int::<B>(plan.expected_positions)?.1;
+        let prev_slot_indices = read_int::<B>(plan.prev_slot_indices)?.1;
+        let num_valid = read_scalar::<B>(plan.num_valid)?;
+        let enable = read_scalar::<B>(plan.enable)?;
+        let (meta, sources) = read_sources::<B>(launch)?;
+        let views = source_views(&sources);
+        let args = VerifyArgs {
+            slot_indices: &slot_indices,
+            expected_tokens: &expected_tokens,
+            expected_positions: &expected_positions,
+            prev_slot_indices: &prev_slot_indices,
+            num_valid,
+            enable,
+            check_expected_token: meta.check_expected_token,
+        };
+        let launch = Launch {
+            kernel_kind: meta.kernel_kind,
+            mode: meta.mode,
+            sources: &views,
+        };
+        reference::canary::verify(state, &args, &launch);
+        Ok(())
+    })
 }
 
 /// Reads a canary's whole state back (tests, conformance, `Canary::state`).
-pub(crate) fn canary_state<B: Backend>(
-    canary: &super::CanaryPrimitive<IntTensor<B>>,
-) -> Result<CanaryState, Error> {
+pub(crate) fn canary_state<B: Backend>(canary: &CanaryPrimitive<B>) -> Result<CanaryState, Error> {
     read_canary::<B>(canary)
 }

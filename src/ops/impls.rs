@@ -1,175 +1,255 @@
 //! Which backends implement `KvPlanBackend`, and how.
 //!
-//! Host backends use the default (reference) bodies. `Autodiff` delegates to its inner backend:
-//! int and bool tensors are not tracked, so there is no gradient to record.
+//! Flex uses the default (reference) bodies, the Cube backend its kernels (`cube`), `Fusion<B>`
+//! the macro's lazy ops. `Autodiff` delegates to its inner backend: int tensors are not tracked and
+//! KV bytes are only read, so there is no gradient to record.
 
-use burn_autodiff::Autodiff;
-use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use burn_tensor::ops::{BoolTensor, IntTensor};
+use burn_core::backend::Flex;
+use burn_core::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn_core::backend::{Autodiff, Backend};
 
 use super::{
-    CanaryLaunchOf, CanaryPrimitive, GatherOutput, KvBytes, KvPlanBackend, PlanInputsPrimitive,
-    PlanOutput, SourcePrimitive, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
+    CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes, KvPlanBackend, OptionalInt,
+    PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
 };
-use crate::error::Error;
-use crate::status::StatusWords;
 
-impl KvPlanBackend for burn_flex::Flex {}
+impl KvPlanBackend for Flex {}
 
-impl<R, F, I, BT> KvPlanBackend for CubeBackend<R, F, I, BT>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+impl KvPlanBackend for burn_cubecl::CubeBackend {
     fn masked_gather(
-        req_to_token: IntTensor<Self>,
-        req_pool_indices: IntTensor<Self>,
-        pos2d: IntTensor<Self>,
-        mask: BoolTensor<Self>,
+        req_to_token: burn_cubecl::tensor::CubeTensor,
+        req_pool_indices: burn_cubecl::tensor::CubeTensor,
+        pos2d: burn_cubecl::tensor::CubeTensor,
+        mask: burn_cubecl::tensor::CubeTensor,
         capacity: usize,
-    ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
+    ) -> GatherPrimitive<Self> {
         super::cube::masked_gather(req_to_token, req_pool_indices, pos2d, mask, capacity)
     }
 
     fn segment_gather(
-        req_to_token: IntTensor<Self>,
-        req_pool_indices: IntTensor<Self>,
-        start: Option<IntTensor<Self>>,
-        lengths: IntTensor<Self>,
+        req_to_token: burn_cubecl::tensor::CubeTensor,
+        req_pool_indices: burn_cubecl::tensor::CubeTensor,
+        start: OptionalInt<Self>,
+        lengths: burn_cubecl::tensor::CubeTensor,
         capacity: usize,
-    ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
-        super::cube::segment_gather(req_to_token, req_pool_indices, start, lengths, capacity)
+    ) -> GatherPrimitive<Self> {
+        super::cube::segment_gather(
+            req_to_token,
+            req_pool_indices,
+            start.into_option(),
+            lengths,
+            capacity,
+        )
     }
 
     fn canary_plan(
-        verify: VerifyPlanPrimitive<IntTensor<Self>>,
-        write: WritePlanPrimitive<IntTensor<Self>>,
-        inputs: PlanInputsPrimitive<IntTensor<Self>>,
-    ) -> Result<PlanOutput<IntTensor<Self>>, Error> {
+        verify: VerifyPlanPrimitive<Self>,
+        write: WritePlanPrimitive<Self>,
+        inputs: PlanInputsPrimitive<Self>,
+    ) -> PlanOutput<Self> {
         super::cube::canary_plan(verify, write, inputs)
     }
 
     fn canary_write(
-        canary: CanaryPrimitive<IntTensor<Self>>,
-        plan: WritePlanPrimitive<IntTensor<Self>>,
-        inputs: WriteInputsPrimitive<IntTensor<Self>>,
-        launch: CanaryLaunchOf<Self>,
-    ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
+        canary: CanaryPrimitive<Self>,
+        plan: WritePlanPrimitive<Self>,
+        inputs: WriteInputsPrimitive<Self>,
+        launch: CanaryLaunchPrimitive<Self>,
+    ) -> CanaryPrimitive<Self> {
         super::cube::canary_write(canary, plan, inputs, launch)
     }
 
     fn canary_verify(
-        canary: CanaryPrimitive<IntTensor<Self>>,
-        plan: VerifyPlanPrimitive<IntTensor<Self>>,
-        launch: CanaryLaunchOf<Self>,
-    ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
+        canary: CanaryPrimitive<Self>,
+        plan: VerifyPlanPrimitive<Self>,
+        launch: CanaryLaunchPrimitive<Self>,
+    ) -> CanaryPrimitive<Self> {
         super::cube::canary_verify(canary, plan, launch)
     }
+}
 
-    fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {
-        tensor
-            .meta
-            .strides()
-            .first()
-            .map_or(1, |&stride| stride as i64)
+/// Moves a value between `Autodiff<B>` and `B`: their int primitives are one type.
+trait Rebase<T> {
+    fn rebase(self) -> T;
+}
+
+/// The same struct over another backend whose int primitive is the same type, field by field.
+macro_rules! rebase_ints {
+    ($name:ident { $($field:ident),* } $(, $keep:ident)*) => {
+        impl<B: Backend, C: CheckpointStrategy> Rebase<$name<B>> for $name<Autodiff<B, C>> {
+            fn rebase(self) -> $name<B> {
+                $name { $($field: self.$field.rebase(),)* $($keep: self.$keep,)* }
+            }
+        }
+        impl<B: Backend, C: CheckpointStrategy> Rebase<$name<Autodiff<B, C>>> for $name<B> {
+            fn rebase(self) -> $name<Autodiff<B, C>> {
+                $name { $($field: self.$field.rebase(),)* $($keep: self.$keep,)* }
+            }
+        }
+    };
+}
+
+impl<T> Rebase<T> for T {
+    fn rebase(self) -> T {
+        self
     }
+}
 
-    fn read_status(status: IntTensor<Self>) -> Result<StatusWords, Error> {
-        super::cube::read_status(status)
+impl<B: Backend, C: CheckpointStrategy> Rebase<OptionalInt<B>> for OptionalInt<Autodiff<B, C>> {
+    fn rebase(self) -> OptionalInt<B> {
+        match self {
+            Self::Given(tensor) => OptionalInt::Given(tensor),
+            Self::Absent => OptionalInt::Absent,
+        }
     }
+}
 
-    fn int_prefix(tensor: IntTensor<Self>, len: usize) -> IntTensor<Self> {
-        burn_cubecl::tensor::CubeTensor::new_contiguous(
-            tensor.client.clone(),
-            tensor.device.clone(),
-            burn_tensor::Shape::new([len]),
-            tensor.handle.clone(),
-            tensor.dtype,
-        )
+impl<B: Backend, C: CheckpointStrategy> Rebase<KvBytes<B>> for KvBytes<Autodiff<B, C>> {
+    fn rebase(self) -> KvBytes<B> {
+        match self {
+            Self::Float(tensor) => KvBytes::Float(tensor.into_primitive()),
+            Self::Int(tensor) => KvBytes::Int(tensor),
+            Self::Absent => KvBytes::Absent,
+        }
+    }
+}
+
+rebase_ints!(GatherPrimitive { out, count, status });
+rebase_ints!(VerifyPlanPrimitive {
+    slot_indices,
+    expected_tokens,
+    expected_positions,
+    prev_slot_indices,
+    num_valid,
+    enable
+});
+rebase_ints!(WritePlanPrimitive {
+    offsets,
+    seed_slot_indices,
+    num_valid_reqs,
+    scratch
+});
+rebase_ints!(
+    CanaryPrimitive {
+        buffer,
+        ring,
+        counters,
+        status
+    },
+    num_slots,
+    slot_words,
+    ring_capacity
+);
+rebase_ints!(PlanOutput {
+    verify,
+    write,
+    status
+});
+
+impl<B: Backend, C: CheckpointStrategy> Rebase<PlanInputsPrimitive<B>>
+    for PlanInputsPrimitive<Autodiff<B, C>>
+{
+    fn rebase(self) -> PlanInputsPrimitive<B> {
+        PlanInputsPrimitive {
+            req_pool_indices: self.req_pool_indices,
+            prefix_lens: self.prefix_lens,
+            extend_seq_lens: self.extend_seq_lens,
+            req_to_token: self.req_to_token,
+            full_to_swa: self.full_to_swa.rebase(),
+            expected_tokens: self.expected_tokens.rebase(),
+            expected_tokens_valid_lens: self.expected_tokens_valid_lens.rebase(),
+            swa_window_size: self.swa_window_size,
+            position_offset: self.position_offset,
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> Rebase<WriteInputsPrimitive<B>>
+    for WriteInputsPrimitive<Autodiff<B, C>>
+{
+    fn rebase(self) -> WriteInputsPrimitive<B> {
+        WriteInputsPrimitive {
+            input_ids: self.input_ids,
+            positions: self.positions,
+            out_cache_loc: self.out_cache_loc,
+            expected_input_tokens: self.expected_input_tokens.rebase(),
+            expected_input_positions: self.expected_input_positions.rebase(),
+            chain_position_assert: self.chain_position_assert.rebase(),
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> Rebase<CanaryLaunchPrimitive<B>>
+    for CanaryLaunchPrimitive<Autodiff<B, C>>
+{
+    fn rebase(self) -> CanaryLaunchPrimitive<B> {
+        CanaryLaunchPrimitive {
+            source_0: self.source_0.rebase(),
+            source_1: self.source_1.rebase(),
+            source_2: self.source_2.rebase(),
+            source_3: self.source_3.rebase(),
+            meta: self.meta,
+        }
     }
 }
 
 impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
     fn masked_gather(
-        req_to_token: IntTensor<Self>,
-        req_pool_indices: IntTensor<Self>,
-        pos2d: IntTensor<Self>,
-        mask: BoolTensor<Self>,
+        req_to_token: B::IntTensorPrimitive,
+        req_pool_indices: B::IntTensorPrimitive,
+        pos2d: B::IntTensorPrimitive,
+        mask: B::BoolTensorPrimitive,
         capacity: usize,
-    ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
-        B::masked_gather(req_to_token, req_pool_indices, pos2d, mask, capacity)
+    ) -> GatherPrimitive<Self> {
+        B::masked_gather(req_to_token, req_pool_indices, pos2d, mask, capacity).rebase()
     }
 
     fn segment_gather(
-        req_to_token: IntTensor<Self>,
-        req_pool_indices: IntTensor<Self>,
-        start: Option<IntTensor<Self>>,
-        lengths: IntTensor<Self>,
+        req_to_token: B::IntTensorPrimitive,
+        req_pool_indices: B::IntTensorPrimitive,
+        start: OptionalInt<Self>,
+        lengths: B::IntTensorPrimitive,
         capacity: usize,
-    ) -> Result<GatherOutput<IntTensor<Self>>, Error> {
-        B::segment_gather(req_to_token, req_pool_indices, start, lengths, capacity)
+    ) -> GatherPrimitive<Self> {
+        B::segment_gather(
+            req_to_token,
+            req_pool_indices,
+            start.rebase(),
+            lengths,
+            capacity,
+        )
+        .rebase()
     }
 
     fn canary_plan(
-        verify: VerifyPlanPrimitive<IntTensor<Self>>,
-        write: WritePlanPrimitive<IntTensor<Self>>,
-        inputs: PlanInputsPrimitive<IntTensor<Self>>,
-    ) -> Result<PlanOutput<IntTensor<Self>>, Error> {
-        B::canary_plan(verify, write, inputs)
+        verify: VerifyPlanPrimitive<Self>,
+        write: WritePlanPrimitive<Self>,
+        inputs: PlanInputsPrimitive<Self>,
+    ) -> PlanOutput<Self> {
+        B::canary_plan(verify.rebase(), write.rebase(), inputs.rebase()).rebase()
     }
 
     fn canary_write(
-        canary: CanaryPrimitive<IntTensor<Self>>,
-        plan: WritePlanPrimitive<IntTensor<Self>>,
-        inputs: WriteInputsPrimitive<IntTensor<Self>>,
-        launch: CanaryLaunchOf<Self>,
-    ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
-        B::canary_write(canary, plan, inputs, inner_launch::<B, C>(launch))
+        canary: CanaryPrimitive<Self>,
+        plan: WritePlanPrimitive<Self>,
+        inputs: WriteInputsPrimitive<Self>,
+        launch: CanaryLaunchPrimitive<Self>,
+    ) -> CanaryPrimitive<Self> {
+        B::canary_write(
+            canary.rebase(),
+            plan.rebase(),
+            inputs.rebase(),
+            launch.rebase(),
+        )
+        .rebase()
     }
 
     fn canary_verify(
-        canary: CanaryPrimitive<IntTensor<Self>>,
-        plan: VerifyPlanPrimitive<IntTensor<Self>>,
-        launch: CanaryLaunchOf<Self>,
-    ) -> Result<CanaryPrimitive<IntTensor<Self>>, Error> {
-        B::canary_verify(canary, plan, inner_launch::<B, C>(launch))
-    }
-
-    fn int_row_stride(tensor: &IntTensor<Self>) -> i64 {
-        B::int_row_stride(tensor)
-    }
-
-    fn int_prefix(tensor: IntTensor<Self>, len: usize) -> IntTensor<Self> {
-        B::int_prefix(tensor, len)
-    }
-
-    fn read_status(status: IntTensor<Self>) -> Result<StatusWords, Error> {
-        B::read_status(status)
-    }
-}
-
-/// The launch with float sources unwrapped from their autodiff nodes (bytes are only read).
-fn inner_launch<B: KvPlanBackend, C: CheckpointStrategy>(
-    launch: CanaryLaunchOf<Autodiff<B, C>>,
-) -> CanaryLaunchOf<B> {
-    let sources = launch
-        .sources
-        .into_iter()
-        .map(|source| SourcePrimitive {
-            tensor: match source.tensor {
-                KvBytes::Float(tensor) => KvBytes::Float(tensor.primitive),
-                KvBytes::Int(tensor) => KvBytes::Int(tensor),
-            },
-            layout: source.layout,
-        })
-        .collect();
-    super::CanaryLaunchPrimitive {
-        kernel_kind: launch.kernel_kind,
-        mode: launch.mode,
-        sources,
-        check_expected_token: launch.check_expected_token,
+        canary: CanaryPrimitive<Self>,
+        plan: VerifyPlanPrimitive<Self>,
+        launch: CanaryLaunchPrimitive<Self>,
+    ) -> CanaryPrimitive<Self> {
+        B::canary_verify(canary.rebase(), plan.rebase(), launch.rebase()).rebase()
     }
 }

@@ -2,11 +2,11 @@
 //!
 //! A failed rule returns before any launch, so nothing (counter, ring, buffer) changes.
 
-use burn_tensor::DType;
+use burn_core::tensor::DType;
 
 use super::{Arg, dtype_name};
 use crate::error::{Dims, Error};
-use crate::ops::SourceLayout;
+use crate::layout::SourceLayout;
 use crate::reference::RealKvHashMode;
 
 /// `MAX_REAL_KV_SOURCES`.

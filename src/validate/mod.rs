@@ -13,7 +13,7 @@ pub use plan::{PlanArgs, allocation, plan};
 
 use core::fmt::Debug;
 
-use burn_tensor::DType;
+use burn_core::tensor::DType;
 
 use crate::error::{Dims, Error};
 

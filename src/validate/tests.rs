@@ -2,8 +2,8 @@
 //!
 //! Devices are plain `u8`s (`Arg<D>` is generic), so `Debug` prints them as `0`, `1`, ...
 
-use burn_backend::BoolStore;
-use burn_tensor::DType;
+use burn_core::tensor::BoolStore;
+use burn_core::tensor::DType;
 
 use super::plan::MAX_CAPACITY;
 use super::{

@@ -1,8 +1,8 @@
 //! Launchers of the kv-canary write and verify kernels.
 
-use burn_cubecl::CubeRuntime;
+use burn_core::backend::TensorMetadata;
+use burn_core::tensor::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
-use burn_tensor::{DType, Shape, TensorMetadata};
 use cubecl::prelude::*;
 use kvplan_kernels::canary::{
     CanaryFeatures, CanaryShapeLaunch, GROUP, GROUPS_PER_CUBE, LayoutsLaunch, MODE_ALL, MODE_NONE,
@@ -15,17 +15,19 @@ use super::{
     CUBES_PER_SM, address_type, bindable, fixed_planes, grid, multiprocessors, resident_cubes,
     writable,
 };
-use crate::Error;
+use burn_cubecl::CubeBackend;
+
+use crate::layout::SourceLayout;
 use crate::ops::{
-    CanaryLaunchPrimitive, CanaryPrimitive, KvBytes, SourceLayout, SourcePrimitive,
-    VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
+    CanaryLaunchPrimitive, CanaryPrimitive, KvBytes, OptionalInt, VerifyPlanPrimitive,
+    WriteInputsPrimitive, WritePlanPrimitive,
 };
 use crate::reference::RealKvHashMode;
 
-type Launch<R> = CanaryLaunchPrimitive<CubeTensor<R>, CubeTensor<R>>;
+type Launch = CanaryLaunchPrimitive<CubeBackend>;
 
 /// The same buffer seen as `u64` words (the kernels hash and compare bit patterns).
-fn as_words<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+fn as_words(tensor: CubeTensor) -> CubeTensor {
     let words = (tensor.shape().num_elements() * tensor.dtype.size()).div_ceil(8);
     CubeTensor::new_contiguous(
         tensor.client,
@@ -45,11 +47,11 @@ fn mode_code(mode: RealKvHashMode) -> u8 {
 }
 
 /// The bound sources (stand-ins past the given ones) and their layouts in words.
-fn bind_sources<R: CubeRuntime>(
-    sources: &[CubeTensor<R>],
+fn bind_sources(
+    sources: &[CubeTensor],
     layouts: &[SourceLayout],
-    stand_in: &CubeTensor<R>,
-) -> (SourcesLaunch<R>, LayoutsLaunch<R>) {
+    stand_in: &CubeTensor,
+) -> (SourcesLaunch, LayoutsLaunch) {
     let tensor = |k: usize| sources.get(k).unwrap_or(stand_in).clone().into_tensor_arg();
     let layout = |k: usize| {
         let (layout, words) = match (layouts.get(k), sources.get(k)) {
@@ -82,13 +84,14 @@ fn bind_sources<R: CubeRuntime>(
 /// A source's bytes as words, and its layout with the real row stride: a view of the caller's
 /// buffer. Rows may be padded (CUDA pitches some 2-D allocations, views skip columns); the rest of
 /// a row must be contiguous, else the source is copied first (the only copy, and only then).
-fn source_words<R: CubeRuntime>(
-    source: SourcePrimitive<CubeTensor<R>, CubeTensor<R>>,
-) -> (CubeTensor<R>, SourceLayout) {
-    let tensor = match source.tensor {
+fn source_words(
+    (tensor, layout): (KvBytes<CubeBackend>, SourceLayout),
+) -> Option<(CubeTensor, SourceLayout)> {
+    let tensor = match tensor {
         KvBytes::Float(tensor) | KvBytes::Int(tensor) => tensor,
+        KvBytes::Absent => return None,
     };
-    let row_stride = |tensor: &CubeTensor<R>| -> Option<usize> {
+    let row_stride = |tensor: &CubeTensor| -> Option<usize> {
         let (shape, strides) = (tensor.shape(), tensor.meta.strides());
         let mut expected = 1;
         for axis in (1..shape.num_dims()).rev() {
@@ -104,7 +107,7 @@ fn source_words<R: CubeRuntime>(
         Some(stride) => (tensor, stride),
         None => {
             let tensor = burn_cubecl::kernel::into_contiguous(tensor);
-            let stride = row_stride(&tensor).unwrap_or(source.layout.row_bytes);
+            let stride = row_stride(&tensor).unwrap_or(layout.row_bytes);
             (tensor, stride)
         }
     };
@@ -114,7 +117,7 @@ fn source_words<R: CubeRuntime>(
     let bytes = if rows == 0 {
         0
     } else {
-        (rows - 1) * stride + source.layout.row_bytes
+        (rows - 1) * stride + layout.row_bytes
     };
     let words = bindable(CubeTensor::new_contiguous(
         tensor.client,
@@ -126,48 +129,55 @@ fn source_words<R: CubeRuntime>(
     let layout = SourceLayout {
         rows,
         row_bytes: stride,
-        ..source.layout
+        ..layout
     };
-    (words, layout)
+    Some((words, layout))
 }
 
-struct Bound<R: CubeRuntime> {
-    sources: Vec<CubeTensor<R>>,
+struct Bound {
+    sources: Vec<CubeTensor>,
     layouts: Vec<SourceLayout>,
     features: CanaryFeatures,
     kernel_kind: u64,
 }
 
-fn bind_launch<R: CubeRuntime>(launch: Launch<R>) -> Bound<R> {
-    let (sources, layouts): (Vec<CubeTensor<R>>, Vec<SourceLayout>) =
-        launch.sources.into_iter().map(source_words).unzip();
+fn bind_launch(launch: Launch) -> Bound {
+    let (meta, sources) = launch.sources();
+    let (sources, layouts): (Vec<CubeTensor>, Vec<SourceLayout>) =
+        sources.into_iter().filter_map(source_words).unzip();
     Bound {
         features: CanaryFeatures {
-            mode: mode_code(launch.mode),
+            mode: mode_code(meta.mode),
             sources: sources.len() as u8,
             input_assert: false,
             chain_assert: false,
-            check_token: launch.check_expected_token,
+            check_token: meta.check_expected_token,
             shuffle: false,
             stage_words: 0,
         },
         sources,
         layouts,
-        kernel_kind: i64::from(launch.kernel_kind) as u64,
+        kernel_kind: i64::from(meta.kernel_kind) as u64,
     }
 }
 
-pub(crate) fn canary_write<R: CubeRuntime>(
-    canary: CanaryPrimitive<CubeTensor<R>>,
-    plan: WritePlanPrimitive<CubeTensor<R>>,
-    inputs: WriteInputsPrimitive<CubeTensor<R>>,
-    launch: Launch<R>,
-) -> Result<CanaryPrimitive<CubeTensor<R>>, Error> {
+pub(crate) fn canary_write(
+    canary: CanaryPrimitive<CubeBackend>,
+    plan: WritePlanPrimitive<CubeBackend>,
+    inputs: WriteInputsPrimitive<CubeBackend>,
+    launch: Launch,
+) -> CanaryPrimitive<CubeBackend> {
+    let canary_shape = Shape3 {
+        num_slots: canary.num_slots,
+        slot_words: canary.slot_words,
+        ring_capacity: canary.ring_capacity,
+        device: canary.buffer.device.clone(),
+    };
     let mut bound = bind_launch(launch);
-    bound.features.input_assert = inputs.expected_inputs.is_some();
+    bound.features.input_assert = matches!(inputs.expected_input_tokens, OptionalInt::Given(_));
     // A verify-only switch: kept out of the write kernel's compile key.
     bound.features.check_token = false;
-    bound.features.chain_assert = inputs.chain_position_assert.is_some();
+    bound.features.chain_assert = matches!(inputs.chain_position_assert, OptionalInt::Given(_));
     // A write group takes the tile's values by plane shuffles when a plane is one group.
     bound.features.shuffle = fixed_planes(&canary.buffer, GROUP);
     let buffer = writable(canary.buffer);
@@ -201,23 +211,27 @@ pub(crate) fn canary_write<R: CubeRuntime>(
         (fingerprint_cubes * CUBE_SIZE as usize) as u64,
         bound.kernel_kind,
     );
-    let words = |tensor: CubeTensor<R>| as_words(bindable(tensor));
+    let words = |tensor: CubeTensor| as_words(bindable(tensor));
     let offsets = words(plan.offsets);
     let seeds = words(plan.seed_slot_indices);
     let num_valid_reqs = bindable(plan.num_valid_reqs);
     let input_ids = words(inputs.input_ids);
     let positions = words(inputs.positions);
     let out_cache_loc = words(inputs.out_cache_loc);
-    let (expected_tokens, expected_positions) = match inputs.expected_inputs {
-        Some((tokens, positions)) => (words(tokens), words(positions)),
-        None => (input_ids.clone(), input_ids.clone()),
+    let (expected_tokens, expected_positions) = match (
+        inputs.expected_input_tokens.into_option(),
+        inputs.expected_input_positions.into_option(),
+    ) {
+        (Some(tokens), Some(positions)) => (words(tokens), words(positions)),
+        _ => (input_ids.clone(), input_ids.clone()),
     };
     let chain_assert = inputs
         .chain_position_assert
+        .into_option()
         .map_or_else(|| num_valid_reqs.clone(), bindable);
     let buffer_words = as_words(buffer.clone());
     let ring_words = as_words(ring.clone());
-    let address = address_type(
+    let address = match address_type(
         [
             &buffer_words,
             &ring_words,
@@ -232,11 +246,14 @@ pub(crate) fn canary_write<R: CubeRuntime>(
         .into_iter()
         .chain(&bound.sources),
         &[],
-    )?;
+    ) {
+        Ok(address) => address,
+        Err(error) => return refused(&canary_shape, error),
+    };
     let (sources, layouts) = bind_sources(&bound.sources, &bound.layouts, &offsets);
     // SAFETY: the kernel bounds-checks every index it forms against the sizes passed here.
     unsafe {
-        canary_write_kernel::launch_unchecked::<R>(
+        canary_write_kernel::launch_unchecked(
             &buffer.client,
             cube_count,
             CubeDim::new_1d(CUBE_SIZE),
@@ -261,17 +278,17 @@ pub(crate) fn canary_write<R: CubeRuntime>(
             bound.features,
         );
     }
-    Ok(CanaryPrimitive {
+    CanaryPrimitive {
         buffer,
         ring,
         counters,
         ..canary
-    })
+    }
 }
 
 /// Words per strip a verify cube stages per round: a whole line where the device's shared memory
 /// holds it (CUDA), else half or a quarter of one (lavapipe offers 32 KiB).
-fn stage_words<R: CubeRuntime>(like: &CubeTensor<R>) -> u32 {
+fn stage_words(like: &CubeTensor) -> u32 {
     let shared = like.client.properties().hardware.max_shared_memory_size;
     [STAGE_WORDS, STAGE_WORDS / 2, STAGE_WORDS / 4]
         .into_iter()
@@ -279,11 +296,17 @@ fn stage_words<R: CubeRuntime>(like: &CubeTensor<R>) -> u32 {
         .unwrap_or(0)
 }
 
-pub(crate) fn canary_verify<R: CubeRuntime>(
-    canary: CanaryPrimitive<CubeTensor<R>>,
-    plan: VerifyPlanPrimitive<CubeTensor<R>>,
-    launch: Launch<R>,
-) -> Result<CanaryPrimitive<CubeTensor<R>>, Error> {
+pub(crate) fn canary_verify(
+    canary: CanaryPrimitive<CubeBackend>,
+    plan: VerifyPlanPrimitive<CubeBackend>,
+    launch: Launch,
+) -> CanaryPrimitive<CubeBackend> {
+    let canary_shape = Shape3 {
+        num_slots: canary.num_slots,
+        slot_words: canary.slot_words,
+        ring_capacity: canary.ring_capacity,
+        device: canary.buffer.device.clone(),
+    };
     let mut bound = bind_launch(launch);
     if bound.features.mode == MODE_ALL && !bound.sources.is_empty() {
         bound.features.stage_words = stage_words(&canary.buffer);
@@ -304,7 +327,7 @@ pub(crate) fn canary_verify<R: CubeRuntime>(
         (cubes * CUBE_SIZE as usize) as u64,
         bound.kernel_kind,
     );
-    let words = |tensor: CubeTensor<R>| as_words(bindable(tensor));
+    let words = |tensor: CubeTensor| as_words(bindable(tensor));
     let slot_indices = words(plan.slot_indices);
     let expected_tokens = words(plan.expected_tokens);
     let expected_positions = words(plan.expected_positions);
@@ -313,7 +336,7 @@ pub(crate) fn canary_verify<R: CubeRuntime>(
     let enable = bindable(plan.enable);
     let buffer_words = as_words(buffer.clone());
     let ring_words = as_words(ring.clone());
-    let address = address_type(
+    let address = match address_type(
         [
             &buffer_words,
             &ring_words,
@@ -325,11 +348,14 @@ pub(crate) fn canary_verify<R: CubeRuntime>(
         .into_iter()
         .chain(&bound.sources),
         &[],
-    )?;
+    ) {
+        Ok(address) => address,
+        Err(error) => return refused(&canary_shape, error),
+    };
     let (sources, layouts) = bind_sources(&bound.sources, &bound.layouts, &slot_indices);
     // SAFETY: the kernel bounds-checks every index it forms against the sizes passed here.
     unsafe {
-        canary_verify_kernel::launch_unchecked::<R>(
+        canary_verify_kernel::launch_unchecked(
             &buffer.client,
             cube_count,
             CubeDim::new_1d(CUBE_SIZE),
@@ -349,10 +375,29 @@ pub(crate) fn canary_verify<R: CubeRuntime>(
             bound.features,
         );
     }
-    Ok(CanaryPrimitive {
+    CanaryPrimitive {
         buffer,
         ring,
         counters,
         ..canary
-    })
+    }
+}
+
+/// What a refused launch needs of its canary.
+struct Shape3 {
+    num_slots: usize,
+    slot_words: usize,
+    ring_capacity: usize,
+    device: burn_cubecl::CubeDevice,
+}
+
+/// A launch the device cannot run: a zeroed canary holding the failure.
+fn refused(canary: &Shape3, error: crate::Error) -> CanaryPrimitive<CubeBackend> {
+    crate::ops::host::failed_canary::<CubeBackend>(
+        canary.num_slots,
+        canary.slot_words,
+        canary.ring_capacity,
+        error,
+        &canary.device,
+    )
 }

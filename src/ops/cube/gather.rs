@@ -1,8 +1,7 @@
 //! Launchers of the gather kernels.
 
-use burn_cubecl::CubeRuntime;
+use burn_core::backend::TensorMetadata;
 use burn_cubecl::tensor::CubeTensor;
-use burn_tensor::TensorMetadata;
 use cubecl::prelude::*;
 use kvplan_kernels::gather::{
     CELLS_PER_UNIT, MaskedShapeLaunch, SCRATCH_ERROR, SCRATCH_TILES, SEG_ERROR, SEG_TILES,
@@ -19,8 +18,10 @@ use super::{
     address_type, bindable, dims2, faithful_shared, fixed_planes, grid, output_i64, storage,
     stride, tile_cubes, upload_u64, widened,
 };
-use crate::Error;
-use crate::ops::GatherOutput;
+use burn_cubecl::CubeBackend;
+
+use crate::ops::GatherPrimitive;
+use crate::ops::host::gather_output;
 
 /// Segment gather cubes per streaming multiprocessor, at most. The kernel's 40 registers let 6
 /// of its cubes stay resident; on the H200 4 per SM were fastest ((4096, 2048): 22.8 us against
@@ -28,13 +29,14 @@ use crate::ops::GatherOutput;
 /// on the per-cube scan, look-back and counters.
 const SEGMENT_CUBES_PER_SM: usize = 4;
 
-pub(crate) fn masked_gather<R: CubeRuntime>(
-    req_to_token: CubeTensor<R>,
-    req_pool_indices: CubeTensor<R>,
-    pos2d: CubeTensor<R>,
-    mask: CubeTensor<R>,
+pub(crate) fn masked_gather(
+    req_to_token: CubeTensor,
+    req_pool_indices: CubeTensor,
+    pos2d: CubeTensor,
+    mask: CubeTensor,
     capacity: usize,
-) -> Result<GatherOutput<CubeTensor<R>>, Error> {
+) -> GatherPrimitive<CubeBackend> {
+    let client_device = req_to_token.device.clone();
     let (rows, cols) = dims2(&req_to_token);
     let (pos_rows, pos_cols) = dims2(&pos2d);
     let n = req_pool_indices.shape()[0];
@@ -55,10 +57,13 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
     let slab = CUBE_SIZE as usize * lanes;
     let (cube_count, tiles) = grid(cells.div_ceil(tile_cells));
     // The kernels count cells in `usize`, up to the last tile's end.
-    let address = address_type(
+    let address = match address_type(
         [&req_to_token, &req_pool_indices, &pos2d, &mask, &out],
         &[tiles * tile_cells],
-    )?;
+    ) {
+        Ok(address) => address,
+        Err(error) => return gather_output::<CubeBackend>(Err(error), capacity, &client_device),
+    };
     // Fresh scratch: ticket and done counters at 0, no error, every tile state (or, counted, every
     // group total) empty.
     let mut words = vec![0u64; SCRATCH_TILES + tiles];
@@ -113,7 +118,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
     // SAFETY: every index the kernels form is bounds-checked against the shapes passed here.
     unsafe {
         if counted {
-            masked_count_kernel::launch_unchecked::<R>(
+            masked_count_kernel::launch_unchecked(
                 &client,
                 cube_count.clone(),
                 CubeDim::new_1d(CUBE_SIZE),
@@ -127,7 +132,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
                 dtypes[3],
             );
         }
-        masked_gather_kernel::launch_unchecked::<R>(
+        masked_gather_kernel::launch_unchecked(
             &client,
             cube_count,
             CubeDim::new_1d(CUBE_SIZE),
@@ -150,7 +155,7 @@ pub(crate) fn masked_gather<R: CubeRuntime>(
             dtypes,
         );
     }
-    Ok(GatherOutput { out, count, status })
+    GatherPrimitive { out, count, status }
 }
 
 /// Tiles of `TILE_CELLS` above which a masked gather counts first. On the H200 a count launch
@@ -162,13 +167,13 @@ const COUNTED_TILES: usize = 64;
 /// aligned (unit column strides, row strides and row lengths that are multiples of 4, aligned
 /// buffer offsets), else 1. Never 4 without cells: an empty input is bound as a one-element
 /// stand-in, which a 4-wide read of vector 0 would overrun.
-fn mask_lanes<R: CubeRuntime>(pos2d: &CubeTensor<R>, mask: &CubeTensor<R>) -> usize {
+fn mask_lanes(pos2d: &CubeTensor, mask: &CubeTensor) -> usize {
     const LANES: usize = 4;
     let (pos_rows, pos_cols) = dims2(pos2d);
     if pos_rows == 0 || pos_cols == 0 {
         return 1;
     }
-    let vectorizable = |tensor: &CubeTensor<R>| {
+    let vectorizable = |tensor: &CubeTensor| {
         let aligned =
             tensor.handle.offset_start.unwrap_or(0) % (LANES * tensor.dtype.size()) as u64 == 0;
         aligned && stride(tensor, 1) == 1 && stride(tensor, 0) % LANES as u64 == 0
@@ -180,13 +185,14 @@ fn mask_lanes<R: CubeRuntime>(pos2d: &CubeTensor<R>, mask: &CubeTensor<R>) -> us
     }
 }
 
-pub(crate) fn segment_gather<R: CubeRuntime>(
-    req_to_token: CubeTensor<R>,
-    req_pool_indices: CubeTensor<R>,
-    start: Option<CubeTensor<R>>,
-    lengths: CubeTensor<R>,
+pub(crate) fn segment_gather(
+    req_to_token: CubeTensor,
+    req_pool_indices: CubeTensor,
+    start: Option<CubeTensor>,
+    lengths: CubeTensor,
     capacity: usize,
-) -> Result<GatherOutput<CubeTensor<R>>, Error> {
+) -> GatherPrimitive<CubeBackend> {
+    let client_device = req_to_token.device.clone();
     let (rows, cols) = dims2(&req_to_token);
     let n = req_pool_indices.shape()[0];
     let segments = lengths.shape()[0];
@@ -228,12 +234,15 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     // Fresh scratch: no tickets taken, no cube done, no error, every tile state empty.
     let mut words = vec![0u64; SEG_TILES + tiles];
     words[SEG_ERROR] = NO_ERROR;
-    let address = address_type(
+    let address = match address_type(
         [&req_to_token, &req_pool_indices, &lengths, &out]
             .into_iter()
             .chain(start.as_ref()),
         &[],
-    )?;
+    ) {
+        Ok(address) => address,
+        Err(error) => return gather_output::<CubeBackend>(Err(error), capacity, &client_device),
+    };
     let scratch = upload_u64(&req_to_token, &words);
     let client = req_to_token.client.clone();
     let broadcast_prefix = faithful_shared(&req_to_token);
@@ -272,7 +281,7 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
     ];
     // SAFETY: every index the kernel forms is bounds-checked against the shapes passed here.
     unsafe {
-        segment_gather_kernel::launch_unchecked::<R>(
+        segment_gather_kernel::launch_unchecked(
             &client,
             cube_count,
             CubeDim::new_1d(CUBE_SIZE),
@@ -292,5 +301,5 @@ pub(crate) fn segment_gather<R: CubeRuntime>(
             dtypes,
         );
     }
-    Ok(GatherOutput { out, count, status })
+    GatherPrimitive { out, count, status }
 }

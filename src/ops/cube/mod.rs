@@ -1,14 +1,15 @@
 //! `KvPlanBackend` for `CubeBackend`: the CubeCL launchers. Each talks to the CubeCL client
 //! directly: allocate outputs, launch once, never read back (the public API reads the status).
+//! A launch the device cannot run hands back its failure in the op's status record.
 
 mod canary;
 mod gather;
 mod plan;
 
-use burn_cubecl::CubeRuntime;
+use burn_core::backend::TensorMetadata;
+use burn_core::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use burn_tensor::{DType, Shape, TensorMetadata};
 use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
@@ -16,31 +17,8 @@ pub(crate) use canary::{canary_verify, canary_write};
 pub(crate) use gather::{masked_gather, segment_gather};
 pub(crate) use plan::canary_plan;
 
-/// A status record read straight from its buffer: one transfer, without Burn's `into_data` path.
-pub(crate) fn read_status<R: CubeRuntime>(
-    status: CubeTensor<R>,
-) -> Result<crate::status::StatusWords, crate::Error> {
-    use kvplan_kernels::status::STATUS_LEN;
-    let descriptor = cubecl::server::CopyDescriptor::new(
-        status.handle.clone().binding(),
-        [STATUS_LEN].into(),
-        [1].into(),
-        size_of::<i64>(),
-    );
-    let bytes = cubecl::future::block_on(status.client.read_one_tensor_async(descriptor)).map_err(
-        |error| crate::Error::Execution {
-            detail: format!("{error}"),
-        },
-    )?;
-    let mut words = [0i64; STATUS_LEN];
-    for (word, chunk) in words.iter_mut().zip(bytes.chunks_exact(size_of::<i64>())) {
-        *word = i64::from_le_bytes(chunk.try_into().unwrap_or_default());
-    }
-    Ok(words)
-}
-
 /// A contiguous i64 tensor of `len` values (uninitialised).
-fn empty_i64<R: CubeRuntime>(like: &CubeTensor<R>, len: usize) -> CubeTensor<R> {
+fn empty_i64(like: &CubeTensor, len: usize) -> CubeTensor {
     empty_device_contiguous_dtype(
         like.client.clone(),
         like.device.clone(),
@@ -50,7 +28,7 @@ fn empty_i64<R: CubeRuntime>(like: &CubeTensor<R>, len: usize) -> CubeTensor<R> 
 }
 
 /// `len` values backed by at least one element: zero-sized bindings are not valid everywhere.
-fn output_i64<R: CubeRuntime>(like: &CubeTensor<R>, len: usize) -> CubeTensor<R> {
+fn output_i64(like: &CubeTensor, len: usize) -> CubeTensor {
     let buffer = empty_i64(like, len.max(1));
     CubeTensor::new_contiguous(
         buffer.client,
@@ -63,7 +41,7 @@ fn output_i64<R: CubeRuntime>(like: &CubeTensor<R>, len: usize) -> CubeTensor<R>
 
 /// A buffer the kernels may write: the caller's own buffer when no one else holds it, otherwise a
 /// copy (Burn tensors are values: a clone elsewhere must not change).
-fn writable<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+fn writable(tensor: CubeTensor) -> CubeTensor {
     if tensor.can_mut() {
         tensor
     } else {
@@ -72,7 +50,7 @@ fn writable<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
 }
 
 /// A u64 buffer uploaded from the host (scratch words that must start at known values).
-fn upload_u64<R: CubeRuntime>(like: &CubeTensor<R>, words: &[u64]) -> CubeTensor<R> {
+fn upload_u64(like: &CubeTensor, words: &[u64]) -> CubeTensor {
     let handle = like.client.create_from_slice(bytemuck::cast_slice(words));
     CubeTensor::new_contiguous(
         like.client.clone(),
@@ -84,7 +62,7 @@ fn upload_u64<R: CubeRuntime>(like: &CubeTensor<R>, words: &[u64]) -> CubeTensor
 }
 
 /// An i64 buffer uploaded from the host.
-fn upload_i64<R: CubeRuntime>(like: &CubeTensor<R>, words: &[i64]) -> CubeTensor<R> {
+fn upload_i64(like: &CubeTensor, words: &[i64]) -> CubeTensor {
     let handle = like.client.create_from_slice(bytemuck::cast_slice(words));
     CubeTensor::new_contiguous(
         like.client.clone(),
@@ -97,7 +75,7 @@ fn upload_i64<R: CubeRuntime>(like: &CubeTensor<R>, words: &[i64]) -> CubeTensor
 
 /// The tensor itself, or a one-element stand-in when it is empty (kernels never read it then:
 /// the real shape travels as a scalar).
-fn bindable<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+fn bindable(tensor: CubeTensor) -> CubeTensor {
     if tensor.shape().num_elements() > 0 {
         return tensor;
     }
@@ -119,8 +97,8 @@ fn bindable<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
 /// zero-extended (a length of -2 taken as positive), so values whose sign matters reach the
 /// kernels as i64. These inputs are `[bs]`-sized: the copy is one small launch. CUDA sign-extends
 /// correctly (its conformance run covers negative i32 lengths), so it skips the copy.
-fn widened<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
-    let sign_extends = R::name(&tensor.client) == "cuda";
+fn widened(tensor: CubeTensor) -> CubeTensor {
+    let sign_extends = tensor.client.name() == "cuda";
     if sign_extends || tensor.dtype == DType::I64 || tensor.shape().num_elements() == 0 {
         return tensor;
     }
@@ -131,13 +109,13 @@ fn widened<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
 /// of a kernel: on CUDA. lavapipe (CI's device) was seen to serve stale values to a later phase,
 /// e.g. a look-back's prefix broadcast by one unit (`kvplan_kernels::scan::tile_prefix`), so
 /// there every unit walks the look-back itself and reloads what it needs.
-fn faithful_shared<R: CubeRuntime>(like: &CubeTensor<R>) -> bool {
-    R::name(&like.client) == "cuda"
+fn faithful_shared(like: &CubeTensor) -> bool {
+    like.client.name() == "cuda"
 }
 
 /// Whether the runtime's planes are exactly `width` units wide and support plane operations
 /// (CUDA; not lavapipe, whose planes CubeCL does not expose).
-fn fixed_planes<R: CubeRuntime>(like: &CubeTensor<R>, width: u32) -> bool {
+fn fixed_planes(like: &CubeTensor, width: u32) -> bool {
     let properties = like.client.properties();
     properties.features.plane.contains(Plane::Ops)
         && properties.hardware.plane_size_min == width
@@ -154,7 +132,7 @@ fn grid(cubes: usize) -> (CubeCount, usize) {
 }
 
 /// The device's streaming multiprocessors (8 when the runtime does not say).
-fn multiprocessors<R: CubeRuntime>(like: &CubeTensor<R>) -> usize {
+fn multiprocessors(like: &CubeTensor) -> usize {
     like.client
         .properties()
         .hardware
@@ -169,8 +147,8 @@ pub(super) const CUBES_PER_SM: usize = 8;
 /// Cubes per tile when every tile's cubes share its work: about `per_unit` of at most `elements`
 /// values per unit over all `tiles`, and all tiles' cubes together at most `per_sm` per
 /// streaming multiprocessor.
-fn tile_cubes<R: CubeRuntime>(
-    like: &CubeTensor<R>,
+fn tile_cubes(
+    like: &CubeTensor,
     elements: usize,
     tiles: usize,
     per_unit: usize,
@@ -185,12 +163,7 @@ fn tile_cubes<R: CubeRuntime>(
 /// Cubes for a grid-stride loop over at most `elements` values, `per_unit` of them per unit:
 /// enough to fill the device (`per_sm` per streaming multiprocessor), never more than the work
 /// needs.
-fn resident_cubes<R: CubeRuntime>(
-    like: &CubeTensor<R>,
-    elements: usize,
-    per_unit: usize,
-    per_sm: usize,
-) -> usize {
+fn resident_cubes(like: &CubeTensor, elements: usize, per_unit: usize, per_sm: usize) -> usize {
     let per_cube = per_unit * kvplan_kernels::scan::CUBE_SIZE as usize;
     elements
         .div_ceil(per_cube)
@@ -199,17 +172,17 @@ fn resident_cubes<R: CubeRuntime>(
 
 /// A tensor's element stride along `dim` (0 past its rank), for a kernel's shape scalars (see
 /// `kvplan_kernels`: strides never come from the tensor's metadata buffer).
-fn stride<R: CubeRuntime>(tensor: &CubeTensor<R>, dim: usize) -> u64 {
+fn stride(tensor: &CubeTensor, dim: usize) -> u64 {
     tensor.meta.strides().get(dim).map_or(0, |&s| s as u64)
 }
 
 /// A tensor's dtype as a kernel storage type.
-fn storage(tensor: &CubeTensor<impl CubeRuntime>) -> StorageType {
-    tensor.dtype.into()
+fn storage(tensor: &CubeTensor) -> ElemType {
+    burn_core::backend::cubecl::dtype_to_storage_type(tensor.dtype)
 }
 
 /// `[rows, cols]` of a 2-D tensor.
-fn dims2(tensor: &CubeTensor<impl CubeRuntime>) -> (usize, usize) {
+fn dims2(tensor: &CubeTensor) -> (usize, usize) {
     let shape = tensor.shape();
     (shape[0], shape[1])
 }
@@ -226,8 +199,8 @@ const NARROW_SPAN: usize = 1 << 31;
 /// runs the wide path on ordinary inputs). `KVPLAN_NARROW_DEVICE=N` makes every device act as one
 /// without 64-bit indexing whose 32-bit launches span at most `N` elements (a diagnostic that lets
 /// small inputs reach the refusal: the tests' only way to see `index_range` end to end).
-fn address_type<'a, R: CubeRuntime>(
-    bindings: impl IntoIterator<Item = &'a CubeTensor<R>>,
+fn address_type<'a>(
+    bindings: impl IntoIterator<Item = &'a CubeTensor>,
     extents: &[usize],
 ) -> Result<AddressType, crate::Error> {
     let mut client = None;

@@ -1,8 +1,6 @@
 //! Launcher of the kv-canary plan kernels.
 
-use burn_cubecl::CubeRuntime;
-use burn_cubecl::tensor::CubeTensor;
-use burn_tensor::TensorMetadata;
+use burn_core::backend::TensorMetadata;
 use cubecl::prelude::*;
 use kvplan_kernels::plan::{
     CUBE_ENTRIES, PlanFeatures, PlanShapeLaunch, plan_count_kernel, plan_kernel,
@@ -14,7 +12,8 @@ use super::{
     address_type, bindable, dims2, faithful_shared, fixed_planes, grid, output_i64, storage,
     stride, tile_cubes, upload_i64, widened, writable,
 };
-use crate::Error;
+use burn_cubecl::CubeBackend;
+
 use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
 
 /// Cubes per streaming multiprocessor of a lone tile (bs <= 256), at most. Each of its cubes
@@ -32,12 +31,20 @@ const LONE_TILE_CUBES_PER_SM: usize = 2;
 /// 150 / 147, (4096, 512, FULL) 23.2 / 24.3 / 21.9 / 21.4; benches/RESULTS.md, session 15).
 const MULTI_TILE_CUBES_PER_SM: usize = 4;
 
-pub(crate) fn canary_plan<R: CubeRuntime>(
-    verify: VerifyPlanPrimitive<CubeTensor<R>>,
-    write: WritePlanPrimitive<CubeTensor<R>>,
-    inputs: PlanInputsPrimitive<CubeTensor<R>>,
-) -> Result<PlanOutput<CubeTensor<R>>, Error> {
+pub(crate) fn canary_plan(
+    verify: VerifyPlanPrimitive<CubeBackend>,
+    write: WritePlanPrimitive<CubeBackend>,
+    inputs: PlanInputsPrimitive<CubeBackend>,
+) -> PlanOutput<CubeBackend> {
     let table = inputs.req_to_token;
+    let full_to_swa = inputs.full_to_swa.into_option();
+    let expected_tokens = match (
+        inputs.expected_tokens.into_option(),
+        inputs.expected_tokens_valid_lens.into_option(),
+    ) {
+        (Some(pool), Some(valid_lens)) => Some((pool, valid_lens)),
+        _ => None,
+    };
     let (rows, cols) = dims2(&table);
     // Rule 11 again, on the real strides: through `Fusion` the host could not see them. The plans
     // are handed back untouched, as for every host rule.
@@ -47,11 +54,11 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         words[CODE] = PLAN_STRIDE;
         words[FACTS] = row_stride;
         let status = upload_i64(&table, &words);
-        return Ok(PlanOutput {
+        return PlanOutput {
             verify,
             write,
             status,
-        });
+        };
     }
     let requests = inputs.req_pool_indices.shape()[0];
     let verify_capacity = verify.slot_indices.shape()[0];
@@ -77,20 +84,18 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
     let tile_cubes = tile_cubes(&table, most_entries, tiles, per_unit, per_sm);
     let features = PlanFeatures {
         window: inputs.swa_window_size > 0,
-        lut: inputs.full_to_swa.is_some(),
-        pool: inputs.expected_tokens.is_some(),
+        lut: full_to_swa.is_some(),
+        pool: expected_tokens.is_some(),
         counted: tiles > 1 && most_entries > verify_capacity,
-        lead_finishes: tiles == 1 && inputs.full_to_swa.is_none(),
+        lead_finishes: tiles == 1 && full_to_swa.is_none(),
         planes: fixed_planes(&table, PLANE_WIDTH),
         faithful_shared: faithful_shared(&table),
     };
     // Without a LUT every slot counts as inside it (the kernels compare against this length).
-    let lut_len = inputs
-        .full_to_swa
+    let lut_len = full_to_swa
         .as_ref()
         .map_or(i64::MAX as usize, |lut| lut.shape()[0]);
-    let (pool_rows, pool_cols) = inputs
-        .expected_tokens
+    let (pool_rows, pool_cols) = expected_tokens
         .as_ref()
         .map_or((0, 0), |(pool, _)| dims2(pool));
     let (plan_grid, cubes) = grid(tiles * tile_cubes);
@@ -104,8 +109,8 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
     let table = bindable(table);
     // Absent inputs are bound to a stand-in that the compile-time switches never read.
     let stand_in = || req_pool_indices.clone();
-    let lut = inputs.full_to_swa.map_or_else(stand_in, bindable);
-    let (pool, valid_lens) = match inputs.expected_tokens {
+    let lut = full_to_swa.map_or_else(stand_in, bindable);
+    let (pool, valid_lens) = match expected_tokens {
         Some((pool, valid_lens)) => (bindable(pool), bindable(widened(valid_lens))),
         None => (stand_in(), stand_in()),
     };
@@ -148,7 +153,14 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             strides[8],
         )
     };
-    let verify = verify.map(writable);
+    let verify = VerifyPlanPrimitive {
+        slot_indices: writable(verify.slot_indices),
+        expected_tokens: writable(verify.expected_tokens),
+        expected_positions: writable(verify.expected_positions),
+        prev_slot_indices: writable(verify.prev_slot_indices),
+        num_valid: writable(verify.num_valid),
+        enable: writable(verify.enable),
+    };
     let [offsets, seeds, num_valid_reqs] =
         [write.offsets, write.seed_slot_indices, write.num_valid_reqs].map(writable);
 
@@ -162,7 +174,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
         storage(&pool),
         storage(&valid_lens),
     );
-    let address = address_type(
+    let address = match address_type(
         [
             &req_pool_indices,
             &prefix_lens,
@@ -180,12 +192,26 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             &scratch,
         ],
         &[],
-    )?;
+    ) {
+        Ok(address) => address,
+        Err(error) => {
+            return refused(
+                verify,
+                WritePlanPrimitive {
+                    offsets,
+                    seed_slot_indices: seeds,
+                    num_valid_reqs,
+                    scratch,
+                },
+                error,
+            );
+        }
+    };
     // SAFETY: every index the kernels form is bounds-checked against the shapes passed here.
     unsafe {
         if features.counted {
             let (count_grid, _) = grid(requests.div_ceil(CUBE_SIZE as usize));
-            plan_count_kernel::launch_unchecked::<R>(
+            plan_count_kernel::launch_unchecked(
                 &client,
                 count_grid,
                 CubeDim::new_1d(CUBE_SIZE),
@@ -199,7 +225,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
                 [q, p, e],
             );
         }
-        plan_kernel::launch_unchecked::<R>(
+        plan_kernel::launch_unchecked(
             &client,
             plan_grid,
             CubeDim::new_1d(CUBE_SIZE),
@@ -227,7 +253,7 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             [q, p, e, t, u, o, v],
         );
     }
-    Ok(PlanOutput {
+    PlanOutput {
         verify,
         write: WritePlanPrimitive {
             offsets,
@@ -236,5 +262,22 @@ pub(crate) fn canary_plan<R: CubeRuntime>(
             scratch,
         },
         status,
-    })
+    }
+}
+
+/// A launch the device cannot run: the plans as they came, the failure in the status.
+fn refused(
+    verify: VerifyPlanPrimitive<CubeBackend>,
+    write: WritePlanPrimitive<CubeBackend>,
+    error: crate::Error,
+) -> PlanOutput<CubeBackend> {
+    let device = verify.slot_indices.device.clone();
+    PlanOutput {
+        verify,
+        write,
+        status: crate::ops::host::upload_status::<CubeBackend>(
+            crate::status::encode(&Err(error)),
+            &device,
+        ),
+    }
 }
