@@ -48,6 +48,7 @@ const FAIL_VERIFY_TOKEN: u64 = 32;
 
 /// The canary's shape and the launch's scalars.
 #[derive(CubeType, CubeLaunch, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 pub struct CanaryShape {
     /// `N`.
     pub num_slots: u64,
@@ -69,6 +70,7 @@ pub struct CanaryShape {
 
 /// One real-KV source, in u64 words (all its byte sizes are multiples of 16).
 #[derive(CubeType, CubeLaunch, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 pub struct SourceLayout {
     /// Words bound.
     pub words: u64,
@@ -112,6 +114,7 @@ impl CanaryFeatures {
 
 /// A slot record's fields 0..3.
 #[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 struct Record {
     token: u64,
     position: u64,
@@ -251,7 +254,7 @@ fn round_cell(#[comptime] r: u32, #[comptime] stage_words: u32) -> (usize, usize
 fn load_round(
     source: &Tensor<u64>,
     layout: &SourceLayout,
-    stage: &SharedMemory<u64>,
+    stage: &Shared<[u64]>,
     k: u64,
     lines: &mut Array<u64>,
     #[comptime] stage_words: u32,
@@ -283,7 +286,7 @@ fn staged_strip(
     layout: &SourceLayout,
     slot: u64,
     wanted: bool,
-    stage: &mut SharedMemory<u64>,
+    stage: &mut Shared<[u64]>,
     #[comptime] stage_words: u32,
 ) -> u64 {
     let pitch = comptime![(stage_words + 1) as usize];
@@ -298,7 +301,7 @@ fn staged_strip(
     let mut h = 0u64.runtime();
     let mut k = 0u64.runtime();
     while k < words {
-        load_round(source, layout, stage, k, &mut lines, stage_words);
+        load_round(source, layout, &*stage, k, &mut lines, stage_words);
         #[unroll]
         for r in 0..stage_words {
             let (strip, cell) = round_cell(r, stage_words);
@@ -335,7 +338,7 @@ fn source_fold(
     layout: &SourceLayout,
     slot: u64,
     wanted: bool,
-    stage: &mut SharedMemory<u64>,
+    stage: &mut Shared<[u64]>,
     #[comptime] fold: StripFold,
 ) -> u64 {
     if comptime![fold.stage_words > 0] {
@@ -354,7 +357,7 @@ fn fingerprint(
     layouts: &Layouts,
     slot: u64,
     wanted: bool,
-    stage: &mut SharedMemory<u64>,
+    stage: &mut Shared<[u64]>,
     #[comptime] count: u8,
     #[comptime] fold: StripFold,
 ) -> u64 {
@@ -378,17 +381,18 @@ fn fingerprint(
 #[derive(CubeType, CubeLaunch)]
 pub struct Sources {
     /// Source 0.
-    pub s0: Tensor<u64>,
+    pub s0: OwnedTensor<u64>,
     /// Source 1.
-    pub s1: Tensor<u64>,
+    pub s1: OwnedTensor<u64>,
     /// Source 2.
-    pub s2: Tensor<u64>,
+    pub s2: OwnedTensor<u64>,
     /// Source 3.
-    pub s3: Tensor<u64>,
+    pub s3: OwnedTensor<u64>,
 }
 
 /// The four source layouts.
 #[derive(CubeType, CubeLaunch, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 pub struct Layouts {
     /// Source 0.
     pub l0: SourceLayout,
@@ -466,15 +470,15 @@ fn token_offset(offsets: &Tensor<u64>, r: u64, tokens: u64) -> u64 {
 #[derive(CubeType, CubeLaunch)]
 pub struct StepTokens {
     /// `input_ids`.
-    pub input_ids: Tensor<u64>,
+    pub input_ids: OwnedTensor<u64>,
     /// `positions`.
-    pub positions: Tensor<u64>,
+    pub positions: OwnedTensor<u64>,
     /// `out_cache_loc`.
-    pub out_cache_loc: Tensor<u64>,
+    pub out_cache_loc: OwnedTensor<u64>,
     /// `expected_input_tokens`.
-    pub expected_tokens: Tensor<u64>,
+    pub expected_tokens: OwnedTensor<u64>,
     /// `expected_input_positions`.
-    pub expected_positions: Tensor<u64>,
+    pub expected_positions: OwnedTensor<u64>,
 }
 
 /// Units that own one request: they walk its chain in lockstep, each folding the same values, so
@@ -508,7 +512,7 @@ pub fn canary_write_kernel(
     // The active count is read where it is needed, after the loads that do not depend on it
     // were issued: a decode step is a chain of dependent loads.
     if (CUBE_POS as u64) < shape.chain_cubes {
-        let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
+        let mut shared = Shared::<[u64]>::new_slice(CUBE_SIZE as usize);
         let lane = UNIT_POS % GROUP;
         // Requests are dealt to cubes round-robin, so a few long requests get an SM each.
         let r = (UNIT_POS / GROUP) as u64 * shape.chain_cubes + CUBE_POS as u64;
@@ -557,7 +561,7 @@ pub fn canary_write_kernel(
         // spread over many SMs instead of queueing in one SM's L1 (each lane reads its own strip,
         // so a warp's loads do not coalesce).
         let cubes = shape.stride_units / CUBE_SIZE as u64;
-        let mut unused_stage = SharedMemory::<u64>::new(1usize);
+        let mut unused_stage = Shared::<[u64]>::new_slice(1usize);
         let unit = UNIT_POS as u64 * cubes + (CUBE_POS as u64 - shape.chain_cubes);
         let mut i = unit;
         while i < shape.tokens {
@@ -616,6 +620,7 @@ fn entry_asserts(
 /// The state of one request's walk. Every unit of the group holds the same values, except the
 /// `own_*` fields, which belong to the unit's entry of the current tile.
 #[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 struct Walk {
     /// Chain value the next stored entry gets.
     h: u64,
@@ -639,6 +644,7 @@ struct Walk {
 
 /// The three per-token values of one entry; a unit past the request holds a skipped entry.
 #[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 struct Entry {
     slot: u64,
     token: u64,
@@ -732,7 +738,7 @@ fn tile_counts(
     #[comptime] features: CanaryFeatures,
 ) {
     let stored = walk.own_slot >> 63 == 0;
-    let stored_lanes = plane_ballot(stored)[0];
+    let stored_lanes = plane_ballot(stored).extract(0usize);
     walk.written += u64::cast_from(stored_lanes.count_ones());
     if comptime![features.input_assert || features.chain_assert] {
         // The chain-position assert compares with the last stored entry before this one: an
@@ -755,8 +761,8 @@ fn tile_counts(
             input_fails = input_bits != 0;
             chain_fails = position_fails;
         }
-        let rows =
-            plane_ballot(input_fails)[0].count_ones() + plane_ballot(chain_fails)[0].count_ones();
+        let rows = plane_ballot(input_fails).extract(0usize).count_ones()
+            + plane_ballot(chain_fails).extract(0usize).count_ones();
         walk.rows += u64::cast_from(rows);
         let tile_last = plane_shuffle(walk.own_position, last_lane(stored_lanes));
         walk.last_position = select(stored_lanes == 0, walk.last_position, tile_last);
@@ -778,7 +784,8 @@ fn last_lane(lanes: u32) -> u32 {
 /// block and walks the request again to store them in entry order (no atomic inside a loop:
 /// lavapipe was seen to drop the code after such a loop). Returns the records written.
 #[cube]
-#[allow(clippy::too_many_arguments)]
+// A compile-time `if` holds the runtime one: the two cannot be collapsed.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn write_request(
     buffer: &mut Tensor<u64>,
     ring: &mut Tensor<u64>,
@@ -792,7 +799,7 @@ fn write_request(
     shape: &CanaryShape,
     #[comptime] features: CanaryFeatures,
 ) -> u64 {
-    let seed_record = read_record(buffer, seed, shape);
+    let seed_record = read_record(&*buffer, seed, shape);
     let mut head = ANCHOR_LINK.runtime();
     if seed >> 63 == 0 {
         head = mix3(seed_record.chain, seed_record.token, seed_record.position);
@@ -976,7 +983,7 @@ pub fn canary_verify_kernel(
     shape: CanaryShape,
     #[comptime] features: CanaryFeatures,
 ) {
-    let mut stage = SharedMemory::<u64>::new(comptime![if features.stage_words > 0 {
+    let mut stage = Shared::<[u64]>::new_slice(comptime![if features.stage_words > 0 {
         stage_len(features.stage_words) as usize
     } else {
         1usize
@@ -1021,7 +1028,8 @@ pub fn canary_verify_kernel(
 
 /// Entry `k` when `k < entries`; every unit of the cube calls it (see [`fingerprint`]).
 #[cube]
-#[allow(clippy::too_many_arguments)]
+// A compile-time `if` holds the runtime one: the two cannot be collapsed.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn verify_entry(
     buffer: &Tensor<u64>,
     ring: &mut Tensor<u64>,
@@ -1034,7 +1042,7 @@ fn verify_entry(
     layouts: &Layouts,
     k: u64,
     entries: u64,
-    stage: &mut SharedMemory<u64>,
+    stage: &mut Shared<[u64]>,
     shape: &CanaryShape,
     #[comptime] features: CanaryFeatures,
 ) {

@@ -51,6 +51,7 @@ const CELL_MASK: u64 = (1 << RULE_SHIFT) - 1;
 
 /// Shapes of one masked gather (as scalars: empty tensors are bound as 1-element stand-ins).
 #[derive(CubeType, CubeLaunch, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 pub struct MaskedShape {
     /// Rows of `req_to_token`.
     pub rows: u64,
@@ -117,12 +118,12 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
     #[comptime] counted: bool,
     #[comptime] cells_per_unit: u32,
     #[comptime] lanes: u32,
-    #[define(T, Q, P, M)] _dtypes: [StorageType; 4],
+    #[define(T, Q, P, M)] _dtypes: [ElemType; 4],
 ) {
     let vectors = comptime!(cells_per_unit / lanes);
-    let mut low_slabs = SharedMemory::<u64>::new(CUBE_SIZE as usize);
-    let mut high_slabs = SharedMemory::<u64>::new(CUBE_SIZE as usize);
-    let mut broadcast = SharedMemory::<u64>::new(SLOTS);
+    let mut low_slabs = Shared::<[u64]>::new_slice(CUBE_SIZE as usize);
+    let mut high_slabs = Shared::<[u64]>::new_slice(CUBE_SIZE as usize);
+    let mut broadcast = Shared::<[u64]>::new_slice(SLOTS);
     // Counted tiles wait on no other tile: any order will do.
     let ordered = shape.tiles > 1 && !counted;
     let tile = take_ticket(&scratch[SCRATCH_TICKETS], ordered, &mut broadcast) as usize;
@@ -155,8 +156,9 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
         rows[k as usize] = row_of(req_pool_indices, ci, shape.shared_row, shape.index_stride);
         #[unroll]
         for c in 0..lanes {
-            positions[(k * lanes + c) as usize] = i64::cast_from(position[c as usize]);
-            flags |= u32::cast_from(inside && flag[c as usize] != M::new(0)) << (k * lanes + c);
+            positions[(k * lanes + c) as usize] = i64::cast_from(position.extract(c as usize));
+            flags |=
+                u32::cast_from(inside && flag.extract(c as usize) != M::new(0)) << (k * lanes + c);
         }
         row_starts |= u32::cast_from(inside && j == 0) << k;
         (i, j) = next_slab(i, j, shape);
@@ -254,7 +256,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
     } else {
         1
     });
-    let mut staged = SharedMemory::<i64>::new(staged_values);
+    let mut staged = Shared::<[i64]>::new_slice(staged_values);
     if counted {
         let unbounded = usize::cast_from(u32::MAX);
         scatter_values(
@@ -284,7 +286,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
         tile_prefix(
             scratch,
             SCRATCH_TILES,
-            tile as usize,
+            tile,
             tile_total + (tile_reported << REPORTED_SHIFT) + (high_total & FIELD),
             shape.tiles > 1,
             &mut broadcast,
@@ -381,7 +383,7 @@ fn scatter_values(
     ranks: (u64, u64, u64, u64),
     base: usize,
     capacity: usize,
-    staged: &mut SharedMemory<i64>,
+    staged: &mut Shared<[i64]>,
     out: &mut Tensor<i64>,
     #[comptime] cells_per_unit: u32,
     #[comptime] lanes: u32,
@@ -420,10 +422,10 @@ pub fn masked_count_kernel<M: Int, N: Size>(
     scratch: &Tensor<Atomic<u64>>,
     shape: MaskedShape,
     #[comptime] lanes: u32,
-    #[define(M)] _dtype: StorageType,
+    #[define(M)] _dtype: ElemType,
 ) {
-    let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
-    let tile = CUBE_POS as usize;
+    let mut shared = Shared::<[u64]>::new_slice(CUBE_SIZE as usize);
+    let tile = CUBE_POS;
     let cells = shape.pos_rows as usize * shape.pos_cols as usize;
     let first = tile * TILE_CELLS as usize + UNIT_POS as usize * comptime!(lanes as usize);
     let (mut i, mut j) = pos_of(first, shape);
@@ -436,7 +438,7 @@ pub fn masked_count_kernel<M: Int, N: Size>(
                 mask[at2(i, j, shape.mask_row_stride, shape.mask_col_stride) / lanes as usize];
             #[unroll]
             for c in 0..lanes {
-                selected += u64::cast_from(flag[c as usize] != M::new(0));
+                selected += u64::cast_from(flag.extract(c as usize) != M::new(0));
             }
         }
         (i, j) = next_slab(i, j, shape);
@@ -459,7 +461,7 @@ fn counts_before(
     scratch: &Tensor<Atomic<u64>>,
     end: u64,
     group_tiles: u64,
-    shared: &mut SharedMemory<u64>,
+    shared: &mut Shared<[u64]>,
 ) -> u64 {
     let groups = end / group_tiles;
     let unit = UNIT_POS as u64;
@@ -658,12 +660,12 @@ fn finish_masked<Q: Int, P: Int, N: Size>(
             // The cell's lane, picked without a dynamic vector index.
             let vector = pos2d[at / lanes as usize];
             let lane = at % lanes as usize;
-            let mut position = i64::cast_from(vector[0]);
+            let mut position = i64::cast_from(vector.extract(0usize));
             #[unroll]
             for c in 1..lanes {
                 position = select(
                     lane == c as usize,
-                    i64::cast_from(vector[c as usize]),
+                    i64::cast_from(vector.extract(c as usize)),
                     position,
                 );
             }
@@ -713,6 +715,7 @@ const KEY_SEGMENT_POSITION: u64 = 9 << RULE_SHIFT;
 
 /// Shapes of one segment gather.
 #[derive(CubeType, CubeLaunch, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 pub struct SegmentShape {
     /// Rows of `req_to_token`.
     pub rows: u64,
@@ -767,10 +770,10 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     #[comptime] has_start: bool,
     #[comptime] broadcast_prefix: bool,
     #[comptime] planes: bool,
-    #[define(T, Q, S, L)] _dtypes: [StorageType; 4],
+    #[define(T, Q, S, L)] _dtypes: [ElemType; 4],
 ) {
-    let mut ends = SharedMemory::<u64>::new(CUBE_SIZE as usize);
-    let mut broadcast = SharedMemory::<u64>::new(SLOTS);
+    let mut ends = Shared::<[u64]>::new_slice(CUBE_SIZE as usize);
+    let mut broadcast = Shared::<[u64]>::new_slice(SLOTS);
     let ticket = take_ticket(&scratch[SEG_TICKETS], shape.tiles > 1, &mut broadcast);
     let tile = ticket / shape.tile_cubes;
     let part = ticket % shape.tile_cubes;
@@ -785,7 +788,7 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     // Each unit finds where its segment's values start in the table (rules 8 and 9 first: a
     // failing segment gets no base and is never read); the tile's lead reports the failures (the
     // shape rules 5-7 come first; then nothing else is read).
-    let mut bases = SharedMemory::<u64>::new(CUBE_SIZE as usize);
+    let mut bases = Shared::<[u64]>::new_slice(CUBE_SIZE as usize);
     let mut base = NO_BASE.runtime();
     let mut dependency = 0u64.runtime();
     let mut reported = false.runtime();

@@ -84,6 +84,7 @@ const VERIFY_CAP: u64 = 1 << 31;
 
 /// Scalars of one plan step.
 #[derive(CubeType, CubeLaunch, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 pub struct PlanShape {
     /// `bs`.
     pub requests: u64,
@@ -164,6 +165,7 @@ pub struct PlanFeatures {
 
 /// One request's view of the step.
 #[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 struct Request {
     row: i64,
     prefix: i64,
@@ -201,6 +203,7 @@ fn load_request<Q: Int, P: Int, E: Int>(
 
 /// What the fill needs of the request holding an entry.
 #[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 struct Holder {
     /// The table row, or 0 when rules 12 and 13 forbid reading the table (row 0 is never read).
     row: i64,
@@ -269,9 +272,13 @@ fn last_pool_column(request: Request, position_offset: i64, valid_len: i64) -> i
 }
 
 /// `x < 0`, from the sign bit: cubecl 0.10 on SPIR-V was seen to get `x < 0` wrong for i64.
+///
+/// The shifted bit is masked: cubecl 0.11's LLVM lowering (CUDA) drops the same-width cast and
+/// shifts `x as u64` arithmetically (it takes the shift's signedness from the cast's input), so
+/// the bare shift yields all ones, not 1, for a negative `x`.
 #[cube]
 pub fn is_negative(x: i64) -> bool {
-    (x as u64) >> 63 == 1u64
+    ((x as u64) >> 63) & 1 == 1u64
 }
 
 /// A slot the LUT can translate: negative (passes through) or below `lut_len`.
@@ -289,7 +296,8 @@ fn translate<U: Int>(lut: &Tensor<U>, slot: i64, stride: u64, #[comptime] has_lu
     if has_lut {
         // Index 0 stands in for a negative slot, which passes through untranslated. Blended
         // arithmetically from the sign bit: `select` on this path was seen to pick wrongly.
-        let negative = ((slot as u64) >> 63) as i64;
+        // Masked: see `is_negative` (cubecl 0.11 shifts `slot as u64` arithmetically).
+        let negative = (((slot as u64) >> 63) & 1) as i64;
         let index = slot * (1 - negative);
         let looked_up = i64::cast_from(lut[index as usize * stride as usize]);
         translated = looked_up * (1 - negative) + slot * negative;
@@ -328,19 +336,19 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     scratch: &Tensor<Atomic<u64>>,
     shape: PlanShape,
     #[comptime] features: PlanFeatures,
-    #[define(Q, P, E, T, U, O, V)] _dtypes: [StorageType; 7],
+    #[define(Q, P, E, T, U, O, V)] _dtypes: [ElemType; 7],
 ) {
-    let mut verify_scan = SharedMemory::<u64>::new(CUBE_SIZE as usize);
-    let mut write_scan = SharedMemory::<u64>::new(CUBE_SIZE as usize);
-    let mut broadcast = SharedMemory::<u64>::new(SLOTS);
+    let mut verify_scan = Shared::<[u64]>::new_slice(CUBE_SIZE as usize);
+    let mut write_scan = Shared::<[u64]>::new_slice(CUBE_SIZE as usize);
+    let mut broadcast = Shared::<[u64]>::new_slice(SLOTS);
     let holders = comptime![if features.faithful_shared {
         CUBE_SIZE as usize
     } else {
         1
     }];
-    let mut holder_rows = SharedMemory::<i64>::new(holders);
-    let mut holder_starts = SharedMemory::<i64>::new(holders);
-    let mut holder_pool_limits = SharedMemory::<i64>::new(holders);
+    let mut holder_rows = Shared::<[i64]>::new_slice(holders);
+    let mut holder_starts = Shared::<[i64]>::new_slice(holders);
+    let mut holder_pool_limits = Shared::<[i64]>::new_slice(holders);
     let ticket = take_ticket(&scratch[PLAN_TICKETS], shape.tiles > 1, &mut broadcast);
     let tile = ticket / shape.tile_cubes;
     let part = ticket % shape.tile_cubes;
@@ -429,7 +437,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
     let slow_write =
         checks && request.row != 0 && request.extend > 0 && request.extend as u64 > EXACT_EXTEND;
     if slow_write {
-        dependency |= scratch[PLAN_SLOW_WRITE].swap(1u64) >> 63;
+        dependency |= scratch[PLAN_SLOW_WRITE].exchange(1u64) >> 63;
     }
     let mut reported =
         row_fails || position_fails || pool_row_fails || pool_position_fails || slow_write;
@@ -596,7 +604,7 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
         if last {
             if UNIT_POS == 0 {
                 let total = if features.counted {
-                    scratch[PLAN_TOTAL].swap(0u64.runtime())
+                    scratch[PLAN_TOTAL].exchange(0u64.runtime())
                 } else {
                     launch_total(
                         scratch,
@@ -627,10 +635,10 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
                 // Swaps, not stores: cubecl 0.10 on SPIR-V was seen to drop the second of two
                 // atomic stores in a row. A lone tile takes no ticket; a lone cube does not count.
                 if shape.tiles > 1 {
-                    scratch[PLAN_TICKETS].swap(0u64.runtime());
+                    scratch[PLAN_TICKETS].exchange(0u64.runtime());
                 }
                 if shape.cubes > 1 {
-                    scratch[PLAN_DONE].swap(0u64.runtime());
+                    scratch[PLAN_DONE].exchange(0u64.runtime());
                 }
             }
             // Every other cube is done with the tile states: clear them for the next call (a lone
@@ -638,8 +646,8 @@ pub fn plan_kernel<Q: Int, P: Int, E: Int, T: Int, U: Int, O: Int, V: Int>(
             // loop holding an atomic.
             let mut t = unit;
             while shape.tiles > 1 && t < shape.tiles {
-                scratch[PLAN_STATES + t as usize].swap(0u64.runtime());
-                scratch[PLAN_STATES + (shape.write_capacity + t) as usize].swap(0u64.runtime());
+                scratch[PLAN_STATES + t as usize].exchange(0u64.runtime());
+                scratch[PLAN_STATES + (shape.write_capacity + t) as usize].exchange(0u64.runtime());
                 t += CUBE_SIZE as u64;
             }
         }
@@ -703,9 +711,9 @@ pub fn plan_count_kernel<Q: Int, P: Int, E: Int>(
     scratch: &Tensor<Atomic<u64>>,
     shape: PlanShape,
     #[comptime] features: PlanFeatures,
-    #[define(Q, P, E)] _dtypes: [StorageType; 3],
+    #[define(Q, P, E)] _dtypes: [ElemType; 3],
 ) {
-    let mut shared = SharedMemory::<u64>::new(CUBE_SIZE as usize);
+    let mut shared = Shared::<[u64]>::new_slice(CUBE_SIZE as usize);
     let r = ABSOLUTE_POS as u64;
     let owns = r < shape.requests;
     let request = load_request(
@@ -798,7 +806,7 @@ fn finish_plan<Q: Int, P: Int, E: Int, T: Int, V: Int>(
     // Rule 17 and the exact offsets, only when some extend length was too large to scan. A
     // launch where no cube reported anything left the error words and this flag untouched.
     let mut overflow_at = NONE.runtime();
-    if any_reported && scratch[PLAN_SLOW_WRITE].swap(0u64.runtime()) != 0u64 {
+    if any_reported && scratch[PLAN_SLOW_WRITE].exchange(0u64.runtime()) != 0u64 {
         let mut sum = 0i64;
         let mut r = 0u64;
         while r < shape.requests {
@@ -829,7 +837,7 @@ fn finish_plan<Q: Int, P: Int, E: Int, T: Int, V: Int>(
         #[unroll]
         for rule in 0..5u32 {
             // Read and reset: the scratch belongs to the plan and must be clean for the next call.
-            let candidate = scratch[PLAN_ERRORS + rule as usize].swap(NO_ERROR.runtime());
+            let candidate = scratch[PLAN_ERRORS + rule as usize].exchange(NO_ERROR.runtime());
             if code == 0 && candidate != NO_ERROR {
                 code = PLAN_ROW + rule as i64;
                 key = candidate;

@@ -48,7 +48,7 @@ pub const SLOTS: usize = 8;
 #[cube]
 pub fn cube_exclusive_scan(
     value: u64,
-    shared: &mut SharedMemory<u64>,
+    shared: &mut Shared<[u64]>,
     #[comptime] planes: bool,
 ) -> (u64, u64) {
     if comptime![planes] {
@@ -60,7 +60,7 @@ pub fn cube_exclusive_scan(
 
 /// [`cube_exclusive_scan`] in shared memory (Hillis-Steele, unrolled).
 #[cube]
-fn shared_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
+fn shared_scan(value: u64, shared: &mut Shared<[u64]>) -> (u64, u64) {
     let unit = UNIT_POS as usize;
     shared[unit] = value;
     sync_cube();
@@ -91,8 +91,8 @@ fn shared_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
 pub fn cube_exclusive_scan_pair(
     a: u64,
     b: u64,
-    shared_a: &mut SharedMemory<u64>,
-    shared_b: &mut SharedMemory<u64>,
+    shared_a: &mut Shared<[u64]>,
+    shared_b: &mut Shared<[u64]>,
     #[comptime] planes: bool,
 ) -> (u64, u64, u64, u64) {
     if comptime![planes] {
@@ -107,8 +107,8 @@ pub fn cube_exclusive_scan_pair(
 fn shared_scan_pair(
     a: u64,
     b: u64,
-    shared_a: &mut SharedMemory<u64>,
-    shared_b: &mut SharedMemory<u64>,
+    shared_a: &mut Shared<[u64]>,
+    shared_b: &mut Shared<[u64]>,
 ) -> (u64, u64, u64, u64) {
     let unit = UNIT_POS as usize;
     shared_a[unit] = a;
@@ -146,8 +146,8 @@ const PLANE_LEVELS: u32 = PLANE_WIDTH.trailing_zeros();
 /// [`cube_exclusive_scan`] by plane shuffles: every unit adds the totals of the planes before
 /// its own (and of all of them for the cube's total) from shared memory.
 #[cube]
-fn plane_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
-    let mut plane_totals = SharedMemory::<u64>::new(CUBE_PLANES);
+fn plane_scan(value: u64, shared: &mut Shared<[u64]>) -> (u64, u64) {
+    let mut plane_totals = Shared::<[u64]>::new_slice(CUBE_PLANES);
     let unit = UNIT_POS as usize;
     let plane = unit / PLANE_WIDTH as usize;
     let inclusive = plane_inclusive(value);
@@ -166,10 +166,10 @@ fn plane_scan(value: u64, shared: &mut SharedMemory<u64>) -> (u64, u64) {
 fn plane_scan_pair(
     a: u64,
     b: u64,
-    shared_a: &mut SharedMemory<u64>,
-    shared_b: &mut SharedMemory<u64>,
+    shared_a: &mut Shared<[u64]>,
+    shared_b: &mut Shared<[u64]>,
 ) -> (u64, u64, u64, u64) {
-    let mut plane_totals = SharedMemory::<u64>::new(2 * CUBE_PLANES);
+    let mut plane_totals = Shared::<[u64]>::new_slice(2 * CUBE_PLANES);
     let unit = UNIT_POS as usize;
     let plane = unit / PLANE_WIDTH as usize;
     let inclusive_a = plane_inclusive(a);
@@ -210,7 +210,7 @@ fn plane_inclusive(value: u64) -> u64 {
 
 /// The sum of the plane totals `totals[first..]` before `plane`, and of all of them.
 #[cube]
-fn planes_before(totals: &SharedMemory<u64>, #[comptime] first: usize, plane: usize) -> (u64, u64) {
+fn planes_before(totals: &Shared<[u64]>, #[comptime] first: usize, plane: usize) -> (u64, u64) {
     // Pure expressions (see the note on mutable locals above).
     let mut before = 0u64.runtime();
     let mut total = 0u64.runtime();
@@ -228,7 +228,7 @@ fn planes_before(totals: &SharedMemory<u64>, #[comptime] first: usize, plane: us
 /// there is nothing to wait on (`ordered` false): the cube's position is its ticket, without the
 /// atomic's round trip or the barriers that hand a ticket out.
 #[cube]
-pub fn take_ticket(counter: &Atomic<u64>, ordered: bool, broadcast: &mut SharedMemory<u64>) -> u64 {
+pub fn take_ticket(counter: &Atomic<u64>, ordered: bool, broadcast: &mut Shared<[u64]>) -> u64 {
     let mut ticket = CUBE_POS as u64;
     if ordered {
         if UNIT_POS == 0 {
@@ -353,7 +353,7 @@ pub fn tile_prefix(
     tile: usize,
     aggregate: u64,
     publisher: bool,
-    broadcast: &mut SharedMemory<u64>,
+    broadcast: &mut Shared<[u64]>,
     #[comptime] slot: usize,
     #[comptime] broadcast_prefix: bool,
     #[comptime] plane_walk: bool,
@@ -447,12 +447,13 @@ pub fn report_error(key_word: &Atomic<u64>, key: u64) -> u64 {
 /// `cubes` to the low half, so the last cube of a launch is the one whose increment reaches a
 /// multiple of `cubes`; the reports are only meaningful when the counter starts each launch at 0.
 #[cube]
+#[allow(clippy::manual_is_multiple_of)]
 pub fn publish_block_done(
     done: &Atomic<u64>,
     cubes: u64,
     dependency: u64,
     reported: bool,
-    broadcast: &mut SharedMemory<u64>,
+    broadcast: &mut Shared<[u64]>,
 ) -> (bool, bool) {
     if UNIT_POS == 0 {
         broadcast[SLOT_DEPENDENCY] = 0;
@@ -491,13 +492,13 @@ const CUBES_MASK: u64 = REPORT - 1;
 
 /// The first `j <= last` with `ends[j] > e` (`ends` ascending), or `last`.
 #[cube]
-pub fn first_holding(ends: &SharedMemory<u64>, last: u64, e: u64) -> u64 {
+pub fn first_holding(ends: &Shared<[u64]>, last: u64, e: u64) -> u64 {
     holder_between(ends, 0u64.runtime(), last, e)
 }
 
 /// The first `j` in `[low, last]` with `ends[j] > e`, or `last`, by bisection.
 #[cube]
-fn holder_between(ends: &SharedMemory<u64>, low: u64, last: u64, e: u64) -> u64 {
+fn holder_between(ends: &Shared<[u64]>, low: u64, last: u64, e: u64) -> u64 {
     let mut low = low;
     let mut high = last;
     while low < high {
@@ -516,7 +517,7 @@ fn holder_between(ends: &SharedMemory<u64>, low: u64, last: u64, e: u64) -> u64 
 /// through its cube's contiguous share, so the holder is mostly `j` or `j + 1` (one or two
 /// reads); past that, a bisection of the rest (short holders).
 #[cube]
-pub fn step_to_holder(ends: &SharedMemory<u64>, j: u64, last: u64, e: u64) -> u64 {
+pub fn step_to_holder(ends: &Shared<[u64]>, j: u64, last: u64, e: u64) -> u64 {
     let mut holder = j;
     if ends[j as usize] <= e {
         holder = select(j < last, j + 1, last);
@@ -540,6 +541,6 @@ pub fn cube_share(total: u64, part: u64, parts: u64) -> (u64, u64) {
 
 /// Where holder `j`'s entries start within the tile (`ends` holds inclusive ends).
 #[cube]
-pub fn start_of(ends: &SharedMemory<u64>, j: u64) -> u64 {
+pub fn start_of(ends: &Shared<[u64]>, j: u64) -> u64 {
     select(j > 0, ends[select(j > 0, j - 1, 0u64) as usize], 0u64)
 }
