@@ -21,9 +21,9 @@ use burn_core::backend::tensor::{BoolTensor, IntTensor};
 use burn_core::backend::{Dispatch, TensorMetadata};
 use burn_core::tensor::{Bool, Int, Tensor};
 
+use crate::deferred::Status;
 use crate::error::{Error, SEGMENT_CONTEXT};
 use crate::ops::{GatherPrimitive, KvPlanBackend, OptionalInt};
-use crate::status;
 use crate::validate::{self, Arg};
 
 /// The knobs of a gather.
@@ -62,34 +62,6 @@ pub struct DeferredGather<B: Backend = Dispatch> {
     pub count: IntTensor<B>,
     /// The device-side validation status.
     pub status: Status<B>,
-}
-
-/// The device-side status record of a deferred op.
-#[derive(Debug, Clone)]
-pub struct Status<B: Backend = Dispatch> {
-    words: IntTensor<B>,
-    context: String,
-}
-
-impl<B: Backend> Status<B> {
-    pub(crate) fn new(words: IntTensor<B>, context: &str) -> Self {
-        Self {
-            words,
-            context: context.into(),
-        }
-    }
-
-    /// Reads the status back (one transfer) and returns the op's count (a gather's number of
-    /// values, 0 for a plan), or the error the checked form would have returned.
-    pub fn check(&self) -> Result<usize, Error> {
-        let words = crate::ops::read_status::<B>(self.words.clone())?;
-        status::decode(&words, &self.context)
-    }
-
-    /// The raw i64 status record, for callers that keep it on the device.
-    pub fn words(&self) -> &IntTensor<B> {
-        &self.words
-    }
 }
 
 pub(crate) fn arg<T: TensorMetadata>(name: &'static str, tensor: &T) -> Arg<T::Device> {

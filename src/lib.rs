@@ -7,7 +7,13 @@
 
 #![warn(missing_docs)]
 
+// The README's examples compile as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
 pub mod canary;
+mod deferred;
 mod error;
 pub mod gather;
 mod layout;
@@ -20,9 +26,10 @@ pub use canary::{
     Canary, CanaryLaunch, KernelKind, PlanInputs, RealKvSource, SourceBytes, StepPlan, WriteInputs,
     plan, plan_deferred,
 };
+pub use deferred::{Status, check_all};
 pub use error::{Dims, Error, Result, Site};
 pub use gather::{
-    DeferredGather, GatherOptions, Status, masked_gather, masked_gather_deferred, segment_gather,
+    DeferredGather, GatherOptions, masked_gather, masked_gather_deferred, segment_gather,
     segment_gather_deferred,
 };
 pub use layout::SourceLayout;

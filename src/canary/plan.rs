@@ -18,8 +18,9 @@ use burn_core::backend::tensor::IntTensor;
 use burn_core::backend::{Dispatch, TensorData, TensorMetadata};
 use burn_core::tensor::{Device, Int, Tensor};
 
+use crate::deferred::Status;
 use crate::error::Error;
-use crate::gather::{Status, arg};
+use crate::gather::arg;
 use crate::ops::{
     KvPlanBackend, OptionalInt, PlanInputsPrimitive, VerifyPlanPrimitive, WritePlanPrimitive,
 };
