@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
-# The GPU session in one call (run through `device`): conformance, demo and benchmarks on CUDA.
-# Run `scripts/pack-gpu.sh` here first, then carry `gpu/` (the packed CUDA binaries and a copy of
-# ../shared/conformance). Logs go to $OUT; the last lines of stdout are the tables.
-# Usage: scripts/gpu.sh [tests|checks|wide|canary|plan|gather|nocupti|unfused]...
+# The GPU session (run through `device`): conformance, tests, sanitizers and benchmarks on CUDA.
+# `scripts/pack-gpu.sh` here first. Binaries wait in /tmp/kvplan-bin between calls of one warm
+# machine. Logs go to $OUT; stdout ends with the tables.
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|canary|plan|gather|nocupti|unfused]...
 set -uo pipefail
-BIN=./target-cuda/release/kvplan
+BIN=/tmp/kvplan-bin/kvplan
+TESTS=/tmp/kvplan-bin/kvplan-tests
 OUT=${OUT:-/tmp/kvplan-gpu}
-mkdir -p "$OUT"
+mkdir -p "$OUT" /tmp/kvplan-bin
+[ -f gpu/tests.xz ] && xz -dc gpu/tests.xz > "$TESTS" && chmod +x "$TESTS"
+[ -f gpu/bin.xz ] && xz -dc gpu/bin.xz > "$BIN" && chmod +x "$BIN"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
-mkdir -p target-cuda/release
-tar -xzf gpu/bins.tgz -C target-cuda/release
+export KVPLAN_CONFORMANCE_DIR="$PWD/tests/data"
 for part in "$@"; do
   case "$part" in
+    stage) ;; # the binaries are unpacked above
     tests)
       # The integration tests on the CUDA suites (fused and unfused).
-      KVPLAN_CONFORMANCE_DIR=gpu ./target-cuda/release/kvplan-tests cuda --test-threads 4 > "$OUT/tests.txt" 2>&1
+      "$TESTS" cuda --test-threads 4 > "$OUT/tests.txt" 2>&1
       grep -E "FAILED|panicked|test result" "$OUT/tests.txt"
       ;;
     checks)
       for backend in cuda cuda-unfused; do
         for file in gather plan canary; do
-          "$BIN" check "gpu/$file.jsonl" --backend "$backend" > "$OUT/check-$file-$backend.txt" 2>&1
+          "$BIN" check "tests/data/$file.jsonl" --backend "$backend" > "$OUT/check-$file-$backend.txt" 2>&1
           echo "check $file $backend: $(tail -1 "$OUT/check-$file-$backend.txt")"
         done
       done
@@ -32,14 +35,23 @@ for part in "$@"; do
       # Every kernel on 64-bit indexes (KVPLAN_WIDE_INDEX=1 forces them on ordinary inputs).
       for backend in cuda cuda-unfused; do
         for file in gather plan canary; do
-          KVPLAN_WIDE_INDEX=1 "$BIN" check "gpu/$file.jsonl" --backend "$backend" > "$OUT/wide-$file-$backend.txt" 2>&1
+          KVPLAN_WIDE_INDEX=1 "$BIN" check "tests/data/$file.jsonl" --backend "$backend" > "$OUT/wide-$file-$backend.txt" 2>&1
           echo "wide check $file $backend: $(tail -1 "$OUT/wide-$file-$backend.txt")"
         done
       done
       ;;
+    sanitize)
+      # compute-sanitizer's four tools over every conformance file; one summary line per tool.
+      for tool in memcheck racecheck synccheck initcheck; do
+        for file in gather plan canary; do
+          KVPLAN_NO_CUPTI=1 compute-sanitizer --tool "$tool" --print-limit 20 \
+            "$BIN" check "tests/data/$file.jsonl" --backend cuda-unfused > "$OUT/san-$tool-$file.txt" 2>&1
+        done
+        echo "$tool: $(grep -h "ERROR SUMMARY" "$OUT"/san-"$tool"-*.txt | tr '\n' ' ')"
+      done
+      ;;
     canary)
       "$BIN" bench canary --backend cuda --reps 20 2>&1 | tee "$OUT/bench-canary.txt"
-      KVPLAN_NO_CUPTI=1 "$BIN" bench canary-small --backend cuda --reps 50 2>&1 | tee "$OUT/bench-canary-nocupti.txt"
       ;;
     nocupti)
       # Host-side views without CUPTI's per-launch cost (GPU columns are then empty).
@@ -48,7 +60,6 @@ for part in "$@"; do
       done
       ;;
     unfused)
-      # The same grids on the unfused backend (CubeBackend directly), host-side views.
       for which in plan gather; do
         KVPLAN_NO_CUPTI=1 "$BIN" bench "$which" --backend cuda-unfused --reps 50 2>&1 | tee "$OUT/bench-$which-unfused.txt"
       done
