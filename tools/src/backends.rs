@@ -1,22 +1,27 @@
-//! The backends the `kvplan` binary can run on, by name.
+//! The backends the `kvplan` binary can run on, by name, and [`with_backend`], which runs a
+//! backend-generic [`OnBackend`] job on the named one.
 
 use core::fmt;
 use std::str::FromStr;
 
+use burn_core::backend::Dispatch;
+use burn_core::tensor::Device;
+use kvplan::KvPlanBackend;
+
 /// A backend the CLI can select.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendName {
-    /// The host reference, through Burn's Flex CPU backend (trait default methods).
+    /// The host reference: `Dispatch` on the Flex CPU device (the trait's default bodies).
     Reference,
     /// Flex, Burn's CPU backend (same path as `Reference`).
     Flex,
-    /// wgpu with SPIR-V on Vulkan, fused (`burn_wgpu::Vulkan`).
+    /// Vulkan (wgpu, SPIR-V), fused: `Dispatch` on `Device::vulkan`.
     Vulkan,
-    /// wgpu with SPIR-V on Vulkan, without fusion (`CubeBackend` directly).
+    /// Vulkan without fusion: `CubeBackend` directly, at the primitive level.
     VulkanUnfused,
-    /// CUDA, fused (`burn_cuda::Cuda`).
+    /// CUDA, fused: `Dispatch` on `Device::cuda(0)`.
     Cuda,
-    /// CUDA without fusion.
+    /// CUDA without fusion: `CubeBackend` directly, at the primitive level.
     CudaUnfused,
 }
 
@@ -54,59 +59,58 @@ impl fmt::Display for BackendName {
     }
 }
 
-/// Fused Vulkan (SPIR-V) backend.
-#[cfg(feature = "vulkan")]
-pub type Vulkan = burn_wgpu::Vulkan<f32, i32>;
-/// Unfused Vulkan (SPIR-V) backend.
-#[cfg(feature = "vulkan")]
-pub type VulkanUnfused = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u8>;
-/// Fused CUDA backend.
-#[cfg(feature = "cuda")]
-pub type Cuda = burn_cuda::Cuda<f32, i32>;
-/// Unfused CUDA backend.
-#[cfg(feature = "cuda")]
-pub type CudaUnfused = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+/// A job generic over the backend: [`with_backend`] calls `run` with the named backend as `B`
+/// and its default device.
+pub trait OnBackend {
+    /// What the job returns.
+    type Output;
 
-/// Runs `$body` with `B` bound to the named backend and `device` to its default device, or
-/// evaluates to `Err` when the backend is not compiled in.
-#[macro_export]
-macro_rules! with_backend {
-    ($name:expr, |$device:ident : $b:ident| $body:expr) => {{
-        use $crate::backends::BackendName;
+    /// Runs the job on backend `B`, device `device`.
+    fn run<B: KvPlanBackend>(self, device: B::Device) -> Self::Output;
+}
+
+/// The unfused Cube backend (no `Fusion`, no `Dispatch`).
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+pub type CubeUnfused = burn_cubecl::CubeBackend;
+
+/// The cubecl device behind a `Device` of the Cube backend.
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+fn cube_device(device: &Device) -> burn_cubecl::CubeDevice {
+    use burn_core::backend::DispatchDevice;
+    match device.as_dispatch() {
+        DispatchDevice::Cube(device) => device.clone(),
         #[allow(unreachable_patterns)]
-        match $name {
-            BackendName::Reference | BackendName::Flex => {
-                type $b = burn_flex::Flex;
-                let $device = burn_flex::FlexDevice::default();
-                Ok($body)
-            }
-            #[cfg(feature = "vulkan")]
-            BackendName::Vulkan => {
-                type $b = $crate::backends::Vulkan;
-                let $device = burn_wgpu::WgpuDevice::default();
-                Ok($body)
-            }
-            #[cfg(feature = "vulkan")]
-            BackendName::VulkanUnfused => {
-                type $b = $crate::backends::VulkanUnfused;
-                let $device = burn_wgpu::WgpuDevice::default();
-                Ok($body)
-            }
-            #[cfg(feature = "cuda")]
-            BackendName::Cuda => {
-                type $b = $crate::backends::Cuda;
-                let $device = burn_cuda::CudaDevice::default();
-                Ok($body)
-            }
-            #[cfg(feature = "cuda")]
-            BackendName::CudaUnfused => {
-                type $b = $crate::backends::CudaUnfused;
-                let $device = burn_cuda::CudaDevice::default();
-                Ok($body)
-            }
-            other => Err(format!(
-                "backend {other} is not compiled in (enable its cargo feature)"
-            )),
+        _ => unreachable!("a Vulkan or CUDA device is a Cube device"),
+    }
+}
+
+/// Runs `job` on the named backend and its default device, or `Err` when the backend is not
+/// compiled in.
+///
+/// `reference` and `flex` are `Dispatch` on `Device::flex()`; `vulkan` and `cuda` are `Dispatch`
+/// on their device (fused in this crate's builds); the `-unfused` ones are `CubeBackend` on the
+/// same cubecl device.
+pub fn with_backend<V: OnBackend>(name: BackendName, job: V) -> Result<V::Output, String> {
+    #[allow(unreachable_patterns)]
+    match name {
+        BackendName::Reference | BackendName::Flex => {
+            Ok(job.run::<Dispatch>(Device::flex().as_dispatch().clone()))
         }
-    }};
+        #[cfg(feature = "vulkan")]
+        BackendName::Vulkan => Ok(job.run::<Dispatch>(vulkan().as_dispatch().clone())),
+        #[cfg(feature = "vulkan")]
+        BackendName::VulkanUnfused => Ok(job.run::<CubeUnfused>(cube_device(&vulkan()))),
+        #[cfg(feature = "cuda")]
+        BackendName::Cuda => Ok(job.run::<Dispatch>(Device::cuda(0).as_dispatch().clone())),
+        #[cfg(feature = "cuda")]
+        BackendName::CudaUnfused => Ok(job.run::<CubeUnfused>(cube_device(&Device::cuda(0)))),
+        other => Err(format!(
+            "backend {other} is not compiled in (enable its cargo feature)"
+        )),
+    }
+}
+
+#[cfg(feature = "vulkan")]
+fn vulkan() -> Device {
+    Device::vulkan(burn_core::tensor::DeviceKind::DefaultDevice)
 }

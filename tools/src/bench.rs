@@ -8,10 +8,17 @@
 
 use std::time::Instant;
 
-use burn_tensor::{Bool, DType, Int, Tensor, TensorData};
+use burn_core::backend::tensor::IntTensor;
+use burn_core::tensor::DType;
+use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
+use kvplan::reference::{self, PlanArgs, PlanBuffers, Table};
+use kvplan::{
+    Canary, CanaryLaunch, GatherOptions, KernelKind, KvBytes, KvPlanBackend, PlanInputs,
+    RealKvSource, SourceBytes, StepPlan, WriteInputs,
+};
+use kvplan::canary::{RealKvHashMode, VerifyPlan, WritePlan, read_plans};
 
-use crate::reference::{self, PlanArgs, PlanBuffers, Table};
-use crate::{KvPlanBackend, PlanInputs, VerifyPlan, WritePlan};
+use crate::prim;
 
 /// Deterministic inputs (splitmix64).
 struct Rng(u64);
@@ -35,8 +42,17 @@ fn int<B: KvPlanBackend, const D: usize>(
     shape: [usize; D],
     dtype: DType,
     device: &B::Device,
-) -> Tensor<B, D, Int> {
-    Tensor::from_data(TensorData::new(values, shape), (device, dtype))
+) -> IntTensor<B> {
+    prim::ints::<B>(&values, &shape, dtype, device)
+}
+
+/// The values of an int primitive, or the read-back's error.
+fn read<B: KvPlanBackend>(tensor: IntTensor<B>) -> Result<Vec<i64>, String> {
+    prim::read_ints::<B>(tensor)
+}
+
+fn sync<B: KvPlanBackend>(device: &B::Device) {
+    B::sync(device).ok();
 }
 
 /// Whether a grid shape is to run: every shape, or the one `KVPLAN_BENCH_SHAPE=BSxW` names
@@ -93,33 +109,33 @@ struct Timing {
 fn time<B: KvPlanBackend>(
     device: &B::Device,
     reps: usize,
-    call: impl FnMut() -> Result<(), crate::Error>,
-) -> Result<(f64, f64), crate::Error> {
+    call: impl FnMut() -> Result<(), kvplan::Error>,
+) -> Result<(f64, f64), kvplan::Error> {
     timed::<B>(device, reps, call).map(|t| (t.host_us, t.pipelined_us))
 }
 
 fn timed<B: KvPlanBackend>(
     device: &B::Device,
     reps: usize,
-    mut call: impl FnMut() -> Result<(), crate::Error>,
-) -> Result<Timing, crate::Error> {
+    mut call: impl FnMut() -> Result<(), kvplan::Error>,
+) -> Result<Timing, kvplan::Error> {
     for _ in 0..3 {
         call()?;
     }
-    B::sync(device).ok();
+    sync::<B>(device);
     let mut host = Vec::with_capacity(reps);
     for _ in 0..reps {
         let start = Instant::now();
         call()?;
         host.push(start.elapsed().as_secs_f64() * 1e6);
     }
-    B::sync(device).ok();
+    sync::<B>(device);
     take_kernel_time();
     let start = Instant::now();
     for _ in 0..reps {
         call()?;
     }
-    B::sync(device).ok();
+    sync::<B>(device);
     let pipelined = start.elapsed().as_secs_f64() * 1e6 / reps as f64;
     let gpu = take_kernel_time()
         .map(|(ns, kernels)| (ns as f64 / 1e3 / reps as f64, kernels as f64 / reps as f64));
@@ -157,7 +173,7 @@ fn header(shape: &str) {
     println!("|---|---:|---:|---:|---:|---:|");
 }
 
-/// The gather grid: masked (exact, capacity) and segments (exact, capacity).
+/// The gather grid: masked (exact, deferred) and segments (exact, deferred).
 pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), String> {
     header("shape (bs, W, valid) op/mode");
     for (bs, width) in [
@@ -204,17 +220,26 @@ pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), S
         let t = int::<B, 2>(table, [rows, cols], DType::I32, device);
         let q = int::<B, 1>(rpi, [bs], DType::I32, device);
         let p = int::<B, 2>(pos2d, [bs, width], DType::I32, device);
-        let m = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [bs, width]), device);
+        let m = prim::bools::<B>(&mask, &[bs, width], device);
         let s = int::<B, 1>(start, [bs], DType::I32, device);
         let l = int::<B, 1>(lengths, [bs], DType::I32, device);
-        let got = crate::masked_gather(t.clone(), q.clone(), p.clone(), m.clone(), "bench")
-            .map_err(|error| error.to_string())?
-            .into_data();
-        let got = crate::ops::data_to_i64(&got);
-        let got_segments = crate::segment_gather(t.clone(), q.clone(), Some(s.clone()), l.clone())
-            .map_err(|error| error.to_string())?
-            .into_data();
-        let got_segments = crate::ops::data_to_i64(&got_segments);
+        let options = GatherOptions::new().context("bench");
+        let masked = |options: &GatherOptions| {
+            masked_gather_deferred::<B>(t.clone(), q.clone(), p.clone(), m.clone(), options)
+        };
+        let segments = |options: &GatherOptions| {
+            segment_gather_deferred::<B>(t.clone(), q.clone(), Some(s.clone()), l.clone(), options)
+        };
+        let got = read::<B>(
+            masked(&options)
+                .and_then(exact::<B>)
+                .map_err(|error| error.to_string())?,
+        )?;
+        let got_segments = read::<B>(
+            segments(&options)
+                .and_then(exact::<B>)
+                .map_err(|error| error.to_string())?,
+        )?;
         if got != expected || got_segments != expected {
             return Err(format!("gather ({bs}, {width}) differs from the reference"));
         }
@@ -223,42 +248,19 @@ pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), S
         let masked_bytes = cells * 5.0 + bs as f64 * 4.0 + valid as f64 * 12.0;
         let segment_bytes = bs as f64 * 12.0 + valid as f64 * 12.0;
         let label = |op: &str| format!("({bs}, {width}, {valid}) {op}");
-        let run = |f: &mut dyn FnMut() -> Result<(), crate::Error>| timed::<B>(device, reps, f);
-        let timing = run(&mut || {
-            crate::masked_gather(t.clone(), q.clone(), p.clone(), m.clone(), "b").map(drop)
-        })
-        .map_err(|e| e.to_string())?;
+        let run = |f: &mut dyn FnMut() -> Result<(), kvplan::Error>| timed::<B>(device, reps, f);
+        let b = GatherOptions::new().context("b");
+        let timing = run(&mut || masked(&b).and_then(exact::<B>).map(drop))
+            .map_err(|e| e.to_string())?;
         row(&label("masked exact"), timing, masked_bytes);
-        let timing = run(&mut || {
-            crate::masked_gather_with_capacity(
-                t.clone(),
-                q.clone(),
-                p.clone(),
-                m.clone(),
-                None,
-                "b",
-            )
-            .map(drop)
-        })
-        .map_err(|e| e.to_string())?;
-        row(&label("masked capacity"), timing, masked_bytes);
-        let timing = run(&mut || {
-            crate::segment_gather(t.clone(), q.clone(), Some(s.clone()), l.clone()).map(drop)
-        })
-        .map_err(|e| e.to_string())?;
+        let timing = run(&mut || masked(&b).map(drop)).map_err(|e| e.to_string())?;
+        row(&label("masked deferred"), timing, masked_bytes);
+        let timing = run(&mut || segments(&GatherOptions::new()).and_then(exact::<B>).map(drop))
+            .map_err(|e| e.to_string())?;
         row(&label("segments exact"), timing, segment_bytes);
-        let timing = run(&mut || {
-            crate::segment_gather_with_capacity(
-                t.clone(),
-                q.clone(),
-                Some(s.clone()),
-                l.clone(),
-                Some(valid as usize),
-            )
-            .map(drop)
-        })
-        .map_err(|e| e.to_string())?;
-        row(&label("segments capacity"), timing, segment_bytes);
+        let by_valid = GatherOptions::new().capacity(valid as usize);
+        let timing = run(&mut || segments(&by_valid).map(drop)).map_err(|e| e.to_string())?;
+        row(&label("segments deferred"), timing, segment_bytes);
     }
     Ok(())
 }
@@ -327,16 +329,15 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
             let pool_t = int::<B, 2>(pool_values, [rows, cols], DType::I32, device);
             let lens_t = int::<B, 1>(valid_lens, [bs], DType::I32, device);
             let inputs = || {
-                let mut inputs = PlanInputs::new(q.clone(), p.clone(), e.clone(), t.clone());
+                let mut inputs =
+                    PlanInputs::<B>::from_primitives(q.clone(), p.clone(), e.clone(), t.clone());
                 if swa {
                     inputs = inputs
                         .swa_window_size(window)
-                        .full_to_swa_index_mapping(lut_t.clone());
+                        .full_to_swa_index_mapping_primitive(lut_t.clone());
                 }
                 if pool {
-                    inputs = inputs
-                        .expected_tokens(pool_t.clone())
-                        .expected_tokens_valid_lens(lens_t.clone());
+                    inputs = inputs.expected_tokens_primitive(pool_t.clone(), lens_t.clone());
                 }
                 inputs
             };
@@ -350,11 +351,10 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
             );
             let label = format!("({bs}, {max_prefix}, {mode}, {entries})");
             for (capacity, launches) in [(one_launch, "V any batch"), (counted, "V exact")] {
-                let mut verify =
-                    VerifyPlan::<B>::allocate(capacity, device).map_err(|e| e.to_string())?;
-                let mut write = WritePlan::<B>::allocate(bs, device).map_err(|e| e.to_string())?;
-                crate::plan(&mut verify, &mut write, inputs()).map_err(|e| e.to_string())?;
-                let got = crate::canary::read_plans(&verify, &write).map_err(|e| e.to_string())?;
+                let mut step =
+                    StepPlan::<B>::allocate_on(capacity, bs, device).map_err(|e| e.to_string())?;
+                kvplan::plan(&mut step, inputs()).map_err(|e| e.to_string())?;
+                let got = read_plans(&step).map_err(|e| e.to_string())?;
                 if got.verify_slot_indices[..entries] != want.verify_slot_indices[..entries]
                     || got.verify_prev_slot_indices[..entries]
                         != want.verify_prev_slot_indices[..entries]
@@ -367,13 +367,11 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
                     ));
                 }
                 let timing = timed::<B>(device, reps, || {
-                    crate::plan_deferred(&mut verify, &mut write, inputs()).map(drop)
+                    kvplan::plan_deferred(&mut step, inputs()).map(drop)
                 })
                 .map_err(|e| e.to_string())?;
                 row(&format!("{label} {launches}, deferred"), timing, bytes);
-                let (h, _) = time::<B>(device, reps, || {
-                    crate::plan(&mut verify, &mut write, inputs())
-                })
+                let (h, _) = time::<B>(device, reps, || kvplan::plan(&mut step, inputs()))
                 .map_err(|e| e.to_string())?;
                 println!("| {label} {launches}, checked | - | - | - | {h:.1} | - |");
             }
@@ -400,8 +398,8 @@ fn canary_row(label: &str, timing: Timing, bytes: f64, tokens: f64) {
 /// twice as many slots (a fragmented allocator), and an optional real-KV source of 256 bytes per
 /// token (page 1).
 struct CanaryWorkload<B: KvPlanBackend> {
-    canary: crate::Canary<B>,
-    source: Option<crate::RealKvSource<B>>,
+    canary: Canary<B>,
+    source: Option<RealKvSource<B>>,
     /// Slots of every request, in order.
     requests: Vec<Vec<i64>>,
 }
@@ -424,11 +422,14 @@ fn canary_workload<B: KvPlanBackend>(
         .map(<[i64]>::to_vec)
         .collect();
     let canary =
-        crate::Canary::<B>::allocate(num_slots, 32, 1024, device).map_err(|e| e.to_string())?;
+        Canary::<B>::allocate_on(num_slots, 32, 1024, device).map_err(|e| e.to_string())?;
     let source = if fingerprints {
         let words: Vec<i64> = (0..num_slots * 32).map(|_| rng.next() as i64).collect();
         let kv = int::<B, 2>(words, [num_slots, 32], DType::I64, device);
-        Some(crate::RealKvSource::int(kv, 1, 256, 256).map_err(|e| e.to_string())?)
+        Some(
+            RealKvSource::from_primitive(KvBytes::Int(kv), SourceBytes::per_slot(256))
+                .map_err(|e| e.to_string())?,
+        )
     } else {
         None
     };
@@ -440,12 +441,10 @@ fn canary_workload<B: KvPlanBackend>(
 }
 
 impl<B: KvPlanBackend> CanaryWorkload<B> {
-    fn launch(&self, kind: i32) -> crate::CanaryLaunch<B> {
-        let launch = crate::CanaryLaunch::new(kind);
+    fn launch(&self, kind: i32) -> CanaryLaunch<B> {
+        let launch = CanaryLaunch::new(KernelKind(kind));
         match &self.source {
-            Some(source) => {
-                launch.real_kv(crate::canary::RealKvHashMode::All, vec![source.clone()])
-            }
+            Some(source) => launch.real_kv(RealKvHashMode::All, vec![source.clone()]),
             None => launch,
         }
     }
@@ -457,7 +456,7 @@ impl<B: KvPlanBackend> CanaryWorkload<B> {
         device: &B::Device,
         first: usize,
         tokens: usize,
-    ) -> Result<(crate::WritePlan<B>, crate::WriteInputs<B>), String> {
+    ) -> Result<(WritePlan<B>, WriteInputs<B>), String> {
         let mut offsets = vec![0i64];
         let (mut seeds, mut ids, mut positions, mut slots) = (vec![], vec![], vec![], vec![]);
         for (r, request) in self.requests.iter().enumerate() {
@@ -470,24 +469,24 @@ impl<B: KvPlanBackend> CanaryWorkload<B> {
             offsets.push(slots.len() as i64);
         }
         let count = self.requests.len();
-        let plan = crate::WritePlan::from_tensors(
+        let plan = WritePlan::from_primitives(
             int::<B, 1>(offsets, [count + 1], DType::I64, device),
             int::<B, 1>(seeds, [count], DType::I64, device),
             int::<B, 1>(vec![count as i64], [1], DType::I32, device),
         )
         .map_err(|e| e.to_string())?;
         let len = slots.len();
-        let inputs = crate::WriteInputs::new(
+        let inputs = WriteInputs::from_primitives(
             int::<B, 1>(ids, [len], DType::I64, device),
             int::<B, 1>(positions, [len], DType::I64, device),
             int::<B, 1>(slots, [len], DType::I64, device),
         )
-        .chain_position_assert(int::<B, 1>(vec![1], [1], DType::I32, device));
+        .chain_position_assert_primitive(int::<B, 1>(vec![1], [1], DType::I32, device));
         Ok((plan, inputs))
     }
 
     /// The verify plan of every written token, each chained to its predecessor.
-    fn verify_plan(&self, device: &B::Device) -> Result<crate::VerifyPlan<B>, String> {
+    fn verify_plan(&self, device: &B::Device) -> Result<VerifyPlan<B>, String> {
         let (mut slots, mut tokens, mut positions, mut prev) = (vec![], vec![], vec![], vec![]);
         for (r, request) in self.requests.iter().enumerate() {
             for (position, &slot) in request.iter().enumerate() {
@@ -503,7 +502,7 @@ impl<B: KvPlanBackend> CanaryWorkload<B> {
         }
         let len = slots.len();
         let list = |values: Vec<i64>| int::<B, 1>(values, [len], DType::I64, device);
-        crate::VerifyPlan::from_tensors(
+        VerifyPlan::from_primitives(
             list(slots),
             list(tokens),
             list(positions),
@@ -527,7 +526,7 @@ pub fn canary<B: KvPlanBackend>(
         "| op, shape, mode | GPU us/call | kernels/call | throughput | host us/call | pipelined us/call |"
     );
     println!("|---|---:|---:|---:|---:|---:|");
-    let e = |error: crate::Error| error.to_string();
+    let e = |error: kvplan::Error| error.to_string();
     for fingerprints in [false, true] {
         let mode = if fingerprints { "ALL" } else { "NONE" };
         // Verify: ~2k-token requests.
@@ -608,7 +607,7 @@ pub fn canary<B: KvPlanBackend>(
     Ok(())
 }
 
-/// Where an exact-mode gather's host time goes, on one small shape (bs 64, W 16): the capacity
+/// Where an exact-mode gather's host time goes, on one small shape (bs 64, W 16): the deferred
 /// call alone, one status read of a finished call, a backend sync, and the exact call.
 pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), String> {
     let (bs, width, rows, cols) = (64usize, 16usize, 128usize, 8192usize);
@@ -624,11 +623,11 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     let t = int::<B, 2>(table, [rows, cols], DType::I32, device);
     let q = int::<B, 1>(rpi, [bs], DType::I32, device);
     let p = int::<B, 2>(pos2d, [bs, width], DType::I32, device);
-    let m = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [bs, width]), device);
-    let capacity = || {
-        crate::masked_gather_with_capacity(t.clone(), q.clone(), p.clone(), m.clone(), None, "b")
-    };
-    let e = |error: crate::Error| error.to_string();
+    let m = prim::bools::<B>(&mask, &[bs, width], device);
+    let options = GatherOptions::new().context("b");
+    let capacity =
+        || masked_gather_deferred::<B>(t.clone(), q.clone(), p.clone(), m.clone(), &options);
+    let e = |error: kvplan::Error| error.to_string();
     println!("| part (bs 64, W 16) | host us/call | pipelined us/call |");
     println!("|---|---:|---:|");
     let report = |label: &str, (host, pipelined): (f64, f64)| {
@@ -636,7 +635,7 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
         driver_report(reps);
     };
     report(
-        "capacity call",
+        "deferred call",
         time::<B>(device, reps, || capacity().map(drop)).map_err(e)?,
     );
     let done = capacity().map_err(e)?;
@@ -648,42 +647,40 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     report(
         "sync",
         time::<B>(device, reps, || {
-            B::sync(device).ok();
+            sync::<B>(device);
             Ok(())
         })
         .map_err(e)?,
     );
     report(
-        "capacity call + sync",
+        "deferred call + sync",
         time::<B>(device, reps, || {
             capacity()?;
-            B::sync(device).ok();
+            sync::<B>(device);
             Ok(())
         })
         .map_err(e)?,
     );
     report(
-        "capacity call + status read",
+        "deferred call + status read",
         time::<B>(device, reps, || capacity()?.status.check().map(drop)).map_err(e)?,
     );
     report(
         "exact call",
-        time::<B>(device, reps, || {
-            crate::masked_gather(t.clone(), q.clone(), p.clone(), m.clone(), "b").map(drop)
-        })
+        time::<B>(device, reps, || capacity().and_then(exact::<B>).map(drop))
         .map_err(e)?,
     );
     Ok(())
 }
 
 /// The CubeCL CUDA client's own costs, below Burn: a blocking round trip to its server thread
-/// (`memory_usage`) after the thread has been idle for a while (it spins, then yields, then
+/// (`memory_report`) after the thread has been idle for a while (it spins, then yields, then
 /// sleeps in 150 us steps), a 64-byte read of a finished buffer, an upload, and a sync.
 #[cfg(feature = "cuda")]
 pub fn cuda_client(reps: usize) -> Result<(), String> {
-    use cubecl::Runtime;
-    use cubecl::cuda::CudaRuntime;
-    let client = CudaRuntime::client(&Default::default());
+    use burn_core::backend::read_sync;
+    use cubecl::MemoryScope;
+    let client = cubecl::Device::Cuda(Default::default()).client();
     let buffer = client.create_from_slice(&[7u8; 64]);
     let read = || {
         let descriptor = cubecl::server::CopyDescriptor::new(
@@ -692,19 +689,16 @@ pub fn cuda_client(reps: usize) -> Result<(), String> {
             [1].into(),
             8,
         );
-        cubecl::future::block_on(client.read_one_tensor_async(descriptor)).map(drop)
+        read_sync(client.read_one_tensor_async(descriptor)).map(drop)
     };
+    let round_trip = || drop(client.memory_report(MemoryScope::Device));
     let probes: [(&str, &dyn Fn()); 4] = [
-        ("client round trip (memory_usage)", &|| {
-            drop(client.memory_usage())
-        }),
+        ("client round trip (memory_report)", &round_trip),
         ("read 64 B of a finished buffer", &|| read().expect("read")),
         ("upload 64 B", &|| {
             drop(client.create_from_slice(&[1u8; 64]))
         }),
-        ("client sync", &|| {
-            cubecl::future::block_on(client.sync()).expect("sync")
-        }),
+        ("client sync", &|| read_sync(client.sync()).expect("sync")),
     ];
     // How long the client's server thread takes to answer after it has been idle for `idle` us.
     for idle in [0u64, 10, 20, 40, 80, 160, 320, 640, 1280] {
@@ -715,7 +709,7 @@ pub fn cuda_client(reps: usize) -> Result<(), String> {
                 std::hint::spin_loop();
             }
             let start = Instant::now();
-            drop(client.memory_usage());
+            round_trip();
             samples.push(start.elapsed().as_secs_f64() * 1e6);
         }
         samples.sort_by(|a, b| a.total_cmp(b));

@@ -2,7 +2,9 @@
 
 use std::process::ExitCode;
 
-use kvplan::backends::BackendName;
+use kvplan::KvPlanBackend;
+use kvplan_tools::conformance::{Report, check_file};
+use kvplan_tools::{BackendName, OnBackend, bench, demo, with_backend};
 
 const USAGE: &str = "usage:
   kvplan [demo] [--backend NAME] [--inject-corruption]
@@ -42,7 +44,7 @@ fn main() -> ExitCode {
 
 /// `name` after a probe: a missing device is an error line, not a panic.
 fn usable(name: BackendName) -> Result<BackendName, String> {
-    kvplan::demo::choose(Some(name)).map(|choice| choice.name)
+    demo::choose(Some(name)).map(|choice| choice.name)
 }
 
 fn run(args: &[String]) -> Result<ExitCode, Failure> {
@@ -78,23 +80,22 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
             file,
             usable(backend.unwrap_or(BackendName::Reference))?,
         )?),
-        [] | ["demo"] => Ok(kvplan::demo::run(backend, inject_corruption)?),
+        [] | ["demo"] => Ok(demo::run(backend, inject_corruption)?),
+        [probe, name] if *probe == demo::PROBE_SUBCOMMAND => {
+            let name = name.parse::<BackendName>().map_err(Failure::Usage)?;
+            match demo::probe_here(name) {
+                Ok(()) => Ok(ExitCode::SUCCESS),
+                Err(why) => {
+                    eprintln!("{why}");
+                    Ok(ExitCode::FAILURE)
+                }
+            }
+        }
         ["bench", which] => {
             let backend = usable(backend.unwrap_or(BackendName::Reference))?;
             let which = which.to_string();
             println!("kvplan bench {which} on {backend}, {reps} reps");
-            kvplan::with_backend!(backend, |device: B| match which.as_str() {
-                "gather" => kvplan::bench::gather::<B>(&device, reps),
-                "plan" => kvplan::bench::plan::<B>(&device, reps),
-                "canary" => kvplan::bench::canary::<B>(&device, reps, true),
-                "canary-small" => kvplan::bench::canary::<B>(&device, reps, false),
-                "host" => kvplan::bench::host::<B>(&device, reps),
-                #[cfg(feature = "cuda")]
-                "cuda-client" => kvplan::bench::cuda_client(reps),
-                other => Err(format!(
-                    "unknown bench {other:?} (gather, plan, canary, canary-small, host, cuda-client)"
-                )),
-            })??;
+            with_backend(backend, Bench { which, reps })??;
             Ok(ExitCode::SUCCESS)
         }
         _ => Err(Failure::Usage(format!(
@@ -106,9 +107,7 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
 fn check(file: &str, backend: BackendName) -> Result<ExitCode, String> {
     let text =
         std::fs::read_to_string(file).map_err(|error| format!("cannot read {file}: {error}"))?;
-    let report = kvplan::with_backend!(backend, |device: B| {
-        kvplan::conformance::check_file::<B>(&text, &device)
-    })?;
+    let report = with_backend(backend, Check { text: &text })?;
     for (id, mismatch) in &report.failures {
         println!("FAIL {id} {mismatch}");
     }
@@ -119,4 +118,43 @@ fn check(file: &str, backend: BackendName) -> Result<ExitCode, String> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `kvplan check`'s job: one conformance file on one backend.
+struct Check<'a> {
+    text: &'a str,
+}
+
+impl OnBackend for Check<'_> {
+    type Output = Report;
+
+    fn run<B: KvPlanBackend>(self, device: B::Device) -> Report {
+        check_file::<B>(self.text, &device)
+    }
+}
+
+/// `kvplan bench`'s job: one grid on one backend.
+struct Bench {
+    which: String,
+    reps: usize,
+}
+
+impl OnBackend for Bench {
+    type Output = Result<(), String>;
+
+    fn run<B: KvPlanBackend>(self, device: B::Device) -> Self::Output {
+        let reps = self.reps;
+        match self.which.as_str() {
+            "gather" => bench::gather::<B>(&device, reps),
+            "plan" => bench::plan::<B>(&device, reps),
+            "canary" => bench::canary::<B>(&device, reps, true),
+            "canary-small" => bench::canary::<B>(&device, reps, false),
+            "host" => bench::host::<B>(&device, reps),
+            #[cfg(feature = "cuda")]
+            "cuda-client" => bench::cuda_client(reps),
+            other => Err(format!(
+                "unknown bench {other:?} (gather, plan, canary, canary-small, host, cuda-client)"
+            )),
+        }
+    }
 }

@@ -1,16 +1,18 @@
-//! Canary scenarios (`canary.jsonl`, format in `shared/conformance/canary.md`): an initial state,
+//! Canary scenarios (`canary.jsonl`, format in `tests/data/canary.md`): an initial state,
 //! then write / verify / corrupt steps on one evolving canary, each compared after it runs.
 
-use burn_tensor::{DType, Int, Tensor};
+use burn_core::backend::tensor::IntTensor;
+use burn_core::tensor::DType;
+use kvplan::canary::{
+    Canary, CanaryLaunch, CanaryState, KernelKind, RealKvHashMode, RealKvSource, SourceBytes,
+    VerifyPlan, WriteInputs, WritePlan,
+};
+use kvplan::reference::canary::ViolationRow;
+use kvplan::{Error, KvBytes, KvPlanBackend};
 use serde_json::Value;
 
-use super::{Mismatch, expect_eq, expect_slice, int_list, int_tensor, mismatch_kind, parse_error};
-use crate::canary::{
-    Canary, CanaryLaunch, CanaryState, RealKvHashMode, RealKvSource, VerifyPlan, WriteInputs,
-    WritePlan,
-};
-use crate::reference::canary::ViolationRow;
-use crate::{Error, KvPlanBackend};
+use super::{Mismatch, expect_eq, expect_slice, int_list, mismatch_kind, parse_error};
+use crate::prim;
 
 /// A source's bytes as the scenario holds them (corrupt steps edit them).
 struct HostSource {
@@ -53,26 +55,24 @@ impl HostSource {
     /// The source as a tensor: i64 words when rows split into them (any dtype is read as bytes),
     /// raw u8 otherwise.
     fn to_source<B: KvPlanBackend>(&self, device: &B::Device) -> Result<RealKvSource<B>, Error> {
-        let (page, nbpt, read) = (self.page_size, self.num_bytes_per_token, self.read_bytes);
+        let layout = SourceBytes {
+            page_size: self.page_size,
+            num_bytes_per_token: self.num_bytes_per_token,
+            read_bytes: self.read_bytes,
+        };
         let row_bytes = self.shape.last().copied().unwrap_or(0);
-        if self.shape.len() == 2 && row_bytes % 8 == 0 {
+        let tensor = if self.shape.len() == 2 && row_bytes % 8 == 0 {
             let words: Vec<i64> = self
                 .bytes
                 .chunks_exact(8)
                 .map(|w| i64::from_le_bytes(w.try_into().unwrap_or_default()))
                 .collect();
-            let shape = vec![self.shape[0], row_bytes / 8];
-            let tensor: Tensor<B, 2, Int> = int_tensor(words, shape, DType::I64, device);
-            return RealKvSource::int(tensor, page, nbpt, read);
-        }
-        if self.shape.len() == 2 {
-            let tensor: Tensor<B, 2, Int> =
-                int_tensor(self.bytes.clone(), self.shape.clone(), DType::U8, device);
-            return RealKvSource::int(tensor, page, nbpt, read);
-        }
-        let tensor: Tensor<B, 1, Int> =
-            int_tensor(self.bytes.clone(), self.shape.clone(), DType::U8, device);
-        RealKvSource::int(tensor, page, nbpt, read)
+            prim::ints::<B>(&words, &[self.shape[0], row_bytes / 8], DType::I64, device)
+        } else {
+            // Raw bytes, 2-D or (the flat error case) 1-D.
+            prim::bytes::<B>(&self.bytes, &self.shape, device)
+        };
+        RealKvSource::from_primitive(KvBytes::Int(tensor), layout)
     }
 }
 
@@ -88,13 +88,12 @@ fn list(step: &Value, key: &str) -> Result<Vec<i64>, Mismatch> {
     int_list(&step[key]).ok_or_else(|| parse_error(key))
 }
 
-fn i64_tensor<B: KvPlanBackend>(values: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
-    let len = values.len();
-    int_tensor(values, vec![len], DType::I64, device)
+fn i64_tensor<B: KvPlanBackend>(values: Vec<i64>, device: &B::Device) -> IntTensor<B> {
+    prim::i64s::<B>(&values, device)
 }
 
-fn i32_scalar<B: KvPlanBackend>(value: i64, device: &B::Device) -> Tensor<B, 1, Int> {
-    int_tensor(vec![value as i32], vec![1], DType::I32, device)
+fn i32_scalar<B: KvPlanBackend>(value: i64, device: &B::Device) -> IntTensor<B> {
+    prim::i32_scalar::<B>(i64::from(value as i32), device)
 }
 
 fn launch<B: KvPlanBackend>(
@@ -116,7 +115,7 @@ fn launch<B: KvPlanBackend>(
         .collect();
     let kind = step["kernel_kind"].as_i64().unwrap_or(0) as i32;
     Ok(built.map(|built| {
-        CanaryLaunch::new(kind)
+        CanaryLaunch::new(KernelKind(kind))
             .real_kv(mode_of(step), built)
             .check_verify_expected_token(
                 step["check_verify_expected_token"]
@@ -132,7 +131,7 @@ fn run_write<B: KvPlanBackend>(
     launch: CanaryLaunch<B>,
     device: &B::Device,
 ) -> Result<Result<(), Error>, Mismatch> {
-    let plan = WritePlan::from_tensors(
+    let plan = WritePlan::from_primitives(
         i64_tensor::<B>(list(step, "write_offsets")?, device),
         i64_tensor::<B>(list(step, "write_seed_slot_indices")?, device),
         i32_scalar::<B>(step["write_num_valid_reqs"].as_i64().unwrap_or(0), device),
@@ -141,21 +140,21 @@ fn run_write<B: KvPlanBackend>(
         Ok(plan) => plan,
         Err(error) => return Ok(Err(error)),
     };
-    let mut inputs = WriteInputs::new(
+    let mut inputs = WriteInputs::<B>::from_primitives(
         i64_tensor::<B>(list(step, "input_ids")?, device),
         i64_tensor::<B>(list(step, "positions")?, device),
         i64_tensor::<B>(list(step, "out_cache_loc")?, device),
     )
     .enable_write_input_assert(step["enable_write_input_assert"].as_bool().unwrap_or(false))
-    .chain_position_assert(i32_scalar::<B>(
+    .chain_position_assert_primitive(i32_scalar::<B>(
         step["enable_chain_position_assert"].as_i64().unwrap_or(0),
         device,
     ));
     if let Some(tokens) = int_list(&step["expected_input_tokens"]) {
-        inputs = inputs.expected_input_tokens(i64_tensor::<B>(tokens, device));
+        inputs = inputs.expected_input_tokens_primitive(i64_tensor::<B>(tokens, device));
     }
     if let Some(positions) = int_list(&step["expected_input_positions"]) {
-        inputs = inputs.expected_input_positions(i64_tensor::<B>(positions, device));
+        inputs = inputs.expected_input_positions_primitive(i64_tensor::<B>(positions, device));
     }
     Ok(canary.write(&plan, inputs, &launch))
 }
@@ -166,7 +165,7 @@ fn run_verify<B: KvPlanBackend>(
     launch: CanaryLaunch<B>,
     device: &B::Device,
 ) -> Result<Result<(), Error>, Mismatch> {
-    let plan = VerifyPlan::from_tensors(
+    let plan = VerifyPlan::from_primitives(
         i64_tensor::<B>(list(step, "verify_slot_indices")?, device),
         i64_tensor::<B>(list(step, "verify_expected_tokens")?, device),
         i64_tensor::<B>(list(step, "verify_expected_positions")?, device),
@@ -373,7 +372,7 @@ pub(super) fn check<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Res
         .collect::<Result<_, _>>()?;
     // A canary the library refuses (a bad slot stride) fails the first kernel step instead.
     // (`allocate` is the public check of the byte stride; a one-slot canary is enough to ask it.)
-    let mut canary = Canary::<B>::allocate(1, stride, 0, device)
+    let mut canary = Canary::<B>::allocate_on(1, stride, 0, device)
         .and_then(|_| Canary::<B>::from_state(&state, device));
     for (k, step) in record["steps"].as_array().into_iter().flatten().enumerate() {
         let mode: &'static str = match step["op"].as_str() {

@@ -1,5 +1,6 @@
-//! The conformance runner behind `kvplan check`: runs the public vectors of `shared/conformance`
-//! through the public API on one backend and compares each record as its `policy` says.
+//! The conformance runner behind `kvplan check`: runs the public vectors (`tests/data/*.jsonl`)
+//! through kvplan's public primitive-level API on one backend and compares each record as its
+//! `policy` says.
 
 mod canary;
 mod gather;
@@ -7,10 +8,12 @@ mod plan;
 
 use std::fmt;
 
-use burn_tensor::{Bool, DType, Int, Tensor, TensorData};
+use burn_core::backend::tensor::{BoolTensor, IntTensor};
+use burn_core::tensor::DType;
+use kvplan::KvPlanBackend;
 use serde_json::Value;
 
-use crate::KvPlanBackend;
+use crate::prim;
 
 /// Why one record failed: the field, the first differing index, expected vs got.
 #[derive(Debug, Clone)]
@@ -172,46 +175,25 @@ impl Dense {
         }
     }
 
-    fn int<B: KvPlanBackend, const D: usize>(
-        &self,
-        dtype: DType,
-        device: &B::Device,
-    ) -> Tensor<B, D, Int> {
-        int_tensor(self.data.clone(), self.shape.clone(), dtype, device)
+    fn int<B: KvPlanBackend>(&self, dtype: DType, device: &B::Device) -> IntTensor<B> {
+        prim::ints::<B>(&self.data, &self.shape, dtype, device)
     }
 
-    fn bool<B: KvPlanBackend, const D: usize>(&self, device: &B::Device) -> Tensor<B, D, Bool> {
-        if self.shape.contains(&0) {
-            // Allocated empty, never uploaded: see `int_tensor`.
-            let dims: [usize; D] = core::array::from_fn(|d| self.shape[d]);
-            return Tensor::empty(dims, device);
-        }
+    fn bool<B: KvPlanBackend>(&self, device: &B::Device) -> BoolTensor<B> {
         let values: Vec<bool> = self.data.iter().map(|&v| v != 0).collect();
-        Tensor::from_data(TensorData::new(values, self.shape.clone()), device)
+        prim::bools::<B>(&values, &self.shape, device)
     }
 }
 
-/// An int tensor of `shape` holding `values` in `dtype`.
-///
-/// An empty tensor is allocated empty, not uploaded or derived: on CUDA (burn 0.21 / cubecl 0.10)
-/// uploading zero bytes, or casting or slicing down to zero elements (a zero-sized launch), was
-/// seen to make the next read-back fail.
-fn int_tensor<B: KvPlanBackend, const D: usize, E: burn_tensor::Element>(
-    values: Vec<E>,
-    shape: Vec<usize>,
-    dtype: DType,
-    device: &B::Device,
-) -> Tensor<B, D, Int> {
-    if shape.contains(&0) {
-        let dims: [usize; D] = core::array::from_fn(|d| shape[d]);
-        return Tensor::empty(dims, (device, dtype));
-    }
-    Tensor::from_data(TensorData::new(values, shape), (device, dtype))
-}
-
-/// The i64 values of an int tensor.
-fn values<B: KvPlanBackend, const D: usize>(tensor: Tensor<B, D, Int>) -> Vec<i64> {
-    crate::ops::data_to_i64(&tensor.into_data())
+/// The i64 values of an int primitive; a failed read-back is a mismatch of `mode`.
+fn values<B: KvPlanBackend>(mode: &'static str, tensor: IntTensor<B>) -> Result<Vec<i64>, Mismatch> {
+    prim::read_ints::<B>(tensor).map_err(|error| Mismatch {
+        mode,
+        field: "read-back".into(),
+        index: None,
+        expected: "Ok".into(),
+        got: error,
+    })
 }
 
 fn mismatch_kind(mode: &'static str, expected: &str, got: String) -> Mismatch {

@@ -1,13 +1,13 @@
 //! Plan and allocate records: fresh plans, the prior runs, then the record's run, checked and
 //! deferred.
 
-use burn_tensor::DType;
+use burn_core::tensor::DType;
+use kvplan::canary::read_plans;
+use kvplan::reference::PlanBuffers;
+use kvplan::{Error, KvPlanBackend, PlanInputs, StepPlan};
 use serde_json::Value;
 
 use super::{Dense, Mismatch, expect_eq, expect_slice, int_list, mismatch_kind, parse_error};
-use crate::canary::read_plans;
-use crate::reference::PlanBuffers;
-use crate::{Error, KvPlanBackend, PlanInputs, VerifyPlan, WritePlan};
 
 /// Kinds found on the device: they leave a disabled plan. Every other kind leaves both unchanged.
 const DEVICE_KINDS: [&str; 6] = [
@@ -88,12 +88,13 @@ fn check_allocate<B: KvPlanBackend>(
     device: &B::Device,
 ) -> Result<(), Mismatch> {
     let capacity = |key: &str| inputs[key].as_u64().unwrap_or(0) as usize;
+    // Each half is allocated with `StepPlan::allocate_on`, the other half at a valid capacity.
     let result = match inputs["allocate"].as_str() {
         Some("VerifyPlan") => {
-            VerifyPlan::<B>::allocate(capacity("verify_capacity"), device).map(|_| ())
+            StepPlan::<B>::allocate_on(capacity("verify_capacity"), 1, device).map(|_| ())
         }
         Some("WritePlan") => {
-            WritePlan::<B>::allocate(capacity("write_req_capacity"), device).map(|_| ())
+            StepPlan::<B>::allocate_on(1, capacity("write_req_capacity"), device).map(|_| ())
         }
         other => return Err(parse_error(format!("unknown allocate target {other:?}"))),
     };
@@ -128,23 +129,24 @@ fn run<B: KvPlanBackend>(
         expected: "Ok".into(),
         got: error.to_string(),
     };
-    let mut verify = VerifyPlan::<B>::allocate(plan_capacity, device).map_err(setup)?;
-    let mut write = WritePlan::<B>::allocate(write_capacity, device).map_err(setup)?;
-    let call = |verify: &mut VerifyPlan<B>, write: &mut WritePlan<B>, batch: &Value| {
+    let mut step =
+        StepPlan::<B>::allocate_on(plan_capacity, write_capacity, device).map_err(setup)?;
+    let call = |step: &mut StepPlan<B>, batch: &Value| {
         let inputs = build::<B>(inputs, batch, device)?;
         Ok(match mode {
-            "checked" => crate::plan(verify, write, inputs),
-            _ => crate::plan_deferred(verify, write, inputs).and_then(|status| status.check()),
+            "checked" => kvplan::plan(step, inputs),
+            _ => kvplan::plan_deferred(step, inputs)
+                .and_then(|status| status.check())
+                .map(drop),
         })
     };
     for prior in inputs["prior_runs"].as_array().into_iter().flatten() {
-        call(&mut verify, &mut write, prior)?.map_err(setup)?;
+        call(&mut step, prior)?.map_err(setup)?;
     }
-    let read =
-        |verify: &VerifyPlan<B>, write: &WritePlan<B>| read_plans(verify, write).map_err(setup);
-    let before = read(&verify, &write)?;
-    let result = call(&mut verify, &mut write, inputs)?;
-    let after = read(&verify, &write)?;
+    let read = |step: &StepPlan<B>| read_plans(step).map_err(setup);
+    let before = read(&step)?;
+    let result = call(&mut step, inputs)?;
+    let after = read(&step)?;
     Ok(Run {
         result,
         before,
@@ -169,7 +171,7 @@ fn build<B: KvPlanBackend>(
             .ok_or_else(|| parse_error(name))
     };
     let vector = |source: &Value, name: &str| -> Result<_, Mismatch> {
-        Ok(list(source, name)?.int::<B, 1>(dtype(name, DType::I64), device))
+        Ok(list(source, name)?.int::<B>(dtype(name, DType::I64), device))
     };
     let table = Dense::parse(&inputs["req_to_token"]).ok_or_else(|| parse_error("req_to_token"))?;
     let table_dtype = dtype("req_to_token", DType::I32);
@@ -178,13 +180,9 @@ fn build<B: KvPlanBackend>(
         vector(batch, "prefix_lens")?,
         vector(batch, "extend_seq_lens")?,
     );
-    let mut plan_inputs = match table.shape.len() {
-        1 => PlanInputs::new(rpi, prefix, extend, table.int::<B, 1>(table_dtype, device)),
-        2 => PlanInputs::new(rpi, prefix, extend, table.int::<B, 2>(table_dtype, device)),
-        3 => PlanInputs::new(rpi, prefix, extend, table.int::<B, 3>(table_dtype, device)),
-        rank => return Err(parse_error(format!("req_to_token rank {rank}"))),
-    };
-    plan_inputs = plan_inputs
+    // The table keeps the record's rank (rank errors are the op's to report).
+    let table = table.int::<B>(table_dtype, device);
+    let mut plan_inputs = PlanInputs::<B>::from_primitives(rpi, prefix, extend, table)
         .swa_window_size(inputs["swa_window_size"].as_i64().unwrap_or(0) as i32)
         .position_offset(
             inputs["kv_token_id_vs_position_offset"]
@@ -193,15 +191,16 @@ fn build<B: KvPlanBackend>(
         )
         .verify_capacity(inputs["verify_capacity"].as_u64().unwrap_or(0) as usize);
     if !inputs["full_to_swa_index_mapping"].is_null() {
-        plan_inputs =
-            plan_inputs.full_to_swa_index_mapping(vector(inputs, "full_to_swa_index_mapping")?);
+        plan_inputs = plan_inputs
+            .full_to_swa_index_mapping_primitive(vector(inputs, "full_to_swa_index_mapping")?);
     }
+    // The pool and its lengths apart: records test the rule that pairs them.
     if let Some(pool) = Dense::parse(&inputs["req_to_verify_expected_tokens"]) {
-        plan_inputs = plan_inputs.expected_tokens(pool.int::<B, 2>(DType::I32, device));
+        plan_inputs = plan_inputs.expected_tokens_pool_primitive(pool.int::<B>(DType::I32, device));
     }
     if !inputs["req_to_verify_expected_tokens_valid_lens"].is_null() {
         let lens = vector(inputs, "req_to_verify_expected_tokens_valid_lens")?;
-        plan_inputs = plan_inputs.expected_tokens_valid_lens(lens);
+        plan_inputs = plan_inputs.expected_tokens_valid_lens_primitive(lens);
     }
     Ok(plan_inputs)
 }

@@ -1,11 +1,11 @@
-//! The cross-check: every op of every step against the host oracle ([`crate::reference`]) run on
+//! The cross-check: every op of every step against the host oracle ([`kvplan::reference`]) run on
 //! the same inputs, plus a few invariants that the scheduler itself knows.
 
 use std::fmt;
 
 use super::engine::{CapacityResult, DRAFT_CONTEXT, StepOutputs};
 use super::trace::{DUMMY_SLOT, Step, Workload};
-use crate::reference::{self, ExpectedTokens, PlanArgs, PlanBuffers, Table};
+use kvplan::reference::{self, ExpectedTokens, PlanArgs, PlanBuffers, Table};
 
 /// How many mismatches are kept with their details.
 const KEPT: usize = 8;
@@ -93,7 +93,7 @@ impl Tally {
 
     /// The reference refused inputs the scheduler built as valid: a trace bug, reported like a
     /// mismatch so it cannot pass silently.
-    fn reference_error(&mut self, step: usize, op: &'static str, error: crate::Error) {
+    fn reference_error(&mut self, step: usize, op: &'static str, error: kvplan::Error) {
         self.record(Mismatch {
             step,
             op,
@@ -252,12 +252,12 @@ impl CrossCheck {
             Ok(expected) => {
                 tally.capacity(
                     n,
-                    "masked_gather_with_capacity",
+                    "masked_gather_deferred",
                     &expected,
                     &got.draft_slots_capacity,
                 );
             }
-            Err(error) => tally.reference_error(n, "masked_gather_with_capacity", error),
+            Err(error) => tally.reference_error(n, "masked_gather_deferred", error),
         }
 
         // Accepted suffix, both modes.
@@ -293,12 +293,12 @@ impl CrossCheck {
             Ok(expected) => {
                 tally.capacity(
                     n,
-                    "segment_gather_with_capacity",
+                    "segment_gather_deferred",
                     &expected,
                     &got.accepted_slots_capacity,
                 );
             }
-            Err(error) => tally.reference_error(n, "segment_gather_with_capacity", error),
+            Err(error) => tally.reference_error(n, "segment_gather_deferred", error),
         }
 
         // Plans: the same inputs the engine passed, into reference buffers that carry the same

@@ -3,23 +3,24 @@
 
 use std::time::Instant;
 
-use burn_tensor::{Bool, DType, Int, Tensor, TensorData};
+use burn_core::backend::tensor::IntTensor;
+use burn_core::tensor::DType;
+use kvplan::canary::{Violations, WritePlan, read_plans};
+use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
+use kvplan::reference::PlanBuffers;
+use kvplan::{
+    Canary, CanaryLaunch, Error, GatherOptions, KernelKind, KvPlanBackend, PlanInputs, StepPlan,
+    WriteInputs, plan, plan_deferred,
+};
 
 use super::timing::{Op, Timings};
 use super::trace::{NewTokens, Step, Workload};
-use crate::canary::Violations;
-use crate::canary::read_plans;
-use crate::reference::PlanBuffers;
-use crate::{
-    Canary, CanaryLaunch, Error, KvPlanBackend, PlanInputs, VerifyPlan, WriteInputs, WritePlan,
-    masked_gather, masked_gather_with_capacity, plan, plan_deferred, segment_gather,
-    segment_gather_with_capacity,
-};
+use crate::prim;
 
 /// Context of the draft-window gather: sglang's DFlash call site, whose messages users search for.
 pub const DRAFT_CONTEXT: &str = "DFLASH target hidden KV append";
 
-/// A capacity-mode gather, read back: the first `count` values and both views of `count`.
+/// A deferred gather, read back: the first `count` values and both views of `count`.
 #[derive(Debug, Clone)]
 pub struct CapacityResult {
     /// `out[0..count]` (the tail past `count` is unspecified, so it is dropped).
@@ -35,11 +36,11 @@ pub struct CapacityResult {
 pub struct StepOutputs {
     /// `masked_gather` over the draft window.
     pub draft_slots: Vec<i64>,
-    /// `masked_gather_with_capacity` over the draft window (default capacity `R * C`).
+    /// `masked_gather_deferred` over the draft window (default capacity `R * C`).
     pub draft_slots_capacity: CapacityResult,
     /// `segment_gather` over the accepted suffix.
     pub accepted_slots: Vec<i64>,
-    /// `segment_gather_with_capacity` over the accepted suffix (capacity: the step's extends).
+    /// `segment_gather_deferred` over the accepted suffix (capacity: the step's extends).
     pub accepted_slots_capacity: CapacityResult,
     /// The full group's plans after `plan`.
     pub full_plan: PlanBuffers,
@@ -48,24 +49,13 @@ pub struct StepOutputs {
 }
 
 /// A verify/write plan pair: allocated once, filled in place every step.
-struct PlanPair<B: KvPlanBackend> {
-    verify: VerifyPlan<B>,
-    write: WritePlan<B>,
-}
-
-impl<B: KvPlanBackend> PlanPair<B> {
-    fn allocate(
-        verify_capacity: usize,
-        write_capacity: usize,
-        device: &B::Device,
-    ) -> Result<Self, String> {
-        Ok(Self {
-            verify: VerifyPlan::allocate(verify_capacity, device)
-                .map_err(op_error("VerifyPlan::allocate"))?,
-            write: WritePlan::allocate(write_capacity, device)
-                .map_err(op_error("WritePlan::allocate"))?,
-        })
-    }
+fn allocate_plans<B: KvPlanBackend>(
+    verify_capacity: usize,
+    write_capacity: usize,
+    device: &B::Device,
+) -> Result<StepPlan<B>, String> {
+    StepPlan::allocate_on(verify_capacity, write_capacity, device)
+        .map_err(op_error("StepPlan::allocate_on"))
 }
 
 /// The device-resident state of the demo: two plan pairs and the timings.
@@ -74,16 +64,16 @@ pub struct Engine<B: KvPlanBackend> {
     table_shape: [usize; 2],
     kv_slots: usize,
     swa_window: i32,
-    full: PlanPair<B>,
-    swa: PlanPair<B>,
+    full: StepPlan<B>,
+    swa: StepPlan<B>,
     /// The full KV pool's canary: written for every new token, verified against every plan.
     canary: Canary<B>,
     timings: Timings,
 }
 
 /// sglang's launch tags of the full group's canary ops.
-const WRITE_KIND: i32 = 0;
-const VERIFY_KIND: i32 = 1;
+const WRITE_KIND: KernelKind = KernelKind::HEAD_K_FULL;
+const VERIFY_KIND: KernelKind = KernelKind::HEAD_V_FULL;
 /// Violation rows the demo's ring holds.
 const RING_CAPACITY: usize = 256;
 
@@ -92,17 +82,12 @@ impl<B: KvPlanBackend> Engine<B> {
     /// writes the canary records of the prefix cache's shared prompt.
     pub fn new(device: B::Device, workload: &Workload, shared: &NewTokens) -> Result<Self, String> {
         let write_capacity = workload.write_capacity();
-        let full = PlanPair::allocate(workload.full_verify_capacity, write_capacity, &device)?;
-        let swa = PlanPair::allocate(workload.swa_verify_capacity(), write_capacity, &device)?;
-        let mut canary = Canary::allocate(workload.kv_slots(), 32, RING_CAPACITY, &device)
-            .map_err(op_error("Canary::allocate"))?;
+        let full = allocate_plans::<B>(workload.full_verify_capacity, write_capacity, &device)?;
+        let swa = allocate_plans::<B>(workload.swa_verify_capacity(), write_capacity, &device)?;
+        let mut canary = Canary::allocate_on(workload.kv_slots(), 32, RING_CAPACITY, &device)
+            .map_err(op_error("Canary::allocate_on"))?;
         let len = shared.slots.len() as i64;
-        let prompt = WritePlan::from_tensors(
-            upload::<B, 1>(&[0, len], [2], DType::I64, &device),
-            upload::<B, 1>(&[-1], [1], DType::I64, &device),
-            upload::<B, 1>(&[1], [1], DType::I32, &device),
-        )
-        .map_err(op_error("WritePlan::from_tensors"))?;
+        let prompt = one_request_plan::<B>(len, &device)?;
         canary
             .write(
                 &prompt,
@@ -138,12 +123,7 @@ impl<B: KvPlanBackend> Engine<B> {
     /// position, a different token, a fresh chain), as when a slot is reused while referenced.
     pub fn corrupt_slot(&mut self, slot: i64, position: i64) -> Result<(), String> {
         let d = &self.device;
-        let plan = WritePlan::from_tensors(
-            upload::<B, 1>(&[0, 1], [2], DType::I64, d),
-            upload::<B, 1>(&[-1], [1], DType::I64, d),
-            upload::<B, 1>(&[1], [1], DType::I32, d),
-        )
-        .map_err(op_error("WritePlan::from_tensors"))?;
+        let plan = one_request_plan::<B>(1, d)?;
         let stray = NewTokens {
             ids: vec![-42],
             positions: vec![position],
@@ -171,86 +151,85 @@ impl<B: KvPlanBackend> Engine<B> {
 
         // Dtypes as a serving engine holds them (sglang: int32 tables, int64 per-request
         // lengths); the ops take either, so nothing is cast at the call sites.
-        let req_to_token = upload::<B, 2>(&step.req_to_token, *table_shape, DType::I32, device);
+        let req_to_token = upload::<B>(&step.req_to_token, &table_shape[..], DType::I32, device);
         let expected_tokens =
-            upload::<B, 2>(&step.expected_tokens, *table_shape, DType::I32, device);
-        let full_to_swa = upload::<B, 1>(&step.full_to_swa, [*kv_slots], DType::I64, device);
-        let req_pool_indices = upload::<B, 1>(&step.req_pool_indices, [batch], DType::I64, device);
-        let prefix_lens = upload::<B, 1>(&step.prefix_lens, [batch], DType::I64, device);
-        let extend_seq_lens = upload::<B, 1>(&step.extend_seq_lens, [batch], DType::I64, device);
-        let valid_lens = upload::<B, 1>(
+            upload::<B>(&step.expected_tokens, &table_shape[..], DType::I32, device);
+        let full_to_swa = upload::<B>(&step.full_to_swa, &[*kv_slots], DType::I64, device);
+        let req_pool_indices = upload::<B>(&step.req_pool_indices, &[batch], DType::I64, device);
+        let prefix_lens = upload::<B>(&step.prefix_lens, &[batch], DType::I64, device);
+        let extend_seq_lens = upload::<B>(&step.extend_seq_lens, &[batch], DType::I64, device);
+        let valid_lens = upload::<B>(
             &step.expected_tokens_valid_lens,
-            [batch],
+            &[batch],
             DType::I64,
             device,
         );
         let draft_shape = [batch, step.draft_cols];
-        let draft_pos2d = upload::<B, 2>(&step.draft_pos2d, draft_shape, DType::I64, device);
-        let draft_mask: Tensor<B, 2, Bool> = Tensor::from_data(
-            TensorData::new(step.draft_mask.clone(), draft_shape),
-            &*device,
-        );
-        let accepted_start = upload::<B, 1>(&step.accepted_start, [batch], DType::I64, device);
-        let accepted_lengths = upload::<B, 1>(&step.accepted_lengths, [batch], DType::I64, device);
+        let draft_pos2d = upload::<B>(&step.draft_pos2d, &draft_shape, DType::I64, device);
+        let draft_mask = prim::bools::<B>(&step.draft_mask, &draft_shape, device);
+        let accepted_start = upload::<B>(&step.accepted_start, &[batch], DType::I64, device);
+        let accepted_lengths = upload::<B>(&step.accepted_lengths, &[batch], DType::I64, device);
+        let draft_options = GatherOptions::new().context(DRAFT_CONTEXT);
 
-        // Draft window: exact mode (one read-back), then capacity mode at the static
+        // Draft window: exact mode (one read-back), then deferred mode at the static
         // CUDA-graph shape (no read-back until its status is checked).
         let draft_slots = timed::<B, _>(timings, device, Op::MaskedGather, || {
-            masked_gather(
+            masked_gather_deferred::<B>(
                 req_to_token.clone(),
                 req_pool_indices.clone(),
                 draft_pos2d.clone(),
                 draft_mask.clone(),
-                DRAFT_CONTEXT,
+                &draft_options,
             )
+            .and_then(exact::<B>)
         })?;
         let draft_capacity = timed::<B, _>(timings, device, Op::MaskedGatherCapacity, || {
-            masked_gather_with_capacity(
+            masked_gather_deferred::<B>(
                 req_to_token.clone(),
                 req_pool_indices.clone(),
                 draft_pos2d,
                 draft_mask,
-                None,
-                DRAFT_CONTEXT,
+                &draft_options,
             )
         })?;
 
         // Accepted suffix: one run per request starting at its prefix length.
         let accepted_slots = timed::<B, _>(timings, device, Op::SegmentGather, || {
-            segment_gather(
+            segment_gather_deferred::<B>(
                 req_to_token.clone(),
                 req_pool_indices.clone(),
                 Some(accepted_start.clone()),
                 accepted_lengths.clone(),
+                &GatherOptions::new(),
             )
+            .and_then(exact::<B>)
         })?;
         let accepted_capacity = timed::<B, _>(timings, device, Op::SegmentGatherCapacity, || {
-            segment_gather_with_capacity(
+            segment_gather_deferred::<B>(
                 req_to_token.clone(),
                 req_pool_indices.clone(),
                 Some(accepted_start),
                 accepted_lengths,
-                Some(step.accepted_capacity()),
+                &GatherOptions::new().capacity(step.accepted_capacity()),
             )
         })?;
 
         // Full group: checked plan with the expected-token pool (target model, offset 0).
         timed::<B, _>(timings, device, Op::PlanFull, || {
-            let inputs = PlanInputs::new(
+            let inputs = PlanInputs::<B>::from_primitives(
                 req_pool_indices.clone(),
                 prefix_lens.clone(),
                 extend_seq_lens.clone(),
                 req_to_token.clone(),
             )
-            .expected_tokens(expected_tokens)
-            .expected_tokens_valid_lens(valid_lens);
-            plan(&mut full.verify, &mut full.write, inputs)
+            .expected_tokens_primitive(expected_tokens, valid_lens);
+            plan(full, inputs)
         })?;
         // The canary of the full pool: records for the new tokens (chained from the write plan's
         // seeds, positions asserted), then a check of every slot the verify plan lists. Both
         // read the plans' device-side counts: nothing comes back to the host.
         let new_tokens = write_inputs::<B>(&step.new_tokens, device)
-            .chain_position_assert(upload::<B, 1>(&[1], [1], DType::I32, device));
+            .chain_position_assert_primitive(prim::i32_scalar::<B>(1, device));
         timed::<B, _>(timings, device, Op::CanaryWrite, || {
             canary.write(&full.write, new_tokens, &CanaryLaunch::new(WRITE_KIND))
         })?;
@@ -259,11 +238,15 @@ impl<B: KvPlanBackend> Engine<B> {
         })?;
         // SWA group: deferred plan through the LUT; its status is checked with the others.
         let swa_status = timed::<B, _>(timings, device, Op::PlanDeferredSwa, || {
-            let inputs =
-                PlanInputs::new(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token)
-                    .swa_window_size(*swa_window)
-                    .full_to_swa_index_mapping(full_to_swa);
-            plan_deferred(&mut swa.verify, &mut swa.write, inputs)
+            let inputs = PlanInputs::<B>::from_primitives(
+                req_pool_indices,
+                prefix_lens,
+                extend_seq_lens,
+                req_to_token,
+            )
+            .swa_window_size(*swa_window)
+            .full_to_swa_index_mapping_primitive(full_to_swa);
+            plan_deferred(swa, inputs)
         })?;
 
         // End of step: the deferred statuses, one transfer each.
@@ -279,21 +262,20 @@ impl<B: KvPlanBackend> Engine<B> {
             .map_err(|error| format!("{} {error}", Op::PlanDeferredSwa.name()))?;
 
         Ok(StepOutputs {
-            draft_slots: host_values(draft_slots)?,
-            draft_slots_capacity: read_capacity(
+            draft_slots: host_values::<B>(draft_slots)?,
+            draft_slots_capacity: read_capacity::<B>(
                 draft_capacity.out,
                 draft_capacity.count,
                 draft_count,
             )?,
-            accepted_slots: host_values(accepted_slots)?,
-            accepted_slots_capacity: read_capacity(
+            accepted_slots: host_values::<B>(accepted_slots)?,
+            accepted_slots_capacity: read_capacity::<B>(
                 accepted_capacity.out,
                 accepted_capacity.count,
                 accepted_count,
             )?,
-            full_plan: read_plans(&full.verify, &full.write)
-                .map_err(op_error("read_plans [full]"))?,
-            swa_plan: read_plans(&swa.verify, &swa.write).map_err(op_error("read_plans [swa]"))?,
+            full_plan: read_plans(full).map_err(op_error("read_plans [full]"))?,
+            swa_plan: read_plans(swa).map_err(op_error("read_plans [swa]"))?,
         })
     }
 }
@@ -317,49 +299,53 @@ fn timed<B: KvPlanBackend, T>(
 }
 
 fn sync<B: KvPlanBackend>(device: &B::Device) -> Result<(), String> {
-    B::sync(device).map_err(|error| format!("device sync failed: {error:?}"))
+    prim::sync::<B>(device)
 }
 
 fn op_error(op: &'static str) -> impl Fn(Error) -> String {
     move |error| format!("{op} failed: {error}")
 }
 
+/// The write plan of one request of `len` tokens starting a chain (seed -1).
+fn one_request_plan<B: KvPlanBackend>(len: i64, device: &B::Device) -> Result<WritePlan<B>, String> {
+    WritePlan::from_primitives(
+        prim::i64s::<B>(&[0, len], device),
+        prim::i64s::<B>(&[-1], device),
+        prim::i32_scalar::<B>(1, device),
+    )
+    .map_err(op_error("WritePlan::from_primitives"))
+}
+
 /// The write inputs of `tokens` (i64 ids, positions and slots).
 fn write_inputs<B: KvPlanBackend>(tokens: &NewTokens, device: &B::Device) -> WriteInputs<B> {
-    let len = tokens.slots.len();
-    WriteInputs::new(
-        upload::<B, 1>(&tokens.ids, [len], DType::I64, device),
-        upload::<B, 1>(&tokens.positions, [len], DType::I64, device),
-        upload::<B, 1>(&tokens.slots, [len], DType::I64, device),
+    WriteInputs::from_primitives(
+        prim::i64s::<B>(&tokens.ids, device),
+        prim::i64s::<B>(&tokens.positions, device),
+        prim::i64s::<B>(&tokens.slots, device),
     )
 }
 
-fn upload<B: KvPlanBackend, const D: usize>(
+fn upload<B: KvPlanBackend>(
     values: &[i64],
-    shape: [usize; D],
+    shape: &[usize],
     dtype: DType,
     device: &B::Device,
-) -> Tensor<B, D, Int> {
-    Tensor::from_data(TensorData::new(values.to_vec(), shape), (device, dtype))
+) -> IntTensor<B> {
+    prim::ints::<B>(values, shape, dtype, device)
 }
 
-fn host_values<B: KvPlanBackend, const D: usize>(
-    tensor: Tensor<B, D, Int>,
-) -> Result<Vec<i64>, String> {
-    let data = tensor
-        .try_into_data()
-        .map_err(|error| format!("read-back failed: {error:?}"))?;
-    Ok(crate::ops::data_to_i64(&data))
+fn host_values<B: KvPlanBackend>(tensor: IntTensor<B>) -> Result<Vec<i64>, String> {
+    prim::read_ints::<B>(tensor)
 }
 
 fn read_capacity<B: KvPlanBackend>(
-    out: Tensor<B, 1, Int>,
-    count: Tensor<B, 1, Int>,
+    out: IntTensor<B>,
+    count: IntTensor<B>,
     checked_count: usize,
 ) -> Result<CapacityResult, String> {
-    let mut values = host_values(out)?;
+    let mut values = host_values::<B>(out)?;
     values.truncate(checked_count);
-    let count_tensor = host_values(count)?.first().copied().unwrap_or(-1);
+    let count_tensor = host_values::<B>(count)?.first().copied().unwrap_or(-1);
     Ok(CapacityResult {
         values,
         checked_count,

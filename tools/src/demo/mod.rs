@@ -3,7 +3,7 @@
 //! A small scheduler ([`trace`]) serves a few dozen requests with continuous batching, prefix
 //! caching, CUDA-graph padding, ragged draft windows and a sliding-window KV group. Every step
 //! goes through kvplan's public API on the chosen backend ([`engine`]): the draft window through
-//! `masked_gather`, the accepted suffix through `segment_gather` (each also in capacity mode), and
+//! `masked_gather`, the accepted suffix through `segment_gather` (each also deferred), and
 //! the kv-canary plans of the full and the SWA group, which are allocated once and refilled in
 //! place. Every result of every step is compared with the host reference ([`check`]), and the
 //! run ends with per-op timings and a pass line.
@@ -13,16 +13,17 @@ mod engine;
 mod rng;
 mod select;
 
-pub use select::{Choice, choose};
+pub use select::{Choice, PROBE_SUBCOMMAND, choose, probe_here};
 mod timing;
 mod trace;
 
 use std::process::ExitCode;
 use std::time::Instant;
 
-use crate::KvPlanBackend;
-use crate::backends::BackendName;
-use crate::canary::Violations;
+use kvplan::KvPlanBackend;
+use kvplan::canary::Violations;
+
+use crate::backends::{BackendName, OnBackend, with_backend};
 use check::CrossCheck;
 use engine::{Engine, StepOutputs};
 use timing::Timings;
@@ -46,11 +47,13 @@ pub fn run(backend: Option<BackendName>, inject_corruption: bool) -> Result<Exit
     describe(&workload);
 
     let started = Instant::now();
-    let outcome = crate::with_backend!(choice.name, |device: B| drive::<B>(
-        device,
-        &workload,
-        inject_corruption
-    ))??;
+    let outcome = with_backend(
+        choice.name,
+        Drive {
+            workload: &workload,
+            inject_corruption,
+        },
+    )??;
     let elapsed = started.elapsed();
 
     println!();
@@ -59,7 +62,7 @@ pub fn run(backend: Option<BackendName>, inject_corruption: bool) -> Result<Exit
         "(host wall time per call: exact-mode gathers and `plan` include their one status read-back;"
     );
     println!(
-        " capacity-mode gathers and `plan_deferred` are launch + sync, their status.check() has its own row)"
+        " deferred gathers and `plan_deferred` are launch + sync, their status.check() has its own row)"
     );
     let check = &outcome.check;
     println!(
@@ -151,6 +154,20 @@ fn victim(step: &Step, workload: &Workload) -> Option<(i64, i64)> {
         let position = prefix / 2;
         (prefix >= 8).then(|| (step.req_to_token[row * cols + position as usize], position))
     })
+}
+
+/// [`drive`] as a backend-generic job.
+struct Drive<'a> {
+    workload: &'a Workload,
+    inject_corruption: bool,
+}
+
+impl OnBackend for Drive<'_> {
+    type Output = Result<Outcome, String>;
+
+    fn run<B: KvPlanBackend>(self, device: B::Device) -> Self::Output {
+        drive::<B>(device, self.workload, self.inject_corruption)
+    }
 }
 
 /// The trace, step by step, on backend `B`.

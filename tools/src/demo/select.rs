@@ -6,14 +6,22 @@
 //! the calling thread then panics on the dropped channel (`RecvError`). The probe therefore runs
 //! under `catch_unwind`, with the panic hook swapped for one that records the messages instead of
 //! printing them, so a machine without a GPU gets one clear line rather than two backtraces.
+//!
+//! A driver can also crash outright while it compiles the kernel (lavapipe was seen to segfault
+//! in `create_compute_pipeline`), which no `catch_unwind` survives. Inside the `kvplan` binary
+//! the probe therefore runs in a child process (`kvplan __probe NAME`), and a crash there only
+//! rules the backend out.
 
 use std::panic::{self, AssertUnwindSafe, PanicHookInfo};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 
-use burn_tensor::{Bool, DType, Int, Tensor, TensorData};
+use burn_core::tensor::DType;
+use kvplan::gather::backend::{exact, masked_gather_deferred};
+use kvplan::{GatherOptions, KvPlanBackend};
 
-use crate::KvPlanBackend;
-use crate::backends::BackendName;
+use crate::backends::{BackendName, OnBackend, with_backend};
+use crate::prim;
 
 /// The backend to run on, with the reason shown to the user.
 #[derive(Debug, Clone)]
@@ -81,8 +89,56 @@ fn feature(name: BackendName) -> &'static str {
     }
 }
 
-/// Runs [`probe_gather`] on `name`, turning a panic into `Err` with the first panic message.
+/// The hidden subcommand of the `kvplan` binary that runs [`probe_here`] and exits 0 when the
+/// backend works (else prints why on stderr and exits 1).
+pub const PROBE_SUBCOMMAND: &str = "__probe";
+
+/// Probes `name`: in a child process when this is the `kvplan` binary, else in this one.
 fn probe(name: BackendName) -> Result<(), String> {
+    child_probe(name).unwrap_or_else(|| probe_here(name))
+}
+
+/// `kvplan __probe NAME` in a child process, or `None` when this process is not the `kvplan`
+/// binary (tests, other users of the library) or `KVPLAN_PROBE_IN_PROCESS` is set.
+fn child_probe(name: BackendName) -> Option<Result<(), String>> {
+    if std::env::var_os("KVPLAN_PROBE_IN_PROCESS").is_some() {
+        return None;
+    }
+    let exe = std::env::current_exe().ok()?;
+    if exe.file_stem()? != "kvplan" {
+        return None;
+    }
+    let output = Command::new(exe)
+        .args([PROBE_SUBCOMMAND, &name.to_string()])
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    if output.status.success() {
+        return Some(Ok(()));
+    }
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let last_line = stderr
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|line| !line.is_empty())
+        .map(str::to_string);
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(signal) = output.status.signal() {
+            return Some(Err(format!(
+                "the probe gather killed its process (signal {signal}){}",
+                last_line.map_or_else(String::new, |line| format!(" after: {line}"))
+            )));
+        }
+    }
+    Some(Err(last_line.unwrap_or_else(|| format!("the probe exited with {}", output.status))))
+}
+
+/// Runs [`probe_gather`] on `name` in this process, turning a panic into `Err` with the first
+/// panic message.
+pub fn probe_here(name: BackendName) -> Result<(), String> {
     let messages = Arc::new(Mutex::new(Vec::<String>::new()));
     let previous = panic::take_hook();
     let recorder = Arc::clone(&messages);
@@ -92,7 +148,7 @@ fn probe(name: BackendName) -> Result<(), String> {
         }
     }));
     let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
-        crate::with_backend!(name, |device: B| probe_gather::<B>(&device))
+        with_backend(name, ProbeGather)
     }));
     panic::set_hook(previous);
     match outcome {
@@ -129,25 +185,29 @@ fn panic_message(info: &PanicHookInfo<'_>) -> String {
     }
 }
 
+/// [`probe_gather`] as a backend-generic job.
+struct ProbeGather;
+
+impl OnBackend for ProbeGather {
+    type Output = Result<(), String>;
+
+    fn run<B: KvPlanBackend>(self, device: B::Device) -> Self::Output {
+        probe_gather::<B>(&device)
+    }
+}
+
 /// `req_to_token[1][[2, 0]]` on a 2x3 table: initialises the device, compiles and runs the
 /// masked-gather kernel and reads the result back.
 fn probe_gather<B: KvPlanBackend>(device: &B::Device) -> Result<(), String> {
-    let table: Tensor<B, 2, Int> = Tensor::from_data(
-        TensorData::new(vec![10i64, 11, 12, 13, 14, 15], [2, 3]),
-        (device, DType::I32),
-    );
-    let rows: Tensor<B, 1, Int> =
-        Tensor::from_data(TensorData::new(vec![1i64], [1]), (device, DType::I64));
-    let pos2d: Tensor<B, 2, Int> =
-        Tensor::from_data(TensorData::new(vec![2i64, 0], [1, 2]), (device, DType::I64));
-    let mask: Tensor<B, 2, Bool> =
-        Tensor::from_data(TensorData::new(vec![true, true], [1, 2]), device);
-    let gathered = crate::masked_gather(table, rows, pos2d, mask, "probe")
+    let table = prim::ints::<B>(&[10, 11, 12, 13, 14, 15], &[2, 3], DType::I32, device);
+    let rows = prim::i64s::<B>(&[1], device);
+    let pos2d = prim::ints::<B>(&[2, 0], &[1, 2], DType::I64, device);
+    let mask = prim::bools::<B>(&[true, true], &[1, 2], device);
+    let options = GatherOptions::new().context("probe");
+    let gathered = masked_gather_deferred::<B>(table, rows, pos2d, mask, &options)
+        .and_then(exact::<B>)
         .map_err(|error| error.to_string())?;
-    let data = gathered
-        .try_into_data()
-        .map_err(|error| format!("read-back failed: {error:?}"))?;
-    let values: Vec<i64> = crate::ops::data_to_i64(&data);
+    let values = prim::read_ints::<B>(gathered)?;
     if values == [15, 13] {
         Ok(())
     } else {
