@@ -9,6 +9,7 @@
 
 pub mod backends;
 pub mod bench;
+pub mod chart;
 pub mod conformance;
 #[cfg(feature = "cuda")]
 pub mod cupti;

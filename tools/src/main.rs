@@ -12,6 +12,7 @@ const USAGE: &str = "usage:
                                              with --inject-corruption, one live KV slot is
                                              corrupted mid-run and the canary must report it
   kvplan check FILE.jsonl [--backend NAME]   run conformance vectors
+  kvplan chart TABLE.csv OUT.png              draw the README's bar chart (op,sglang_us,kvplan_us)
   kvplan bench gather|plan|canary|canary-small|host|cuda-client [--backend NAME] [--reps N]   time the anchor grids
 backends: reference, flex, vulkan, vulkan-unfused, cuda, cuda-unfused";
 
@@ -96,6 +97,14 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
             let which = which.to_string();
             println!("kvplan bench {which} on {backend}, {reps} reps");
             with_backend(backend, Bench { which, reps })??;
+            Ok(ExitCode::SUCCESS)
+        }
+        ["chart", csv, png] => {
+            let text = std::fs::read_to_string(csv)
+                .map_err(|error| format!("cannot read {csv}: {error}"))?;
+            let rows = kvplan_tools::chart::parse(&text).map_err(|error| format!("{csv}: {error}"))?;
+            kvplan_tools::chart::draw(&rows, std::path::Path::new(png))?;
+            println!("chart: {} rows -> {png}", rows.len());
             Ok(ExitCode::SUCCESS)
         }
         _ => Err(Failure::Usage(format!(
