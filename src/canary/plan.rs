@@ -241,29 +241,19 @@ fn fresh<B: KvPlanBackend>(
     write_req_capacity: usize,
     device: &B::Device,
 ) -> StepPlan<B> {
-    let fresh = PlanBuffers::fresh(verify_capacity, write_req_capacity);
-    let i64s = |values: Vec<i64>| crate::ops::upload_i64::<B>(values, device);
-    let i32s = |value: i32| B::int_from_data(TensorData::new(vec![value], [1]), device);
+    let (verify, write) = crate::ops::upload_plans::<B>(
+        PlanBuffers::fresh(verify_capacity, write_req_capacity),
+        fresh_scratch::<B>(write_req_capacity, device),
+        device,
+    );
     StepPlan {
         verify: VerifyPlan {
-            tensors: Some(VerifyPlanPrimitive {
-                slot_indices: i64s(fresh.verify_slot_indices),
-                expected_tokens: i64s(fresh.verify_expected_tokens),
-                expected_positions: i64s(fresh.verify_expected_positions),
-                prev_slot_indices: i64s(fresh.verify_prev_slot_indices),
-                num_valid: i32s(fresh.verify_num_valid),
-                enable: i32s(fresh.enable),
-            }),
+            tensors: Some(verify),
             capacity: verify_capacity,
             device: device.clone(),
         },
         write: WritePlan {
-            tensors: Some(WritePlanPrimitive {
-                offsets: i64s(fresh.write_offsets),
-                seed_slot_indices: i64s(fresh.write_seed_slot_indices),
-                num_valid_reqs: i32s(fresh.write_num_valid_reqs),
-                scratch: fresh_scratch::<B>(write_req_capacity, device),
-            }),
+            tensors: Some(write),
             capacity: write_req_capacity,
         },
     }

@@ -204,29 +204,60 @@ pub(super) fn canary_plan<B: Backend>(
         Ok((buffers, outcome))
     };
     match run() {
-        Ok((buffers, outcome)) => PlanOutput {
-            verify: VerifyPlanPrimitive {
-                slot_indices: upload_i64::<B>(buffers.verify_slot_indices, &device),
-                expected_tokens: upload_i64::<B>(buffers.verify_expected_tokens, &device),
-                expected_positions: upload_i64::<B>(buffers.verify_expected_positions, &device),
-                prev_slot_indices: upload_i64::<B>(buffers.verify_prev_slot_indices, &device),
-                num_valid: upload_i32::<B>(buffers.verify_num_valid, &device),
-                enable: upload_i32::<B>(buffers.enable, &device),
-            },
-            write: WritePlanPrimitive {
-                offsets: upload_i64::<B>(buffers.write_offsets, &device),
-                seed_slot_indices: upload_i64::<B>(buffers.write_seed_slot_indices, &device),
-                num_valid_reqs: upload_i32::<B>(buffers.write_num_valid_reqs, &device),
-                scratch: write_ref.scratch,
-            },
-            status: upload_status::<B>(status::encode(&outcome.map(|()| 0)), &device),
+        Ok((buffers, outcome)) => {
+            let (verify, write) = upload_plans::<B>(buffers, write_ref.scratch, &device);
+            PlanOutput {
+                verify,
+                write,
+                status: upload_status::<B>(status::encode(&outcome.map(|()| 0)), &device),
+            }
+        }
+        // A read that failed: fresh, disabled plans, the failure in the status.
+        Err(error) => refused_plan::<B>(verify_ref, write_ref, error),
+    }
+}
+/// Plans holding `buffers`, uploaded, with the write plan's kernel scratch `scratch`.
+pub(crate) fn upload_plans<B: Backend>(
+    buffers: PlanBuffers,
+    scratch: IntTensor<B>,
+    device: &B::Device,
+) -> (VerifyPlanPrimitive<B>, WritePlanPrimitive<B>) {
+    (
+        VerifyPlanPrimitive {
+            slot_indices: upload_i64::<B>(buffers.verify_slot_indices, device),
+            expected_tokens: upload_i64::<B>(buffers.verify_expected_tokens, device),
+            expected_positions: upload_i64::<B>(buffers.verify_expected_positions, device),
+            prev_slot_indices: upload_i64::<B>(buffers.verify_prev_slot_indices, device),
+            num_valid: upload_i32::<B>(buffers.verify_num_valid, device),
+            enable: upload_i32::<B>(buffers.enable, device),
         },
-        // The plans as they were: only the status says what happened.
-        Err(error) => PlanOutput {
-            verify: verify_ref,
-            write: write_ref,
-            status: upload_status::<B>(status::encode(&Err(error)), &device),
+        WritePlanPrimitive {
+            offsets: upload_i64::<B>(buffers.write_offsets, device),
+            seed_slot_indices: upload_i64::<B>(buffers.write_seed_slot_indices, device),
+            num_valid_reqs: upload_i32::<B>(buffers.write_num_valid_reqs, device),
+            scratch,
         },
+    )
+}
+
+/// A plan whose launch could not run: fresh, disabled plans (never stale halves), the kernel
+/// scratch as it was (nothing ran, so it is still ready), and the failure in the status.
+pub(crate) fn refused_plan<B: Backend>(
+    verify: VerifyPlanPrimitive<B>,
+    write: WritePlanPrimitive<B>,
+    error: Error,
+) -> PlanOutput<B> {
+    let device = verify.slot_indices.device();
+    let mut buffers = PlanBuffers::fresh(
+        verify.slot_indices.shape()[0],
+        write.seed_slot_indices.shape()[0],
+    );
+    buffers.enable = 0;
+    let (verify, write) = upload_plans::<B>(buffers, write.scratch, &device);
+    PlanOutput {
+        verify,
+        write,
+        status: upload_status::<B>(status::encode(&Err(error)), &device),
     }
 }
 

@@ -14,7 +14,7 @@ mod host;
 mod impls;
 
 pub(crate) use host::{
-    canary_state, int_prefix, read_ints, read_status, upload_canary, upload_i64,
+    canary_state, int_prefix, read_ints, read_status, upload_canary, upload_i64, upload_plans,
 };
 
 use burn_core as burn; // the paths `#[backend_extension]` generates

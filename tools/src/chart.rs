@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use plotters::style::{FontStyle, register_font};
 
 /// DejaVu Sans (Bitstream Vera licence, `tools/assets/LICENSE-DejaVu`): text needs a font, and the

@@ -1,7 +1,11 @@
-//! Integration tests of kvplan's public tensor API on every backend: `burn_flex::Flex` (the
-//! reference path), and, with the default `vulkan` feature, the fused and unfused wgpu SPIR-V
-//! backends. The Vulkan suites need a Vulkan adapter (Mesa's lavapipe in CI): without one they
-//! fail, they do not skip.
+//! Integration tests of kvplan's ops on every backend, through the backend API
+//! (`kvplan::gather::backend`, `StepPlan<B>`, `Canary<B>`, primitives of `B: KvPlanBackend`):
+//! `Dispatch` on `Device::flex()` (the reference path), and, with the default `vulkan` feature,
+//! `Dispatch` on `Device::vulkan` (fused: with the `fusion` feature the dispatched Cube backend is
+//! `Fusion<CubeBackend>`) and `CubeBackend` itself (unfused, at the primitive level: the `Tensor`
+//! API cannot reach it in a fused build). A smaller suite covers the `Tensor` façade on `Dispatch`.
+//! The Vulkan suites need a Vulkan adapter (Mesa's lavapipe in CI): without one they fail, they do
+//! not skip.
 //!
 //! One test binary on purpose: each file directly under `tests/` links all of Burn.
 
@@ -20,17 +24,66 @@ mod gather;
 mod narrow;
 #[path = "kvplan/plan.rs"]
 mod plan;
+#[path = "kvplan/tensor_api.rs"]
+mod tensor_api;
 #[cfg(feature = "cuda")]
 #[path = "kvplan/wide.rs"]
 mod wide;
 
+/// Devices of the suites.
+#[allow(dead_code)]
+mod devices {
+    use burn_core::backend::DispatchDevice;
+    use burn_core::tensor::{Device, DeviceKind};
+
+    /// `Dispatch` on Flex.
+    pub fn flex() -> DispatchDevice {
+        Device::flex().as_dispatch().clone()
+    }
+
+    /// `Dispatch` on a Vulkan device (fused).
+    #[cfg(feature = "vulkan")]
+    pub fn vulkan(kind: DeviceKind) -> DispatchDevice {
+        Device::vulkan(kind).as_dispatch().clone()
+    }
+
+    /// The Cube backend's own device behind `Device::vulkan` (unfused).
+    #[cfg(feature = "vulkan")]
+    pub fn vulkan_cube(kind: DeviceKind) -> burn_cubecl::CubeDevice {
+        cube(&Device::vulkan(kind))
+    }
+
+    /// `Dispatch` on CUDA device 0 (fused).
+    #[cfg(feature = "cuda")]
+    pub fn cuda() -> DispatchDevice {
+        Device::cuda(0).as_dispatch().clone()
+    }
+
+    /// The Cube backend's own device behind `Device::cuda(0)` (unfused).
+    #[cfg(feature = "cuda")]
+    pub fn cuda_cube() -> burn_cubecl::CubeDevice {
+        cube(&Device::cuda(0))
+    }
+
+    #[cfg(any(feature = "vulkan", feature = "cuda"))]
+    fn cube(device: &Device) -> burn_cubecl::CubeDevice {
+        match device.as_dispatch() {
+            DispatchDevice::Cube(device) => device.clone(),
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("not a CubeCL device"),
+        }
+    }
+}
+
 /// Instantiates every test for one backend.
 macro_rules! suite {
-    ($name:ident, $backend:ty, $devty:ty, $device:expr, other_device: $other:expr, broadcast: $broadcast:ident) => {
+    ($name:ident, $backend:ty, $device:expr, other_device: $other:expr, broadcast: $broadcast:ident) => {
         mod $name {
+            use burn_core::backend::BackendTypes;
+
             type B = $backend;
 
-            fn device() -> $devty {
+            fn device() -> <B as BackendTypes>::Device {
                 $device
             }
 
@@ -39,10 +92,10 @@ macro_rules! suite {
                 // Fails (does not skip) when the backend has no device, e.g. no Vulkan adapter.
                 let t = crate::common::list::<B>(
                     &[1, -2, i32::MAX as i64],
-                    burn_tensor::DType::I32,
+                    burn_core::tensor::DType::I32,
                     &device(),
                 );
-                assert_eq!(crate::common::values(t), vec![1, -2, i32::MAX as i64]);
+                assert_eq!(crate::common::values::<B>(t), vec![1, -2, i32::MAX as i64]);
             }
 
             #[test]
@@ -127,7 +180,7 @@ macro_rules! suite {
 
             #[test]
             fn errors_device() {
-                let other: Option<$devty> = $other;
+                let other: Option<<B as BackendTypes>::Device> = $other;
                 match other {
                     Some(other) => crate::errors::device_errors::<B>(&device(), &other),
                     // This backend has a single device: device_mismatch is covered by the unit
@@ -204,35 +257,40 @@ macro_rules! suite {
     };
 }
 
-suite!(flex, burn_flex::Flex, burn_flex::FlexDevice, burn_flex::FlexDevice, other_device: None, broadcast: Accepted);
-
-#[cfg(feature = "vulkan")]
 suite!(
-    vulkan,
-    kvplan::backends::Vulkan,
-    burn_wgpu::WgpuDevice,
-    burn_wgpu::WgpuDevice::DefaultDevice,
-    other_device: Some(burn_wgpu::WgpuDevice::Cpu),
-    broadcast: DeviceRefused
+    flex,
+    burn_core::backend::Dispatch,
+    crate::devices::flex(),
+    other_device: None,
+    broadcast: Accepted
 );
 
 #[cfg(feature = "vulkan")]
 suite!(
+    vulkan,
+    burn_core::backend::Dispatch,
+    crate::devices::vulkan(burn_core::tensor::DeviceKind::DefaultDevice),
+    other_device: Some(crate::devices::vulkan(burn_core::tensor::DeviceKind::Cpu)),
+    broadcast: DeviceRefused
+);
+
+// 0.21 refused the broadcast table on the host here (`HostRefused`); 0.22 checks every Cube
+// launch's real strides on the device.
+#[cfg(feature = "vulkan")]
+suite!(
     vulkan_unfused,
-    kvplan::backends::VulkanUnfused,
-    burn_wgpu::WgpuDevice,
-    burn_wgpu::WgpuDevice::DefaultDevice,
-    other_device: Some(burn_wgpu::WgpuDevice::Cpu),
-    broadcast: HostRefused
+    burn_cubecl::CubeBackend,
+    crate::devices::vulkan_cube(burn_core::tensor::DeviceKind::DefaultDevice),
+    other_device: Some(crate::devices::vulkan_cube(burn_core::tensor::DeviceKind::Cpu)),
+    broadcast: DeviceRefused
 );
 
 // GPU-only suites (`--features cuda`), run on the lent GPU: the same tests on the CUDA kernels.
 #[cfg(feature = "cuda")]
 suite!(
     cuda,
-    kvplan::backends::Cuda,
-    burn_cuda::CudaDevice,
-    burn_cuda::CudaDevice::default(),
+    burn_core::backend::Dispatch,
+    crate::devices::cuda(),
     other_device: None,
     broadcast: DeviceRefused
 );
@@ -240,22 +298,65 @@ suite!(
 #[cfg(feature = "cuda")]
 suite!(
     cuda_unfused,
-    kvplan::backends::CudaUnfused,
-    burn_cuda::CudaDevice,
-    burn_cuda::CudaDevice::default(),
+    burn_cubecl::CubeBackend,
+    crate::devices::cuda_cube(),
     other_device: None,
-    broadcast: HostRefused
+    broadcast: DeviceRefused
 );
+
+/// The `Tensor` façade on one `Device`.
+macro_rules! tensor_suite {
+    ($name:ident, $device:expr) => {
+        mod $name {
+            fn device() -> burn_core::tensor::Device {
+                $device
+            }
+
+            #[test]
+            fn tensor_masked_gather() {
+                crate::tensor_api::masked(&device());
+            }
+
+            #[test]
+            fn tensor_segment_gather() {
+                crate::tensor_api::segments(&device());
+            }
+
+            #[test]
+            fn tensor_plan() {
+                crate::tensor_api::plan(&device());
+            }
+
+            #[test]
+            fn tensor_canary() {
+                crate::tensor_api::canary(&device());
+            }
+        }
+    };
+}
+
+tensor_suite!(tensor_flex, burn_core::tensor::Device::flex());
+
+#[cfg(feature = "vulkan")]
+tensor_suite!(
+    tensor_vulkan,
+    burn_core::tensor::Device::vulkan(burn_core::tensor::DeviceKind::DefaultDevice)
+);
+
+#[cfg(feature = "cuda")]
+tensor_suite!(tensor_cuda, burn_core::tensor::Device::cuda(0));
 
 // `index_range` end to end, on a device that acts as one without 64-bit indexing (a child process:
 // the setting is read once per process).
 #[cfg(feature = "vulkan")]
 #[test]
 fn narrow_device_vulkan() {
+    use burn_core::tensor::DeviceKind;
     if crate::narrow::in_child() {
-        let device = burn_wgpu::WgpuDevice::DefaultDevice;
-        crate::narrow::checks::<kvplan::backends::VulkanUnfused>(&device);
-        crate::narrow::checks::<kvplan::backends::Vulkan>(&device);
+        let unfused = crate::devices::vulkan_cube(DeviceKind::DefaultDevice);
+        crate::narrow::checks::<burn_cubecl::CubeBackend>(&unfused);
+        let fused = crate::devices::vulkan(DeviceKind::DefaultDevice);
+        crate::narrow::checks::<burn_core::backend::Dispatch>(&fused);
     } else {
         crate::narrow::run_in_child("narrow_device_vulkan");
     }
@@ -265,7 +366,6 @@ fn narrow_device_vulkan() {
 #[cfg(feature = "cuda")]
 #[test]
 fn wide_tables_cuda() {
-    let device = burn_cuda::CudaDevice::default();
-    crate::wide::wide_tables::<kvplan::backends::CudaUnfused>(&device);
-    crate::wide::wide_tables::<kvplan::backends::Cuda>(&device);
+    crate::wide::wide_tables::<burn_cubecl::CubeBackend>(&crate::devices::cuda_cube());
+    crate::wide::wide_tables::<burn_core::backend::Dispatch>(&crate::devices::cuda());
 }

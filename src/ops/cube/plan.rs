@@ -265,19 +265,11 @@ pub(crate) fn canary_plan(
     }
 }
 
-/// A launch the device cannot run: the plans as they came, the failure in the status.
+/// A launch the device cannot run: fresh, disabled plans and the failure in the status.
 fn refused(
     verify: VerifyPlanPrimitive<CubeBackend>,
     write: WritePlanPrimitive<CubeBackend>,
     error: crate::Error,
 ) -> PlanOutput<CubeBackend> {
-    let device = verify.slot_indices.device.clone();
-    PlanOutput {
-        verify,
-        write,
-        status: crate::ops::host::upload_status::<CubeBackend>(
-            crate::status::encode(&Err(error)),
-            &device,
-        ),
-    }
+    crate::ops::host::refused_plan::<CubeBackend>(verify, write, error)
 }

@@ -2,19 +2,47 @@
 //! buffers, every mode, 0-4 sources of several dtypes), every corruption kind, benign edits,
 //! ring overflow, the plan -> write -> verify pipeline, and every error kind.
 
-use burn_tensor::{DType, Int, Tensor, TensorData};
+use burn_core::backend::tensor::IntTensor;
+use burn_core::tensor::{DType, TensorData};
 use kvplan::canary::{
-    Canary, CanaryLaunch, CanaryState, FailReasons, RealKvHashMode, RealKvSource, VerifyPlan,
-    WriteInputs, WritePlan,
+    Canary, CanaryLaunch, CanaryState, FailReasons, KernelKind, RealKvHashMode, RealKvSource,
+    VerifyPlan, WriteInputs, WritePlan,
 };
 use kvplan::reference::canary::{self as oracle, Launch, SourceBytes, ViolationRow};
-use kvplan::{KvPlanBackend, PlanInputs};
+use kvplan::{KvBytes, KvPlanBackend, PlanInputs, StepPlan};
 
-use crate::common::{Rng, conformance_file, list};
+use crate::common::{Rng, bytes as u8_bytes, conformance_file, ints, list};
+
+/// A source's byte layout as the library takes it (`kvplan::SourceBytes`; the oracle's
+/// `SourceBytes` is the host view of the bytes themselves).
+fn layout(page_size: i64, num_bytes_per_token: i64, read_bytes: i64) -> kvplan::SourceBytes {
+    kvplan::SourceBytes {
+        page_size,
+        num_bytes_per_token,
+        read_bytes,
+    }
+}
+
+/// `RealKvSource::int` of 0.21 on a primitive.
+fn int_source<B: KvPlanBackend>(
+    tensor: IntTensor<B>,
+    page_size: i64,
+    num_bytes_per_token: i64,
+    read_bytes: i64,
+) -> Result<RealKvSource<B>, kvplan::Error> {
+    RealKvSource::<B>::from_primitive(
+        KvBytes::Int(tensor),
+        layout(page_size, num_bytes_per_token, read_bytes),
+    )
+}
+
+fn launch_of<B: KvPlanBackend>(kind: i32) -> CanaryLaunch<B> {
+    CanaryLaunch::new(KernelKind(kind))
+}
 
 pub fn conformance<B: KvPlanBackend>(device: &B::Device) {
     let text = conformance_file("canary.jsonl");
-    let report = kvplan::conformance::check_file::<B>(&text, device);
+    let report = kvplan_tools::conformance::check_file::<B>(&text, device);
     crate::conformance::assert_clean("canary.jsonl", &report, 104);
 }
 
@@ -84,21 +112,11 @@ impl Source {
                     .map(|w| i64::from_le_bytes(w.try_into().unwrap()))
                     .collect();
                 let data = TensorData::new(words, [rows, self.row_bytes / 8]);
-                RealKvSource::int(
-                    Tensor::<B, 2, Int>::from_data(data, (device, DType::I64)),
-                    page,
-                    nbpt,
-                    read,
-                )
+                int_source(B::int_from_data(data, device), page, nbpt, read)
             }
             1 => {
-                let data = TensorData::new(self.bytes.clone(), [rows, self.row_bytes]);
-                RealKvSource::int(
-                    Tensor::<B, 2, Int>::from_data(data, (device, DType::U8)),
-                    page,
-                    nbpt,
-                    read,
-                )
+                let tensor = u8_bytes::<B, 2>(self.bytes.clone(), [rows, self.row_bytes], device);
+                int_source(tensor, page, nbpt, read)
             }
             _ => {
                 let floats: Vec<f32> = self
@@ -108,11 +126,9 @@ impl Source {
                     .collect();
                 // A 3-D view: rows stay dim 0, the rest of a row is contiguous.
                 let data = TensorData::new(floats, [rows, 2, self.row_bytes / 8]);
-                RealKvSource::float(
-                    Tensor::<B, 3>::from_data(data, (device, DType::F32)),
-                    page,
-                    nbpt,
-                    read,
+                RealKvSource::<B>::from_primitive(
+                    KvBytes::Float(B::float_from_data(data, device)),
+                    layout(page, nbpt, read),
                 )
             }
         };
@@ -148,11 +164,11 @@ struct VerifyStep {
     check_token: bool,
 }
 
-fn i64s<B: KvPlanBackend>(values: &[i64], device: &B::Device) -> Tensor<B, 1, Int> {
+fn i64s<B: KvPlanBackend>(values: &[i64], device: &B::Device) -> IntTensor<B> {
     list::<B>(values, DType::I64, device)
 }
 
-fn i32s<B: KvPlanBackend>(value: i32, device: &B::Device) -> Tensor<B, 1, Int> {
+fn i32s<B: KvPlanBackend>(value: i32, device: &B::Device) -> IntTensor<B> {
     list::<B>(&[value as i64], DType::I32, device)
 }
 
@@ -181,7 +197,7 @@ impl<B: KvPlanBackend> Harness<B> {
             .iter()
             .map(|s| s.tensor::<B>(&self.device))
             .collect();
-        CanaryLaunch::new(kind)
+        launch_of::<B>(kind)
             .real_kv(mode, tensors)
             .check_verify_expected_token(check_token)
     }
@@ -194,13 +210,13 @@ impl<B: KvPlanBackend> Harness<B> {
         sources: &[Source],
     ) -> Vec<ViolationRow> {
         let d = &self.device;
-        let plan = WritePlan::from_tensors(
+        let plan = WritePlan::<B>::from_primitives(
             i64s::<B>(&step.offsets, d),
             i64s::<B>(&step.seeds, d),
             i32s::<B>(step.num_valid_reqs, d),
         )
         .unwrap();
-        let mut inputs = WriteInputs::new(
+        let mut inputs = WriteInputs::<B>::from_primitives(
             i64s::<B>(&step.input_ids, d),
             i64s::<B>(&step.positions, d),
             i64s::<B>(&step.out_cache_loc, d),
@@ -208,11 +224,11 @@ impl<B: KvPlanBackend> Harness<B> {
         if let Some((tokens, positions)) = &step.expected {
             inputs = inputs
                 .enable_write_input_assert(true)
-                .expected_input_tokens(i64s::<B>(tokens, d))
-                .expected_input_positions(i64s::<B>(positions, d));
+                .expected_input_tokens_primitive(i64s::<B>(tokens, d))
+                .expected_input_positions_primitive(i64s::<B>(positions, d));
         }
         if let Some(flag) = step.chain_position_assert {
-            inputs = inputs.chain_position_assert(i32s::<B>(flag, d));
+            inputs = inputs.chain_position_assert_primitive(i32s::<B>(flag, d));
         }
         let launch = self.launch(kind, mode, sources, true);
         self.canary.write(&plan, inputs, &launch).unwrap();
@@ -252,7 +268,7 @@ impl<B: KvPlanBackend> Harness<B> {
         sources: &[Source],
     ) -> Vec<ViolationRow> {
         let d = &self.device;
-        let plan = VerifyPlan::from_tensors(
+        let plan = VerifyPlan::<B>::from_primitives(
             i64s::<B>(&step.slots, d),
             i64s::<B>(&step.tokens, d),
             i64s::<B>(&step.positions, d),
@@ -731,16 +747,15 @@ pub fn ring_overflow<B: KvPlanBackend>(device: &B::Device) {
 /// `plan` fills the plans on the device; `write` and `verify` read their counts from there.
 pub fn plan_write_verify<B: KvPlanBackend>(device: &B::Device) {
     let d = device;
-    let mut verify = VerifyPlan::<B>::allocate(256, d).unwrap();
-    let mut write = WritePlan::<B>::allocate(4, d).unwrap();
-    let mut canary = Canary::<B>::allocate(64, 32, 16, d).unwrap();
+    let mut plans = StepPlan::<B>::allocate_on(256, 4, d).unwrap();
+    let mut canary = Canary::<B>::allocate_on(64, 32, 16, d).unwrap();
     // req_to_token rows 1 and 2 map positions to slots 10.. and 40..
     let mut table = vec![0i64; 3 * 16];
     for c in 0..16 {
         table[16 + c] = 10 + c as i64;
         table[32 + c] = 40 + c as i64;
     }
-    let table = Tensor::<B, 2, Int>::from_data(TensorData::new(table, [3, 16]), (d, DType::I64));
+    let table = ints::<B, 2>(&table, [3, 16], DType::I64, d);
     // Step 1 prefills 5 and 3 tokens (slots 10.. and 40..); step 2 decodes one token each and
     // verifies step 1's records through the chains the plan lists.
     let steps: [(&[i64], &[i64], &[i64], &[i64]); 2] = [
@@ -753,16 +768,18 @@ pub fn plan_write_verify<B: KvPlanBackend>(device: &B::Device) {
         (&[5, 3], &[1, 1], &[5, 3], &[15, 43]),
     ];
     for (prefix, extend, positions, slots) in steps {
-        plan::<B>(&mut verify, &mut write, [1, 2], prefix, extend, &table, d);
+        plan::<B>(&mut plans, [1, 2], prefix, extend, &table, d);
         let tokens: Vec<i64> = slots.iter().map(|s| s * 3).collect();
-        let inputs = WriteInputs::new(
+        let inputs = WriteInputs::<B>::from_primitives(
             i64s::<B>(&tokens, d),
             i64s::<B>(positions, d),
             i64s::<B>(slots, d),
         )
-        .chain_position_assert(i32s::<B>(1, d));
-        canary.write(&write, inputs, &CanaryLaunch::new(0)).unwrap();
-        canary.verify(&verify, &CanaryLaunch::new(1)).unwrap();
+        .chain_position_assert_primitive(i32s::<B>(1, d));
+        canary
+            .write(&plans.write, inputs, &launch_of::<B>(0))
+            .unwrap();
+        canary.verify(&plans.verify, &launch_of::<B>(1)).unwrap();
     }
     assert_eq!(canary.violations().unwrap().recorded, 0, "clean pipeline");
     let state = canary.state().unwrap();
@@ -778,7 +795,7 @@ pub fn plan_write_verify<B: KvPlanBackend>(device: &B::Device) {
     let mut corrupted = state.clone();
     corrupted.buffer[12 * 4 + 2] ^= 1;
     let mut canary = Canary::<B>::from_state(&corrupted, d).unwrap();
-    canary.verify(&verify, &CanaryLaunch::new(1)).unwrap();
+    canary.verify(&plans.verify, &launch_of::<B>(1)).unwrap();
     let rows = canary.violations().unwrap().rows;
     let found: Vec<(i64, i64)> = rows.iter().map(|v| (v.slot, v.position)).collect();
     // Its own chain value, and its successor's link into it.
@@ -791,21 +808,20 @@ fn sorted_pairs(mut pairs: Vec<(i64, i64)>) -> Vec<(i64, i64)> {
 }
 
 fn plan<B: KvPlanBackend>(
-    verify: &mut VerifyPlan<B>,
-    write: &mut WritePlan<B>,
+    plans: &mut StepPlan<B>,
     rows: [i64; 2],
     prefix: &[i64],
     extend: &[i64],
-    table: &Tensor<B, 2, Int>,
+    table: &IntTensor<B>,
     d: &B::Device,
 ) {
-    let inputs = PlanInputs::new(
+    let inputs = PlanInputs::<B>::from_primitives(
         i64s::<B>(&rows, d),
         i64s::<B>(prefix, d),
         i64s::<B>(extend, d),
         table.clone(),
     );
-    kvplan::plan(verify, write, inputs).unwrap();
+    kvplan::plan(plans, inputs).unwrap();
 }
 
 /// Every host rule returns its kind and changes nothing.
@@ -813,20 +829,16 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
     let d = device;
     let kind = |result: Result<(), kvplan::Error>| result.err().map(|e| e.kind());
     let alloc = |stride| {
-        Canary::<B>::allocate(8, stride, 2, d)
+        Canary::<B>::allocate_on(8, stride, 2, d)
             .err()
             .map(|e| e.kind())
     };
     assert_eq!(alloc(36), Some("slot_stride_not_multiple_of_8"));
     assert_eq!(alloc(24), Some("slot_stride_too_small"));
-    let bytes = |rows: usize, cols: usize| {
-        Tensor::<B, 2, Int>::from_data(
-            TensorData::new(vec![0u8; rows * cols], [rows, cols]),
-            (d, DType::U8),
-        )
-    };
+    let bytes =
+        |rows: usize, cols: usize| u8_bytes::<B, 2>(vec![0u8; rows * cols], [rows, cols], d);
     let source = |page, nbpt, read| {
-        RealKvSource::int(bytes(8, 64), page, nbpt, read)
+        int_source::<B>(bytes(8, 64), page, nbpt, read)
             .err()
             .map(|e| e.kind())
     };
@@ -834,18 +846,18 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
     assert_eq!(source(1, 24, 16), Some("source_num_bytes_per_token"));
     assert_eq!(source(1, 32, 48), Some("source_read_bytes"));
     assert_eq!(source(1, 32, 8), Some("source_read_bytes"));
-    let flat = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![0u8; 64], [64]), (d, DType::U8));
+    let flat = u8_bytes::<B, 1>(vec![0u8; 64], [64], d);
     assert_eq!(
-        RealKvSource::int(flat, 1, 16, 16).err().map(|e| e.kind()),
+        int_source::<B>(flat, 1, 16, 16).err().map(|e| e.kind()),
         Some("source_not_2d")
     );
     assert_eq!(
-        RealKvSource::int(bytes(8, 40), 1, 16, 16)
+        int_source::<B>(bytes(8, 40), 1, 16, 16)
             .err()
             .map(|e| e.kind()),
         Some("source_row_stride")
     );
-    let message = RealKvSource::int(bytes(8, 64), 0, 32, 32)
+    let message = int_source::<B>(bytes(8, 64), 0, 32, 32)
         .err()
         .unwrap()
         .to_string();
@@ -856,11 +868,11 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
 
     let state = CanaryState::zeroed(16, 4, 4);
     let mut canary = Canary::<B>::from_state(&state, d).unwrap();
-    let good = || RealKvSource::int(bytes(16, 32), 2, 16, 16).unwrap();
-    let narrow = || RealKvSource::int(bytes(16, 32), 2, 32, 32).unwrap();
-    let plan = WritePlan::from_tensors(i64s::<B>(&[0, 1], d), i64s::<B>(&[-1], d), i32s::<B>(1, d))
+    let good = || int_source::<B>(bytes(16, 32), 2, 16, 16).unwrap();
+    let narrow = || int_source::<B>(bytes(16, 32), 2, 32, 32).unwrap();
+    let plan = WritePlan::<B>::from_primitives(i64s::<B>(&[0, 1], d), i64s::<B>(&[-1], d), i32s::<B>(1, d))
         .unwrap();
-    let verify_plan = VerifyPlan::from_tensors(
+    let verify_plan = VerifyPlan::<B>::from_primitives(
         i64s::<B>(&[1], d),
         i64s::<B>(&[1], d),
         i64s::<B>(&[0], d),
@@ -869,8 +881,8 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         i32s::<B>(1, d),
     )
     .unwrap();
-    let inputs = || WriteInputs::new(i64s::<B>(&[1], d), i64s::<B>(&[0], d), i64s::<B>(&[1], d));
-    let launch = |sources: Vec<RealKvSource<B>>, mode| CanaryLaunch::new(0).real_kv(mode, sources);
+    let inputs = || WriteInputs::<B>::from_primitives(i64s::<B>(&[1], d), i64s::<B>(&[0], d), i64s::<B>(&[1], d));
+    let launch = |sources: Vec<RealKvSource<B>>, mode| launch_of::<B>(0).real_kv(mode, sources);
     let five = launch((0..5).map(|_| good()).collect(), RealKvHashMode::All);
     assert_eq!(
         kind(canary.write(&plan, inputs(), &five)),
@@ -890,7 +902,7 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         Some("source_row_too_narrow")
     );
     // Mode NONE never reads the rows: a narrow source is accepted.
-    let plain = CanaryLaunch::new(0);
+    let plain = launch_of::<B>(0);
     let tokens = || i64s::<B>(&[1], d);
     assert_eq!(
         kind(canary.write(&plan, inputs().enable_write_input_assert(true), &plain)),
@@ -902,17 +914,17 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
                 &plan,
                 inputs()
                     .enable_write_input_assert(true)
-                    .expected_input_tokens(tokens()),
+                    .expected_input_tokens_primitive(tokens()),
                 &plain
             )
         ),
         Some("expected_inputs_missing")
     );
     assert_eq!(
-        kind(canary.write(&plan, inputs().expected_input_positions(tokens()), &plain)),
+        kind(canary.write(&plan, inputs().expected_input_positions_primitive(tokens()), &plain)),
         Some("expected_inputs_unexpected")
     );
-    let short = WriteInputs::new(
+    let short = WriteInputs::<B>::from_primitives(
         i64s::<B>(&[1, 2], d),
         i64s::<B>(&[0], d),
         i64s::<B>(&[1, 2], d),
@@ -921,7 +933,7 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         kind(canary.write(&plan, short, &plain)),
         Some("token_arrays_length")
     );
-    let i32_ids = WriteInputs::new(
+    let i32_ids = WriteInputs::<B>::from_primitives(
         list::<B>(&[1], DType::I32, d),
         i64s::<B>(&[0], d),
         i64s::<B>(&[1], d),
@@ -930,12 +942,12 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         kind(canary.write(&plan, i32_ids, &plain)),
         Some("canary_argument")
     );
-    let wide_flag = inputs().chain_position_assert(i64s::<B>(&[1], d));
+    let wide_flag = inputs().chain_position_assert_primitive(i64s::<B>(&[1], d));
     assert_eq!(
         kind(canary.write(&plan, wide_flag, &plain)),
         Some("canary_argument")
     );
-    let offsets = WritePlan::from_tensors(
+    let offsets = WritePlan::<B>::from_primitives(
         i64s::<B>(&[0, 1, 1], d),
         i64s::<B>(&[-1], d),
         i32s::<B>(1, d),
@@ -944,7 +956,7 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         offsets.err().map(|e| e.kind()),
         Some("write_offsets_length")
     );
-    let lengths = VerifyPlan::<B>::from_tensors(
+    let lengths = VerifyPlan::<B>::from_primitives(
         i64s::<B>(&[1, 2], d),
         i64s::<B>(&[1], d),
         i64s::<B>(&[0], d),
@@ -961,7 +973,7 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
 
     // Plans of capacity 0 are fine for write and verify, but `plan` refuses to fill them.
     let empty = || i64s::<B>(&[], d);
-    let mut no_entries = VerifyPlan::from_tensors(
+    let no_entries = VerifyPlan::<B>::from_primitives(
         empty(),
         empty(),
         empty(),
@@ -970,22 +982,30 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         i32s::<B>(1, d),
     )
     .unwrap();
-    let mut no_requests =
-        WritePlan::from_tensors(i64s::<B>(&[0], d), empty(), i32s::<B>(0, d)).unwrap();
-    let mut verify = VerifyPlan::<B>::allocate(8, d).unwrap();
-    let mut write = WritePlan::<B>::allocate(2, d).unwrap();
-    let table =
-        Tensor::<B, 2, Int>::from_data(TensorData::new(vec![0i64; 8], [2, 4]), (d, DType::I64));
+    let no_requests =
+        WritePlan::<B>::from_primitives(i64s::<B>(&[0], d), empty(), i32s::<B>(0, d)).unwrap();
+    // `StepPlan`'s fields are public: a plan of one empty half and one allocated half.
+    let allocated = StepPlan::<B>::allocate_on(8, 2, d).unwrap();
+    let table = ints::<B, 2>(&[0i64; 8], [2, 4], DType::I64, d);
     let inputs = || {
-        PlanInputs::new(
+        PlanInputs::<B>::from_primitives(
             i64s::<B>(&[1], d),
             i64s::<B>(&[2], d),
             i64s::<B>(&[1], d),
             table.clone(),
         )
     };
-    let planned = kvplan::plan(&mut no_entries, &mut write, inputs());
+    let StepPlan { verify, write } = allocated;
+    let mut plans = StepPlan {
+        verify: no_entries,
+        write,
+    };
+    let planned = kvplan::plan(&mut plans, inputs());
     assert_eq!(kind(planned), Some("non_positive_verify_capacity"));
-    let planned = kvplan::plan(&mut verify, &mut no_requests, inputs());
+    let mut plans = StepPlan {
+        verify,
+        write: no_requests,
+    };
+    let planned = kvplan::plan(&mut plans, inputs());
     assert_eq!(kind(planned), Some("non_positive_write_capacity"));
 }

@@ -1,8 +1,10 @@
-//! Shared helpers: a tiny deterministic RNG, tensor builders, read-backs, the conformance files.
+//! Shared helpers: a tiny deterministic RNG, primitive builders, read-backs, the conformance files.
 
 use std::path::PathBuf;
 
-use burn_tensor::{Bool, DType, Int, Tensor, TensorData};
+use burn_core::backend::tensor::{BoolTensor, IntTensor};
+use burn_core::backend::{Backend, TensorMetadata, get_device_settings, read_sync};
+use burn_core::tensor::{BoolStore, DType, IntDType, Shape, Slice, TensorData};
 use kvplan::KvPlanBackend;
 use kvplan::reference::PlanBuffers;
 
@@ -67,46 +69,162 @@ impl Rng {
     }
 }
 
-/// An int tensor of `dtype` (values must fit it). Empty tensors are allocated, not uploaded:
-/// CubeCL's CUDA runtime breaks on a zero-byte upload (the server is left in an invalid state).
+/// An int primitive of `dtype` and rank `D` (values must fit it). Empty tensors are allocated,
+/// not uploaded: CubeCL's CUDA runtime breaks on a zero-byte upload (the server is left in an
+/// invalid state).
 pub fn ints<B: KvPlanBackend, const D: usize>(
     data: &[i64],
     shape: [usize; D],
     dtype: DType,
     device: &B::Device,
-) -> Tensor<B, D, Int> {
+) -> IntTensor<B> {
     if shape.contains(&0) {
-        return Tensor::empty(shape, (device, dtype));
+        return B::int_empty(Shape::from(shape), device, IntDType::from(dtype));
     }
-    Tensor::from_data(TensorData::new(data.to_vec(), shape), (device, dtype))
+    B::int_from_data(
+        TensorData::new(data.to_vec(), shape).convert_dtype(dtype),
+        device,
+    )
 }
 
-/// A 1-D int tensor.
-pub fn list<B: KvPlanBackend>(data: &[i64], dtype: DType, device: &B::Device) -> Tensor<B, 1, Int> {
+/// A 1-D int primitive.
+pub fn list<B: KvPlanBackend>(data: &[i64], dtype: DType, device: &B::Device) -> IntTensor<B> {
     ints::<B, 1>(data, [data.len()], dtype, device)
 }
 
+/// A bool primitive of rank `D`, in the device's bool dtype.
 pub fn bools<B: KvPlanBackend, const D: usize>(
     data: &[bool],
     shape: [usize; D],
     device: &B::Device,
-) -> Tensor<B, D, Bool> {
+) -> BoolTensor<B> {
+    let bool_dtype = get_device_settings::<B>(device).bool_dtype;
     if shape.contains(&0) {
-        return Tensor::empty(shape, device);
+        return B::bool_empty(Shape::from(shape), device, bool_dtype);
     }
-    Tensor::from_data(TensorData::new(data.to_vec(), shape), device)
+    B::bool_from_data(
+        TensorData::new(data.to_vec(), shape).convert_dtype(DType::from(bool_dtype)),
+        device,
+    )
 }
 
-/// The values of an int tensor, as i64, row-major.
-pub fn values<B: KvPlanBackend, const D: usize>(tensor: Tensor<B, D, Int>) -> Vec<i64> {
-    kvplan::ops::data_to_i64(&tensor.into_data())
+/// A u8 int primitive (raw bytes).
+pub fn bytes<B: KvPlanBackend, const D: usize>(
+    data: Vec<u8>,
+    shape: [usize; D],
+    device: &B::Device,
+) -> IntTensor<B> {
+    B::int_from_data(TensorData::new(data, shape), device)
 }
 
-/// Where the conformance files are: `$KVPLAN_CONFORMANCE_DIR`, else `../shared/conformance`.
+/// The values of int or bool tensor data as i64, whatever the dtype, without assuming the bytes
+/// are aligned (`TensorData::iter` casts the bytes in place and panics on unaligned ones, which
+/// CUDA read-backs can give).
+pub fn data_to_i64(data: &TensorData) -> Vec<i64> {
+    let bytes: &[u8] = data.as_bytes();
+    macro_rules! read {
+        ($t:ty) => {
+            bytes
+                .chunks_exact(size_of::<$t>())
+                .map(|chunk| <$t>::from_le_bytes(chunk.try_into().unwrap()) as i64)
+                .collect()
+        };
+    }
+    match data.dtype() {
+        DType::I64 => read!(i64),
+        DType::I32 => read!(i32),
+        DType::I16 => read!(i16),
+        DType::I8 => read!(i8),
+        DType::U64 => read!(u64),
+        DType::U32 => read!(u32),
+        DType::U16 => read!(u16),
+        DType::U8 => read!(u8),
+        DType::Bool(BoolStore::U32) => read!(u32),
+        DType::Bool(_) => read!(u8),
+        other => panic!("not int or bool data: {other:?}"),
+    }
+}
+
+/// The values of an int primitive, as i64, row-major.
+pub fn values<B: Backend>(tensor: IntTensor<B>) -> Vec<i64> {
+    data_to_i64(&read_sync(B::int_into_data(tensor)).expect("an int read-back"))
+}
+
+/// The values of a bool primitive, row-major.
+pub fn bool_values<B: Backend>(tensor: BoolTensor<B>) -> Vec<bool> {
+    data_to_i64(&read_sync(B::bool_into_data(tensor)).expect("a bool read-back"))
+        .into_iter()
+        .map(|value| value != 0)
+        .collect()
+}
+
+/// The shape of a primitive.
+pub fn dims<T: TensorMetadata>(tensor: &T) -> Vec<usize> {
+    tensor.shape().to_vec()
+}
+
+/// `tensor[ranges]` (a view where the backend keeps one).
+pub fn int_slice<B: Backend>(
+    tensor: IntTensor<B>,
+    ranges: &[core::ops::Range<usize>],
+) -> IntTensor<B> {
+    let slices: Vec<Slice> = ranges.iter().cloned().map(Slice::from).collect();
+    B::int_slice(tensor, &slices)
+}
+
+/// `tensor[ranges]` of a bool primitive.
+pub fn bool_slice<B: Backend>(
+    tensor: BoolTensor<B>,
+    ranges: &[core::ops::Range<usize>],
+) -> BoolTensor<B> {
+    let slices: Vec<Slice> = ranges.iter().cloned().map(Slice::from).collect();
+    B::bool_slice(tensor, &slices)
+}
+
+/// `tensor[ranges] = value`.
+pub fn int_slice_assign<B: Backend>(
+    tensor: IntTensor<B>,
+    ranges: &[core::ops::Range<usize>],
+    value: IntTensor<B>,
+) -> IntTensor<B> {
+    let slices: Vec<Slice> = ranges.iter().cloned().map(Slice::from).collect();
+    B::int_slice_assign(tensor, &slices, value)
+}
+
+/// `tensor[ranges] = value` of a bool primitive.
+pub fn bool_slice_assign<B: Backend>(
+    tensor: BoolTensor<B>,
+    ranges: &[core::ops::Range<usize>],
+    value: BoolTensor<B>,
+) -> BoolTensor<B> {
+    let slices: Vec<Slice> = ranges.iter().cloned().map(Slice::from).collect();
+    B::bool_slice_assign(tensor, &slices, value)
+}
+
+/// The transpose of a 2-D int primitive (a strided view where the backend keeps one).
+pub fn int_transpose<B: Backend>(tensor: IntTensor<B>) -> IntTensor<B> {
+    B::int_swap_dims(tensor, 0, 1)
+}
+
+/// The transpose of a 2-D bool primitive.
+pub fn bool_transpose<B: Backend>(tensor: BoolTensor<B>) -> BoolTensor<B> {
+    B::bool_swap_dims(tensor, 0, 1)
+}
+
+/// `tensor` broadcast to `shape` (a zero-stride view where the backend keeps one).
+pub fn int_expand<B: Backend, const D: usize>(
+    tensor: IntTensor<B>,
+    shape: [usize; D],
+) -> IntTensor<B> {
+    B::int_expand(tensor, Shape::from(shape))
+}
+
+/// Where the conformance files are: `$KVPLAN_CONFORMANCE_DIR`, else the repository's
+/// `tests/data`.
 pub fn conformance_dir() -> PathBuf {
     match std::env::var_os("KVPLAN_CONFORMANCE_DIR") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/conformance"),
+        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/data/")),
     }
 }
 
@@ -116,7 +234,7 @@ pub fn conformance_file(name: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|error| {
         panic!(
             "conformance file {} cannot be read ({error}); set KVPLAN_CONFORMANCE_DIR to the folder \
-             holding gather.jsonl and plan.jsonl",
+             holding gather.jsonl, plan.jsonl and canary.jsonl",
             path.display()
         )
     })

@@ -1,7 +1,7 @@
-//! The public conformance vectors through `kvplan::conformance::check_file`.
+//! The public conformance vectors (`tests/data/*.jsonl`) through `kvplan_tools::conformance`.
 
 use kvplan::KvPlanBackend;
-use kvplan::conformance::{Report, check_file};
+use kvplan_tools::conformance::{Report, check_file};
 
 use crate::common::conformance_file;
 

@@ -1,45 +1,52 @@
-//! Every error kind reachable through the public API, in checked and deferred modes, with the
+//! Every error kind reachable through the backend API, in checked and deferred modes, with the
 //! state the spec fixes for the plans afterwards.
 //!
-//! `not_1d` cannot be produced through the public API: every argument that must be 1-D is typed
-//! `Tensor<B, 1, Int>`. It is covered by the unit tests of `validate`.
+//! Primitives carry no rank in their type, so `not_1d` is reachable here too (it was not through
+//! the 0.21 `Tensor<B, 1, Int>` arguments).
 
-use burn_tensor::{DType, Int, Tensor, TensorData};
-use kvplan::error::{Dims, Error, PLAN_CONTEXT, SEGMENT_CONTEXT, Site};
-use kvplan::validate::INT_DTYPES;
-use kvplan::{KvPlanBackend, PlanInputs, VerifyPlan, WritePlan};
+use burn_core::backend::TensorMetadata;
+use burn_core::backend::tensor::{BoolTensor, IntTensor};
+use burn_core::tensor::{DType, TensorData};
+use kvplan::reference::PlanBuffers;
+use kvplan::{Dims, Error, KvPlanBackend, PlanInputs, Site, StepPlan};
 
-use crate::common::{assert_plans_eq, bools, ints, list, values};
-use crate::gather::CTX;
+use crate::common::{assert_plans_eq, bools, dims, int_expand, int_slice, ints, list, values};
+use crate::gather::{
+    CTX, SEGMENT_CONTEXT, masked, masked_deferred, segments, segments_deferred,
+};
 use crate::plan::{MODES, Mirror, Mode, Step};
 
-fn t46<B: KvPlanBackend>(device: &B::Device) -> Tensor<B, 2, Int> {
+/// The prefix of every plan error message (the library's `PLAN_CONTEXT`).
+pub const PLAN_CONTEXT: &str = "kv-canary:";
+/// The dtypes the int rules accept, as the errors name them (the library's `INT_DTYPES`).
+pub const INT_DTYPES: &str = "int32, int64";
+
+fn t46<B: KvPlanBackend>(device: &B::Device) -> IntTensor<B> {
     let data: Vec<i64> = (0..24).map(|k| 100 + k).collect();
     ints::<B, 2>(&data, [4, 6], DType::I32, device)
 }
 
-fn l<B: KvPlanBackend>(data: &[i64], device: &B::Device) -> Tensor<B, 1, Int> {
+fn l<B: KvPlanBackend>(data: &[i64], device: &B::Device) -> IntTensor<B> {
     list::<B>(data, DType::I64, device)
 }
 
 /// A masked gather that must fail with `want`: at once in both modes (`immediate`), or from
 /// the status in capacity mode with `count = 0`.
 #[track_caller]
-fn masked_error<B: KvPlanBackend, const DT: usize, const DP: usize, const DM: usize>(
-    table: Tensor<B, DT, Int>,
-    rpi: Tensor<B, 1, Int>,
-    pos2d: Tensor<B, DP, Int>,
-    mask: Tensor<B, DM, burn_tensor::Bool>,
+fn masked_error<B: KvPlanBackend>(
+    table: IntTensor<B>,
+    rpi: IntTensor<B>,
+    pos2d: IntTensor<B>,
+    mask: BoolTensor<B>,
     capacity: Option<usize>,
     want: Error,
     immediate: bool,
 ) {
     if capacity.is_none() {
-        let got =
-            kvplan::masked_gather(table.clone(), rpi.clone(), pos2d.clone(), mask.clone(), CTX);
+        let got = masked::<B>(table.clone(), rpi.clone(), pos2d.clone(), mask.clone());
         assert_eq!(got.err(), Some(want.clone()), "exact mode");
     }
-    let got = kvplan::masked_gather_with_capacity(table, rpi, pos2d, mask, capacity, CTX);
+    let got = masked_deferred::<B>(table, rpi, pos2d, mask, capacity);
     if immediate {
         assert_eq!(got.err(), Some(want), "capacity mode, immediate");
     } else {
@@ -47,26 +54,25 @@ fn masked_error<B: KvPlanBackend, const DT: usize, const DP: usize, const DM: us
             panic!("{} must be deferred, got {error:?} at once", want.kind())
         });
         assert_eq!(got.status.check(), Err(want), "capacity mode, deferred");
-        assert_eq!(values(got.count), vec![0], "count after a deferred error");
+        assert_eq!(values::<B>(got.count), vec![0], "count after a deferred error");
     }
 }
 
 #[track_caller]
-fn segment_error<B: KvPlanBackend, const DT: usize>(
-    table: Tensor<B, DT, Int>,
-    rpi: Tensor<B, 1, Int>,
-    start: Option<Tensor<B, 1, Int>>,
-    lengths: Tensor<B, 1, Int>,
+fn segment_error<B: KvPlanBackend>(
+    table: IntTensor<B>,
+    rpi: IntTensor<B>,
+    start: Option<IntTensor<B>>,
+    lengths: IntTensor<B>,
     capacity: Option<usize>,
     want: Error,
     immediate: bool,
 ) {
     if capacity.is_none() {
-        let got =
-            kvplan::segment_gather(table.clone(), rpi.clone(), start.clone(), lengths.clone());
+        let got = segments::<B>(table.clone(), rpi.clone(), start.clone(), lengths.clone());
         assert_eq!(got.err(), Some(want.clone()), "exact mode");
     }
-    let got = kvplan::segment_gather_with_capacity(table, rpi, start, lengths, capacity);
+    let got = segments_deferred::<B>(table, rpi, start, lengths, capacity);
     if immediate {
         assert_eq!(got.err(), Some(want), "capacity mode, immediate");
     } else {
@@ -74,7 +80,7 @@ fn segment_error<B: KvPlanBackend, const DT: usize>(
             panic!("{} must be deferred, got {error:?} at once", want.kind())
         });
         assert_eq!(got.status.check(), Err(want), "capacity mode, deferred");
-        assert_eq!(values(got.count), vec![0], "count after a deferred error");
+        assert_eq!(values::<B>(got.count), vec![0], "count after a deferred error");
     }
 }
 
@@ -82,7 +88,7 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
     let d = device;
     let yes = |n: usize| bools::<B, 2>(&vec![true; n], [1, n], d);
     // pos_not_2d (1-D and 3-D).
-    masked_error(
+    masked_error::<B>(
         t46::<B>(d),
         l::<B>(&[1], d),
         ints::<B, 1>(&[0, 1, 2], [3], DType::I64, d),
@@ -94,7 +100,7 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
         },
         true,
     );
-    masked_error(
+    masked_error::<B>(
         t46::<B>(d),
         l::<B>(&[1], d),
         ints::<B, 3>(&[0, 1], [1, 1, 2], DType::I64, d),
@@ -107,7 +113,7 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
         true,
     );
     // mask_shape_mismatch.
-    masked_error(
+    masked_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 2], d),
         ints::<B, 2>(&[0; 6], [2, 3], DType::I64, d),
@@ -122,7 +128,7 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
     );
     // not_2d (1-D and 3-D tables).
     let data: Vec<i64> = (0..24).collect();
-    masked_error(
+    masked_error::<B>(
         ints::<B, 1>(&data, [24], DType::I32, d),
         l::<B>(&[1], d),
         ints::<B, 2>(&[0, 1], [1, 2], DType::I64, d),
@@ -135,7 +141,7 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
         },
         true,
     );
-    masked_error(
+    masked_error::<B>(
         ints::<B, 3>(&data, [2, 2, 6], DType::I64, d),
         l::<B>(&[1], d),
         ints::<B, 2>(&[0, 1], [1, 2], DType::I64, d),
@@ -148,8 +154,22 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
         },
         true,
     );
+    // not_1d: a 2-D req_pool_indices (reachable now that arguments are untyped primitives).
+    masked_error::<B>(
+        t46::<B>(d),
+        ints::<B, 2>(&[1, 2], [2, 1], DType::I64, d),
+        ints::<B, 2>(&[0, 1], [2, 1], DType::I64, d),
+        bools::<B, 2>(&[true, true], [2, 1], d),
+        None,
+        Error::Not1d {
+            context: CTX.into(),
+            name: "req_pool_indices",
+            shape: Dims(vec![2, 1]),
+        },
+        true,
+    );
     // index_shape_mismatch / mask_index_shape_mismatch: immediate for masked.
-    masked_error(
+    masked_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 2, 3], d),
         ints::<B, 2>(&[0; 4], [2, 2], DType::I64, d),
@@ -163,7 +183,7 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
         },
         true,
     );
-    masked_error(
+    masked_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 2, 3], d),
         ints::<B, 2>(&[0, 1], [1, 2], DType::I64, d),
@@ -179,7 +199,7 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
     );
     // empty_table_nonempty_mask: deferred.
     let empty = ints::<B, 2>(&[], [4, 0], DType::I32, d);
-    masked_error(
+    masked_error::<B>(
         empty.clone(),
         l::<B>(&[1, 99], d),
         ints::<B, 2>(&[3; 4], [2, 2], DType::I64, d),
@@ -190,12 +210,11 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
         },
         false,
     );
-    let error = kvplan::masked_gather(
+    let error = masked::<B>(
         empty,
         l::<B>(&[1, 99], d),
         ints::<B, 2>(&[3; 4], [2, 2], DType::I64, d),
         bools::<B, 2>(&[false, false, true, false], [2, 2], d),
-        CTX,
     )
     .unwrap_err();
     assert_eq!(
@@ -203,7 +222,7 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
         "DFLASH target hidden KV append req_to_token table is empty but gather mask is non-empty."
     );
     // req_pool_index_out_of_range, even for an all-false row.
-    masked_error(
+    masked_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 4], d),
         ints::<B, 2>(&[0, 0], [2, 1], DType::I64, d),
@@ -217,7 +236,7 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
         },
         false,
     );
-    masked_error(
+    masked_error::<B>(
         t46::<B>(d),
         l::<B>(&[-1, -4], d),
         ints::<B, 2>(&[0, 0], [2, 1], DType::I32, d),
@@ -232,7 +251,7 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
         false,
     );
     // position_out_of_range: the first true cell in row-major order.
-    masked_error(
+    masked_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 2], d),
         ints::<B, 2>(&[0, 99, 9, -1, 0, 0], [2, 3], DType::I64, d),
@@ -246,7 +265,7 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
         },
         false,
     );
-    masked_error(
+    masked_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 2], d),
         ints::<B, 2>(&[0, 99, 9, -1, 0, 0], [2, 3], DType::I64, d),
@@ -261,7 +280,7 @@ pub fn gather_errors<B: KvPlanBackend>(device: &B::Device) {
         false,
     );
     // capacity_exceeded: capacity mode only.
-    masked_error(
+    masked_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 2], d),
         ints::<B, 2>(&[0, 1, 2, 3], [2, 2], DType::I64, d),
@@ -281,7 +300,7 @@ pub fn segment_errors<B: KvPlanBackend>(device: &B::Device) {
     let seg = SEGMENT_CONTEXT;
     // not_2d: immediate.
     let data: Vec<i64> = (0..24).collect();
-    segment_error(
+    segment_error::<B>(
         ints::<B, 1>(&data, [24], DType::I32, d),
         l::<B>(&[1], d),
         None,
@@ -294,8 +313,22 @@ pub fn segment_errors<B: KvPlanBackend>(device: &B::Device) {
         },
         true,
     );
+    // not_1d: a 2-D lengths.
+    segment_error::<B>(
+        t46::<B>(d),
+        l::<B>(&[1], d),
+        None,
+        ints::<B, 2>(&[1, 1], [1, 2], DType::I64, d),
+        None,
+        Error::Not1d {
+            context: seg.into(),
+            name: "lengths",
+            shape: Dims(vec![1, 2]),
+        },
+        true,
+    );
     // mask_shape_mismatch: deferred (S = 3, P = 2).
-    segment_error(
+    segment_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 1, 1], d),
         Some(l::<B>(&[0, 0], d)),
@@ -309,15 +342,15 @@ pub fn segment_errors<B: KvPlanBackend>(device: &B::Device) {
         false,
     );
     // ... and skipped by the early exit.
-    let got = kvplan::segment_gather(
+    let got = segments::<B>(
         t46::<B>(d),
         l::<B>(&[1, 1, 1], d),
         Some(l::<B>(&[0, 0], d)),
         l::<B>(&[0, -1, 0], d),
     );
-    assert_eq!(got.map(|out| out.dims()), Ok([0]));
+    assert_eq!(got.map(|out| dims(&out)), Ok(vec![0]));
     // empty_table_nonempty_mask.
-    segment_error(
+    segment_error::<B>(
         ints::<B, 2>(&[], [4, 0], DType::I32, d),
         l::<B>(&[1, 99], d),
         None,
@@ -329,7 +362,7 @@ pub fn segment_errors<B: KvPlanBackend>(device: &B::Device) {
         false,
     );
     // index_shape_mismatch / mask_index_shape_mismatch: deferred for segments.
-    segment_error(
+    segment_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 2], d),
         Some(l::<B>(&[0, 0, 0], d)),
@@ -343,7 +376,7 @@ pub fn segment_errors<B: KvPlanBackend>(device: &B::Device) {
         },
         false,
     );
-    segment_error(
+    segment_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 2], d),
         Some(l::<B>(&[0], d)),
@@ -358,7 +391,7 @@ pub fn segment_errors<B: KvPlanBackend>(device: &B::Device) {
         false,
     );
     // req_pool_index_out_of_range for an empty segment.
-    segment_error(
+    segment_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 9], d),
         Some(l::<B>(&[0, 0], d)),
@@ -380,7 +413,7 @@ pub fn segment_errors<B: KvPlanBackend>(device: &B::Device) {
         (i64::MAX - 1, 5, 0, i64::MAX - 1),
         (0, 1 << 40, 6, 6),
     ] {
-        segment_error(
+        segment_error::<B>(
             t46::<B>(d),
             l::<B>(&[1], d),
             Some(l::<B>(&[start], d)),
@@ -396,7 +429,7 @@ pub fn segment_errors<B: KvPlanBackend>(device: &B::Device) {
         );
     }
     // capacity_exceeded.
-    segment_error(
+    segment_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 2], d),
         None,
@@ -416,7 +449,7 @@ pub fn dtype_errors<B: KvPlanBackend>(device: &B::Device) {
     let d = device;
     let u8_tensor = |data: Vec<u8>| {
         let len = data.len();
-        Tensor::<B, 1, Int>::from_data(TensorData::new(data, [len]), (d, DType::U8))
+        B::int_from_data(TensorData::new(data, [len]), d)
     };
     if !B::supports_dtype(d, DType::U8) || u8_tensor(vec![1]).dtype() != DType::U8 {
         // This backend cannot hold a uint8 int tensor: the dtype rule is covered by the unit
@@ -430,7 +463,7 @@ pub fn dtype_errors<B: KvPlanBackend>(device: &B::Device) {
         got: "uint8".into(),
         accepted: INT_DTYPES,
     };
-    masked_error(
+    masked_error::<B>(
         t46::<B>(d),
         u8_tensor(vec![1, 2]),
         ints::<B, 2>(&[0, 1], [2, 1], DType::I64, d),
@@ -439,7 +472,7 @@ pub fn dtype_errors<B: KvPlanBackend>(device: &B::Device) {
         want(CTX, "req_pool_indices"),
         true,
     );
-    segment_error(
+    segment_error::<B>(
         t46::<B>(d),
         l::<B>(&[1], d),
         None,
@@ -452,7 +485,7 @@ pub fn dtype_errors<B: KvPlanBackend>(device: &B::Device) {
     host_error(
         &mut mirror,
         || {
-            PlanInputs::new(
+            PlanInputs::<B>::from_primitives(
                 l::<B>(&[1, 2], d),
                 u8_tensor(vec![3, 4]),
                 l::<B>(&[1, 1], d),
@@ -474,7 +507,7 @@ pub fn device_errors<B: KvPlanBackend>(device: &B::Device, other: &B::Device) {
             expected: format!("{expected:?}"),
         }
     };
-    masked_error(
+    masked_error::<B>(
         t46::<B>(d),
         l::<B>(&[1, 2], other),
         ints::<B, 2>(&[0, 1], [2, 1], DType::I64, d),
@@ -483,7 +516,7 @@ pub fn device_errors<B: KvPlanBackend>(device: &B::Device, other: &B::Device) {
         want(CTX, "req_pool_indices", other, d),
         true,
     );
-    segment_error(
+    segment_error::<B>(
         t46::<B>(d),
         l::<B>(&[1], d),
         Some(l::<B>(&[0], d)),
@@ -496,7 +529,7 @@ pub fn device_errors<B: KvPlanBackend>(device: &B::Device, other: &B::Device) {
     host_error(
         &mut mirror,
         || {
-            PlanInputs::new(
+            PlanInputs::<B>::from_primitives(
                 l::<B>(&[1, 2], d),
                 l::<B>(&[3, 4], other),
                 l::<B>(&[1, 1], d),
@@ -510,7 +543,7 @@ pub fn device_errors<B: KvPlanBackend>(device: &B::Device, other: &B::Device) {
     host_error(
         &mut elsewhere,
         || {
-            PlanInputs::new(
+            PlanInputs::<B>::from_primitives(
                 l::<B>(&[1, 2], d),
                 l::<B>(&[3, 4], d),
                 l::<B>(&[1, 1], d),
@@ -522,7 +555,7 @@ pub fn device_errors<B: KvPlanBackend>(device: &B::Device, other: &B::Device) {
 }
 
 /// The linear 4x8 table of the plan examples.
-fn linear48<B: KvPlanBackend>(device: &B::Device) -> Tensor<B, 2, Int> {
+fn linear48<B: KvPlanBackend>(device: &B::Device) -> IntTensor<B> {
     let data: Vec<i64> = (0..32).collect();
     ints::<B, 2>(&data, [4, 8], DType::I32, device)
 }
@@ -554,9 +587,9 @@ fn host_error<B: KvPlanBackend>(
     for mode in MODES {
         let before = mirror.read();
         let got = match mode {
-            Mode::Checked => kvplan::plan(&mut mirror.verify, &mut mirror.write, inputs()),
+            Mode::Checked => kvplan::plan(&mut mirror.plans, inputs()),
             Mode::Deferred => {
-                kvplan::plan_deferred(&mut mirror.verify, &mut mirror.write, inputs()).map(|_| ())
+                kvplan::plan_deferred(&mut mirror.plans, inputs()).map(|_| ())
             }
         };
         assert_eq!(got, Err(want.clone()), "{mode:?}");
@@ -572,7 +605,7 @@ pub fn plan_host_errors<B: KvPlanBackend>(device: &B::Device) {
     let d = device;
     let mut mirror = primed::<B>(d);
     let base = || {
-        PlanInputs::new(
+        PlanInputs::<B>::from_primitives(
             l::<B>(&[1, 2], d),
             l::<B>(&[3, 4], d),
             l::<B>(&[1, 1], d),
@@ -602,12 +635,12 @@ pub fn plan_host_errors<B: KvPlanBackend>(device: &B::Device) {
     );
     host_error(
         &mut mirror,
-        || base().expected_tokens(pool()),
+        || base().expected_tokens_pool_primitive(pool()),
         Error::MissingValidLens,
     );
     host_error(
         &mut mirror,
-        || base().expected_tokens_valid_lens(l::<B>(&[1, 1], d)),
+        || base().expected_tokens_valid_lens_primitive(l::<B>(&[1, 1], d)),
         Error::ValidLensWithoutPool,
     );
     // not_2d: a 1-D and a 3-D table.
@@ -615,7 +648,7 @@ pub fn plan_host_errors<B: KvPlanBackend>(device: &B::Device) {
     host_error(
         &mut mirror,
         || {
-            PlanInputs::new(
+            PlanInputs::<B>::from_primitives(
                 l::<B>(&[1, 2], d),
                 l::<B>(&[3, 4], d),
                 l::<B>(&[1, 1], d),
@@ -631,7 +664,7 @@ pub fn plan_host_errors<B: KvPlanBackend>(device: &B::Device) {
     host_error(
         &mut mirror,
         || {
-            PlanInputs::new(
+            PlanInputs::<B>::from_primitives(
                 l::<B>(&[1, 2], d),
                 l::<B>(&[3, 4], d),
                 l::<B>(&[1, 1], d),
@@ -644,11 +677,28 @@ pub fn plan_host_errors<B: KvPlanBackend>(device: &B::Device) {
             shape: Dims(vec![2, 4, 4]),
         },
     );
+    // not_1d: a 2-D prefix_lens.
+    host_error(
+        &mut mirror,
+        || {
+            PlanInputs::<B>::from_primitives(
+                l::<B>(&[1, 2], d),
+                ints::<B, 2>(&[3, 4], [2, 1], DType::I64, d),
+                l::<B>(&[1, 1], d),
+                linear48::<B>(d),
+            )
+        },
+        Error::Not1d {
+            context: PLAN_CONTEXT.into(),
+            name: "prefix_lens",
+            shape: Dims(vec![2, 1]),
+        },
+    );
     // length_mismatch.
     host_error(
         &mut mirror,
         || {
-            PlanInputs::new(
+            PlanInputs::<B>::from_primitives(
                 l::<B>(&[1, 2], d),
                 l::<B>(&[3, 4, 5], d),
                 l::<B>(&[1, 1], d),
@@ -664,7 +714,7 @@ pub fn plan_host_errors<B: KvPlanBackend>(device: &B::Device) {
     host_error(
         &mut mirror,
         || {
-            PlanInputs::new(
+            PlanInputs::<B>::from_primitives(
                 l::<B>(&[1, 2], d),
                 l::<B>(&[3, 4], d),
                 l::<B>(&[1], d),
@@ -681,8 +731,8 @@ pub fn plan_host_errors<B: KvPlanBackend>(device: &B::Device) {
         &mut mirror,
         || {
             base()
-                .expected_tokens(pool())
-                .expected_tokens_valid_lens(l::<B>(&[6, 6, 6], d))
+                .expected_tokens_pool_primitive(pool())
+                .expected_tokens_valid_lens_primitive(l::<B>(&[6, 6, 6], d))
         },
         Error::LengthMismatch {
             name: "req_to_verify_expected_tokens_valid_lens",
@@ -693,26 +743,26 @@ pub fn plan_host_errors<B: KvPlanBackend>(device: &B::Device) {
     // empty_lut, even without a window; it beats bs_exceeds_write_capacity.
     host_error(
         &mut mirror,
-        || base().full_to_swa_index_mapping(lut(0)),
+        || base().full_to_swa_index_mapping_primitive(lut(0)),
         Error::EmptyLut,
     );
     host_error(
         &mut mirror,
-        || base().swa_window_size(2).full_to_swa_index_mapping(lut(0)),
+        || base().swa_window_size(2).full_to_swa_index_mapping_primitive(lut(0)),
         Error::EmptyLut,
     );
     // bs_exceeds_write_capacity.
     let five = || l::<B>(&[1, 2, 3, 1, 2], d);
     host_error(
         &mut mirror,
-        || PlanInputs::new(five(), five(), five(), linear48::<B>(d)),
+        || PlanInputs::<B>::from_primitives(five(), five(), five(), linear48::<B>(d)),
         Error::BsExceedsWriteCapacity { bs: 5, capacity: 4 },
     );
     host_error(
         &mut mirror,
         || {
-            PlanInputs::new(five(), five(), five(), linear48::<B>(d))
-                .full_to_swa_index_mapping(lut(0))
+            PlanInputs::<B>::from_primitives(five(), five(), five(), linear48::<B>(d))
+                .full_to_swa_index_mapping_primitive(lut(0))
         },
         Error::EmptyLut,
     );
@@ -844,63 +894,71 @@ pub fn plan_device_errors<B: KvPlanBackend>(device: &B::Device) {
 }
 
 pub fn allocation_errors<B: KvPlanBackend>(device: &B::Device) {
+    // `VerifyPlan::allocate` / `WritePlan::allocate` are one call now, `StepPlan::allocate_on`:
+    // each capacity is checked with the other one valid.
     assert_eq!(
-        VerifyPlan::<B>::allocate(0, device).err(),
+        StepPlan::<B>::allocate_on(0, 1, device).err(),
         Some(Error::NonPositiveVerifyCapacity { value: 0 })
     );
     assert_eq!(
-        WritePlan::<B>::allocate(0, device).err(),
+        StepPlan::<B>::allocate_on(1, 0, device).err(),
         Some(Error::NonPositiveWriteCapacity { value: 0 })
     );
     for value in [1usize << 31, usize::MAX] {
         assert_eq!(
-            VerifyPlan::<B>::allocate(value, device).err(),
+            StepPlan::<B>::allocate_on(value, 1, device).err(),
             Some(Error::CapacityTooLarge {
                 field: "verify_capacity",
                 value
             })
         );
         assert_eq!(
-            WritePlan::<B>::allocate(value, device).err(),
+            StepPlan::<B>::allocate_on(1, value, device).err(),
             Some(Error::CapacityTooLarge {
                 field: "write_req_capacity",
                 value
             })
         );
     }
-    let verify = VerifyPlan::<B>::allocate(1, device).unwrap();
-    let write = WritePlan::<B>::allocate(1, device).unwrap();
-    let fresh = kvplan::canary::read_plans(&verify, &write).unwrap();
-    assert_eq!(fresh, kvplan::reference::PlanBuffers::fresh(1, 1));
-    assert_eq!(values(verify.enable()), vec![1]);
-    assert_eq!(verify.num_valid().dtype(), DType::I32);
-    assert_eq!(verify.slot_indices().dtype(), DType::I64);
-    assert_eq!(write.offsets().dims(), [2]);
-    assert_eq!(write.num_valid_reqs().dtype(), DType::I32);
+    let plans = StepPlan::<B>::allocate_on(1, 1, device).unwrap();
+    let fresh = kvplan::canary::read_plans(&plans).unwrap();
+    assert_eq!(fresh, PlanBuffers::fresh(1, 1));
+    assert_eq!(values::<B>(plans.verify.enable()), vec![1]);
+    assert_eq!(plans.verify.num_valid().dtype(), DType::I32);
+    assert_eq!(plans.verify.slot_indices().dtype(), DType::I64);
+    assert_eq!(dims(&plans.write.offsets()), [2]);
+    assert_eq!(plans.write.num_valid_reqs().dtype(), DType::I32);
 }
 
 /// How a backend meets a broadcast (`expand`ed, zero-row-stride) `req_to_token`.
+///
+/// In 0.21 the unfused CubeCL backend refused it on the host (`HostRefused`, through the trait's
+/// `int_row_stride`); the 0.22 library has no host-side stride query: every Cube launch (fused or
+/// not) checks the real stride and reports rule 11 through the status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Broadcast {
-    /// The host sees the zero stride: rule 11 refuses it at once (unfused CubeCL).
-    HostRefused,
-    /// The host cannot see strides (fused): the device finds the zero stride and reports rule 11
-    /// through the status, leaving both plans unchanged.
+    /// The launcher finds the zero stride and reports rule 11 through the status, leaving both
+    /// plans unchanged (CubeCL, fused or not).
     DeviceRefused,
-    /// The backend has no strided views (Flex): the op runs on the broadcast values.
+    /// The backend reads values, not strides (Flex, the host reference): the op runs on the
+    /// broadcast values.
     Accepted,
 }
 
-/// Rule 11 through the public API: a broadcast (`expand`ed) table, handled as `expect` says.
+/// Rule 11 through the backend API: a broadcast (`expand`ed) table, handled as `expect` says.
 /// A padded (sliced, row stride 12 for 8 columns) table is accepted everywhere.
 pub fn stride<B: KvPlanBackend>(device: &B::Device, expect: Broadcast) {
     let d = device;
     let row: Vec<i64> = (0..8).map(|c| 8 + c).collect();
-    let expanded = || ints::<B, 2>(&row, [1, 8], DType::I32, d).expand([4, 8]);
-    let host_stride = B::int_row_stride(&expanded().into_primitive());
+    let expanded = || int_expand::<B, 2>(ints::<B, 2>(&row, [1, 8], DType::I32, d), [4, 8]);
+    assert_eq!(
+        values::<B>(expanded()),
+        row.repeat(4),
+        "the expanded table's values"
+    );
     let step = Step::new(4, 8, row.repeat(4)).batch(&[1, 2], &[3, 4], &[1, 1]);
     let inputs = || {
-        PlanInputs::new(
+        PlanInputs::<B>::from_primitives(
             l::<B>(&[1, 2], d),
             l::<B>(&[3, 4], d),
             l::<B>(&[1, 1], d),
@@ -909,28 +967,18 @@ pub fn stride<B: KvPlanBackend>(device: &B::Device, expect: Broadcast) {
     };
     let want = Error::ReqToTokenStride { stride: 0 };
     match expect {
-        Broadcast::HostRefused => {
-            assert_eq!(
-                host_stride, 0,
-                "an expanded table must report a zero row stride here"
-            );
-            let mut mirror = primed::<B>(d);
-            host_error(&mut mirror, inputs, want.clone());
-        }
         Broadcast::DeviceRefused => {
-            assert_eq!(host_stride, 8, "the host sees a contiguous table here");
             let mut mirror = primed::<B>(d);
             let before = mirror.read();
-            let got = kvplan::plan(&mut mirror.verify, &mut mirror.write, inputs());
+            let got = kvplan::plan(&mut mirror.plans, inputs());
             assert_eq!(got, Err(want.clone()), "checked");
             assert_plans_eq(&mirror.read(), &before, "rule 11 on the device (checked)");
-            let status = kvplan::plan_deferred(&mut mirror.verify, &mut mirror.write, inputs())
+            let status = kvplan::plan_deferred(&mut mirror.plans, inputs())
                 .expect("the host cannot see the stride");
             assert_plans_eq(&mirror.read(), &before, "rule 11 on the device (deferred)");
             assert_eq!(status.check(), Err(want.clone()), "deferred");
         }
         Broadcast::Accepted => {
-            assert_eq!(host_stride, 8);
             for mode in MODES {
                 let mut mirror = primed::<B>(d);
                 mirror
@@ -941,7 +989,7 @@ pub fn stride<B: KvPlanBackend>(device: &B::Device, expect: Broadcast) {
     }
     if expect != Broadcast::Accepted {
         let mut mirror = primed::<B>(d);
-        let error = kvplan::plan(&mut mirror.verify, &mut mirror.write, inputs()).unwrap_err();
+        let error = kvplan::plan(&mut mirror.plans, inputs()).unwrap_err();
         assert_eq!(
             error.to_string(),
             "kv-canary: req_to_token_stride0 must be positive, got 0"
@@ -949,14 +997,14 @@ pub fn stride<B: KvPlanBackend>(device: &B::Device, expect: Broadcast) {
     }
     // A padded table: columns 2..10 of a 4x12 buffer.
     let wide: Vec<i64> = (0..48).map(|k| 1000 + k).collect();
-    let sliced = || ints::<B, 2>(&wide, [4, 12], DType::I64, d).slice([0..4, 2..10]);
+    let sliced = || int_slice::<B>(ints::<B, 2>(&wide, [4, 12], DType::I64, d), &[0..4, 2..10]);
     let table: Vec<i64> = (0..4)
         .flat_map(|q| (2..10).map(move |c| 1000 + 12 * q + c))
         .collect();
     let step = Step::new(4, 8, table).batch(&[1, 2, 3], &[3, 8, 5], &[1, 1, 2]);
     for mode in MODES {
         let mut mirror = primed::<B>(d);
-        let inputs = PlanInputs::new(
+        let inputs = PlanInputs::<B>::from_primitives(
             l::<B>(&[1, 2, 3], d),
             l::<B>(&[3, 8, 5], d),
             l::<B>(&[1, 1, 2], d),
@@ -975,7 +1023,7 @@ pub fn negative_values_both_dtypes<B: KvPlanBackend>(device: &B::Device) {
     for dtype in [DType::I32, DType::I64] {
         let v = |data: &[i64]| list::<B>(data, dtype, d);
         // Masked: a negative row index and a negative position in a true cell.
-        masked_error(
+        masked_error::<B>(
             t46::<B>(d),
             v(&[-1, -4]),
             ints::<B, 2>(&[0, 0], [2, 1], dtype, d),
@@ -989,7 +1037,7 @@ pub fn negative_values_both_dtypes<B: KvPlanBackend>(device: &B::Device) {
             },
             false,
         );
-        masked_error(
+        masked_error::<B>(
             t46::<B>(d),
             v(&[1, 2]),
             ints::<B, 2>(&[0, -5, -1, 2], [2, 2], dtype, d),
@@ -1004,28 +1052,27 @@ pub fn negative_values_both_dtypes<B: KvPlanBackend>(device: &B::Device) {
             false,
         );
         // Masked-off negative positions are ignored.
-        let got = kvplan::masked_gather(
+        let got = masked::<B>(
             t46::<B>(d),
             v(&[3]),
             ints::<B, 2>(&[-7, 5], [1, 2], dtype, d),
             bools::<B, 2>(&[false, true], [1, 2], d),
-            CTX,
         );
-        assert_eq!(got.map(values), Ok(vec![123]), "{dtype:?}");
+        assert_eq!(got.map(values::<B>), Ok(vec![123]), "{dtype:?}");
         // Segments: negative lengths contribute nothing and their starts are not checked.
-        let got = kvplan::segment_gather(
+        let got = segments::<B>(
             t46::<B>(d),
             v(&[1, 2, 3]),
             Some(v(&[0, -887, 2])),
             v(&[2, -2, 1]),
         );
-        assert_eq!(got.map(values), Ok(vec![106, 107, 120]), "{dtype:?}");
-        let got = kvplan::segment_gather(t46::<B>(d), v(&[1, 2, 3]), None, v(&[-1, 3, -3]));
-        assert_eq!(got.map(values), Ok(vec![112, 113, 114]), "{dtype:?}");
-        let got = kvplan::segment_gather(t46::<B>(d), v(&[1, 99]), Some(v(&[5, -5])), v(&[-1, -1]));
-        assert_eq!(got.map(|out| out.dims()), Ok([0]), "{dtype:?}");
+        assert_eq!(got.map(values::<B>), Ok(vec![106, 107, 120]), "{dtype:?}");
+        let got = segments::<B>(t46::<B>(d), v(&[1, 2, 3]), None, v(&[-1, 3, -3]));
+        assert_eq!(got.map(values::<B>), Ok(vec![112, 113, 114]), "{dtype:?}");
+        let got = segments::<B>(t46::<B>(d), v(&[1, 99]), Some(v(&[5, -5])), v(&[-1, -1]));
+        assert_eq!(got.map(|out| dims(&out)), Ok(vec![0]), "{dtype:?}");
         // A negative start and a negative row index.
-        segment_error(
+        segment_error::<B>(
             t46::<B>(d),
             v(&[1]),
             Some(v(&[-2])),
@@ -1039,7 +1086,7 @@ pub fn negative_values_both_dtypes<B: KvPlanBackend>(device: &B::Device) {
             },
             false,
         );
-        segment_error(
+        segment_error::<B>(
             t46::<B>(d),
             v(&[1, -3]),
             None,

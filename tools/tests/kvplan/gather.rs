@@ -1,13 +1,82 @@
-//! Masked and segment gather through the public tensor API, against the host reference.
+//! Masked and segment gather through the backend API (`kvplan::gather::backend`, the form the
+//! `Tensor` API runs on `Dispatch`), against the host reference.
 
-use burn_tensor::{DType, Int, Tensor};
-use kvplan::error::{Error, SEGMENT_CONTEXT};
+use burn_core::backend::TensorMetadata;
+use burn_core::backend::tensor::{BoolTensor, IntTensor};
+use burn_core::tensor::DType;
+use kvplan::gather::backend;
 use kvplan::reference::{self, Table};
-use kvplan::{CapacityGather, KvPlanBackend};
+use kvplan::{DeferredGather, Error, GatherOptions, KvPlanBackend};
 
-use crate::common::{Rng, bools, ints, list, values};
+use crate::common::{
+    Rng, bool_slice, bool_slice_assign, bool_transpose, bool_values, bools, dims, int_expand,
+    int_slice, int_slice_assign, int_transpose, ints, list, values,
+};
 
 pub const CTX: &str = "DFLASH target hidden KV append";
+/// The fixed context of segment-gather errors (the library's `SEGMENT_CONTEXT`).
+pub const SEGMENT_CONTEXT: &str = "DFLASH req_to_token segment gather";
+
+/// The options of a masked gather: context `CTX`, the given capacity or the default.
+pub fn options(capacity: Option<usize>) -> GatherOptions {
+    let options = GatherOptions::new().context(CTX);
+    match capacity {
+        Some(capacity) => options.capacity(capacity),
+        None => options,
+    }
+}
+
+/// The options of a segment gather (no context: segments use the spec's own).
+pub fn segment_options(capacity: Option<usize>) -> GatherOptions {
+    match capacity {
+        Some(capacity) => GatherOptions::new().capacity(capacity),
+        None => GatherOptions::new(),
+    }
+}
+
+/// Masked gather, exact mode (the old `masked_gather(.., CTX)`).
+pub fn masked<B: KvPlanBackend>(
+    table: IntTensor<B>,
+    rpi: IntTensor<B>,
+    pos2d: IntTensor<B>,
+    mask: BoolTensor<B>,
+) -> Result<IntTensor<B>, Error> {
+    backend::masked_gather_deferred::<B>(table, rpi, pos2d, mask, &options(None))
+        .and_then(backend::exact)
+}
+
+/// Masked gather, deferred mode with `capacity` (`None`: the default `R * C`).
+pub fn masked_deferred<B: KvPlanBackend>(
+    table: IntTensor<B>,
+    rpi: IntTensor<B>,
+    pos2d: IntTensor<B>,
+    mask: BoolTensor<B>,
+    capacity: Option<usize>,
+) -> Result<DeferredGather<B>, Error> {
+    backend::masked_gather_deferred::<B>(table, rpi, pos2d, mask, &options(capacity))
+}
+
+/// Segment gather, exact mode.
+pub fn segments<B: KvPlanBackend>(
+    table: IntTensor<B>,
+    rpi: IntTensor<B>,
+    start: Option<IntTensor<B>>,
+    lengths: IntTensor<B>,
+) -> Result<IntTensor<B>, Error> {
+    backend::segment_gather_deferred::<B>(table, rpi, start, lengths, &segment_options(None))
+        .and_then(backend::exact)
+}
+
+/// Segment gather, deferred mode with `capacity` (`None`: the default `S * cols`).
+pub fn segments_deferred<B: KvPlanBackend>(
+    table: IntTensor<B>,
+    rpi: IntTensor<B>,
+    start: Option<IntTensor<B>>,
+    lengths: IntTensor<B>,
+    capacity: Option<usize>,
+) -> Result<DeferredGather<B>, Error> {
+    backend::segment_gather_deferred::<B>(table, rpi, start, lengths, &segment_options(capacity))
+}
 
 /// One masked gather: host data plus the dtypes of the three int inputs.
 #[derive(Debug, Clone)]
@@ -39,12 +108,7 @@ impl MaskedCase {
     pub fn tensors<B: KvPlanBackend>(
         &self,
         device: &B::Device,
-    ) -> (
-        Tensor<B, 2, Int>,
-        Tensor<B, 1, Int>,
-        Tensor<B, 2, Int>,
-        Tensor<B, 2, burn_tensor::Bool>,
-    ) {
+    ) -> (IntTensor<B>, IntTensor<B>, IntTensor<B>, BoolTensor<B>) {
         (
             ints::<B, 2>(&self.table, [self.rows, self.cols], self.dtypes[0], device),
             list::<B>(&self.rpi, self.dtypes[1], device),
@@ -82,10 +146,10 @@ impl SegmentCase {
         &self,
         device: &B::Device,
     ) -> (
-        Tensor<B, 2, Int>,
-        Tensor<B, 1, Int>,
-        Option<Tensor<B, 1, Int>>,
-        Tensor<B, 1, Int>,
+        IntTensor<B>,
+        IntTensor<B>,
+        Option<IntTensor<B>>,
+        IntTensor<B>,
     ) {
         (
             ints::<B, 2>(&self.table, [self.rows, self.cols], self.dtypes[0], device),
@@ -105,18 +169,20 @@ impl SegmentCase {
 /// Exact mode against the reference (values and shape, or the exact error).
 #[track_caller]
 pub fn check_exact<B: KvPlanBackend>(
-    got: Result<Tensor<B, 1, Int>, Error>,
+    got: Result<IntTensor<B>, Error>,
     want: &Result<Vec<i64>, Error>,
     what: &str,
 ) {
     match (got, want) {
         (Ok(out), Ok(want)) => {
-            assert_eq!(out.dims(), [want.len()], "{what}: exact-mode shape");
+            assert_eq!(dims(&out), [want.len()], "{what}: exact-mode shape");
             assert_eq!(out.dtype(), DType::I64, "{what}: exact-mode dtype");
-            assert_eq!(&values(out), want, "{what}: exact-mode values");
+            assert_eq!(&values::<B>(out), want, "{what}: exact-mode values");
         }
         (Err(error), Err(want)) => assert_eq!(&error, want, "{what}: exact-mode error"),
-        (Ok(out), Err(want)) => panic!("{what}: expected {want:?}, got Ok({:?})", values(out)),
+        (Ok(out), Err(want)) => {
+            panic!("{what}: expected {want:?}, got Ok({:?})", values::<B>(out))
+        }
         (Err(error), Ok(_)) => panic!("{what}: expected Ok, got {error:?}"),
     }
 }
@@ -124,15 +190,15 @@ pub fn check_exact<B: KvPlanBackend>(
 /// Capacity mode against the reference: `check()`, the count tensor, the out length, the prefix.
 #[track_caller]
 pub fn check_capacity<B: KvPlanBackend>(
-    got: CapacityGather<B>,
+    got: DeferredGather<B>,
     want: &Result<Vec<i64>, Error>,
     capacity: usize,
     what: &str,
 ) {
-    assert_eq!(got.out.dims(), [capacity], "{what}: out length");
-    assert_eq!(got.count.dims(), [1], "{what}: count shape");
-    let count = values(got.count.clone());
-    let out = values(got.out.clone());
+    assert_eq!(dims(&got.out), [capacity], "{what}: out length");
+    assert_eq!(dims(&got.count), [1], "{what}: count shape");
+    let count = values::<B>(got.count.clone());
+    let out = values::<B>(got.out.clone());
     match (got.status.check(), want) {
         (Ok(n), Ok(want)) => {
             assert_eq!(n, want.len(), "{what}: check()");
@@ -156,17 +222,16 @@ pub fn run_masked<B: KvPlanBackend>(
     what: &str,
 ) {
     let (table, rpi, pos2d, mask) = case.tensors::<B>(device);
-    let got = kvplan::masked_gather(table.clone(), rpi.clone(), pos2d.clone(), mask.clone(), CTX);
-    check_exact(got, &case.reference(None), what);
+    let got = masked::<B>(table.clone(), rpi.clone(), pos2d.clone(), mask.clone());
+    check_exact::<B>(got, &case.reference(None), what);
     let default = case.r * case.c;
     for capacity in std::iter::once(None).chain(extra.iter().map(|&c| Some(c))) {
-        let got = kvplan::masked_gather_with_capacity(
+        let got = masked_deferred::<B>(
             table.clone(),
             rpi.clone(),
             pos2d.clone(),
             mask.clone(),
             capacity,
-            CTX,
         )
         .unwrap_or_else(|error| panic!("{what}: capacity mode refused at once: {error}"));
         let want = case.reference(Some(capacity.unwrap_or(default)));
@@ -186,11 +251,11 @@ pub fn run_segments<B: KvPlanBackend>(
     what: &str,
 ) {
     let (table, rpi, start, lengths) = case.tensors::<B>(device);
-    let got = kvplan::segment_gather(table.clone(), rpi.clone(), start.clone(), lengths.clone());
-    check_exact(got, &case.reference(None), what);
+    let got = segments::<B>(table.clone(), rpi.clone(), start.clone(), lengths.clone());
+    check_exact::<B>(got, &case.reference(None), what);
     let default = case.default_capacity();
     for capacity in std::iter::once(None).chain(extra.iter().map(|&c| Some(c))) {
-        let got = kvplan::segment_gather_with_capacity(
+        let got = segments_deferred::<B>(
             table.clone(),
             rpi.clone(),
             start.clone(),
@@ -399,7 +464,7 @@ pub fn caller_capacities<B: KvPlanBackend>(device: &B::Device) {
     // The exact facts of a short capacity.
     let case = random_masked(&mut rng, 7, 5, MaskKind::AllTrue);
     let (table, rpi, pos2d, mask) = case.tensors::<B>(device);
-    let got = kvplan::masked_gather_with_capacity(table, rpi, pos2d, mask, Some(30), CTX).unwrap();
+    let got = masked_deferred::<B>(table, rpi, pos2d, mask, Some(30)).unwrap();
     assert_eq!(
         got.status.check(),
         Err(Error::CapacityExceeded {
@@ -408,7 +473,7 @@ pub fn caller_capacities<B: KvPlanBackend>(device: &B::Device) {
             capacity: 30
         })
     );
-    assert_eq!(values(got.count), vec![0]);
+    assert_eq!(values::<B>(got.count), vec![0]);
 }
 
 /// The spec's worked examples, exactly.
@@ -416,7 +481,7 @@ pub fn spec_examples<B: KvPlanBackend>(device: &B::Device) {
     let table: Vec<i64> = (0..24).map(|k| 100 + k).collect();
     let t = || ints::<B, 2>(&table, [4, 6], DType::I32, device);
     let l = |data: &[i64]| list::<B>(data, DType::I64, device);
-    let got = kvplan::masked_gather(
+    let got = masked::<B>(
         t(),
         l(&[1, 3]),
         ints::<B, 2>(&[0, 1, 2, 99, 5, 4, 9, -7], [2, 4], DType::I64, device),
@@ -425,11 +490,10 @@ pub fn spec_examples<B: KvPlanBackend>(device: &B::Device) {
             [2, 4],
             device,
         ),
-        CTX,
     )
     .unwrap();
-    assert_eq!(values(got), vec![106, 107, 108, 123, 122]);
-    let got = kvplan::masked_gather_with_capacity(
+    assert_eq!(values::<B>(got), vec![106, 107, 108, 123, 122]);
+    let got = masked_deferred::<B>(
         t(),
         l(&[1, 3]),
         ints::<B, 2>(&[0, 1, 2, 99, 5, 4, 9, -7], [2, 4], DType::I64, device),
@@ -439,24 +503,27 @@ pub fn spec_examples<B: KvPlanBackend>(device: &B::Device) {
             device,
         ),
         None,
-        CTX,
     )
     .unwrap();
-    assert_eq!(got.out.dims(), [8]);
+    assert_eq!(dims(&got.out), [8]);
     assert_eq!(got.status.check(), Ok(5));
-    assert_eq!(&values(got.out)[..5], &[106, 107, 108, 123, 122]);
-    let got =
-        kvplan::segment_gather(t(), l(&[1, 2, 3]), Some(l(&[0, 2, 5])), l(&[3, 4, 1])).unwrap();
-    assert_eq!(values(got), vec![106, 107, 108, 114, 115, 116, 117, 123]);
-    let got = kvplan::segment_gather(t(), l(&[1, 2]), None, l(&[2, 6])).unwrap();
-    assert_eq!(values(got), vec![106, 107, 112, 113, 114, 115, 116, 117]);
-    let got =
-        kvplan::segment_gather(t(), l(&[1, 2, 3]), Some(l(&[0, 1, 2])), l(&[-3, 2, 0])).unwrap();
-    assert_eq!(values(got), vec![113, 114]);
+    assert_eq!(&values::<B>(got.out)[..5], &[106, 107, 108, 123, 122]);
+    let got = segments::<B>(t(), l(&[1, 2, 3]), Some(l(&[0, 2, 5])), l(&[3, 4, 1])).unwrap();
+    assert_eq!(
+        values::<B>(got),
+        vec![106, 107, 108, 114, 115, 116, 117, 123]
+    );
+    let got = segments::<B>(t(), l(&[1, 2]), None, l(&[2, 6])).unwrap();
+    assert_eq!(
+        values::<B>(got),
+        vec![106, 107, 112, 113, 114, 115, 116, 117]
+    );
+    let got = segments::<B>(t(), l(&[1, 2, 3]), Some(l(&[0, 1, 2])), l(&[-3, 2, 0])).unwrap();
+    assert_eq!(values::<B>(got), vec![113, 114]);
     // An empty result is a [0] tensor.
-    let got = kvplan::segment_gather(t(), l(&[1, 99]), Some(l(&[1000, -5])), l(&[0, 0])).unwrap();
-    assert_eq!(got.dims(), [0]);
-    let got = kvplan::segment_gather_with_capacity(
+    let got = segments::<B>(t(), l(&[1, 99]), Some(l(&[1000, -5])), l(&[0, 0])).unwrap();
+    assert_eq!(dims(&got), [0]);
+    let got = segments_deferred::<B>(
         t(),
         l(&[1, 99]),
         Some(l(&[1000, -5])),
@@ -464,11 +531,11 @@ pub fn spec_examples<B: KvPlanBackend>(device: &B::Device) {
         None,
     )
     .unwrap();
-    assert_eq!(got.out.dims(), [12]);
+    assert_eq!(dims(&got.out), [12]);
     assert_eq!(got.status.check(), Ok(0));
-    assert_eq!(values(got.count), vec![0]);
+    assert_eq!(values::<B>(got.count), vec![0]);
     // The segment context.
-    let error = kvplan::segment_gather(t(), l(&[1]), Some(l(&[4])), l(&[3])).unwrap_err();
+    let error = segments::<B>(t(), l(&[1]), Some(l(&[4])), l(&[3])).unwrap_err();
     assert!(error.to_string().starts_with(SEGMENT_CONTEXT), "{error}");
 }
 
@@ -480,35 +547,35 @@ pub fn strided_inputs<B: KvPlanBackend>(device: &B::Device) {
         let (rows, cols, r, c) = (5, 9, 6, 4);
         let row: Vec<i64> = (0..cols).map(|_| rng.range(0, i32::MAX as i64)).collect();
         // Broadcast table: every row is `row`.
-        let table = ints::<B, 2>(&row, [1, cols], rng.int_dtype(), device).expand([rows, cols]);
+        let table = int_expand::<B, 2>(
+            ints::<B, 2>(&row, [1, cols], rng.int_dtype(), device),
+            [rows, cols],
+        );
         // Transposed pos2d and mask, built as [c, r].
         let pos_t: Vec<i64> = (0..r * c).map(|_| rng.range(0, cols as i64 - 1)).collect();
         let mask_t: Vec<bool> = (0..r * c).map(|_| rng.chance(2, 3)).collect();
-        let pos2d = ints::<B, 2>(&pos_t, [c, r], rng.int_dtype(), device).transpose();
-        let mask = bools::<B, 2>(&mask_t, [c, r], device).transpose();
+        let pos2d = int_transpose::<B>(ints::<B, 2>(&pos_t, [c, r], rng.int_dtype(), device));
+        let mask = bool_transpose::<B>(bools::<B, 2>(&mask_t, [c, r], device));
         // req_pool_indices as an offset slice of a longer vector.
         let long: Vec<i64> = (0..r + 3).map(|_| rng.range(0, rows as i64 - 1)).collect();
-        let rpi = list::<B>(&long, rng.int_dtype(), device).slice(2..2 + r);
+        let rpi = int_slice::<B>(list::<B>(&long, rng.int_dtype(), device), &[2..2 + r]);
         let case = MaskedCase {
             rows,
             cols,
-            table: values(table.clone()),
+            table: values::<B>(table.clone()),
             rpi: long[2..2 + r].to_vec(),
             r,
             c,
-            pos2d: values(pos2d.clone()),
-            mask: mask.clone().into_data().iter::<bool>().collect(),
+            pos2d: values::<B>(pos2d.clone()),
+            mask: bool_values::<B>(mask.clone()),
             dtypes: [DType::I64; 3],
         };
         assert_eq!(case.table, row.repeat(rows), "expanded table");
         let want = case.reference(None);
-        let got =
-            kvplan::masked_gather(table.clone(), rpi.clone(), pos2d.clone(), mask.clone(), CTX);
-        check_exact(got, &want, &format!("strided masked round {round}"));
-        let got =
-            kvplan::masked_gather_with_capacity(table.clone(), rpi.clone(), pos2d, mask, None, CTX)
-                .unwrap();
-        check_capacity(
+        let got = masked::<B>(table.clone(), rpi.clone(), pos2d.clone(), mask.clone());
+        check_exact::<B>(got, &want, &format!("strided masked round {round}"));
+        let got = masked_deferred::<B>(table.clone(), rpi.clone(), pos2d, mask, None).unwrap();
+        check_capacity::<B>(
             got,
             &case.reference(Some(r * c)),
             r * c,
@@ -517,7 +584,7 @@ pub fn strided_inputs<B: KvPlanBackend>(device: &B::Device) {
         // Segments over the broadcast table and a sliced start.
         let lengths: Vec<i64> = (0..r).map(|_| rng.range(0, 4)).collect();
         let start_long: Vec<i64> = (0..r + 1).map(|_| rng.range(0, cols as i64 - 4)).collect();
-        let start = list::<B>(&start_long, DType::I64, device).slice(1..1 + r);
+        let start = int_slice::<B>(list::<B>(&start_long, DType::I64, device), &[1..1 + r]);
         let seg = SegmentCase {
             rows,
             cols,
@@ -527,13 +594,13 @@ pub fn strided_inputs<B: KvPlanBackend>(device: &B::Device) {
             lengths: lengths.clone(),
             dtypes: [DType::I64; 4],
         };
-        let got = kvplan::segment_gather(
+        let got = segments::<B>(
             table,
             rpi,
             Some(start),
             list::<B>(&lengths, DType::I32, device),
         );
-        check_exact(
+        check_exact::<B>(
             got,
             &seg.reference(None),
             &format!("strided segments round {round}"),
@@ -561,8 +628,8 @@ fn sliced_windows<B: KvPlanBackend>(rng: &mut Rng, device: &B::Device) {
     ];
     for (what, row_range, col_range) in windows {
         let c = col_range.len();
-        let pos2d = pos.clone().slice([row_range.clone(), col_range.clone()]);
-        let window_mask = mask.clone().slice([row_range, col_range]);
+        let pos2d = int_slice::<B>(pos.clone(), &[row_range.clone(), col_range.clone()]);
+        let window_mask = bool_slice::<B>(mask.clone(), &[row_range, col_range]);
         let case = MaskedCase {
             rows,
             cols,
@@ -570,32 +637,30 @@ fn sliced_windows<B: KvPlanBackend>(rng: &mut Rng, device: &B::Device) {
             rpi: rpi.clone(),
             r,
             c,
-            pos2d: values(pos2d.clone()),
-            mask: window_mask.clone().into_data().iter::<bool>().collect(),
+            pos2d: values::<B>(pos2d.clone()),
+            mask: bool_values::<B>(window_mask.clone()),
             dtypes: [DType::I32; 3],
         };
         let t = ints::<B, 2>(&table, [rows, cols], DType::I32, device);
         let q = list::<B>(&rpi, DType::I32, device);
-        let got = kvplan::masked_gather(
-            t.clone(),
-            q.clone(),
-            pos2d.clone(),
-            window_mask.clone(),
-            CTX,
-        );
-        check_exact(got, &case.reference(None), &format!("sliced {what}"));
+        let got = masked::<B>(t.clone(), q.clone(), pos2d.clone(), window_mask.clone());
+        check_exact::<B>(got, &case.reference(None), &format!("sliced {what}"));
         // A true cell's position past the table, in a vector's third cell: the error names it.
         let mut bad = case.clone();
         bad.mask[2 * c + 6] = true;
         bad.pos2d[2 * c + 6] = cols as i64 + 5;
-        let bad_pos = pos2d.slice_assign(
-            [2..3, 6..7],
+        let bad_pos = int_slice_assign::<B>(
+            pos2d,
+            &[2..3, 6..7],
             ints::<B, 2>(&[cols as i64 + 5], [1, 1], DType::I32, device),
         );
-        let bad_mask =
-            window_mask.slice_assign([2..3, 6..7], bools::<B, 2>(&[true], [1, 1], device));
-        let got = kvplan::masked_gather(t, q, bad_pos, bad_mask, CTX);
-        check_exact(
+        let bad_mask = bool_slice_assign::<B>(
+            window_mask,
+            &[2..3, 6..7],
+            bools::<B, 2>(&[true], [1, 1], device),
+        );
+        let got = masked::<B>(t, q, bad_pos, bad_mask);
+        check_exact::<B>(
             got,
             &bad.reference(None),
             &format!("sliced {what}, a bad position"),

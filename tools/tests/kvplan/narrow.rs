@@ -3,13 +3,18 @@
 //! elements. `KVPLAN_NARROW_DEVICE=N` makes every device act as one whose 32-bit span is `N`
 //! elements, so that small inputs reach the refusal. It is read once per process, so the checks
 //! run in a child process of this test binary.
+//!
+//! The 0.22 backend ops are infallible: a refused launch always comes back in the op's status
+//! record (gathers and plans: `Status::check`; the canary: `Canary::check` and every read), fused
+//! or not. The unfused backend no longer refuses at the call.
 
-use burn_tensor::{DType, Int, Tensor};
-use kvplan::canary::{Canary, CanaryLaunch, WriteInputs};
-use kvplan::error::{Error, Site};
-use kvplan::{KvPlanBackend, PlanInputs, VerifyPlan, WritePlan};
+use burn_core::tensor::DType;
+use burn_core::backend::tensor::IntTensor;
+use kvplan::canary::{Canary, CanaryLaunch, KernelKind, VerifyPlan, WriteInputs, WritePlan};
+use kvplan::{Error, KvPlanBackend, PlanInputs, Site, StepPlan};
 
-use crate::common::{bools, ints, list};
+use crate::common::{bools, ints, list, values};
+use crate::gather::{masked, masked_deferred, segments};
 
 /// The child's 32-bit span, in elements.
 pub const SPAN: usize = 4096;
@@ -40,6 +45,7 @@ pub fn run_in_child(test: &str) {
     );
 }
 
+#[track_caller]
 fn index_range(result: Result<impl Sized, Error>, what: &str) {
     match result {
         Err(Error::IndexRange { elements, limit }) => {
@@ -63,49 +69,36 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
     let mask = || bools::<B, 2>(&[true, false, true], [1, 3], device);
 
     index_range(
-        kvplan::masked_gather(wide(), l(&[1]), pos(), mask(), "narrow"),
+        masked::<B>(wide(), l(&[1]), pos(), mask()),
         "masked exact",
     );
-    // The refusal comes at the call where the launch is made there and then (unfused), or from
-    // the status later (fused: the launch runs when the stream is flushed).
+    // The op is only enqueued: the refusal comes from the status.
+    let deferred = masked_deferred::<B>(wide(), l(&[1]), pos(), mask(), None)
+        .expect("host rules pass: the refusal is the launch's");
+    index_range(deferred.status.check(), "masked capacity");
     index_range(
-        kvplan::masked_gather_with_capacity(wide(), l(&[1]), pos(), mask(), None, "n")
-            .and_then(|gather| gather.status.check()),
-        "masked capacity",
-    );
-    index_range(
-        kvplan::segment_gather(wide(), l(&[1]), Some(l(&[2])), l(&[3])),
+        segments::<B>(wide(), l(&[1]), Some(l(&[2])), l(&[3])),
         "segments exact",
     );
-    let got: Tensor<B, 1, Int> = kvplan::masked_gather(small(), l(&[1]), pos(), mask(), "narrow")
-        .expect("a table within the span");
-    assert_eq!(
-        crate::common::values(got),
-        vec![32, 34],
-        "masked within the span"
-    );
+    let got: IntTensor<B> =
+        masked::<B>(small(), l(&[1]), pos(), mask()).expect("a table within the span");
+    assert_eq!(values::<B>(got), vec![32, 34], "masked within the span");
 
-    let mut verify = VerifyPlan::<B>::allocate(64, device).unwrap();
-    let mut write = WritePlan::<B>::allocate(4, device).unwrap();
-    let inputs = |table: Tensor<B, 2, Int>, rows: &[i64]| {
-        PlanInputs::new(l(rows), l(&[3, 3]), l(&[1, 1]), table)
+    let mut plans = StepPlan::<B>::allocate_on(64, 4, device).unwrap();
+    let inputs = |table: IntTensor<B>, rows: &[i64]| {
+        PlanInputs::<B>::from_primitives(l(rows), l(&[3, 3]), l(&[1, 1]), table)
     };
-    index_range(
-        kvplan::plan(&mut verify, &mut write, inputs(wide(), &[1, 1])),
-        "plan checked",
-    );
-    index_range(
-        kvplan::plan_deferred(&mut verify, &mut write, inputs(wide(), &[1, 1]))
-            .and_then(|status| status.check()),
-        "plan deferred",
-    );
+    index_range(kvplan::plan(&mut plans, inputs(wide(), &[1, 1])), "plan checked");
+    let status = kvplan::plan_deferred(&mut plans, inputs(wide(), &[1, 1]))
+        .expect("host rules pass: the refusal is the launch's");
+    index_range(status.check(), "plan deferred");
     assert_eq!(
-        crate::common::values(verify.enable()),
+        values::<B>(plans.verify.enable()),
         vec![0],
         "a refused plan is disabled"
     );
     // Request 1's row is outside the small table (2 rows): the error names request 1.
-    let error = kvplan::plan(&mut verify, &mut write, inputs(small(), &[1, 5])).unwrap_err();
+    let error = kvplan::plan(&mut plans, inputs(small(), &[1, 5])).unwrap_err();
     assert!(
         matches!(
             error,
@@ -118,50 +111,47 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
         ),
         "the error names request 1: {error}"
     );
-    kvplan::plan(&mut verify, &mut write, inputs(small(), &[1, 1]))
-        .expect("a plan within the span");
-    assert_eq!(crate::common::values(verify.num_valid()), vec![6]);
-    canary_checks::<B>(&verify, &write, device);
+    kvplan::plan(&mut plans, inputs(small(), &[1, 1])).expect("a plan within the span");
+    assert_eq!(values::<B>(plans.verify.num_valid()), vec![6]);
+    canary_checks::<B>(&plans.verify, &plans.write, device);
 }
 
-/// A canary whose records span more than 32-bit indexes reach: its write and verify are refused
-/// with `index_range`, by the op itself (unfused) or by the canary's next read (fused: the op ran
-/// lazily), which reports it until `clear`; the refused op leaves a zeroed canary either way.
+/// A canary whose records span more than 32-bit indexes reach: its write and verify are accepted
+/// (host rules pass) and refused with `index_range` by the canary's next check or read, which
+/// reports it until `clear`; the refused op leaves a zeroed canary.
 fn canary_checks<B: KvPlanBackend>(
     verify: &VerifyPlan<B>,
     write: &WritePlan<B>,
     device: &B::Device,
 ) {
     let l = |values: &[i64]| list::<B>(values, DType::I64, device);
-    let tokens = || WriteInputs::new(l(&[5, 6]), l(&[3, 3]), l(&[10, 11]));
+    let tokens = || WriteInputs::<B>::from_primitives(l(&[5, 6]), l(&[3, 3]), l(&[10, 11]));
+    let launch = |kind: i32| CanaryLaunch::<B>::new(KernelKind(kind));
     // 4 words per slot: SPAN slots span 4 x SPAN words.
-    let mut canary = Canary::<B>::allocate(SPAN, 32, 4, device).unwrap();
-    match canary.write(write, tokens(), &CanaryLaunch::new(0)) {
-        Err(error) => index_range(Err::<(), _>(error), "canary write"),
-        // Fused: every read reports the failure until `clear`.
-        Ok(()) => {
-            index_range(canary.violations(), "fused canary write, violations");
-            index_range(canary.state(), "fused canary write, state");
-        }
-    }
+    let mut canary = Canary::<B>::allocate_on(SPAN, 32, 4, device).unwrap();
+    canary
+        .write(write, tokens(), &launch(0))
+        .expect("host rules pass: the refusal is the launch's");
+    // Every read reports the failure until `clear`.
+    index_range(canary.check(), "canary write, check");
+    index_range(canary.violations(), "canary write, violations");
+    index_range(canary.state(), "canary write, state");
     canary.clear();
     let state = canary.state().expect("cleared");
     assert!(state.buffer.iter().all(|&word| word == 0), "zeroed records");
-    index_range(
-        canary
-            .verify(verify, &CanaryLaunch::new(1))
-            .and_then(|()| canary.check()),
-        "canary verify",
-    );
+    canary
+        .verify(verify, &launch(1))
+        .expect("host rules pass: the refusal is the launch's");
+    index_range(canary.check(), "canary verify");
     canary.clear();
     assert_eq!(canary.violations().expect("cleared").recorded, 0);
 
     // A canary within the span runs, and its reads are clean.
-    let mut canary = Canary::<B>::allocate(16, 32, 4, device).unwrap();
+    let mut canary = Canary::<B>::allocate_on(16, 32, 4, device).unwrap();
     canary
-        .write(write, tokens(), &CanaryLaunch::new(0))
+        .write(write, tokens(), &launch(0))
         .expect("a write within the span");
-    canary.verify(verify, &CanaryLaunch::new(1)).unwrap();
+    canary.verify(verify, &launch(1)).unwrap();
     canary.check().expect("no failure");
     assert_eq!(canary.state().unwrap().buffer[10 * 4], 5, "slot 10's token");
 }

@@ -1,13 +1,14 @@
-//! The kv-canary plan through the public API, compared buffer-for-buffer with the host reference
-//! run on a host copy of the same prior state.
+//! The kv-canary plan through the backend API (`StepPlan<B>`, `PlanInputs::from_primitives`),
+//! compared buffer-for-buffer with the host reference run on a host copy of the same prior state.
 
-use burn_tensor::DType;
+use burn_core::tensor::DType;
 use kvplan::canary::read_plans;
-use kvplan::error::Error;
 use kvplan::reference::{self, ExpectedTokens, PlanArgs, PlanBuffers, Table};
-use kvplan::{KvPlanBackend, PlanInputs, VerifyPlan, WritePlan};
+use kvplan::{Error, KvPlanBackend, PlanInputs, StepPlan};
 
-use crate::common::{Rng, assert_disabled, assert_plans_eq, ints, list};
+use crate::common::{
+    Rng, assert_disabled, assert_plans_eq, int_slice, int_transpose, ints, list,
+};
 
 /// One plan step's inputs as host data, with the dtype of every int tensor.
 #[derive(Debug, Clone)]
@@ -131,7 +132,7 @@ impl Step {
 
     pub fn inputs<B: KvPlanBackend>(&self, device: &B::Device) -> PlanInputs<B> {
         let d = self.dtypes;
-        let mut inputs = PlanInputs::new(
+        let mut inputs = PlanInputs::<B>::from_primitives(
             list::<B>(&self.rpi, d[0], device),
             list::<B>(&self.prefix, d[1], device),
             list::<B>(&self.extend, d[2], device),
@@ -140,12 +141,13 @@ impl Step {
         .swa_window_size(self.window)
         .position_offset(self.offset);
         if let Some(lut) = &self.lut {
-            inputs = inputs.full_to_swa_index_mapping(list::<B>(lut, d[4], device));
+            inputs = inputs.full_to_swa_index_mapping_primitive(list::<B>(lut, d[4], device));
         }
         if let Some((rows, cols, data)) = &self.pool {
-            inputs = inputs
-                .expected_tokens(ints::<B, 2>(data, [*rows, *cols], d[5], device))
-                .expected_tokens_valid_lens(list::<B>(&self.valid_lens, d[6], device));
+            inputs = inputs.expected_tokens_primitive(
+                ints::<B, 2>(data, [*rows, *cols], d[5], device),
+                list::<B>(&self.valid_lens, d[6], device),
+            );
         }
         inputs
     }
@@ -161,24 +163,21 @@ pub const MODES: [Mode; 2] = [Mode::Checked, Mode::Deferred];
 
 /// Device plans plus a host mirror of what they must hold.
 pub struct Mirror<B: KvPlanBackend> {
-    pub verify: VerifyPlan<B>,
-    pub write: WritePlan<B>,
+    pub plans: StepPlan<B>,
     pub host: PlanBuffers,
     pub device: B::Device,
 }
 
 impl<B: KvPlanBackend> Mirror<B> {
     pub fn new(verify_capacity: usize, write_req_capacity: usize, device: &B::Device) -> Self {
-        let verify = VerifyPlan::<B>::allocate(verify_capacity, device).unwrap();
-        let write = WritePlan::<B>::allocate(write_req_capacity, device).unwrap();
+        let plans = StepPlan::<B>::allocate_on(verify_capacity, write_req_capacity, device).unwrap();
         assert_eq!(
-            (verify.capacity(), write.capacity()),
+            (plans.verify.capacity(), plans.write.capacity()),
             (verify_capacity, write_req_capacity)
         );
         let host = PlanBuffers::fresh(verify_capacity, write_req_capacity);
         let mirror = Self {
-            verify,
-            write,
+            plans,
             host,
             device: device.clone(),
         };
@@ -187,7 +186,7 @@ impl<B: KvPlanBackend> Mirror<B> {
     }
 
     pub fn read(&self) -> PlanBuffers {
-        read_plans(&self.verify, &self.write).expect("read_plans")
+        read_plans(&self.plans).expect("read_plans")
     }
 
     /// Runs `step` on the device and on the mirror; compares the result and every buffer.
@@ -211,9 +210,9 @@ impl<B: KvPlanBackend> Mirror<B> {
         let mut want = self.host.clone();
         let want_result = step.reference(&mut want);
         let got_result = match mode {
-            Mode::Checked => kvplan::plan(&mut self.verify, &mut self.write, inputs),
+            Mode::Checked => kvplan::plan(&mut self.plans, inputs),
             Mode::Deferred => {
-                let status = kvplan::plan_deferred(&mut self.verify, &mut self.write, inputs)
+                let status = kvplan::plan_deferred(&mut self.plans, inputs)
                     .unwrap_or_else(|error| {
                         panic!("{what}: deferred plan refused at once: {error}")
                     });
@@ -225,7 +224,7 @@ impl<B: KvPlanBackend> Mirror<B> {
                     }
                     Err(_) => assert_disabled(&before, &format!("{what} (deferred, before check)")),
                 }
-                status.check()
+                status.check().map(drop)
             }
         };
         assert_eq!(got_result, want_result, "{what} ({mode:?}): result");
@@ -559,14 +558,14 @@ pub fn strided_inputs<B: KvPlanBackend>(device: &B::Device) {
             let t: Vec<i64> = (0..cols)
                 .flat_map(|c| (0..rows).map(move |r| data[r * cols + c]))
                 .collect();
-            ints::<B, 2>(&t, [cols, rows], dtype, device).transpose()
+            int_transpose::<B>(ints::<B, 2>(&t, [cols, rows], dtype, device))
         };
         // `data` as the slice 3.. of a longer list.
         let sliced = |data: &[i64], dtype: DType| {
             let long: Vec<i64> = [0, 1, 2].into_iter().chain(data.iter().copied()).collect();
-            list::<B>(&long, dtype, device).slice(3..3 + data.len())
+            int_slice::<B>(list::<B>(&long, dtype, device), &[3..3 + data.len()])
         };
-        let mut inputs = PlanInputs::new(
+        let mut inputs = PlanInputs::<B>::from_primitives(
             sliced(&step.rpi, d[0]),
             sliced(&step.prefix, d[1]),
             sliced(&step.extend, d[2]),
@@ -575,12 +574,13 @@ pub fn strided_inputs<B: KvPlanBackend>(device: &B::Device) {
         .swa_window_size(step.window)
         .position_offset(step.offset);
         if let Some(lut) = &step.lut {
-            inputs = inputs.full_to_swa_index_mapping(sliced(lut, d[4]));
+            inputs = inputs.full_to_swa_index_mapping_primitive(sliced(lut, d[4]));
         }
         if let Some((pool_rows, pool_cols, data)) = &step.pool {
-            inputs = inputs
-                .expected_tokens(transposed(data, *pool_rows, *pool_cols, d[5]))
-                .expected_tokens_valid_lens(sliced(&step.valid_lens, d[6]));
+            inputs = inputs.expected_tokens_primitive(
+                transposed(data, *pool_rows, *pool_cols, d[5]),
+                sliced(&step.valid_lens, d[6]),
+            );
         }
         let mut mirror = Mirror::<B>::new(step.largest_total().max(1), 8, device);
         let what = format!("strided round {round}: {step:?}");

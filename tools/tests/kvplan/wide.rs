@@ -2,10 +2,12 @@
 //! late columns would wrap to the start of row 0; the launchers switch these launches to 64-bit
 //! indexing.
 
-use burn_tensor::{DType, Int, Tensor, TensorData};
+use burn_core::backend::tensor::IntTensor;
+use burn_core::tensor::{DType, TensorData};
 use kvplan::KvPlanBackend;
 
 use crate::common::{bools, ints, list, values};
+use crate::gather::{masked, segments};
 
 /// Columns of the wide table: 2 rows of them pass 2^32 elements.
 const COLS: usize = (1 << 31) + 8;
@@ -19,9 +21,8 @@ const MARKED: [(usize, i64); 4] = [
 ];
 
 /// The wide table, zero except at the markers (row 1) and at the cells a wrapped index would read
-/// (row 0, value -1). Uploaded from the host: Burn 0.21's own kernels do not run on tensors this
-/// large.
-fn wide_table<B: KvPlanBackend>(device: &B::Device) -> Tensor<B, 2, Int> {
+/// (row 0, value -1). Uploaded from the host (i32 values, no conversion pass).
+fn wide_table<B: KvPlanBackend>(device: &B::Device) -> IntTensor<B> {
     let mut cells = vec![0i32; 2 * COLS];
     for (column, value) in MARKED {
         cells[COLS + column] = value as i32;
@@ -30,24 +31,23 @@ fn wide_table<B: KvPlanBackend>(device: &B::Device) -> Tensor<B, 2, Int> {
             cells[wrapped] = -1;
         }
     }
-    Tensor::from_data(TensorData::new(cells, [2, COLS]), (device, DType::I32))
+    B::int_from_data(TensorData::new(cells, [2, COLS]), device)
 }
 
 pub fn wide_tables<B: KvPlanBackend>(device: &B::Device) {
     let table = wide_table::<B>(device);
     let positions: Vec<i64> = MARKED.iter().map(|&(column, _)| column as i64).collect();
     let want: Vec<i64> = MARKED.iter().map(|&(_, value)| value).collect();
-    let gathered = kvplan::masked_gather(
+    let gathered = masked::<B>(
         table.clone(),
         list::<B>(&[1], DType::I64, device),
         ints::<B, 2>(&positions, [1, positions.len()], DType::I64, device),
         bools::<B, 2>(&[true; 4], [1, 4], device),
-        "wide",
     )
     .expect("a wide masked gather");
-    assert_eq!(values(gathered), want, "masked gather on a wide table");
+    assert_eq!(values::<B>(gathered), want, "masked gather on a wide table");
 
-    let segments = kvplan::segment_gather(
+    let got = segments::<B>(
         table,
         list::<B>(&[1], DType::I64, device),
         Some(list::<B>(&[(COLS - 4) as i64], DType::I64, device)),
@@ -55,7 +55,7 @@ pub fn wide_tables<B: KvPlanBackend>(device: &B::Device) {
     )
     .expect("a wide segment gather");
     assert_eq!(
-        values(segments),
+        values::<B>(got),
         vec![44, 0, 0, 22],
         "segment gather on a wide table"
     );
