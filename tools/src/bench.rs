@@ -10,13 +10,13 @@ use std::time::Instant;
 
 use burn_core::backend::tensor::IntTensor;
 use burn_core::tensor::DType;
+use kvplan::canary::{RealKvHashMode, VerifyPlan, WritePlan, read_plans};
 use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
 use kvplan::reference::{self, PlanArgs, PlanBuffers, Table};
 use kvplan::{
     Canary, CanaryLaunch, GatherOptions, KernelKind, KvBytes, KvPlanBackend, PlanInputs,
     RealKvSource, SourceBytes, StepPlan, WriteInputs,
 };
-use kvplan::canary::{RealKvHashMode, VerifyPlan, WritePlan, read_plans};
 
 use crate::prim;
 
@@ -250,13 +250,17 @@ pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), S
         let label = |op: &str| format!("({bs}, {width}, {valid}) {op}");
         let run = |f: &mut dyn FnMut() -> Result<(), kvplan::Error>| timed::<B>(device, reps, f);
         let b = GatherOptions::new().context("b");
-        let timing = run(&mut || masked(&b).and_then(exact::<B>).map(drop))
-            .map_err(|e| e.to_string())?;
+        let timing =
+            run(&mut || masked(&b).and_then(exact::<B>).map(drop)).map_err(|e| e.to_string())?;
         row(&label("masked exact"), timing, masked_bytes);
         let timing = run(&mut || masked(&b).map(drop)).map_err(|e| e.to_string())?;
         row(&label("masked deferred"), timing, masked_bytes);
-        let timing = run(&mut || segments(&GatherOptions::new()).and_then(exact::<B>).map(drop))
-            .map_err(|e| e.to_string())?;
+        let timing = run(&mut || {
+            segments(&GatherOptions::new())
+                .and_then(exact::<B>)
+                .map(drop)
+        })
+        .map_err(|e| e.to_string())?;
         row(&label("segments exact"), timing, segment_bytes);
         let by_valid = GatherOptions::new().capacity(valid as usize);
         let timing = run(&mut || segments(&by_valid).map(drop)).map_err(|e| e.to_string())?;
@@ -372,7 +376,7 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
                 .map_err(|e| e.to_string())?;
                 row(&format!("{label} {launches}, deferred"), timing, bytes);
                 let (h, _) = time::<B>(device, reps, || kvplan::plan(&mut step, inputs()))
-                .map_err(|e| e.to_string())?;
+                    .map_err(|e| e.to_string())?;
                 println!("| {label} {launches}, checked | - | - | - | {h:.1} | - |");
             }
         }
@@ -667,8 +671,7 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     );
     report(
         "exact call",
-        time::<B>(device, reps, || capacity().and_then(exact::<B>).map(drop))
-        .map_err(e)?,
+        time::<B>(device, reps, || capacity().and_then(exact::<B>).map(drop)).map_err(e)?,
     );
     Ok(())
 }

@@ -32,14 +32,22 @@ pub fn parse(text: &str) -> Result<Vec<Row>, String> {
         .map(|(number, line)| {
             let fields: Vec<&str> = line.split(',').map(str::trim).collect();
             let [op, sglang, kvplan] = fields[..] else {
-                return Err(format!("line {}: expected op,sglang_us,kvplan_us, got {line:?}", number + 1));
+                return Err(format!(
+                    "line {}: expected op,sglang_us,kvplan_us, got {line:?}",
+                    number + 1
+                ));
             };
             let value = |field: &str, name: &str| {
                 field
                     .parse::<f64>()
                     .ok()
                     .filter(|v| v.is_finite() && *v > 0.0)
-                    .ok_or_else(|| format!("line {}: {name} {field:?} is not a positive number", number + 1))
+                    .ok_or_else(|| {
+                        format!(
+                            "line {}: {name} {field:?} is not a positive number",
+                            number + 1
+                        )
+                    })
             };
             Ok(Row {
                 op: op.to_string(),
@@ -61,9 +69,16 @@ pub fn draw(rows: &[Row], png: &Path) -> Result<(), String> {
     let root = BitMapBackend::new(png, (960, height)).into_drawing_area();
     let err = |e: DrawingAreaErrorKind<_>| format!("{e}");
     root.fill(&WHITE).map_err(err)?;
-    let max = rows.iter().map(|r| r.sglang_us.max(r.kvplan_us)).fold(1.0, f64::max) * 2.0;
+    let max = rows
+        .iter()
+        .map(|r| r.sglang_us.max(r.kvplan_us))
+        .fold(1.0, f64::max)
+        * 2.0;
     let mut chart = ChartBuilder::on(&root)
-        .caption("GPU us per call on one H200 (lower is better)", ("sans-serif", 20))
+        .caption(
+            "GPU us per call on one H200 (lower is better)",
+            ("sans-serif", 20),
+        )
         .margin(12)
         .x_label_area_size(32)
         .y_label_area_size(230)
@@ -85,21 +100,35 @@ pub fn draw(rows: &[Row], png: &Path) -> Result<(), String> {
             Rectangle::new([(1.0, y - 1.0), (pick(row), y)], color.filled())
         })
     };
-    let label = ("sans-serif", 13).into_font().into_text_style(&root).pos(Pos::new(HPos::Right, VPos::Center));
+    let label = ("sans-serif", 13)
+        .into_font()
+        .into_text_style(&root)
+        .pos(Pos::new(HPos::Right, VPos::Center));
     for (k, row) in rows.iter().enumerate() {
         let (x, y) = chart.backend_coord(&(1.0, top - 3.0 * k as f64 - 1.0));
-        root.draw(&Text::new(row.op.clone(), (x - 8, y), label.clone())).map_err(err)?;
+        root.draw(&Text::new(row.op.clone(), (x - 8, y), label.clone()))
+            .map_err(err)?;
     }
     chart
         .draw_series(bars(|r| r.sglang_us, 0.0, RGBColor(170, 170, 170)))
         .map_err(|e| format!("{e}"))?
         .label("sglang")
-        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], RGBColor(170, 170, 170).filled()));
+        .legend(|(x, y)| {
+            Rectangle::new(
+                [(x, y - 5), (x + 14, y + 5)],
+                RGBColor(170, 170, 170).filled(),
+            )
+        });
     chart
         .draw_series(bars(|r| r.kvplan_us, 1.0, RGBColor(31, 119, 180)))
         .map_err(|e| format!("{e}"))?
         .label("kvplan")
-        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], RGBColor(31, 119, 180).filled()));
+        .legend(|(x, y)| {
+            Rectangle::new(
+                [(x, y - 5), (x + 14, y + 5)],
+                RGBColor(31, 119, 180).filled(),
+            )
+        });
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.8))
@@ -133,7 +162,10 @@ mod tests {
             parse("h\nplan,5.4,-1").unwrap_err(),
             "line 2: kvplan_us \"-1\" is not a positive number"
         );
-        assert_eq!(draw(&[], Path::new("/nonexistent.png")).unwrap_err(), "the table has no rows");
+        assert_eq!(
+            draw(&[], Path::new("/nonexistent.png")).unwrap_err(),
+            "the table has no rows"
+        );
     }
 
     #[test]

@@ -102,7 +102,8 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
         ["chart", csv, png] => {
             let text = std::fs::read_to_string(csv)
                 .map_err(|error| format!("cannot read {csv}: {error}"))?;
-            let rows = kvplan_tools::chart::parse(&text).map_err(|error| format!("{csv}: {error}"))?;
+            let rows =
+                kvplan_tools::chart::parse(&text).map_err(|error| format!("{csv}: {error}"))?;
             kvplan_tools::chart::draw(&rows, std::path::Path::new(png))?;
             println!("chart: {} rows -> {png}", rows.len());
             Ok(ExitCode::SUCCESS)

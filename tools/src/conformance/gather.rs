@@ -96,7 +96,9 @@ pub(super) fn check<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Res
 
     // Exact mode: the deferred call, then its one read-back.
     match (case.run::<B>(device).and_then(exact::<B>), expected_kind) {
-        (Ok(out), None) => expect_slice("exact", "out", &expected_out, &values::<B>("exact", out)?)?,
+        (Ok(out), None) => {
+            expect_slice("exact", "out", &expected_out, &values::<B>("exact", out)?)?
+        }
         (Err(error), Some(kind)) => expect_eq("exact", "error kind", kind, error.kind())?,
         (Ok(_), Some(kind)) => return Err(mismatch_kind("exact", kind, "Ok".into())),
         (Err(error), None) => return Err(mismatch_kind("exact", "Ok", error.to_string())),

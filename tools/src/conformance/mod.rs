@@ -186,7 +186,10 @@ impl Dense {
 }
 
 /// The i64 values of an int primitive; a failed read-back is a mismatch of `mode`.
-fn values<B: KvPlanBackend>(mode: &'static str, tensor: IntTensor<B>) -> Result<Vec<i64>, Mismatch> {
+fn values<B: KvPlanBackend>(
+    mode: &'static str,
+    tensor: IntTensor<B>,
+) -> Result<Vec<i64>, Mismatch> {
     prim::read_ints::<B>(tensor).map_err(|error| Mismatch {
         mode,
         field: "read-back".into(),

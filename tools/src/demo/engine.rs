@@ -307,7 +307,10 @@ fn op_error(op: &'static str) -> impl Fn(Error) -> String {
 }
 
 /// The write plan of one request of `len` tokens starting a chain (seed -1).
-fn one_request_plan<B: KvPlanBackend>(len: i64, device: &B::Device) -> Result<WritePlan<B>, String> {
+fn one_request_plan<B: KvPlanBackend>(
+    len: i64,
+    device: &B::Device,
+) -> Result<WritePlan<B>, String> {
     WritePlan::from_primitives(
         prim::i64s::<B>(&[0, len], device),
         prim::i64s::<B>(&[-1], device),

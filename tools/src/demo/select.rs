@@ -133,7 +133,9 @@ fn child_probe(name: BackendName) -> Option<Result<(), String>> {
             )));
         }
     }
-    Some(Err(last_line.unwrap_or_else(|| format!("the probe exited with {}", output.status))))
+    Some(Err(last_line.unwrap_or_else(|| {
+        format!("the probe exited with {}", output.status)
+    })))
 }
 
 /// Runs [`probe_gather`] on `name` in this process, turning a panic into `Err` with the first
@@ -147,9 +149,7 @@ pub fn probe_here(name: BackendName) -> Result<(), String> {
             messages.push(panic_message(info));
         }
     }));
-    let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
-        with_backend(name, ProbeGather)
-    }));
+    let outcome = panic::catch_unwind(AssertUnwindSafe(|| with_backend(name, ProbeGather)));
     panic::set_hook(previous);
     match outcome {
         Ok(Ok(result)) => result,

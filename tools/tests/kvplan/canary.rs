@@ -870,8 +870,12 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
     let mut canary = Canary::<B>::from_state(&state, d).unwrap();
     let good = || int_source::<B>(bytes(16, 32), 2, 16, 16).unwrap();
     let narrow = || int_source::<B>(bytes(16, 32), 2, 32, 32).unwrap();
-    let plan = WritePlan::<B>::from_primitives(i64s::<B>(&[0, 1], d), i64s::<B>(&[-1], d), i32s::<B>(1, d))
-        .unwrap();
+    let plan = WritePlan::<B>::from_primitives(
+        i64s::<B>(&[0, 1], d),
+        i64s::<B>(&[-1], d),
+        i32s::<B>(1, d),
+    )
+    .unwrap();
     let verify_plan = VerifyPlan::<B>::from_primitives(
         i64s::<B>(&[1], d),
         i64s::<B>(&[1], d),
@@ -881,7 +885,13 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         i32s::<B>(1, d),
     )
     .unwrap();
-    let inputs = || WriteInputs::<B>::from_primitives(i64s::<B>(&[1], d), i64s::<B>(&[0], d), i64s::<B>(&[1], d));
+    let inputs = || {
+        WriteInputs::<B>::from_primitives(
+            i64s::<B>(&[1], d),
+            i64s::<B>(&[0], d),
+            i64s::<B>(&[1], d),
+        )
+    };
     let launch = |sources: Vec<RealKvSource<B>>, mode| launch_of::<B>(0).real_kv(mode, sources);
     let five = launch((0..5).map(|_| good()).collect(), RealKvHashMode::All);
     assert_eq!(
@@ -921,7 +931,11 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         Some("expected_inputs_missing")
     );
     assert_eq!(
-        kind(canary.write(&plan, inputs().expected_input_positions_primitive(tokens()), &plain)),
+        kind(canary.write(
+            &plan,
+            inputs().expected_input_positions_primitive(tokens()),
+            &plain
+        )),
         Some("expected_inputs_unexpected")
     );
     let short = WriteInputs::<B>::from_primitives(

@@ -11,9 +11,7 @@ use kvplan::reference::PlanBuffers;
 use kvplan::{Dims, Error, KvPlanBackend, PlanInputs, Site, StepPlan};
 
 use crate::common::{assert_plans_eq, bools, dims, int_expand, int_slice, ints, list, values};
-use crate::gather::{
-    CTX, SEGMENT_CONTEXT, masked, masked_deferred, segments, segments_deferred,
-};
+use crate::gather::{CTX, SEGMENT_CONTEXT, masked, masked_deferred, segments, segments_deferred};
 use crate::plan::{MODES, Mirror, Mode, Step};
 
 /// The prefix of every plan error message (the library's `PLAN_CONTEXT`).
@@ -54,7 +52,11 @@ fn masked_error<B: KvPlanBackend>(
             panic!("{} must be deferred, got {error:?} at once", want.kind())
         });
         assert_eq!(got.status.check(), Err(want), "capacity mode, deferred");
-        assert_eq!(values::<B>(got.count), vec![0], "count after a deferred error");
+        assert_eq!(
+            values::<B>(got.count),
+            vec![0],
+            "count after a deferred error"
+        );
     }
 }
 
@@ -80,7 +82,11 @@ fn segment_error<B: KvPlanBackend>(
             panic!("{} must be deferred, got {error:?} at once", want.kind())
         });
         assert_eq!(got.status.check(), Err(want), "capacity mode, deferred");
-        assert_eq!(values::<B>(got.count), vec![0], "count after a deferred error");
+        assert_eq!(
+            values::<B>(got.count),
+            vec![0],
+            "count after a deferred error"
+        );
     }
 }
 
@@ -588,9 +594,7 @@ fn host_error<B: KvPlanBackend>(
         let before = mirror.read();
         let got = match mode {
             Mode::Checked => kvplan::plan(&mut mirror.plans, inputs()),
-            Mode::Deferred => {
-                kvplan::plan_deferred(&mut mirror.plans, inputs()).map(|_| ())
-            }
+            Mode::Deferred => kvplan::plan_deferred(&mut mirror.plans, inputs()).map(|_| ()),
         };
         assert_eq!(got, Err(want.clone()), "{mode:?}");
         assert_plans_eq(
@@ -748,7 +752,11 @@ pub fn plan_host_errors<B: KvPlanBackend>(device: &B::Device) {
     );
     host_error(
         &mut mirror,
-        || base().swa_window_size(2).full_to_swa_index_mapping_primitive(lut(0)),
+        || {
+            base()
+                .swa_window_size(2)
+                .full_to_swa_index_mapping_primitive(lut(0))
+        },
         Error::EmptyLut,
     );
     // bs_exceeds_write_capacity.

@@ -523,14 +523,8 @@ pub fn spec_examples<B: KvPlanBackend>(device: &B::Device) {
     // An empty result is a [0] tensor.
     let got = segments::<B>(t(), l(&[1, 99]), Some(l(&[1000, -5])), l(&[0, 0])).unwrap();
     assert_eq!(dims(&got), [0]);
-    let got = segments_deferred::<B>(
-        t(),
-        l(&[1, 99]),
-        Some(l(&[1000, -5])),
-        l(&[0, 0]),
-        None,
-    )
-    .unwrap();
+    let got =
+        segments_deferred::<B>(t(), l(&[1, 99]), Some(l(&[1000, -5])), l(&[0, 0]), None).unwrap();
     assert_eq!(dims(&got.out), [12]);
     assert_eq!(got.status.check(), Ok(0));
     assert_eq!(values::<B>(got.count), vec![0]);

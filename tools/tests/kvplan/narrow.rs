@@ -8,8 +8,8 @@
 //! record (gathers and plans: `Status::check`; the canary: `Canary::check` and every read), fused
 //! or not. The unfused backend no longer refuses at the call.
 
-use burn_core::tensor::DType;
 use burn_core::backend::tensor::IntTensor;
+use burn_core::tensor::DType;
 use kvplan::canary::{Canary, CanaryLaunch, KernelKind, VerifyPlan, WriteInputs, WritePlan};
 use kvplan::{Error, KvPlanBackend, PlanInputs, Site, StepPlan};
 
@@ -68,10 +68,7 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
     let pos = || ints::<B, 2>(&[0, 1, 2], [1, 3], DType::I64, device);
     let mask = || bools::<B, 2>(&[true, false, true], [1, 3], device);
 
-    index_range(
-        masked::<B>(wide(), l(&[1]), pos(), mask()),
-        "masked exact",
-    );
+    index_range(masked::<B>(wide(), l(&[1]), pos(), mask()), "masked exact");
     // The op is only enqueued: the refusal comes from the status.
     let deferred = masked_deferred::<B>(wide(), l(&[1]), pos(), mask(), None)
         .expect("host rules pass: the refusal is the launch's");
@@ -88,7 +85,10 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
     let inputs = |table: IntTensor<B>, rows: &[i64]| {
         PlanInputs::<B>::from_primitives(l(rows), l(&[3, 3]), l(&[1, 1]), table)
     };
-    index_range(kvplan::plan(&mut plans, inputs(wide(), &[1, 1])), "plan checked");
+    index_range(
+        kvplan::plan(&mut plans, inputs(wide(), &[1, 1])),
+        "plan checked",
+    );
     let status = kvplan::plan_deferred(&mut plans, inputs(wide(), &[1, 1]))
         .expect("host rules pass: the refusal is the launch's");
     index_range(status.check(), "plan deferred");

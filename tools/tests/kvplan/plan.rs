@@ -6,9 +6,7 @@ use kvplan::canary::read_plans;
 use kvplan::reference::{self, ExpectedTokens, PlanArgs, PlanBuffers, Table};
 use kvplan::{Error, KvPlanBackend, PlanInputs, StepPlan};
 
-use crate::common::{
-    Rng, assert_disabled, assert_plans_eq, int_slice, int_transpose, ints, list,
-};
+use crate::common::{Rng, assert_disabled, assert_plans_eq, int_slice, int_transpose, ints, list};
 
 /// One plan step's inputs as host data, with the dtype of every int tensor.
 #[derive(Debug, Clone)]
@@ -170,7 +168,8 @@ pub struct Mirror<B: KvPlanBackend> {
 
 impl<B: KvPlanBackend> Mirror<B> {
     pub fn new(verify_capacity: usize, write_req_capacity: usize, device: &B::Device) -> Self {
-        let plans = StepPlan::<B>::allocate_on(verify_capacity, write_req_capacity, device).unwrap();
+        let plans =
+            StepPlan::<B>::allocate_on(verify_capacity, write_req_capacity, device).unwrap();
         assert_eq!(
             (plans.verify.capacity(), plans.write.capacity()),
             (verify_capacity, write_req_capacity)
@@ -212,8 +211,8 @@ impl<B: KvPlanBackend> Mirror<B> {
         let got_result = match mode {
             Mode::Checked => kvplan::plan(&mut self.plans, inputs),
             Mode::Deferred => {
-                let status = kvplan::plan_deferred(&mut self.plans, inputs)
-                    .unwrap_or_else(|error| {
+                let status =
+                    kvplan::plan_deferred(&mut self.plans, inputs).unwrap_or_else(|error| {
                         panic!("{what}: deferred plan refused at once: {error}")
                     });
                 // The plans are final before anyone looks at the status.

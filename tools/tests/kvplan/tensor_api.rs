@@ -16,7 +16,12 @@ use crate::common::{Rng, assert_plans_eq};
 use crate::gather::{CTX, MaskedCase, SEGMENT_CONTEXT, SegmentCase};
 use crate::plan::Step;
 
-fn ints<const D: usize>(data: &[i64], shape: [usize; D], dtype: DType, device: &Device) -> Tensor<D, Int> {
+fn ints<const D: usize>(
+    data: &[i64],
+    shape: [usize; D],
+    dtype: DType,
+    device: &Device,
+) -> Tensor<D, Int> {
     if shape.contains(&0) {
         return Tensor::empty(shape, (device, dtype));
     }
@@ -53,7 +58,12 @@ fn check_exact(got: Result<Tensor<1, Int>, Error>, want: &Result<Vec<i64>, Error
 }
 
 #[track_caller]
-fn check_deferred(got: kvplan::DeferredGather, want: &Result<Vec<i64>, Error>, capacity: usize, what: &str) {
+fn check_deferred(
+    got: kvplan::DeferredGather,
+    want: &Result<Vec<i64>, Error>,
+    capacity: usize,
+    what: &str,
+) {
     let (out, count) = (got.out_tensor(), got.count_tensor());
     assert_eq!(out.dims(), [capacity], "{what}: out length");
     assert_eq!(count.dims(), [1], "{what}: count shape");
@@ -72,7 +82,15 @@ fn check_deferred(got: kvplan::DeferredGather, want: &Result<Vec<i64>, Error>, c
     }
 }
 
-fn masked_tensors(case: &MaskedCase, d: &Device) -> (Tensor<2, Int>, Tensor<1, Int>, Tensor<2, Int>, Tensor<2, Bool>) {
+fn masked_tensors(
+    case: &MaskedCase,
+    d: &Device,
+) -> (
+    Tensor<2, Int>,
+    Tensor<1, Int>,
+    Tensor<2, Int>,
+    Tensor<2, Bool>,
+) {
     (
         ints::<2>(&case.table, [case.rows, case.cols], case.dtypes[0], d),
         list(&case.rpi, case.dtypes[1], d),
@@ -91,10 +109,22 @@ pub fn masked(device: &Device) {
         let n = if r <= 1 || rng.chance(1, 3) { 1 } else { r };
         let mask: Vec<bool> = (0..r * c).map(|_| rng.chance(1, 2)).collect();
         let pos2d = (0..r * c)
-            .map(|_| if rng.chance(1, 20) { cols as i64 } else { rng.range(0, cols as i64 - 1) })
+            .map(|_| {
+                if rng.chance(1, 20) {
+                    cols as i64
+                } else {
+                    rng.range(0, cols as i64 - 1)
+                }
+            })
             .collect();
         let rpi = (0..n)
-            .map(|_| if rng.chance(1, 20) { -1 } else { rng.range(0, rows as i64 - 1) })
+            .map(|_| {
+                if rng.chance(1, 20) {
+                    -1
+                } else {
+                    rng.range(0, rows as i64 - 1)
+                }
+            })
             .collect();
         let case = MaskedCase {
             rows,
@@ -110,11 +140,23 @@ pub fn masked(device: &Device) {
         let what = format!("tensor masked round {round}: {case:?}");
         let (table, rpi, pos2d, mask) = masked_tensors(&case, device);
         let options = GatherOptions::new().context(CTX);
-        let got = kvplan::masked_gather(table.clone(), rpi.clone(), pos2d.clone(), mask.clone(), &options);
+        let got = kvplan::masked_gather(
+            table.clone(),
+            rpi.clone(),
+            pos2d.clone(),
+            mask.clone(),
+            &options,
+        );
         check_exact(got, &case.reference(None), &what);
         let capacity = rng.urange(0, r * c + 2);
-        let got = kvplan::masked_gather_deferred(table, rpi, pos2d, mask, &options.clone().capacity(capacity))
-            .expect("host rules pass");
+        let got = kvplan::masked_gather_deferred(
+            table,
+            rpi,
+            pos2d,
+            mask,
+            &options.clone().capacity(capacity),
+        )
+        .expect("host rules pass");
         check_deferred(got, &case.reference(Some(capacity)), capacity, &what);
     }
     // A host rule comes back at once, with the context.
@@ -142,7 +184,13 @@ pub fn segments(device: &Device) {
         let start = has_start.then(|| {
             lengths
                 .iter()
-                .map(|&len| if rng.chance(1, 20) { -1 } else { rng.range(0, cols as i64 - len.max(0)) })
+                .map(|&len| {
+                    if rng.chance(1, 20) {
+                        -1
+                    } else {
+                        rng.range(0, cols as i64 - len.max(0))
+                    }
+                })
                 .collect()
         });
         let case = SegmentCase {
@@ -158,13 +206,28 @@ pub fn segments(device: &Device) {
         let d = device;
         let table = ints::<2>(&case.table, [rows, cols], case.dtypes[0], d);
         let rpi = list(&case.rpi, case.dtypes[1], d);
-        let start = case.start.as_ref().map(|start| list(start, case.dtypes[2], d));
+        let start = case
+            .start
+            .as_ref()
+            .map(|start| list(start, case.dtypes[2], d));
         let lengths = list(&case.lengths, case.dtypes[3], d);
-        let got = kvplan::segment_gather(table.clone(), rpi.clone(), start.clone(), lengths.clone(), &GatherOptions::new());
+        let got = kvplan::segment_gather(
+            table.clone(),
+            rpi.clone(),
+            start.clone(),
+            lengths.clone(),
+            &GatherOptions::new(),
+        );
         check_exact(got, &case.reference(None), &what);
-        let got = kvplan::segment_gather_deferred(table, rpi, start, lengths, &GatherOptions::new())
-            .expect("host rules pass");
-        check_deferred(got, &case.reference(Some(case.default_capacity())), case.default_capacity(), &what);
+        let got =
+            kvplan::segment_gather_deferred(table, rpi, start, lengths, &GatherOptions::new())
+                .expect("host rules pass");
+        check_deferred(
+            got,
+            &case.reference(Some(case.default_capacity())),
+            case.default_capacity(),
+            &what,
+        );
     }
     let error = kvplan::segment_gather(
         ints::<2>(&[1, 2, 3, 4], [2, 2], DType::I32, device),
@@ -192,7 +255,10 @@ fn plan_inputs(step: &Step, d: &Device) -> PlanInputs {
         inputs = inputs.full_to_swa_index_mapping(list(lut, t[4], d));
     }
     if let Some((rows, cols, data)) = &step.pool {
-        inputs = inputs.expected_tokens(ints::<2>(data, [*rows, *cols], t[5], d), list(&step.valid_lens, t[6], d));
+        inputs = inputs.expected_tokens(
+            ints::<2>(data, [*rows, *cols], t[5], d),
+            list(&step.valid_lens, t[6], d),
+        );
     }
     inputs
 }
@@ -238,7 +304,10 @@ pub fn plan(device: &Device) {
         }
     );
     let got = kvplan::canary::read_plans(&plans).unwrap();
-    assert_eq!((got.enable, got.verify_num_valid, got.write_num_valid_reqs), (0, 0, 0));
+    assert_eq!(
+        (got.enable, got.verify_num_valid, got.write_num_valid_reqs),
+        (0, 0, 0)
+    );
 }
 
 /// The oracle's view of per-slot sources of 32 bytes a slot.
@@ -269,18 +338,19 @@ pub fn canary(device: &Device) {
     // Two sources: f32 words and raw u8 bytes, 32 bytes a slot.
     let floats: Vec<f32> = (0..SLOTS * 8).map(|k| (k % 1000) as f32).collect();
     let raw: Vec<u8> = (0..SLOTS * 32).map(|k| (k * 7 % 251) as u8).collect();
-    let float_kv = Tensor::<2, Float>::from_data(TensorData::new(floats.clone(), [SLOTS, 8]), (d, DType::F32));
-    let int_kv = Tensor::<2, Int>::from_data(TensorData::new(raw.clone(), [SLOTS, 32]), (d, DType::U8));
+    let float_kv =
+        Tensor::<2, Float>::from_data(TensorData::new(floats.clone(), [SLOTS, 8]), (d, DType::F32));
+    let int_kv =
+        Tensor::<2, Int>::from_data(TensorData::new(raw.clone(), [SLOTS, 32]), (d, DType::U8));
     let sources = |float_kv: &Tensor<2, Float>| {
         vec![
             RealKvSource::float(float_kv.clone(), SourceBytes::per_slot(32)).unwrap(),
             RealKvSource::int(int_kv.clone(), SourceBytes::per_slot(32)).unwrap(),
         ]
     };
-    let float_bytes = |floats: &[f32]| -> Vec<u8> { floats.iter().flat_map(|f| f.to_le_bytes()).collect() };
-    let views = |float_bytes: &[u8]| {
-        [float_bytes.to_vec(), raw.clone()]
-    };
+    let float_bytes =
+        |floats: &[f32]| -> Vec<u8> { floats.iter().flat_map(|f| f.to_le_bytes()).collect() };
+    let views = |float_bytes: &[u8]| [float_bytes.to_vec(), raw.clone()];
 
     let mut plans = StepPlan::allocate(64, 4, d).unwrap();
     let mut canary = Canary::allocate(SLOTS, 32, 16, d).unwrap();
@@ -294,7 +364,12 @@ pub fn canary(device: &Device) {
     }
     let bytes = views(&float_bytes(&floats));
     let steps: [(&[i64], &[i64], &[i64], &[i64]); 2] = [
-        (&[0, 0], &[4, 3], &[0, 1, 2, 3, 0, 1, 2], &[1, 2, 3, 4, 16, 17, 18]),
+        (
+            &[0, 0],
+            &[4, 3],
+            &[0, 1, 2, 3, 0, 1, 2],
+            &[1, 2, 3, 4, 16, 17, 18],
+        ),
         (&[4, 3], &[1, 1], &[4, 3], &[5, 19]),
     ];
     for (k, (prefix, extend, positions, slots)) in steps.into_iter().enumerate() {
@@ -311,9 +386,11 @@ pub fn canary(device: &Device) {
         .expected_input_tokens(list(&tokens, DType::I64, d))
         .expected_input_positions(list(positions, DType::I64, d))
         .chain_position_assert(list(&[1], DType::I32, d));
-        let launch = CanaryLaunch::new(KernelKind::HEAD_K_FULL).real_kv(RealKvHashMode::All, sources(&float_kv));
+        let launch = CanaryLaunch::new(KernelKind::HEAD_K_FULL)
+            .real_kv(RealKvHashMode::All, sources(&float_kv));
         canary.write(&plans.write, inputs, &launch).unwrap();
-        let verify = CanaryLaunch::new(KernelKind::HEAD_V_FULL).real_kv(RealKvHashMode::All, sources(&float_kv));
+        let verify = CanaryLaunch::new(KernelKind::HEAD_V_FULL)
+            .real_kv(RealKvHashMode::All, sources(&float_kv));
         canary.verify(&plans.verify, &verify).unwrap();
         let views = oracle_sources(&bytes);
         let write_rows = oracle::write(
@@ -328,7 +405,11 @@ pub fn canary(device: &Device) {
                 expected_inputs: Some((&tokens, positions)),
                 chain_position_assert: true,
             },
-            &Launch { kernel_kind: 0, mode: RealKvHashMode::All, sources: &views },
+            &Launch {
+                kernel_kind: 0,
+                mode: RealKvHashMode::All,
+                sources: &views,
+            },
         );
         let verify_rows = oracle::verify(
             &mut state,
@@ -341,9 +422,16 @@ pub fn canary(device: &Device) {
                 enable: host.enable,
                 check_expected_token: true,
             },
-            &Launch { kernel_kind: 1, mode: RealKvHashMode::All, sources: &views },
+            &Launch {
+                kernel_kind: 1,
+                mode: RealKvHashMode::All,
+                sources: &views,
+            },
         );
-        assert!(write_rows.is_empty() && verify_rows.is_empty(), "step {k}: a clean reference step");
+        assert!(
+            write_rows.is_empty() && verify_rows.is_empty(),
+            "step {k}: a clean reference step"
+        );
         let got = canary.state().unwrap();
         assert_eq!(got, state, "tensor canary step {k}: the whole state");
     }
@@ -358,10 +446,14 @@ pub fn canary(device: &Device) {
     flipped[3 * 8 + 2] += 1.0;
     let float_kv = float_kv.slice_assign(
         [3..4, 2..3],
-        Tensor::<2, Float>::from_data(TensorData::new(vec![flipped[3 * 8 + 2]], [1, 1]), (d, DType::F32)),
+        Tensor::<2, Float>::from_data(
+            TensorData::new(vec![flipped[3 * 8 + 2]], [1, 1]),
+            (d, DType::F32),
+        ),
     );
     // The plan of the last step verifies slots 1..=4 and 16..=18.
-    let verify = CanaryLaunch::new(KernelKind::HEAD_V_FULL).real_kv(RealKvHashMode::All, sources(&float_kv));
+    let verify =
+        CanaryLaunch::new(KernelKind::HEAD_V_FULL).real_kv(RealKvHashMode::All, sources(&float_kv));
     canary.verify(&plans.verify, &verify).unwrap();
     let bytes = views(&float_bytes(&flipped));
     let views = oracle_sources(&bytes);
@@ -376,7 +468,11 @@ pub fn canary(device: &Device) {
             enable: host.enable,
             check_expected_token: true,
         },
-        &Launch { kernel_kind: 1, mode: RealKvHashMode::All, sources: &views },
+        &Launch {
+            kernel_kind: 1,
+            mode: RealKvHashMode::All,
+            sources: &views,
+        },
     );
     let violations = canary.violations().unwrap();
     assert_eq!(violations.rows.len(), 1, "{violations:?}");
@@ -384,6 +480,10 @@ pub fn canary(device: &Device) {
     assert_eq!((row.slot, row.position), (3, 2));
     assert_eq!(row.fail_reasons, FailReasons::VERIFY_REAL_KV_HASH_MISMATCH);
     let got = canary.state().unwrap();
-    assert_eq!(sorted(got.ring[..1].to_vec()), sorted(want), "the violation row");
+    assert_eq!(
+        sorted(got.ring[..1].to_vec()),
+        sorted(want),
+        "the violation row"
+    );
     assert_eq!(got.buffer, state.buffer);
 }
