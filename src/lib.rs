@@ -36,5 +36,5 @@ pub use layout::SourceLayout;
 pub use ops::{
     CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes, KvPlanBackend, LaunchMeta,
     OptionalInt, PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WriteInputsPrimitive,
-    WritePlanPrimitive,
+    WritePlanPrimitive, data_to_i64,
 };

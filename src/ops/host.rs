@@ -282,7 +282,7 @@ pub(crate) fn read_status<B: Backend>(status: IntTensor<B>) -> Result<StatusWord
 
 /// The values of int or bool tensor data as i64, whatever the dtype, without assuming the bytes
 /// are aligned (`TensorData::iter` panics on unaligned bytes, which CUDA read-backs can give).
-pub(crate) fn data_to_i64(data: &TensorData) -> Vec<i64> {
+pub fn data_to_i64(data: &TensorData) -> Vec<i64> {
     let bytes: &[u8] = data.bytes();
     macro_rules! read {
         ($t:ty) => {

@@ -13,6 +13,7 @@ mod cube;
 mod host;
 mod impls;
 
+pub use host::data_to_i64;
 pub(crate) use host::{
     canary_state, int_prefix, read_ints, read_status, upload_canary, upload_i64, upload_plans,
 };

@@ -3,34 +3,9 @@
 
 use burn_core::backend::tensor::{BoolTensor, IntTensor};
 use burn_core::backend::{Backend, TensorData, get_device_settings, try_read_sync};
-use burn_core::tensor::{BoolStore, DType};
+use burn_core::tensor::DType;
 
-/// The values of int or bool tensor data as i64, whatever the dtype, without assuming the bytes
-/// are aligned (`TensorData::iter` panics on unaligned bytes, which CUDA read-backs can give).
-pub fn data_to_i64(data: &TensorData) -> Vec<i64> {
-    let bytes: &[u8] = data.as_bytes();
-    macro_rules! read {
-        ($t:ty) => {
-            bytes
-                .chunks_exact(size_of::<$t>())
-                .map(|chunk| <$t>::from_le_bytes(chunk.try_into().unwrap_or_default()) as i64)
-                .collect()
-        };
-    }
-    match data.dtype() {
-        DType::I64 => read!(i64),
-        DType::I32 => read!(i32),
-        DType::I16 => read!(i16),
-        DType::I8 => read!(i8),
-        DType::U64 => read!(u64),
-        DType::U32 => read!(u32),
-        DType::U16 => read!(u16),
-        DType::U8 => read!(u8),
-        DType::Bool(BoolStore::U32) => read!(u32),
-        DType::Bool(_) => read!(u8),
-        _ => data.iter::<i64>().collect(),
-    }
-}
+pub use kvplan::data_to_i64;
 
 /// An int primitive of `shape` holding `values` in `dtype` (values must fit it).
 ///

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use burn_core::backend::tensor::{BoolTensor, IntTensor};
 use burn_core::backend::{Backend, TensorMetadata, get_device_settings, read_sync};
-use burn_core::tensor::{BoolStore, DType, IntDType, Shape, Slice, TensorData};
+use burn_core::tensor::{DType, IntDType, Shape, Slice, TensorData};
 use kvplan::KvPlanBackend;
 use kvplan::reference::PlanBuffers;
 
@@ -117,33 +117,7 @@ pub fn bytes<B: KvPlanBackend, const D: usize>(
     B::int_from_data(TensorData::new(data, shape), device)
 }
 
-/// The values of int or bool tensor data as i64, whatever the dtype, without assuming the bytes
-/// are aligned (`TensorData::iter` casts the bytes in place and panics on unaligned ones, which
-/// CUDA read-backs can give).
-pub fn data_to_i64(data: &TensorData) -> Vec<i64> {
-    let bytes: &[u8] = data.as_bytes();
-    macro_rules! read {
-        ($t:ty) => {
-            bytes
-                .chunks_exact(size_of::<$t>())
-                .map(|chunk| <$t>::from_le_bytes(chunk.try_into().unwrap()) as i64)
-                .collect()
-        };
-    }
-    match data.dtype() {
-        DType::I64 => read!(i64),
-        DType::I32 => read!(i32),
-        DType::I16 => read!(i16),
-        DType::I8 => read!(i8),
-        DType::U64 => read!(u64),
-        DType::U32 => read!(u32),
-        DType::U16 => read!(u16),
-        DType::U8 => read!(u8),
-        DType::Bool(BoolStore::U32) => read!(u32),
-        DType::Bool(_) => read!(u8),
-        other => panic!("not int or bool data: {other:?}"),
-    }
-}
+pub use kvplan::data_to_i64;
 
 /// The values of an int primitive, as i64, row-major.
 pub fn values<B: Backend>(tensor: IntTensor<B>) -> Vec<i64> {
