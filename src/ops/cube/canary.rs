@@ -167,12 +167,7 @@ pub(crate) fn canary_write(
     inputs: WriteInputsPrimitive<CubeBackend>,
     launch: Launch,
 ) -> CanaryPrimitive<CubeBackend> {
-    let canary_shape = Shape3 {
-        num_slots: canary.num_slots,
-        slot_words: canary.slot_words,
-        ring_capacity: canary.ring_capacity,
-        device: canary.buffer.device.clone(),
-    };
+    let canary_shape = Shape3::of(&canary);
     let mut bound = bind_launch(launch);
     bound.features.input_assert = matches!(inputs.expected_input_tokens, OptionalInt::Given(_));
     // A verify-only switch: kept out of the write kernel's compile key.
@@ -301,12 +296,7 @@ pub(crate) fn canary_verify(
     plan: VerifyPlanPrimitive<CubeBackend>,
     launch: Launch,
 ) -> CanaryPrimitive<CubeBackend> {
-    let canary_shape = Shape3 {
-        num_slots: canary.num_slots,
-        slot_words: canary.slot_words,
-        ring_capacity: canary.ring_capacity,
-        device: canary.buffer.device.clone(),
-    };
+    let canary_shape = Shape3::of(&canary);
     let mut bound = bind_launch(launch);
     if bound.features.mode == MODE_ALL && !bound.sources.is_empty() {
         bound.features.stage_words = stage_words(&canary.buffer);
@@ -389,6 +379,17 @@ struct Shape3 {
     slot_words: usize,
     ring_capacity: usize,
     device: burn_cubecl::CubeDevice,
+}
+
+impl Shape3 {
+    fn of(canary: &CanaryPrimitive<CubeBackend>) -> Self {
+        Self {
+            num_slots: canary.num_slots,
+            slot_words: canary.slot_words,
+            ring_capacity: canary.ring_capacity,
+            device: canary.buffer.device.clone(),
+        }
+    }
 }
 
 /// A launch the device cannot run: a zeroed canary holding the failure.
