@@ -2,7 +2,9 @@
 # The GPU session (run through `device`): conformance, tests, sanitizers and benchmarks on CUDA.
 # `scripts/pack-gpu.sh` here first. Binaries wait in /tmp/kvplan-bin between calls of one warm
 # machine. Logs go to $OUT; stdout ends with the tables.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|canary|plan|gather|nocupti|unfused]...
+# The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
+# gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|canary|plan|gather|nocupti|unfused|decode|decode-check|anchor]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -10,6 +12,12 @@ OUT=${OUT:-/tmp/kvplan-gpu}
 mkdir -p "$OUT" /tmp/kvplan-bin
 [ -f gpu/tests.xz ] && xz -dc gpu/tests.xz > "$TESTS" && chmod +x "$TESTS"
 [ -f gpu/bin.xz ] && xz -dc gpu/bin.xz > "$BIN" && chmod +x "$BIN"
+for part in gpu/model.part-*; do [ -f "$part" ] && cp "$part" /tmp/kvplan-bin/; done
+MODEL=/tmp/kvplan-bin/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$MODEL" ] && [ -f /tmp/kvplan-bin/model.part-aa ] && [ -f /tmp/kvplan-bin/model.part-ab ]; then
+  cat /tmp/kvplan-bin/model.part-* > "$MODEL"
+fi
+export KVPLAN_MODEL="$MODEL"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 export KVPLAN_CONFORMANCE_DIR="$PWD/tests/data"
 for part in "$@"; do
@@ -63,6 +71,41 @@ for part in "$@"; do
       for which in plan gather; do
         KVPLAN_NO_CUPTI=1 "$BIN" bench "$which" --backend cuda-unfused --reps 50 2>&1 | tee "$OUT/bench-$which-unfused.txt"
       done
+      ;;
+    decode-check)
+      # The model is right on the GPU: greedy parity of the three drafting modes, and the canary's faults.
+      for spec in off ngram self; do
+        "$BIN" generate --backend cuda --spec "$spec" --max-new-tokens 48 --json --limit 6 \
+          --file benches/prompts.txt > "$OUT/parity-$spec.jsonl" 2> "$OUT/parity-$spec.err"
+        tail -1 "$OUT/parity-$spec.err"
+      done
+      for spec in ngram self; do
+        cmp -s <(python3 -c "import json,sys;[print(json.loads(l)['tokens']) for l in open(sys.argv[1])]" "$OUT/parity-off.jsonl") \
+               <(python3 -c "import json,sys;[print(json.loads(l)['tokens']) for l in open(sys.argv[1])]" "$OUT/parity-$spec.jsonl") \
+          && echo "parity off=$spec: equal" || echo "parity off=$spec: DIFFERENT"
+      done
+      for kind in kv-byte stale-row; do
+        "$BIN" generate --backend cuda --spec ngram --max-new-tokens 32 --limit 4 --json \
+          --file benches/prompts.txt --inject-corruption "$kind" > "$OUT/inject-$kind.jsonl" 2> "$OUT/inject-$kind.err"
+        grep -h "inject-corruption" "$OUT/inject-$kind.err"
+      done
+      "$BIN" generate --backend cuda "What is the capital of France?" 2>&1 | tail -3
+      ;;
+    decode)
+      # Tokens/s, 128 new tokens, batch 1 (4 prompts one at a time), 8 and 32; spec off, n-gram, self.
+      for bs in 1 8 32; do
+        limit=$bs; [ "$bs" = 1 ] && limit=4
+        for spec in off ngram self; do
+          "$BIN" generate --backend cuda --spec "$spec" --batch "$bs" --limit "$limit" --max-new-tokens 128 \
+            --ignore-eos --json --file benches/prompts.txt > "$OUT/decode-$spec-$bs.jsonl" 2> "$OUT/decode-$spec-$bs.err"
+          echo "kvplan,$spec,$bs,$(grep -h '^generate: .* requests' "$OUT/decode-$spec-$bs.err")"
+        done
+      done
+      ;;
+    anchor)
+      # transformers on the same GGUF and prompts (carry .whl with the gguf wheel).
+      PYTHONUNBUFFERED=1 python3 benches/hf_anchor.py /tmp/kvplan-bin SmolLM2-135M-Instruct.Q4_1.gguf 128 2>"$OUT/anchor.err" | tee "$OUT/anchor.csv"
+      tail -3 "$OUT/anchor.err"
       ;;
     plan|gather)
       "$BIN" bench "$part" --backend cuda --reps 50 2>&1 | tee "$OUT/bench-$part.txt"

@@ -16,4 +16,7 @@ strip -o gpu/kvplan-tests "$tests"
 xz -9 -T2 -f gpu/kvplan gpu/kvplan-tests
 mv gpu/kvplan-tests.xz gpu/tests.xz
 mv gpu/kvplan.xz gpu/bin.xz
+# The model, in two parts (carry each with `scripts/gpu.sh stage` in its own call).
+model=$(bash scripts/fetch-model.sh | tail -1)
+split -n 2 -a 2 "$model" gpu/model.part-
 ls -la gpu/

@@ -2,7 +2,7 @@
 //!
 //! Every variant carries the offending values; `kind()` gives the snake_case kind used by the specs and
 //! the conformance files. Gather messages start with the caller's `context`, plan messages with
-//! `kv-canary:`.
+//! `kv-canary:`, slot messages with `segment_assign:` or `store_kv:`.
 
 use core::fmt;
 
@@ -10,6 +10,10 @@ use core::fmt;
 pub const PLAN_CONTEXT: &str = "kv-canary:";
 /// Fixed context of `segment_gather` errors (the op takes no context argument).
 pub const SEGMENT_CONTEXT: &str = "DFLASH req_to_token segment gather";
+/// Context prefix of every `segment_assign` error message.
+pub const ASSIGN_CONTEXT: &str = "segment_assign:";
+/// Context prefix of every `store_kv` error message.
+pub const STORE_CONTEXT: &str = "store_kv:";
 
 /// Where a data-dependent error was found: names the offender the way the op's spec does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -420,6 +424,146 @@ pub enum Error {
         accepted: &'static str,
     },
 
+    // ---- slot assignment and KV stores (spec slots.md) ----
+    /// `start` or `lengths` does not hold one value per request.
+    #[error("{context} {name} has length {len}, expected {bs} (one per req_pool_indices entry).")]
+    SegmentLengthMismatch {
+        /// Message prefix.
+        context: String,
+        /// Argument name.
+        name: &'static str,
+        /// Its length.
+        len: usize,
+        /// The length of `req_pool_indices`.
+        bs: usize,
+    },
+    /// A padding row (`req_pool_indices[i] == 0`) with a non-zero length.
+    #[error(
+        "{context} request {request}: padding row 0 cannot take {length} slots (a padded request has length 0)."
+    )]
+    PaddingRowLength {
+        /// Message prefix.
+        context: String,
+        /// The request.
+        request: usize,
+        /// Its length.
+        length: i64,
+    },
+    /// A negative length.
+    #[error("{context} request {request}: length {length} is negative.")]
+    NegativeLength {
+        /// Message prefix.
+        context: String,
+        /// The request.
+        request: usize,
+        /// Its length.
+        length: i64,
+    },
+    /// `out_cache_loc` does not hold one slot per assigned cell.
+    #[error("{context} out_cache_loc has {len} slots, but the lengths sum to {sum}.")]
+    SlotCountMismatch {
+        /// Message prefix.
+        context: String,
+        /// The length of `out_cache_loc`.
+        len: usize,
+        /// `sum(lengths)`.
+        sum: u64,
+    },
+    /// A slot that is negative or does not fit the dtype of `req_to_token`.
+    #[error(
+        "{context} request {request}, column {column}: slot {slot} (out_cache_loc[{index}]) is outside 0..={max}, the slots req_to_token can hold."
+    )]
+    SlotOutOfRange {
+        /// Message prefix.
+        context: String,
+        /// The request whose run takes the slot.
+        request: usize,
+        /// The column of `req_to_token` it would be written to.
+        column: usize,
+        /// Its index in `out_cache_loc`.
+        index: usize,
+        /// The slot.
+        slot: i64,
+        /// The largest slot the table's dtype holds.
+        max: i64,
+    },
+    /// Two requests name one row with overlapping runs.
+    #[error("{context} requests {other} and {request} both write req_to_token[{row}][{column}].")]
+    WriteConflict {
+        /// Message prefix.
+        context: String,
+        /// The later request.
+        request: usize,
+        /// The first earlier request it overlaps.
+        other: usize,
+        /// The row both name.
+        row: usize,
+        /// The first column both write.
+        column: usize,
+    },
+    /// `values` is not one cache row per `loc` entry.
+    #[error(
+        "{context} values has shape {values}, expected {expected} (one row per loc entry, each shaped like a row of cache {cache})."
+    )]
+    ValueShapeMismatch {
+        /// Message prefix.
+        context: String,
+        /// The shape of `values`.
+        values: Dims,
+        /// The shape it must have.
+        expected: Dims,
+        /// The shape of the cache.
+        cache: Dims,
+    },
+    /// `values` and the cache differ in dtype.
+    #[error("{context} values has dtype {values}, but cache has {cache}: they must match.")]
+    ValueDtypeMismatch {
+        /// Message prefix.
+        context: String,
+        /// The dtype of `values`.
+        values: String,
+        /// The dtype of the cache.
+        cache: String,
+    },
+    /// A cache with more slots than its `KvStore` was allocated for.
+    #[error(
+        "{context} cache has {slots} slots, more than the {capacity} this KvStore was allocated for."
+    )]
+    StoreCapacity {
+        /// Message prefix.
+        context: String,
+        /// The cache's slots.
+        slots: usize,
+        /// The store's.
+        capacity: usize,
+    },
+    /// A slot outside the cache.
+    #[error("{context} loc[{index}]: slot {slot} is outside the cache's {slots} slots.")]
+    LocOutOfRange {
+        /// Message prefix.
+        context: String,
+        /// Its index in `loc`.
+        index: usize,
+        /// The slot.
+        slot: i64,
+        /// The cache's slots.
+        slots: usize,
+    },
+    /// A slot other than the padding slot 0 named twice.
+    #[error(
+        "{context} loc[{index}]: slot {slot} is already taken by loc[{first}] (only the padding slot 0 may repeat)."
+    )]
+    DuplicateSlot {
+        /// Message prefix.
+        context: String,
+        /// The later index.
+        index: usize,
+        /// The first index naming the slot.
+        first: usize,
+        /// The slot.
+        slot: i64,
+    },
+
     /// A launch would index more elements than the device's kernels can address: it has no
     /// 64-bit indexing and a binding (or a count the kernel keeps) passes 2^31 elements.
     #[error(
@@ -491,6 +635,17 @@ impl Error {
             Error::SlotStrideTooSmall { .. } => "slot_stride_too_small",
             Error::SourceRowTooNarrow { .. } => "source_row_too_narrow",
             Error::CanaryArgument { .. } => "canary_argument",
+            Error::SegmentLengthMismatch { .. } => "segment_length_mismatch",
+            Error::PaddingRowLength { .. } => "padding_row_length",
+            Error::NegativeLength { .. } => "negative_length",
+            Error::SlotCountMismatch { .. } => "slot_count_mismatch",
+            Error::SlotOutOfRange { .. } => "slot_out_of_range",
+            Error::WriteConflict { .. } => "write_conflict",
+            Error::ValueShapeMismatch { .. } => "value_shape_mismatch",
+            Error::ValueDtypeMismatch { .. } => "value_dtype_mismatch",
+            Error::StoreCapacity { .. } => "store_capacity",
+            Error::LocOutOfRange { .. } => "loc_out_of_range",
+            Error::DuplicateSlot { .. } => "duplicate_slot",
             Error::CorruptStatus { .. } => "corrupt_status",
             Error::IndexRange { .. } => "index_range",
             Error::Execution { .. } => "execution",

@@ -1,9 +1,10 @@
 //! kvplan: the KV-cache bookkeeping of an LLM server as Burn 0.22 backend extensions: the masked
-//! and segment `req_to_token` gathers, the kv-canary plan, and the canary's write and verify, with
-//! CubeCL kernels on the Cube backend (CUDA, wgpu/Vulkan) and the host reference elsewhere.
+//! and segment `req_to_token` gathers, the slot assignment and KV stores that write what they
+//! read, the kv-canary plan, and the canary's write and verify, with CubeCL kernels on the Cube
+//! backend (CUDA, wgpu/Vulkan) and the host reference elsewhere.
 //!
-//! Data flows one way: public API ([`gather`], [`canary`]) -> host rules -> [`KvPlanBackend`]
-//! -> (kernels | [`reference`]).
+//! Data flows one way: public API ([`gather`], [`slots`], [`canary`]) -> host rules ->
+//! [`KvPlanBackend`] -> (kernels | [`reference`]).
 
 #![warn(missing_docs)]
 
@@ -19,6 +20,7 @@ pub mod gather;
 mod layout;
 mod ops;
 pub mod reference;
+pub mod slots;
 mod status;
 mod validate;
 
@@ -34,7 +36,9 @@ pub use gather::{
 };
 pub use layout::SourceLayout;
 pub use ops::{
-    CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes, KvPlanBackend, LaunchMeta,
-    OptionalInt, PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WriteInputsPrimitive,
+    AssignPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes,
+    KvPlanBackend, KvRows, LaunchMeta, OptionalInt, PlanInputsPrimitive, PlanOutput,
+    StoreScratchPrimitive, StoredPrimitive, VerifyPlanPrimitive, WriteInputsPrimitive,
     WritePlanPrimitive, data_to_i64,
 };
+pub use slots::{Assigned, KvStore, Stored, segment_assign, segment_assign_deferred};

@@ -99,6 +99,42 @@ pub fn encode(outcome: &Result<usize, Error>) -> StatusWords {
             Error::IndexRange { elements, limit } => {
                 (INDEX_RANGE, vec![elements as i64, limit as i64])
             }
+            Error::PaddingRowLength {
+                request, length, ..
+            } => (ASSIGN_PADDING_ROW, vec![request as i64, length]),
+            Error::NegativeLength {
+                request, length, ..
+            } => (ASSIGN_NEGATIVE_LENGTH, vec![request as i64, length]),
+            Error::SlotCountMismatch { len, sum, .. } => {
+                (ASSIGN_SLOT_COUNT, vec![len as i64, sum as i64])
+            }
+            Error::SlotOutOfRange {
+                request,
+                column,
+                index,
+                slot,
+                max,
+                ..
+            } => (
+                ASSIGN_SLOT,
+                vec![request as i64, column as i64, index as i64, slot, max],
+            ),
+            Error::WriteConflict {
+                request,
+                other,
+                row,
+                column,
+                ..
+            } => (
+                ASSIGN_CONFLICT,
+                vec![request as i64, other as i64, row as i64, column as i64],
+            ),
+            Error::LocOutOfRange {
+                index, slot, slots, ..
+            } => (STORE_LOC, vec![index as i64, slot, slots as i64]),
+            Error::DuplicateSlot {
+                index, first, slot, ..
+            } => (STORE_DUPLICATE, vec![index as i64, first as i64, slot]),
             _ => (UNKNOWN_CODE, vec![]),
         },
     };
@@ -189,6 +225,48 @@ pub fn decode(words: &StatusWords, context: &str) -> Result<usize, Error> {
         INDEX_RANGE => Error::IndexRange {
             elements: fact(0).max(0) as u64,
             limit: fact(1).max(0) as u64,
+        },
+        ASSIGN_PADDING_ROW => Error::PaddingRowLength {
+            context: context(),
+            request: index(0),
+            length: fact(1),
+        },
+        ASSIGN_NEGATIVE_LENGTH => Error::NegativeLength {
+            context: context(),
+            request: index(0),
+            length: fact(1),
+        },
+        ASSIGN_SLOT_COUNT => Error::SlotCountMismatch {
+            context: context(),
+            len: index(0),
+            sum: fact(1).max(0) as u64,
+        },
+        ASSIGN_SLOT => Error::SlotOutOfRange {
+            context: context(),
+            request: index(0),
+            column: index(1),
+            index: index(2),
+            slot: fact(3),
+            max: fact(4),
+        },
+        ASSIGN_CONFLICT => Error::WriteConflict {
+            context: context(),
+            request: index(0),
+            other: index(1),
+            row: index(2),
+            column: index(3),
+        },
+        STORE_LOC => Error::LocOutOfRange {
+            context: context(),
+            index: index(0),
+            slot: fact(1),
+            slots: index(2),
+        },
+        STORE_DUPLICATE => Error::DuplicateSlot {
+            context: context(),
+            index: index(0),
+            first: index(1),
+            slot: fact(2),
         },
         EXECUTION => Error::Execution {
             detail: "a fused kvplan op failed on the device".into(),

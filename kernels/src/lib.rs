@@ -10,4 +10,5 @@ pub mod gather;
 pub mod hash;
 pub mod plan;
 pub mod scan;
+pub mod slots;
 pub mod status;

@@ -136,6 +136,30 @@ fn shared_scan_pair(
     (inclusive_a - a, inclusive_b - b, total_a, total_b)
 }
 
+/// The minimum of one `u64` per unit over the cube, in every unit: the steps of
+/// [`shared_scan`] with `min` for `+` (unrolled: no barrier sits inside a runtime loop). `shared`
+/// serves no other purpose in the kernel (see the note on broadcast slots above).
+#[cube]
+pub fn cube_min(value: u64, shared: &mut Shared<[u64]>) -> u64 {
+    let unit = UNIT_POS as usize;
+    shared[unit] = value;
+    sync_cube();
+    #[unroll]
+    for level in 0..8u32 {
+        let offset = comptime!(1usize << level);
+        let mut least = shared[unit];
+        if unit + offset < CUBE_SIZE as usize {
+            least = least.min(shared[unit + offset]);
+        }
+        sync_cube();
+        shared[unit] = least;
+        sync_cube();
+    }
+    let least = shared[0];
+    sync_cube();
+    least
+}
+
 /// Units of a plane where the kernels scan by plane shuffles (see [`cube_exclusive_scan_pair`]).
 pub const PLANE_WIDTH: u32 = 32;
 /// Planes of a cube that is [`PLANE_WIDTH`] units per plane.

@@ -1,9 +1,11 @@
 //! The status record: how a kernel (or the host reference) reports a data-dependent error.
 //!
 //! A status is `STATUS_LEN` i64 words, read back in one transfer:
-//! `[code, count, fact0, fact1, fact2, fact3, 0, 0]`. `code == OK` means success; `count` is the
-//! op's element count (gathered values; unused by the plan). The facts of each code are listed next
-//! to it, and the host turns them into a typed error.
+//! `[code, count, fact0, .., fact5]` (unused facts 0). `code == OK` means success; `count` is the
+//! op's element count (gathered values, slots assigned, rows stored; unused by the plan). The facts
+//! of each code are listed next to it, and the host turns them into a typed error. A clear
+//! `store_kv` record keeps one fact for its write launch: fact0 is 1 + the last token naming the
+//! padding slot 0 (0: none), the one token whose row slot 0 takes.
 
 /// Number of i64 words in a status record.
 pub const STATUS_LEN: usize = 8;
@@ -52,3 +54,21 @@ pub const PLAN_POOL_ROW: i64 = 15;
 pub const PLAN_POOL_POSITION: i64 = 16;
 /// Rule 17. [r]
 pub const PLAN_WRITE_OFFSETS_OVERFLOW: i64 = 17;
+
+// Slot codes (spec `slots.md`). Facts in brackets. `segment_assign` also reports `GATHER_ROW`
+// [i, value, rows] and `GATHER_POSITION` [i, j, position, cols], as `segment_gather` does.
+/// `segment_assign`: a padding row (0) named with a non-zero length. [i, length]
+pub const ASSIGN_PADDING_ROW: i64 = 20;
+/// `segment_assign`: a negative length. [i, length]
+pub const ASSIGN_NEGATIVE_LENGTH: i64 = 21;
+/// `segment_assign`: `len(out_cache_loc) != sum(lengths)`. [len, sum]
+pub const ASSIGN_SLOT_COUNT: i64 = 22;
+/// `segment_assign`: a slot that is negative or does not fit the table's dtype.
+/// [i, column, index, slot, max]
+pub const ASSIGN_SLOT: i64 = 23;
+/// `segment_assign`: two requests write one cell. [i, earlier request, row, column]
+pub const ASSIGN_CONFLICT: i64 = 24;
+/// `store_kv`: a slot outside the cache. [index, slot, slots]
+pub const STORE_LOC: i64 = 30;
+/// `store_kv`: a slot other than 0 named twice. [index, first index, slot]
+pub const STORE_DUPLICATE: i64 = 31;

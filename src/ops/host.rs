@@ -9,13 +9,14 @@ use burn_core::tensor::{BoolStore, DType, Slice};
 use kvplan_kernels::status::{COUNT, STATUS_LEN};
 
 use super::{
-    CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes, OptionalInt,
-    PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
+    AssignPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes, KvRows,
+    OptionalInt, PlanInputsPrimitive, PlanOutput, StoreScratchPrimitive, StoredPrimitive,
+    VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
 };
 use crate::error::Error;
 use crate::layout::{COUNTERS, KERNEL_RUN, ROW_WORDS, SLOT_RUN, SourceLayout, WRITE_INDEX};
 use crate::reference::canary::{Launch, SourceBytes, VerifyArgs, WriteArgs};
-use crate::reference::{self, CanaryState, ExpectedTokens, PlanArgs, PlanBuffers, Table};
+use crate::reference::{self, CanaryState, ExpectedTokens, PlanArgs, PlanBuffers, Segments, Table};
 use crate::status::{self, StatusWords};
 
 /// An int tensor's values as i64, row-major, with its shape.
@@ -141,6 +142,102 @@ pub(super) fn segment_gather<B: Backend>(
         )
     })();
     gather_output::<B>(outcome, capacity, &device)
+}
+
+pub(super) fn segment_assign<B: Backend>(
+    req_to_token: IntTensor<B>,
+    req_pool_indices: IntTensor<B>,
+    start: IntTensor<B>,
+    lengths: IntTensor<B>,
+    out_cache_loc: IntTensor<B>,
+) -> AssignPrimitive<B> {
+    let device = req_to_token.device();
+    let dtype = req_to_token.dtype();
+    let unchanged = req_to_token.clone();
+    let run = || -> Result<(Vec<usize>, Vec<i64>, usize), Error> {
+        let (shape, mut table) = read_int::<B>(req_to_token)?;
+        let (_, req_pool_indices) = read_int::<B>(req_pool_indices)?;
+        let (_, start) = read_int::<B>(start)?;
+        let (_, lengths) = read_int::<B>(lengths)?;
+        let (_, out_cache_loc) = read_int::<B>(out_cache_loc)?;
+        let segments = Segments {
+            req_pool_indices: &req_pool_indices,
+            start: &start,
+            lengths: &lengths,
+        };
+        // The context is re-attached when the status is decoded.
+        let written = reference::segment_assign(
+            &mut table,
+            [shape[0], shape[1]],
+            segments,
+            &out_cache_loc,
+            super::slot_max(dtype),
+            "",
+        )?;
+        Ok((shape, table, written))
+    };
+    match run() {
+        Ok((shape, table, written)) => AssignPrimitive {
+            req_to_token: B::int_from_data(
+                TensorData::new(table, shape).convert_dtype(dtype),
+                &device,
+            ),
+            status: upload_status::<B>(status::encode(&Ok(written)), &device),
+        },
+        // A rule that failed, or a read that did: the table as it was.
+        Err(error) => AssignPrimitive {
+            req_to_token: unchanged,
+            status: upload_status::<B>(status::encode(&Err(error)), &device),
+        },
+    }
+}
+
+/// A cache's (or its rows') data, read back.
+fn read_rows<B: Backend>(rows: KvRows<B>) -> Result<TensorData, Error> {
+    match rows {
+        KvRows::Float(tensor) => read(B::float_into_data(tensor)),
+        KvRows::Int(tensor) => read(B::int_into_data(tensor)),
+    }
+}
+
+pub(super) fn store_kv<B: Backend>(
+    cache: KvRows<B>,
+    loc: IntTensor<B>,
+    values: KvRows<B>,
+    scratch: StoreScratchPrimitive<B>,
+    _base: u32,
+) -> StoredPrimitive<B> {
+    let device = loc.device();
+    let unchanged = cache.clone();
+    let float = matches!(cache, KvRows::Float(_));
+    let run = || -> Result<(TensorData, usize), Error> {
+        let (bytes, shape, dtype) = read_rows::<B>(cache)?.into_parts();
+        let values = read_rows::<B>(values)?;
+        let (_, loc) = read_int::<B>(loc)?;
+        let slots = shape[0];
+        let row_bytes = shape.iter().skip(1).product::<usize>() * dtype.size();
+        let mut bytes = bytes.to_vec();
+        // The context is re-attached when the status is decoded.
+        let stored = reference::store_kv(&mut bytes, [slots, row_bytes], &loc, values.bytes(), "")?;
+        Ok((TensorData::from_bytes_vec(bytes, shape, dtype), stored))
+    };
+    let (cache, outcome) = match run() {
+        Ok((data, stored)) => {
+            let cache = if float {
+                KvRows::Float(B::float_from_data(data, &device))
+            } else {
+                KvRows::Int(B::int_from_data(data, &device))
+            };
+            (cache, Ok(stored))
+        }
+        // A rule that failed, or a read that did: the cache as it was.
+        Err(error) => (unchanged, Err(error)),
+    };
+    StoredPrimitive {
+        cache,
+        scratch,
+        status: upload_status::<B>(status::encode(&outcome), &device),
+    }
 }
 
 fn read_optional<B: Backend>(tensor: OptionalInt<B>) -> Result<Option<Vec<i64>>, Error> {

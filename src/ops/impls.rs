@@ -6,11 +6,12 @@
 
 use burn_core::backend::Flex;
 use burn_core::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn_core::backend::{Autodiff, Backend};
+use burn_core::backend::{Autodiff, AutodiffBackend, Backend};
 
 use super::{
-    CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes, KvPlanBackend, OptionalInt,
-    PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
+    AssignPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes,
+    KvPlanBackend, KvRows, OptionalInt, PlanInputsPrimitive, PlanOutput, StoreScratchPrimitive,
+    StoredPrimitive, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
 };
 
 impl KvPlanBackend for Flex {}
@@ -49,6 +50,32 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         inputs: PlanInputsPrimitive<Self>,
     ) -> PlanOutput<Self> {
         super::cube::canary_plan(verify, write, inputs)
+    }
+
+    fn segment_assign(
+        req_to_token: burn_cubecl::tensor::CubeTensor,
+        req_pool_indices: burn_cubecl::tensor::CubeTensor,
+        start: burn_cubecl::tensor::CubeTensor,
+        lengths: burn_cubecl::tensor::CubeTensor,
+        out_cache_loc: burn_cubecl::tensor::CubeTensor,
+    ) -> AssignPrimitive<Self> {
+        super::cube::segment_assign(
+            req_to_token,
+            req_pool_indices,
+            start,
+            lengths,
+            out_cache_loc,
+        )
+    }
+
+    fn store_kv(
+        cache: KvRows<Self>,
+        loc: burn_cubecl::tensor::CubeTensor,
+        values: KvRows<Self>,
+        scratch: StoreScratchPrimitive<Self>,
+        base: u32,
+    ) -> StoredPrimitive<Self> {
+        super::cube::store_kv(cache, loc, values, scratch, base)
     }
 
     fn canary_write(
@@ -115,7 +142,39 @@ impl<B: Backend, C: CheckpointStrategy> Rebase<KvBytes<B>> for KvBytes<Autodiff<
     }
 }
 
+impl<B: Backend, C: CheckpointStrategy> Rebase<KvRows<B>> for KvRows<Autodiff<B, C>> {
+    fn rebase(self) -> KvRows<B> {
+        match self {
+            Self::Float(tensor) => KvRows::Float(tensor.into_primitive()),
+            Self::Int(tensor) => KvRows::Int(tensor),
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> Rebase<KvRows<Autodiff<B, C>>> for KvRows<B> {
+    fn rebase(self) -> KvRows<Autodiff<B, C>> {
+        match self {
+            // A cache is a constant: no gradient flows through a store.
+            Self::Float(tensor) => KvRows::Float(Autodiff::<B, C>::from_inner(tensor)),
+            Self::Int(tensor) => KvRows::Int(tensor),
+        }
+    }
+}
+
 rebase_ints!(GatherPrimitive { out, count, status });
+rebase_ints!(AssignPrimitive {
+    req_to_token,
+    status
+});
+rebase_ints!(StoreScratchPrimitive {
+    slot_words,
+    control
+});
+rebase_ints!(StoredPrimitive {
+    cache,
+    scratch,
+    status
+});
 rebase_ints!(VerifyPlanPrimitive {
     slot_indices,
     expected_tokens,
@@ -228,6 +287,33 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         inputs: PlanInputsPrimitive<Self>,
     ) -> PlanOutput<Self> {
         B::canary_plan(verify.rebase(), write.rebase(), inputs.rebase()).rebase()
+    }
+
+    fn segment_assign(
+        req_to_token: B::IntTensorPrimitive,
+        req_pool_indices: B::IntTensorPrimitive,
+        start: B::IntTensorPrimitive,
+        lengths: B::IntTensorPrimitive,
+        out_cache_loc: B::IntTensorPrimitive,
+    ) -> AssignPrimitive<Self> {
+        B::segment_assign(
+            req_to_token,
+            req_pool_indices,
+            start,
+            lengths,
+            out_cache_loc,
+        )
+        .rebase()
+    }
+
+    fn store_kv(
+        cache: KvRows<Self>,
+        loc: B::IntTensorPrimitive,
+        values: KvRows<Self>,
+        scratch: StoreScratchPrimitive<Self>,
+        base: u32,
+    ) -> StoredPrimitive<Self> {
+        B::store_kv(cache.rebase(), loc, values.rebase(), scratch.rebase(), base).rebase()
     }
 
     fn canary_write(

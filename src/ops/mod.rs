@@ -239,6 +239,70 @@ pub struct WriteInputsPrimitive<B: Backend> {
     pub chain_position_assert: OptionalInt<B>,
 }
 
+/// The device-side result of a `segment_assign`.
+#[derive(ExtensionType, Debug, Clone)]
+#[extension_type(fusion: cfg(feature = "fusion"))]
+pub struct AssignPrimitive<B: Backend> {
+    /// The table: written in place where its buffer was unique; as it was after an error.
+    pub req_to_token: IntTensor<B>,
+    /// i64 status record (`kvplan_kernels::status`); its count is the number of slots written.
+    pub status: IntTensor<B>,
+}
+
+/// A KV cache, or the rows stored into one: a float or an int tensor `[slots or tokens, ...]`.
+#[derive(ExtensionType, Debug, Clone)]
+#[extension_type(fusion: cfg(feature = "fusion"))]
+pub enum KvRows<B: Backend> {
+    /// A float tensor (any float dtype).
+    Float(FloatTensor<B>),
+    /// An int tensor (any int dtype).
+    Int(IntTensor<B>),
+}
+
+impl<B: Backend> KvRows<B> {
+    /// The tensor's shape.
+    pub fn shape(&self) -> burn_core::tensor::Shape {
+        use burn_core::backend::TensorMetadata;
+        match self {
+            Self::Float(tensor) => tensor.shape(),
+            Self::Int(tensor) => tensor.shape(),
+        }
+    }
+}
+
+/// A `KvStore`'s scratch, kept with the store so that no call uploads or clears anything (each
+/// call leaves it ready for the next). Unused by the host reference.
+#[derive(ExtensionType, Debug, Clone)]
+#[extension_type(fusion: cfg(feature = "fusion"))]
+pub struct StoreScratchPrimitive<B: Backend> {
+    /// u32 `[max(S, 1)]`: per cache slot, the last clock value that claimed it.
+    pub slot_words: IntTensor<B>,
+    /// i64 `[STORE_CONTROL_LEN]`: the check's control words (`kvplan_kernels::slots`).
+    pub control: IntTensor<B>,
+}
+
+/// The device-side result of a `store_kv`.
+#[derive(ExtensionType, Debug, Clone)]
+#[extension_type(fusion: cfg(feature = "fusion"))]
+pub struct StoredPrimitive<B: Backend> {
+    /// The cache: written in place where its buffer was unique; as it was after an error.
+    #[extension_type]
+    pub cache: KvRows<B>,
+    /// The store's scratch, handed back.
+    #[extension_type]
+    pub scratch: StoreScratchPrimitive<B>,
+    /// i64 status record (`kvplan_kernels::status`); its count is the number of tokens stored.
+    pub status: IntTensor<B>,
+}
+
+/// The largest slot a `req_to_token` of `dtype` (int32 or int64) holds.
+pub(crate) fn slot_max(dtype: burn_core::tensor::DType) -> i64 {
+    match dtype {
+        burn_core::tensor::DType::I32 => i64::from(i32::MAX),
+        _ => i64::MAX,
+    }
+}
+
 /// kvplan's ops as a Burn backend extension.
 ///
 /// Implemented by the Cube backend (kernels), Flex (the host reference), Fusion (lazy, from the
@@ -288,6 +352,49 @@ pub trait KvPlanBackend: Backend {
         host::canary_plan::<Self>(verify, write, inputs)
     }
 
+    /// `segment_assign` (spec `slots.md` §1): writes each request's run of `out_cache_loc` into
+    /// its row of `req_to_token`, which is consumed and handed back (written in place when
+    /// unique). The value rules come back in the status; on any error no cell is written. The
+    /// host rules have been checked by the caller.
+    #[fusion(meta = |req_to_token, _rpi, _start, _lengths, _loc| AssignPrimitiveMetadata {
+        req_to_token: req_to_token.clone(),
+        status: status_spec(),
+    })]
+    fn segment_assign(
+        req_to_token: IntTensor<Self>,
+        req_pool_indices: IntTensor<Self>,
+        start: IntTensor<Self>,
+        lengths: IntTensor<Self>,
+        out_cache_loc: IntTensor<Self>,
+    ) -> AssignPrimitive<Self> {
+        host::segment_assign::<Self>(
+            req_to_token,
+            req_pool_indices,
+            start,
+            lengths,
+            out_cache_loc,
+        )
+    }
+
+    /// `store_kv` (spec `slots.md` §2): `cache[loc[i]] = values[i]`. The cache and the store's
+    /// scratch are consumed and handed back (written in place when unique); on any error no row
+    /// is written. `base` is the call's first clock value (`kvplan_kernels::slots`). The host
+    /// rules have been checked by the caller.
+    #[fusion(meta = |cache, _loc, _values, scratch, _base| StoredPrimitiveMetadata {
+        cache: cache.clone(),
+        scratch: scratch.clone(),
+        status: status_spec(),
+    })]
+    fn store_kv(
+        #[extension_type] cache: KvRows<Self>,
+        loc: IntTensor<Self>,
+        #[extension_type] values: KvRows<Self>,
+        #[extension_type] scratch: StoreScratchPrimitive<Self>,
+        base: u32,
+    ) -> StoredPrimitive<Self> {
+        host::store_kv::<Self>(cache, loc, values, scratch, base)
+    }
+
     /// kv-canary write (spec `canary-write-verify.md` §6): stores the records of the plan's active
     /// requests into the canary, appends assert rows, counts. The canary is consumed and handed
     /// back (written in place when unique). Host rules have been checked by the caller.
@@ -314,6 +421,14 @@ pub trait KvPlanBackend: Backend {
 
 #[cfg(feature = "fusion")]
 use burn_core::backend::fusion::custom::TensorSpec;
+
+/// The spec of a status record.
+#[cfg(feature = "fusion")]
+fn status_spec() -> TensorSpec {
+    use burn_core::tensor::DType;
+    use kvplan_kernels::status::STATUS_LEN;
+    TensorSpec::new([STATUS_LEN].into(), DType::I64)
+}
 
 #[cfg(feature = "fusion")]
 fn gather_outputs(capacity: usize) -> GatherPrimitiveMetadata {

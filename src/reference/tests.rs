@@ -1950,3 +1950,322 @@ proptest! {
         prop_assert_eq!(&b.verify_prev_slot_indices[index..], &prior.verify_prev_slot_indices[index..]);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Slots (spec slots.md): segment_assign and store_kv
+// ---------------------------------------------------------------------------------------------
+
+mod slots {
+    use super::super::{Segments, segment_assign, store_kv};
+    use super::t46;
+    use crate::error::{ASSIGN_CONTEXT, Error, STORE_CONTEXT, Site};
+    use crate::status;
+
+    /// `segment_assign` on the 4x6 table `100 + k` of an int32 table; the table after the call.
+    fn sa46(rpi: &[i64], start: &[i64], lengths: &[i64], loc: &[i64]) -> Result<Vec<i64>, Error> {
+        let mut table = t46();
+        let segments = Segments {
+            req_pool_indices: rpi,
+            start,
+            lengths,
+        };
+        let before = table.clone();
+        let outcome = segment_assign(
+            &mut table,
+            [4, 6],
+            segments,
+            loc,
+            i64::from(i32::MAX),
+            ASSIGN_CONTEXT,
+        );
+        match outcome {
+            Ok(written) => {
+                assert_eq!(written, loc.len());
+                Ok(table)
+            }
+            Err(error) => {
+                assert_eq!(table, before, "an error leaves the table unchanged");
+                Err(error)
+            }
+        }
+    }
+
+    fn with(cells: &[(usize, i64)]) -> Vec<i64> {
+        let mut table = t46();
+        for &(at, value) in cells {
+            table[at] = value;
+        }
+        table
+    }
+
+    #[test]
+    fn assign_writes_each_run_and_nothing_else() {
+        assert_eq!(
+            sa46(&[1, 3], &[0, 2], &[3, 2], &[7, 8, 9, 10, 11]),
+            Ok(with(&[(6, 7), (7, 8), (8, 9), (20, 10), (21, 11)]))
+        );
+        // Runs sharing a row, side by side; an empty run anywhere (even at `cols`); padding.
+        assert_eq!(
+            sa46(
+                &[2, 0, 2, 1],
+                &[3, 0, 0, 6],
+                &[3, 0, 3, 0],
+                &[1, 2, 3, 4, 5, 6]
+            ),
+            Ok(with(&[
+                (15, 1),
+                (16, 2),
+                (17, 3),
+                (12, 4),
+                (13, 5),
+                (14, 6)
+            ]))
+        );
+        assert_eq!(sa46(&[], &[], &[], &[]), Ok(t46()));
+        // An empty run inside another run writes nothing, so it conflicts with nothing.
+        assert_eq!(
+            sa46(&[1, 1], &[0, 2], &[4, 0], &[1, 2, 3, 4]),
+            Ok(with(&[(6, 1), (7, 2), (8, 3), (9, 4)]))
+        );
+        assert_eq!(
+            sa46(&[1], &[5], &[1], &[i64::from(i32::MAX)]),
+            Ok(with(&[(11, i64::from(i32::MAX))]))
+        );
+    }
+
+    #[test]
+    fn assign_value_rules_with_their_facts() {
+        let context = || ASSIGN_CONTEXT.to_string();
+        let row = |i, value| Error::ReqPoolIndexOutOfRange {
+            context: context(),
+            site: Site::Row(i),
+            value,
+            rows: 4,
+        };
+        // Rule 1, every request (an empty run too).
+        assert_eq!(sa46(&[1, 4], &[0, 0], &[1, 0], &[5]), Err(row(1, 4)));
+        assert_eq!(sa46(&[-1], &[0], &[0], &[]), Err(row(0, -1)));
+        // Rule 2.
+        assert_eq!(
+            sa46(&[1, 0], &[0, 0], &[1, -2], &[5]),
+            Err(Error::PaddingRowLength {
+                context: context(),
+                request: 1,
+                length: -2,
+            })
+        );
+        // Rule 3.
+        assert_eq!(
+            sa46(&[1, 2], &[0, 0], &[1, -2], &[5]),
+            Err(Error::NegativeLength {
+                context: context(),
+                request: 1,
+                length: -2,
+            })
+        );
+        // Rule 4: the first column outside the table; an empty run past the width; no overflow.
+        let position = |i, j, position| Error::PositionOutOfRange {
+            context: context(),
+            site: Site::Cell(i, j),
+            position,
+            cols: 6,
+        };
+        assert_eq!(
+            sa46(&[1, 2], &[0, 4], &[2, 3], &[5, 6, 7, 8, 9]),
+            Err(position(1, 2, 6))
+        );
+        assert_eq!(sa46(&[1], &[-2], &[1], &[5]), Err(position(0, 0, -2)));
+        assert_eq!(sa46(&[1], &[7], &[0], &[]), Err(position(0, 0, 7)));
+        assert_eq!(
+            sa46(&[1], &[i64::MAX - 1], &[3], &[5, 6, 7]),
+            Err(position(0, 0, i64::MAX - 1))
+        );
+        // Rule 5.
+        assert_eq!(
+            sa46(&[1, 2], &[0, 0], &[2, 1], &[5, 6]),
+            Err(Error::SlotCountMismatch {
+                context: context(),
+                len: 2,
+                sum: 3,
+            })
+        );
+        // Rule 6: named by request and column.
+        assert_eq!(
+            sa46(&[1, 2], &[0, 3], &[2, 2], &[5, 6, 7, 1 << 31]),
+            Err(Error::SlotOutOfRange {
+                context: context(),
+                request: 1,
+                column: 4,
+                index: 3,
+                slot: 1 << 31,
+                max: i64::from(i32::MAX),
+            })
+        );
+        // Rule 7: the later request, its first overlapped earlier one, their first shared cell.
+        assert_eq!(
+            sa46(
+                &[3, 1, 3, 3],
+                &[0, 0, 4, 2],
+                &[3, 1, 2, 3],
+                &[1, 2, 3, 4, 5, 6, 7, 8, 9]
+            ),
+            Err(Error::WriteConflict {
+                context: context(),
+                request: 3,
+                other: 0,
+                row: 3,
+                column: 2,
+            })
+        );
+    }
+
+    #[test]
+    fn assign_rules_in_order() {
+        // Row (rule 1) before the conflict (rule 7) and the count (rule 5).
+        assert_eq!(
+            sa46(&[1, 1, 9], &[0, 0, 0], &[1, 1, 0], &[5])
+                .unwrap_err()
+                .kind(),
+            "req_pool_index_out_of_range"
+        );
+        // A negative length at request 2 before a bad start at request 0.
+        assert_eq!(
+            sa46(&[1, 2, 3], &[-5, 0, 0], &[1, 1, -1], &[5, 6])
+                .unwrap_err()
+                .kind(),
+            "negative_length"
+        );
+        // The count before a bad slot; a bad slot before a conflict.
+        assert_eq!(
+            sa46(&[1], &[0], &[2], &[-1]).unwrap_err().kind(),
+            "slot_count_mismatch"
+        );
+        assert_eq!(
+            sa46(&[1, 1], &[0, 1], &[2, 2], &[5, 6, 7, -8])
+                .unwrap_err()
+                .kind(),
+            "slot_out_of_range"
+        );
+    }
+
+    #[test]
+    fn store_moves_rows_and_padding_keeps_the_last() {
+        let mut cache: Vec<u16> = (0..12).collect();
+        let values: Vec<u16> = (100..110).collect();
+        // Rows of 2: tokens 0 and 3 name slot 0; token 3 is the last, so slot 0 keeps its row.
+        assert_eq!(
+            store_kv(&mut cache, [6, 2], &[0, 5, 2, 0, 1], &values, STORE_CONTEXT),
+            Ok(5)
+        );
+        assert_eq!(
+            cache,
+            vec![106, 107, 108, 109, 104, 105, 6, 7, 8, 9, 102, 103]
+        );
+    }
+
+    #[test]
+    fn store_rules_with_their_facts() {
+        let context = || STORE_CONTEXT.to_string();
+        let run = |loc: &[i64]| {
+            let mut cache = vec![0u8; 8];
+            let values = vec![1u8; loc.len()];
+            let outcome = store_kv(&mut cache, [8, 1], loc, &values, STORE_CONTEXT);
+            if outcome.is_err() {
+                assert_eq!(cache, vec![0; 8], "an error leaves the cache unchanged");
+            }
+            outcome
+        };
+        assert_eq!(
+            run(&[3, 8, -1]),
+            Err(Error::LocOutOfRange {
+                context: context(),
+                index: 1,
+                slot: 8,
+                slots: 8,
+            })
+        );
+        // The smallest token whose slot an earlier one named; zeros repeat freely.
+        assert_eq!(
+            run(&[0, 3, 0, 5, 0, 5, 3]),
+            Err(Error::DuplicateSlot {
+                context: context(),
+                index: 5,
+                first: 3,
+                slot: 5,
+            })
+        );
+        // A slot outside the cache is reported before any duplicate.
+        assert_eq!(run(&[2, 2, 9]).unwrap_err().kind(), "loc_out_of_range");
+        assert_eq!(run(&[0, 0, 0]), Ok(3));
+        assert_eq!(run(&[]), Ok(0));
+    }
+
+    #[test]
+    fn slot_errors_round_trip_the_status() {
+        let errors = [
+            Error::PaddingRowLength {
+                context: ASSIGN_CONTEXT.into(),
+                request: 3,
+                length: -7,
+            },
+            Error::NegativeLength {
+                context: ASSIGN_CONTEXT.into(),
+                request: 1,
+                length: i64::MIN,
+            },
+            Error::SlotCountMismatch {
+                context: ASSIGN_CONTEXT.into(),
+                len: 9,
+                sum: 1 << 40,
+            },
+            Error::SlotOutOfRange {
+                context: ASSIGN_CONTEXT.into(),
+                request: 2,
+                column: 17,
+                index: 40,
+                slot: i64::MIN,
+                max: i64::MAX,
+            },
+            Error::WriteConflict {
+                context: ASSIGN_CONTEXT.into(),
+                request: 300,
+                other: 2,
+                row: 7,
+                column: 9,
+            },
+            Error::ReqPoolIndexOutOfRange {
+                context: ASSIGN_CONTEXT.into(),
+                site: Site::Row(5),
+                value: -1,
+                rows: 4,
+            },
+            Error::PositionOutOfRange {
+                context: ASSIGN_CONTEXT.into(),
+                site: Site::Cell(5, 2),
+                position: 6,
+                cols: 6,
+            },
+        ];
+        for error in errors {
+            let words = status::encode(&Err(error.clone()));
+            assert_eq!(status::decode(&words, ASSIGN_CONTEXT), Err(error));
+        }
+        for error in [
+            Error::LocOutOfRange {
+                context: STORE_CONTEXT.into(),
+                index: 4,
+                slot: -9,
+                slots: 64,
+            },
+            Error::DuplicateSlot {
+                context: STORE_CONTEXT.into(),
+                index: 3000,
+                first: 12,
+                slot: 77,
+            },
+        ] {
+            let words = status::encode(&Err(error.clone()));
+            assert_eq!(status::decode(&words, STORE_CONTEXT), Err(error));
+        }
+    }
+}

@@ -7,9 +7,11 @@
 pub mod canary;
 mod gather;
 mod plan;
+mod slots;
 
 pub use gather::{masked_gather, segment_gather};
 pub use plan::{PlanArgs, allocation, plan};
+pub use slots::{segment_assign, store_kv};
 
 use core::fmt::Debug;
 

@@ -1409,3 +1409,163 @@ fn searchable_messages() {
     );
     assert_eq!(err.kind(), "swa_slot_outside_lut");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Slots (spec slots.md)
+// ---------------------------------------------------------------------------------------------
+
+mod slots {
+    use burn_core::tensor::DType;
+
+    use super::{DEV, OTHER, arg, on};
+    use crate::error::{ASSIGN_CONTEXT, Dims, Error, STORE_CONTEXT};
+    use crate::validate::{INT_DTYPES, segment_assign, store_kv};
+
+    fn assign(args: [(&[usize], DType); 5]) -> Result<(), Error> {
+        let names = [
+            "req_to_token",
+            "req_pool_indices",
+            "start",
+            "lengths",
+            "out_cache_loc",
+        ];
+        let a: Vec<_> = names
+            .iter()
+            .zip(args)
+            .map(|(name, (shape, dtype))| arg(name, shape, dtype))
+            .collect();
+        segment_assign(&a[0], &a[1], &a[2], &a[3], &a[4])
+    }
+
+    const I: DType = DType::I64;
+
+    #[test]
+    fn assign_host_rules_in_order() {
+        let ok: [(&[usize], DType); 5] = [
+            (&[4, 6], DType::I32),
+            (&[2], I),
+            (&[2], I),
+            (&[2], I),
+            (&[5], DType::I32),
+        ];
+        assert_eq!(assign(ok), Ok(()));
+        let mut bad = ok;
+        bad[0] = (&[24], DType::F32);
+        assert_eq!(
+            assign(bad),
+            Err(Error::Not2d {
+                context: ASSIGN_CONTEXT.into(),
+                name: "req_to_token",
+                shape: Dims(vec![24]),
+            })
+        );
+        let mut bad = ok;
+        bad[3] = (&[2, 1], DType::F32);
+        assert_eq!(assign(bad).unwrap_err().kind(), "not_1d");
+        let mut bad = ok;
+        bad[4] = (&[5], DType::U32);
+        assert_eq!(
+            assign(bad),
+            Err(Error::DtypeMismatch {
+                context: ASSIGN_CONTEXT.into(),
+                name: "out_cache_loc",
+                got: "uint32".into(),
+                accepted: INT_DTYPES,
+            })
+        );
+        let mut bad = ok;
+        bad[2] = (&[3], I);
+        assert_eq!(
+            assign(bad),
+            Err(Error::SegmentLengthMismatch {
+                context: ASSIGN_CONTEXT.into(),
+                name: "start",
+                len: 3,
+                bs: 2,
+            })
+        );
+        // A dtype error before a length mismatch.
+        let mut bad = ok;
+        bad[2] = (&[3], DType::I16);
+        assert_eq!(assign(bad).unwrap_err().kind(), "dtype_mismatch");
+        let a = arg("req_to_token", &[4, 6], I);
+        let v = arg("req_pool_indices", &[1], I);
+        let far = on(arg("lengths", &[1], I), OTHER);
+        assert_eq!(
+            segment_assign(&a, &v, &v, &far, &arg("out_cache_loc", &[0], I)),
+            Err(Error::DeviceMismatch {
+                context: ASSIGN_CONTEXT.into(),
+                name: "lengths",
+                device: format!("{OTHER:?}"),
+                expected: format!("{DEV:?}"),
+            })
+        );
+    }
+
+    #[test]
+    fn store_host_rules_in_order() {
+        let cache = arg("cache", &[16, 2, 4], DType::F16);
+        let loc = arg("loc", &[3], DType::I32);
+        let values = arg("values", &[3, 2, 4], DType::F16);
+        assert_eq!(store_kv(&cache, &loc, &values, 16), Ok(()));
+        assert_eq!(
+            store_kv(&cache, &loc, &arg("values", &[3, 8], DType::F16), 16),
+            Err(Error::ValueShapeMismatch {
+                context: STORE_CONTEXT.into(),
+                values: Dims(vec![3, 8]),
+                expected: Dims(vec![3, 2, 4]),
+                cache: Dims(vec![16, 2, 4]),
+            })
+        );
+        assert_eq!(
+            store_kv(&cache, &arg("loc", &[3, 1], I), &values, 16)
+                .unwrap_err()
+                .kind(),
+            "not_1d"
+        );
+        assert_eq!(
+            store_kv(&cache, &arg("loc", &[3], DType::F32), &values, 16),
+            Err(Error::DtypeMismatch {
+                context: STORE_CONTEXT.into(),
+                name: "loc",
+                got: "f32".into(),
+                accepted: INT_DTYPES,
+            })
+        );
+        assert_eq!(
+            store_kv(&cache, &loc, &arg("values", &[3, 2, 4], DType::BF16), 16),
+            Err(Error::ValueDtypeMismatch {
+                context: STORE_CONTEXT.into(),
+                values: "bf16".into(),
+                cache: "f16".into(),
+            })
+        );
+        let bools = arg("cache", &[16, 2, 4], super::BOOL);
+        assert_eq!(
+            store_kv(&bools, &loc, &arg("values", &[3, 2, 4], super::BOOL), 16)
+                .unwrap_err()
+                .kind(),
+            "dtype_mismatch"
+        );
+        assert_eq!(
+            store_kv(&on(cache.clone(), OTHER), &loc, &values, 16)
+                .unwrap_err()
+                .kind(),
+            "device_mismatch"
+        );
+        assert_eq!(
+            store_kv(&cache, &loc, &values, 15),
+            Err(Error::StoreCapacity {
+                context: STORE_CONTEXT.into(),
+                slots: 16,
+                capacity: 15,
+            })
+        );
+        // Any int dtype is a cache dtype (raw bytes), and a 1-D cache has rows of one element.
+        let bytes = arg("cache", &[16], DType::U8);
+        assert_eq!(
+            store_kv(&bytes, &loc, &arg("values", &[3], DType::U8), 16),
+            Ok(())
+        );
+    }
+}

@@ -7,7 +7,9 @@ use kvplan_tools::conformance::{Report, check_file};
 use kvplan_tools::{BackendName, OnBackend, bench, demo, with_backend};
 
 const USAGE: &str = "usage:
-  kvplan [demo] [--backend NAME] [--inject-corruption]
+  kvplan [generate ...]                      SmolLM2 served with speculative decoding (default;
+                                             `kvplan generate --help` for its flags)
+  kvplan demo [--backend NAME] [--inject-corruption]
                                              synthetic speculative-decoding trace (default);
                                              with --inject-corruption, one live KV slot is
                                              corrupted mid-run and the canary must report it
@@ -49,6 +51,15 @@ fn usable(name: BackendName) -> Result<BackendName, String> {
 }
 
 fn run(args: &[String]) -> Result<ExitCode, Failure> {
+    match args.first().map(String::as_str) {
+        None => return Ok(kvplan_tools::generate::main(&[])?),
+        Some("generate") if args.iter().any(|a| a == "-h" || a == "--help") => {
+            println!("{}", kvplan_tools::generate::USAGE);
+            return Ok(ExitCode::SUCCESS);
+        }
+        Some("generate") => return Ok(kvplan_tools::generate::main(&args[1..])?),
+        _ => {}
+    }
     let mut positional = Vec::new();
     let mut backend = None;
     let mut reps = 50usize;
@@ -81,7 +92,7 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
             file,
             usable(backend.unwrap_or(BackendName::Reference))?,
         )?),
-        [] | ["demo"] => Ok(demo::run(backend, inject_corruption)?),
+        ["demo"] => Ok(demo::run(backend, inject_corruption)?),
         [probe, name] if *probe == demo::PROBE_SUBCOMMAND => {
             let name = name.parse::<BackendName>().map_err(Failure::Usage)?;
             match demo::probe_here(name) {

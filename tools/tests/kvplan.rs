@@ -24,6 +24,8 @@ mod gather;
 mod narrow;
 #[path = "kvplan/plan.rs"]
 mod plan;
+#[path = "kvplan/slots.rs"]
+mod slots;
 #[path = "kvplan/tensor_api.rs"]
 mod tensor_api;
 #[cfg(feature = "cuda")]
@@ -182,7 +184,10 @@ macro_rules! suite {
             fn errors_device() {
                 let other: Option<<B as BackendTypes>::Device> = $other;
                 match other {
-                    Some(other) => crate::errors::device_errors::<B>(&device(), &other),
+                    Some(other) => {
+                        crate::errors::device_errors::<B>(&device(), &other);
+                        crate::slots::device_errors::<B>(&device(), &other);
+                    }
                     // This backend has a single device: device_mismatch is covered by the unit
                     // tests of `validate`.
                     None => eprintln!("skipping device_mismatch: the backend has one device"),
@@ -247,6 +252,61 @@ macro_rules! suite {
             #[test]
             fn errors_canary() {
                 crate::canary::errors::<B>(&device());
+            }
+
+            #[test]
+            fn conformance_slots() {
+                crate::slots::conformance_file_runs::<B>(&device());
+            }
+
+            #[test]
+            fn slots_random_assign() {
+                crate::slots::random_assign_cases::<B>(&device());
+            }
+
+            #[test]
+            fn slots_assign_then_gather() {
+                crate::slots::assign_then_gather::<B>(&device());
+            }
+
+            #[test]
+            fn slots_assign_layouts() {
+                crate::slots::assign_layouts::<B>(&device());
+            }
+
+            #[test]
+            fn errors_assign_values() {
+                crate::slots::assign_value_errors::<B>(&device());
+            }
+
+            #[test]
+            fn errors_assign_host() {
+                crate::slots::assign_host_errors::<B>(&device());
+            }
+
+            #[test]
+            fn slots_random_stores() {
+                crate::slots::random_stores::<B>(&device());
+            }
+
+            #[test]
+            fn slots_store_layouts() {
+                crate::slots::store_layouts::<B>(&device());
+            }
+
+            #[test]
+            fn slots_store_clock() {
+                crate::slots::store_clock::<B>(&device());
+            }
+
+            #[test]
+            fn debug_store() {
+                crate::slots::debug_store::<B>(&device());
+            }
+
+            #[test]
+            fn errors_store() {
+                crate::slots::store_errors::<B>(&device());
             }
 
             #[test]
@@ -331,6 +391,11 @@ macro_rules! tensor_suite {
             fn tensor_canary() {
                 crate::tensor_api::canary(&device());
             }
+
+            #[test]
+            fn tensor_slots() {
+                crate::tensor_api::slots(&device());
+            }
         }
     };
 }
@@ -345,6 +410,12 @@ tensor_suite!(
 
 #[cfg(feature = "cuda")]
 tensor_suite!(tensor_cuda, burn_core::tensor::Device::cuda(0));
+
+// `tests/data/slots.jsonl` is what its generator writes.
+#[test]
+fn slots_file_is_generated() {
+    crate::slots::file_is_generated();
+}
 
 // `index_range` end to end, on a device that acts as one without 64-bit indexing (a child process:
 // the setting is read once per process).

@@ -5,6 +5,7 @@
 mod canary;
 mod gather;
 mod plan;
+mod slots;
 
 use burn_core::backend::TensorMetadata;
 use burn_core::tensor::{DType, Shape};
@@ -16,6 +17,7 @@ use cubecl::prelude::*;
 pub(crate) use canary::{canary_verify, canary_write};
 pub(crate) use gather::{masked_gather, segment_gather};
 pub(crate) use plan::canary_plan;
+pub(crate) use slots::{segment_assign, store_kv};
 
 /// A contiguous i64 tensor of `len` values (uninitialised).
 fn empty_i64(like: &CubeTensor, len: usize) -> CubeTensor {

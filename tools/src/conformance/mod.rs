@@ -5,6 +5,8 @@
 mod canary;
 mod gather;
 mod plan;
+mod slots;
+pub mod slots_data;
 
 use std::fmt;
 
@@ -56,7 +58,7 @@ impl Report {
     }
 }
 
-/// Runs every record of a JSON Lines conformance file (plan, gather or canary records).
+/// Runs every record of a JSON Lines conformance file (plan, gather, canary or slot records).
 pub fn check_file<B: KvPlanBackend>(text: &str, device: &B::Device) -> Report {
     let mut report = Report::default();
     for (line_no, line) in text
@@ -97,6 +99,9 @@ pub fn check_record<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Res
     match record["op"].as_str() {
         Some("plan") | Some("allocate") => plan::check::<B>(record, device),
         Some("masked") | Some("segments") => gather::check::<B>(record, device),
+        Some("segment_assign") | Some("assign_gather") | Some("store_kv") => {
+            slots::check::<B>(record, device)
+        }
         other => Err(parse_error(format!("unknown op {other:?}"))),
     }
 }

@@ -114,6 +114,7 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
     kvplan::plan(&mut plans, inputs(small(), &[1, 1])).expect("a plan within the span");
     assert_eq!(values::<B>(plans.verify.num_valid()), vec![6]);
     canary_checks::<B>(&plans.verify, &plans.write, device);
+    crate::slots::narrow_checks::<B>(device, SPAN);
 }
 
 /// A canary whose records span more than 32-bit indexes reach: its write and verify are accepted

@@ -487,3 +487,125 @@ pub fn canary(device: &Device) {
     );
     assert_eq!(got.buffer, state.buffer);
 }
+
+/// `segment_assign`, `segment_assign_deferred` and `KvStore` (float and int caches, checked and
+/// deferred) through the `Tensor` API against the reference, statuses read by `check_all`, and
+/// the outputs handed back unchanged after a deferred error.
+pub fn slots(device: &Device) {
+    use crate::slots::{AssignCase, Rows, random_assign};
+    use kvplan::KvStore;
+
+    let mut rng = Rng::new(0x736c_6f74);
+    let tensors = |case: &AssignCase| {
+        (
+            ints::<2>(&case.table, [case.rows, case.cols], case.dtypes[0], device),
+            list(&case.rpi, case.dtypes[1], device),
+            list(&case.start, case.dtypes[2], device),
+            list(&case.lengths, case.dtypes[3], device),
+            list(&case.loc, case.dtypes[4], device),
+        )
+    };
+    for round in 0..6 {
+        let case = random_assign(&mut rng, 9, 6, 10);
+        let want = case.reference().expect("a valid case");
+        let (table, rpi, start, lengths, loc) = tensors(&case);
+        let got = kvplan::segment_assign(table, rpi, start, lengths, loc).unwrap();
+        assert_eq!(got.dtype(), case.dtypes[0], "round {round}: dtype kept");
+        assert_eq!(values(got), want, "round {round}: checked");
+        let (table, rpi, start, lengths, loc) = tensors(&case);
+        let assigned = kvplan::segment_assign_deferred(table, rpi, start, lengths, loc).unwrap();
+        assert_eq!(assigned.status.check(), Ok(case.loc.len()));
+        assert_eq!(
+            values(assigned.req_to_token),
+            want,
+            "round {round}: deferred"
+        );
+    }
+    // A deferred error: the table comes back as it was.
+    let mut case = random_assign(&mut rng, 4, 6, 10);
+    case.lengths[0] = -1;
+    let want = case.reference().unwrap_err();
+    let (table, rpi, start, lengths, loc) = tensors(&case);
+    let assigned = kvplan::segment_assign_deferred(table, rpi, start, lengths, loc).unwrap();
+    assert_eq!(assigned.status.check(), Err(want.clone()));
+    assert_eq!(values(assigned.req_to_token), case.table);
+    let (table, rpi, start, lengths, loc) = tensors(&case);
+    assert_eq!(
+        kvplan::segment_assign(table, rpi, start, lengths, loc).err(),
+        Some(want)
+    );
+
+    // Stores: a float K cache and an int V cache on one store, statuses in one `check_all`.
+    let float = |rows: &Rows| -> Tensor<2> {
+        Tensor::from_data(
+            TensorData::new(rows.data.clone(), [rows.shape[0], rows.shape[1]]),
+            (device, rows.dtype),
+        )
+    };
+    let int = |rows: &Rows| -> Tensor<2, Int> {
+        let data: Vec<i64> = rows.data.iter().map(|&v| v as i64).collect();
+        ints::<2>(&data, [rows.shape[0], rows.shape[1]], rows.dtype, device)
+    };
+    let mut store = KvStore::allocate(24, device).unwrap();
+    let mut k = Rows::random(&mut rng, DType::F32, vec![24, 4]);
+    let mut v = Rows::random(&mut rng, DType::I32, vec![24, 3]);
+    let (mut k_now, mut v_now) = (float(&k), int(&v));
+    for (call, loc) in [vec![3, 0, 7, 0], vec![7, 3, 20], vec![1, 2, 0]]
+        .into_iter()
+        .enumerate()
+    {
+        let k_rows = Rows::random(&mut rng, DType::F32, vec![loc.len(), 4]);
+        let v_rows = Rows::random(&mut rng, DType::I32, vec![loc.len(), 3]);
+        for (cache, values) in [(&mut k, &k_rows), (&mut v, &v_rows)] {
+            let len = cache.row_len();
+            kvplan::reference::store_kv(&mut cache.data, [24, len], &loc, &values.data, "")
+                .unwrap();
+        }
+        let loc_tensor = list(&loc, DType::I64, device);
+        if call == 1 {
+            // The checked forms.
+            k_now = store
+                .store(k_now, loc_tensor.clone(), float(&k_rows))
+                .unwrap();
+            v_now = store.store_int(v_now, loc_tensor, int(&v_rows)).unwrap();
+        } else {
+            let k_stored = store
+                .store_deferred(k_now, loc_tensor.clone(), float(&k_rows))
+                .unwrap();
+            let v_stored = store
+                .store_int_deferred(v_now, loc_tensor, int(&v_rows))
+                .unwrap();
+            let counts = kvplan::check_all(&[&k_stored.status, &v_stored.status]).unwrap();
+            assert_eq!(counts, vec![loc.len(); 2], "call {call}: stored");
+            (k_now, v_now) = (k_stored.cache, v_stored.cache);
+        }
+        assert_eq!(
+            k_now.clone().into_data().bytes().to_vec(),
+            k.bytes(),
+            "call {call}: K"
+        );
+        assert_eq!(
+            v_now.clone().into_data().bytes().to_vec(),
+            v.bytes(),
+            "call {call}: V"
+        );
+    }
+    // A duplicate slot: both caches come back unchanged, the error names the tokens.
+    let loc = list(&[5, 6, 5], DType::I64, device);
+    let k_rows = Rows::random(&mut rng, DType::F32, vec![3, 4]);
+    let stored = store.store_deferred(k_now, loc, float(&k_rows)).unwrap();
+    assert_eq!(
+        stored.status.check(),
+        Err(Error::DuplicateSlot {
+            context: crate::slots::STORE.into(),
+            index: 2,
+            first: 0,
+            slot: 5,
+        })
+    );
+    assert_eq!(
+        stored.cache.into_data().bytes().to_vec(),
+        k.bytes(),
+        "K unchanged"
+    );
+}

@@ -1,0 +1,54 @@
+"""Anchor for `kvplan generate` on the GPU: Hugging Face transformers (eager PyTorch, float32) on the
+same GGUF (dequantized by transformers), same prompts (benches/prompts.txt, chat template), greedy,
+exactly NEW tokens per request; plain and with prompt lookup (`prompt_lookup_num_tokens`).
+
+usage: python3 benches/hf_anchor.py DIR FILE.gguf [NEW]   (prints one CSV row per run)
+transformers' assisted generation (prompt lookup) takes one sequence at a time, so at batch > 1
+its requests run one after another (`sequential` in the row)."""
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+directory, file = sys.argv[1], sys.argv[2]
+new = int(sys.argv[3]) if len(sys.argv) > 3 else 128
+tok = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+tok.padding_side = "left"
+if tok.pad_token is None:
+    tok.pad_token = tok.eos_token
+model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, torch_dtype=torch.float32)
+model = model.cuda().eval()
+prompts = [line.strip() for line in open("benches/prompts.txt") if line.strip()]
+texts = [
+    tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+    for p in prompts
+]
+
+
+def generate(batch, lookup):
+    enc = tok(batch, return_tensors="pt", padding=True).to("cuda")
+    extra = {"prompt_lookup_num_tokens": 10} if lookup else {}
+    out = model.generate(
+        **enc, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id, **extra
+    )
+    return out.shape[0] * (out.shape[1] - enc["input_ids"].shape[1])
+
+
+generate(texts[:2], False)
+generate(texts[:1], True)
+print("engine,mode,batch,tokens,seconds,tokens_per_s,note")
+for bs in (1, 8, 32):
+    for lookup in (False, True):
+        batch = texts[:bs] if bs > 1 else texts[:4]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if bs == 1 or lookup:
+            tokens = sum(generate([t], lookup) for t in batch)
+        else:
+            tokens = generate(batch, lookup)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        note = "sequential" if lookup and bs > 1 else ("4 prompts one at a time" if bs == 1 else "")
+        mode = "prompt_lookup" if lookup else "off"
+        print(f"transformers,{mode},{bs},{tokens},{seconds:.3f},{tokens / seconds:.1f},{note}", flush=True)

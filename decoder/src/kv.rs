@@ -1,0 +1,145 @@
+//! The paged KV cache: per layer a K and a V pool of `[slots, kv_heads * head_dim]` on the device,
+//! stored into and read through kvplan, and the host allocators of its slots and table rows.
+
+use burn_core::tensor::{DType, Device, Int, Tensor};
+use kvplan::{KvStore, Status};
+
+use crate::{DecoderError, Result};
+
+/// A free list of ids `1..count`: id 0 is the padding sink (slot) or padding row, never handed out.
+#[derive(Debug, Clone)]
+pub struct FreeList {
+    what: &'static str,
+    count: usize,
+    free: Vec<i64>,
+}
+
+impl FreeList {
+    /// Every id of `1..count` free; lower ids are handed out first.
+    pub fn new(what: &'static str, count: usize) -> Self {
+        Self {
+            what,
+            count,
+            free: (1..count as i64).rev().collect(),
+        }
+    }
+
+    /// `n` ids, or an error naming how many are free (nothing is taken then).
+    pub fn take(&mut self, n: usize) -> Result<Vec<i64>> {
+        if n > self.free.len() {
+            return Err(DecoderError::OutOf {
+                what: self.what,
+                needed: n,
+                free: self.free.len(),
+            });
+        }
+        Ok(self.free.split_off(self.free.len() - n).into_iter().rev().collect())
+    }
+
+    /// Gives ids back.
+    pub fn give_back(&mut self, ids: &[i64]) {
+        debug_assert!(ids.iter().all(|&id| id > 0 && (id as usize) < self.count));
+        self.free.extend(ids.iter().rev());
+    }
+
+    /// Ids free now.
+    pub fn free(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Ids that can ever be handed out (`count - 1`).
+    pub fn capacity(&self) -> usize {
+        self.count - 1
+    }
+}
+
+/// K and V pools of every layer, with the statuses of the stores enqueued since the last
+/// [`KvCache::take_statuses`].
+pub struct KvCache {
+    k: Vec<Tensor<2>>,
+    v: Vec<Tensor<2>>,
+    store: KvStore,
+    statuses: Vec<Status>,
+    slots: usize,
+    kv_dim: usize,
+}
+
+impl KvCache {
+    /// Zeroed pools of `slots` rows of `kv_dim` values for `layers` layers.
+    pub fn new(layers: usize, slots: usize, kv_dim: usize, device: &Device, dtype: DType) -> Result<Self> {
+        let pool = || Tensor::<2>::zeros([slots, kv_dim], (device, dtype));
+        Ok(Self {
+            k: (0..layers).map(|_| pool()).collect(),
+            v: (0..layers).map(|_| pool()).collect(),
+            store: KvStore::allocate(slots, device)?,
+            statuses: Vec::new(),
+            slots,
+            kv_dim,
+        })
+    }
+
+    /// Stores `k` and `v` (`[tokens, kv_dim]`) of `layer` at slots `loc` (`[tokens]`), without a
+    /// read-back: the statuses wait in [`KvCache::take_statuses`].
+    pub fn store(&mut self, layer: usize, loc: Tensor<1, Int>, k: Tensor<2>, v: Tensor<2>) -> Result<()> {
+        let k_pool = self.k[layer].clone();
+        let stored = self.store.store_deferred(k_pool, loc.clone(), k)?;
+        self.k[layer] = stored.cache;
+        self.statuses.push(stored.status);
+        let v_pool = self.v[layer].clone();
+        let stored = self.store.store_deferred(v_pool, loc, v)?;
+        self.v[layer] = stored.cache;
+        self.statuses.push(stored.status);
+        Ok(())
+    }
+
+    /// The K and V rows (`[n, kv_dim]` each) of `layer` at `slots` (`[n]`).
+    pub fn read(&self, layer: usize, slots: Tensor<1, Int>) -> (Tensor<2>, Tensor<2>) {
+        (
+            self.k[layer].clone().select(0, slots.clone()),
+            self.v[layer].clone().select(0, slots),
+        )
+    }
+
+    /// The K pool of `layer` (the canary fingerprints its bytes).
+    pub fn k_pool(&self, layer: usize) -> Tensor<2> {
+        self.k[layer].clone()
+    }
+
+    /// Replaces the K pool of `layer` (fault injection writes a corrupted pool back).
+    pub fn set_k_pool(&mut self, layer: usize, pool: Tensor<2>) {
+        self.k[layer] = pool;
+    }
+
+    /// The statuses of the stores since the last call.
+    pub fn take_statuses(&mut self) -> Vec<Status> {
+        std::mem::take(&mut self.statuses)
+    }
+
+    /// Slots per pool (slot 0 included).
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Values per K (or V) row.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_list_hands_out_low_ids_first_and_never_zero() {
+        let mut list = FreeList::new("KV slots", 5);
+        assert_eq!(list.take(2).unwrap(), vec![1, 2]);
+        assert_eq!(list.free(), 2);
+        let error = list.take(3).unwrap_err().to_string();
+        assert_eq!(error, "out of KV slots: 3 needed, 2 free");
+        assert_eq!(list.free(), 2);
+        list.give_back(&[2, 1]);
+        assert_eq!(list.take(4).unwrap(), vec![2, 1, 3, 4]);
+        assert_eq!(list.free(), 0);
+    }
+}

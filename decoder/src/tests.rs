@@ -1,0 +1,175 @@
+//! End-to-end tests of the engine on the tiny random-weight Llama (written as GGUF and read back
+//! through the same loader as SmolLM2), on Flex and on Vulkan.
+//!
+//! Parity runs in f64: the verify forward and a plain step reduce in different orders (other
+//! shapes), and f64 makes a near-tie flip between them practically impossible.
+
+use burn_core::tensor::{DType, Device, DeviceKind};
+
+use crate::engine::{Corruption, Drafting, Engine, EngineOptions, Outcome, Request};
+use crate::gguf::Gguf;
+use crate::model::Llama;
+use crate::sample::{Rng, Sampling};
+use crate::tiny::{TinyConfig, tiny_llama_bytes};
+
+const SEED: u64 = 0x5EED;
+
+fn tiny_model(device: &Device) -> Llama {
+    let gguf = Gguf::from_bytes(tiny_llama_bytes(&TinyConfig::default(), SEED).unwrap()).unwrap();
+    Llama::load(&gguf, device, DType::F64).unwrap()
+}
+
+/// Prompts of random tokens, half of them repeating a short phrase (where n-gram drafts pay).
+fn prompts(count: usize, arrival_gap: usize, max_new_tokens: usize) -> Vec<Request> {
+    let mut rng = Rng::new(SEED);
+    (0..count)
+        .map(|id| {
+            let len = 3 + (rng.next_u64() % 12) as usize;
+            let mut prompt: Vec<u32> = (0..len).map(|_| 3 + (rng.next_u64() % 250) as u32).collect();
+            if id % 2 == 1 {
+                let phrase = prompt.clone();
+                prompt.extend(&phrase);
+                prompt.extend(&phrase);
+            }
+            Request {
+                id,
+                prompt,
+                max_new_tokens,
+                arrival_step: id * arrival_gap,
+            }
+        })
+        .collect()
+}
+
+fn serve(device: &Device, options: EngineOptions, requests: Vec<Request>) -> (Vec<Outcome>, Engine) {
+    let mut engine = Engine::new(tiny_model(device), vec![2], options).unwrap();
+    let mut streamed = vec![Vec::new(); requests.len()];
+    let outcomes = engine
+        .run(requests, |id, tokens| streamed[id].extend_from_slice(tokens))
+        .unwrap();
+    for outcome in &outcomes {
+        assert_eq!(streamed[outcome.id], outcome.tokens, "request {}: streamed tokens", outcome.id);
+    }
+    let ((free_slots, slots), (free_rows, rows)) = engine.free_resources();
+    assert_eq!((free_slots, free_rows), (slots, rows), "every slot and row is free at the end");
+    (outcomes, engine)
+}
+
+fn options(drafting: Drafting, max_batch: usize) -> EngineOptions {
+    EngineOptions {
+        drafting,
+        draft_tokens: if drafting == Drafting::Off { 0 } else { 4 },
+        max_batch,
+        kv_slots: 1024,
+        max_context: 128,
+        ..EngineOptions::default()
+    }
+}
+
+const DRAFTINGS: [Drafting; 3] = [
+    Drafting::Off,
+    Drafting::Ngram { max_ngram: 3 },
+    Drafting::SelfSpeculative { layers: 1 },
+];
+
+fn tokens(outcomes: &[Outcome]) -> Vec<Vec<u32>> {
+    outcomes.iter().map(|o| o.tokens.clone()).collect()
+}
+
+/// Greedy parity: every drafting method and every batch mix gives plain greedy's tokens.
+fn greedy_parity(device: &Device) {
+    let requests = prompts(5, 0, 24);
+    let (plain, _) = serve(device, options(Drafting::Off, 1), requests.clone());
+    assert!(plain.iter().all(|o| !o.tokens.is_empty()));
+    for (max_batch, gap) in [(1, 0), (3, 0), (4, 3), (8, 1)] {
+        let mut requests = requests.clone();
+        for r in &mut requests {
+            r.arrival_step = r.id * gap;
+        }
+        for drafting in DRAFTINGS {
+            let (outcomes, _) = serve(device, options(drafting, max_batch), requests.clone());
+            assert_eq!(
+                tokens(&outcomes),
+                tokens(&plain),
+                "{drafting:?}, batch {max_batch}, arrivals every {gap} steps"
+            );
+            if drafting != Drafting::Off {
+                let drafted: usize = outcomes.iter().map(|o| o.drafted).sum();
+                let accepted: usize = outcomes.iter().map(|o| o.accepted).sum();
+                assert!(drafted > 0 && accepted > 0, "{drafting:?}: {accepted}/{drafted} accepted");
+            }
+        }
+    }
+}
+
+/// Each injected corruption is reported at its request, slot and position; the request
+/// recomputes, and every request's tokens equal a clean run's.
+fn corruption_is_caught(device: &Device) {
+    let requests = prompts(3, 0, 24);
+    for drafting in [Drafting::Off, Drafting::Ngram { max_ngram: 3 }] {
+        let (clean, _) = serve(device, options(drafting, 3), requests.clone());
+        assert!(clean.iter().all(|o| o.canary_violations.is_empty()));
+        for kind in [Corruption::KvByte, Corruption::StaleRow] {
+            let mut injected_options = options(drafting, 3);
+            injected_options.corruption = Some((kind, 4));
+            let (outcomes, engine) = serve(device, injected_options, requests.clone());
+            let injected = engine.injected().expect("a corruption was injected").clone();
+            let reported: Vec<_> = outcomes.iter().flat_map(|o| o.canary_violations.clone()).collect();
+            assert_eq!(reported.len(), 1, "{kind:?}: {reported:?}");
+            assert_eq!(
+                (reported[0].request, reported[0].slot, reported[0].position),
+                (injected.request, injected.slot, injected.position),
+                "{kind:?}"
+            );
+            assert_eq!(tokens(&outcomes), tokens(&clean), "{kind:?}, {drafting:?}");
+        }
+    }
+}
+
+/// With temperature > 0 the runs are seeded: the same seed gives the same tokens, drafting or not
+/// changes nothing about that, and the tokens stay in the vocabulary.
+fn sampling_is_seeded(device: &Device) {
+    let requests = prompts(3, 0, 16);
+    for drafting in DRAFTINGS {
+        let run = |seed| {
+            let mut o = options(drafting, 3);
+            o.sampling = Sampling { temperature: 0.8, seed };
+            tokens(&serve(device, o, requests.clone()).0)
+        };
+        let first = run(11);
+        assert_eq!(first, run(11), "{drafting:?}");
+        assert_ne!(first, run(12), "{drafting:?}");
+    }
+}
+
+#[cfg(feature = "vulkan")]
+fn vulkan() -> Device {
+    Device::vulkan(DeviceKind::DefaultDevice)
+}
+
+#[test]
+fn greedy_parity_flex() {
+    greedy_parity(&Device::flex());
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn greedy_parity_vulkan() {
+    greedy_parity(&vulkan());
+}
+
+#[test]
+fn corruption_is_caught_flex() {
+    corruption_is_caught(&Device::flex());
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn corruption_is_caught_vulkan() {
+    corruption_is_caught(&vulkan());
+}
+
+#[test]
+fn sampling_is_seeded_flex() {
+    sampling_is_seeded(&Device::flex());
+}

@@ -1,0 +1,383 @@
+//! The write side of the KV bookkeeping (spec `slots.md`): [`segment_assign`] writes a step's new
+//! KV slots into their requests' rows of `req_to_token`, and a [`KvStore`] stores the step's K or V
+//! rows at those slots. Both check every value rule on the device before writing anything.
+//!
+//! Tables and caches are consumed and handed back, written in place when no one else holds their
+//! buffer: pass them by value, without keeping a clone (a kept clone makes the op copy the whole
+//! tensor first). On an error found on the device the tensor handed back is the unchanged input;
+//! an `Err` returned at once (a host rule: ranks, dtypes, shapes, devices) has consumed the inputs.
+//!
+//! ```no_run
+//! use burn_core::tensor::{Device, Int, Tensor};
+//! use kvplan::KvStore;
+//! # fn step(device: &Device, req_to_token: Tensor<2, Int>, rpi: Tensor<1, Int>,
+//! #     start: Tensor<1, Int>, lengths: Tensor<1, Int>, out_cache_loc: Tensor<1, Int>,
+//! #     k_cache: Tensor<2>, k_rows: Tensor<2>) -> Result<(), kvplan::Error> {
+//! // Once, at start-up: the duplicate-slot scratch for caches of 2^20 slots.
+//! let mut store = KvStore::allocate(1 << 20, device)?;
+//! // Every step: no read-back until the step checks its statuses.
+//! let assigned = kvplan::segment_assign_deferred(req_to_token, rpi, start, lengths, out_cache_loc.clone())?;
+//! let stored = store.store_deferred(k_cache, out_cache_loc, k_rows)?;
+//! kvplan::check_all(&[&assigned.status, &stored.status])?;
+//! # Ok(()) }
+//! ```
+
+use burn_core::backend::tensor::IntTensor;
+use burn_core::backend::{Backend, Dispatch, TensorData, TensorMetadata};
+use burn_core::tensor::kind::Basic;
+use burn_core::tensor::{Device, Float, Int, IntDType, Shape, Tensor};
+use kvplan_kernels::slots::{STORE_CLOCK_LIMIT, fresh_store_control};
+
+use crate::deferred::Status;
+use crate::error::{ASSIGN_CONTEXT, Error, STORE_CONTEXT};
+use crate::gather::arg;
+use crate::ops::{KvPlanBackend, KvRows, StoreScratchPrimitive};
+use crate::validate;
+
+/// The result of [`segment_assign_deferred`]: nothing was read back.
+#[derive(Debug, Clone)]
+pub struct Assigned {
+    /// The table with the runs written, or, after an error the status holds, as it was.
+    pub req_to_token: Tensor<2, Int>,
+    /// The device-side status; its count is the number of slots written.
+    pub status: Status,
+}
+
+/// The result of [`KvStore::store_deferred`] (a float cache) or [`KvStore::store_int_deferred`]
+/// (`Stored<Int>`): nothing was read back.
+#[derive(Debug, Clone)]
+pub struct Stored<K: Basic = Float> {
+    /// The cache with the rows stored, or, after an error the status holds, as it was.
+    pub cache: Tensor<2, K>,
+    /// The device-side status; its count is the number of tokens stored.
+    pub status: Status,
+}
+
+/// The slot assignment ops on any backend's primitives: what the `Tensor` API runs with
+/// `B = Dispatch`, and what backend-generic code (or a test of one backend without Fusion) calls.
+pub mod backend {
+    use super::*;
+
+    /// A deferred `segment_assign` on primitives.
+    #[derive(Debug, Clone)]
+    pub struct DeferredAssign<B: Backend = Dispatch> {
+        /// The table (see [`Assigned::req_to_token`]).
+        pub req_to_token: IntTensor<B>,
+        /// The device-side status.
+        pub status: Status<B>,
+    }
+
+    /// A deferred store on primitives.
+    #[derive(Debug, Clone)]
+    pub struct DeferredStore<B: Backend = Dispatch> {
+        /// The cache (see [`Stored::cache`]).
+        pub cache: KvRows<B>,
+        /// The device-side status.
+        pub status: Status<B>,
+    }
+
+    /// [`segment_assign_deferred`](super::segment_assign_deferred) on primitives.
+    pub fn segment_assign_deferred<B: KvPlanBackend>(
+        req_to_token: IntTensor<B>,
+        req_pool_indices: IntTensor<B>,
+        start: IntTensor<B>,
+        lengths: IntTensor<B>,
+        out_cache_loc: IntTensor<B>,
+    ) -> Result<DeferredAssign<B>, Error> {
+        validate::segment_assign(
+            &arg("req_to_token", &req_to_token),
+            &arg("req_pool_indices", &req_pool_indices),
+            &arg("start", &start),
+            &arg("lengths", &lengths),
+            &arg("out_cache_loc", &out_cache_loc),
+        )?;
+        let output = B::segment_assign(
+            req_to_token,
+            req_pool_indices,
+            start,
+            lengths,
+            out_cache_loc,
+        );
+        Ok(DeferredAssign {
+            req_to_token: output.req_to_token,
+            status: Status::new(output.status, ASSIGN_CONTEXT),
+        })
+    }
+
+    /// [`segment_assign`](super::segment_assign) on primitives: one read-back of the status.
+    pub fn segment_assign<B: KvPlanBackend>(
+        req_to_token: IntTensor<B>,
+        req_pool_indices: IntTensor<B>,
+        start: IntTensor<B>,
+        lengths: IntTensor<B>,
+        out_cache_loc: IntTensor<B>,
+    ) -> Result<IntTensor<B>, Error> {
+        let assigned = segment_assign_deferred::<B>(
+            req_to_token,
+            req_pool_indices,
+            start,
+            lengths,
+            out_cache_loc,
+        )?;
+        assigned.status.check()?;
+        Ok(assigned.req_to_token)
+    }
+
+    /// [`KvStore::store_deferred`] on primitives, for a float or an int cache.
+    pub fn store_deferred<B: KvPlanBackend>(
+        store: &mut KvStore<B>,
+        cache: KvRows<B>,
+        loc: IntTensor<B>,
+        values: KvRows<B>,
+    ) -> Result<DeferredStore<B>, Error> {
+        store.store_rows(cache, loc, values)
+    }
+
+    /// [`KvStore::store`] on primitives: one read-back of the status.
+    pub fn store<B: KvPlanBackend>(
+        store: &mut KvStore<B>,
+        cache: KvRows<B>,
+        loc: IntTensor<B>,
+        values: KvRows<B>,
+    ) -> Result<KvRows<B>, Error> {
+        let stored = store.store_rows(cache, loc, values)?;
+        stored.status.check()?;
+        Ok(stored.cache)
+    }
+}
+
+/// `req_to_token[req_pool_indices[i], start[i] + j] = out_cache_loc[offset(i) + j]` for
+/// `j < lengths[i]`, `offset(i) = sum(lengths[..i])` (spec `slots.md` §1): the inverse of
+/// [`segment_gather`](crate::segment_gather). Reads its status back once.
+///
+/// Int inputs may be i32 or i64. A padding request has `req_pool_indices[i] == 0` and length 0.
+/// Every value rule (rows, padding, lengths, positions, the slot count, slots that do not fit the
+/// table, two requests writing one cell) is checked before any cell is written.
+pub fn segment_assign(
+    req_to_token: Tensor<2, Int>,
+    req_pool_indices: Tensor<1, Int>,
+    start: Tensor<1, Int>,
+    lengths: Tensor<1, Int>,
+    out_cache_loc: Tensor<1, Int>,
+) -> Result<Tensor<2, Int>, Error> {
+    let assigned = segment_assign_deferred(
+        req_to_token,
+        req_pool_indices,
+        start,
+        lengths,
+        out_cache_loc,
+    )?;
+    assigned.status.check()?;
+    Ok(assigned.req_to_token)
+}
+
+/// [`segment_assign`] without any transfer to the host: value errors stay in the status (and the
+/// table comes back unchanged) until `check()` or [`check_all`](crate::check_all).
+pub fn segment_assign_deferred(
+    req_to_token: Tensor<2, Int>,
+    req_pool_indices: Tensor<1, Int>,
+    start: Tensor<1, Int>,
+    lengths: Tensor<1, Int>,
+    out_cache_loc: Tensor<1, Int>,
+) -> Result<Assigned, Error> {
+    let assigned = backend::segment_assign_deferred::<Dispatch>(
+        req_to_token.into_dispatch(),
+        req_pool_indices.into_dispatch(),
+        start.into_dispatch(),
+        lengths.into_dispatch(),
+        out_cache_loc.into_dispatch(),
+    )?;
+    Ok(Assigned {
+        req_to_token: Tensor::from_dispatch(assigned.req_to_token),
+        status: assigned.status,
+    })
+}
+
+/// Stores token rows (K, V, or any per-slot payload) at their KV slots: `cache[loc[i]] =
+/// values[i]` (spec `slots.md` §2), for caches of at most `num_slots` slots.
+///
+/// The store keeps the duplicate-slot scratch: one 32-bit word per slot, allocated once and reset
+/// without a memset (each call claims slots with clock values above every earlier call's), so a
+/// call uploads nothing and allocates only its status. One store serves every cache of the model
+/// (K and V of every layer), one call at a time.
+///
+/// Float caches go through [`store`](Self::store), int caches (raw bytes, quantized codes) through
+/// [`store_int`](Self::store_int); `values` has the cache's dtype and trailing shape.
+#[derive(Debug)]
+pub struct KvStore<B: KvPlanBackend = Dispatch> {
+    // `None` only while a store call has lent it to the op.
+    scratch: Option<StoreScratchPrimitive<B>>,
+    num_slots: usize,
+    // The next call's first clock value.
+    clock: u64,
+    device: B::Device,
+}
+
+impl KvStore {
+    /// A store for caches of at most `num_slots` slots, on `device`.
+    pub fn allocate(num_slots: usize, device: &Device) -> Result<Self, Error> {
+        Self::allocate_on(num_slots, device.as_dispatch())
+    }
+
+    /// Stores `values [N, D]` at the slots `loc [N]` (i32 or i64) of a float `cache [S, D]`,
+    /// reading the status back once.
+    pub fn store(
+        &mut self,
+        cache: Tensor<2>,
+        loc: Tensor<1, Int>,
+        values: Tensor<2>,
+    ) -> Result<Tensor<2>, Error> {
+        let stored = self.store_deferred(cache, loc, values)?;
+        stored.status.check()?;
+        Ok(stored.cache)
+    }
+
+    /// [`store`](Self::store) without any transfer to the host: value errors (a slot outside the
+    /// cache, a slot other than 0 named twice) stay in the status, and the cache comes back
+    /// unchanged, until `check()` or [`check_all`](crate::check_all).
+    pub fn store_deferred(
+        &mut self,
+        cache: Tensor<2>,
+        loc: Tensor<1, Int>,
+        values: Tensor<2>,
+    ) -> Result<Stored, Error> {
+        let stored = self.store_rows(
+            KvRows::Float(cache.into_dispatch()),
+            loc.into_dispatch(),
+            KvRows::Float(values.into_dispatch()),
+        )?;
+        Ok(stored_tensor(stored))
+    }
+
+    /// [`store`](Self::store) for an int cache (any int dtype).
+    pub fn store_int(
+        &mut self,
+        cache: Tensor<2, Int>,
+        loc: Tensor<1, Int>,
+        values: Tensor<2, Int>,
+    ) -> Result<Tensor<2, Int>, Error> {
+        let stored = self.store_int_deferred(cache, loc, values)?;
+        stored.status.check()?;
+        Ok(stored.cache)
+    }
+
+    /// [`store_deferred`](Self::store_deferred) for an int cache (any int dtype).
+    pub fn store_int_deferred(
+        &mut self,
+        cache: Tensor<2, Int>,
+        loc: Tensor<1, Int>,
+        values: Tensor<2, Int>,
+    ) -> Result<Stored<Int>, Error> {
+        let stored = self.store_rows(
+            KvRows::Int(cache.into_dispatch()),
+            loc.into_dispatch(),
+            KvRows::Int(values.into_dispatch()),
+        )?;
+        Ok(stored_tensor(stored))
+    }
+}
+
+/// A deferred store's cache as a tensor of kind `K` (the kind it was given as).
+fn stored_tensor<K: Basic>(stored: backend::DeferredStore) -> Stored<K> {
+    let cache = match stored.cache {
+        KvRows::Float(tensor) | KvRows::Int(tensor) => tensor,
+    };
+    Stored {
+        cache: Tensor::from_dispatch(cache),
+        status: stored.status,
+    }
+}
+
+impl<B: KvPlanBackend> KvStore<B> {
+    /// [`KvStore::allocate`] on a backend's device.
+    pub fn allocate_on(num_slots: usize, device: &B::Device) -> Result<Self, Error> {
+        Ok(Self {
+            scratch: Some(fresh_scratch::<B>(num_slots, device)),
+            num_slots,
+            clock: 1,
+            device: device.clone(),
+        })
+    }
+
+    /// The most slots a cache of this store may have.
+    pub fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+
+    /// The store's scratch (tests, debugging).
+    pub fn scratch(&self) -> &StoreScratchPrimitive<B> {
+        self.scratch
+            .as_ref()
+            .expect("the scratch is only lent out during a store")
+    }
+
+    /// The store's device.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    /// Moves the clock on as if `tokens` more tokens had been stored (tests of the clock's end).
+    #[doc(hidden)]
+    pub fn advance_clock(&mut self, tokens: u64) {
+        self.clock = (self.clock + tokens).min(STORE_CLOCK_LIMIT);
+    }
+
+    /// One deferred store on primitives: the host rules, then the op (see
+    /// [`backend::store_deferred`]).
+    pub fn store_rows(
+        &mut self,
+        cache: KvRows<B>,
+        loc: IntTensor<B>,
+        values: KvRows<B>,
+    ) -> Result<backend::DeferredStore<B>, Error> {
+        validate::store_kv(
+            &rows_arg("cache", &cache),
+            &arg("loc", &loc),
+            &rows_arg("values", &values),
+            self.num_slots,
+        )?;
+        let tokens = loc.shape()[0] as u64;
+        let Some(mut scratch) = self.scratch.take() else {
+            unreachable!("the scratch is always returned to its store");
+        };
+        // Past the clock's range the words start again from zero: the one fill in 2^31 stored
+        // tokens. A single call of that many tokens is refused by the op (`index_range`).
+        if self.clock + tokens > STORE_CLOCK_LIMIT && tokens < STORE_CLOCK_LIMIT {
+            scratch.slot_words = zeroed_words::<B>(self.num_slots, &self.device);
+            self.clock = 1;
+        }
+        let base = self.clock as u32;
+        self.clock = (self.clock + tokens).min(STORE_CLOCK_LIMIT);
+        let output = B::store_kv(cache, loc, values, scratch, base);
+        self.scratch = Some(output.scratch);
+        Ok(backend::DeferredStore {
+            cache: output.cache,
+            status: Status::new(output.status, STORE_CONTEXT),
+        })
+    }
+}
+
+fn rows_arg<B: Backend>(name: &'static str, rows: &KvRows<B>) -> validate::Arg<B::Device> {
+    match rows {
+        KvRows::Float(tensor) => arg(name, tensor),
+        KvRows::Int(tensor) => arg(name, tensor),
+    }
+}
+
+/// One zeroed u32 word per slot (at least one: zero-sized buffers are not bindable everywhere).
+fn zeroed_words<B: Backend>(num_slots: usize, device: &B::Device) -> IntTensor<B> {
+    B::int_zeros(Shape::new([num_slots.max(1)]), device, IntDType::U32)
+}
+
+/// The scratch of a fresh store: zeroed slot words, clean control words.
+fn fresh_scratch<B: Backend>(num_slots: usize, device: &B::Device) -> StoreScratchPrimitive<B> {
+    let control: Vec<i64> = fresh_store_control()
+        .into_iter()
+        .map(|word| word as i64)
+        .collect();
+    let len = control.len();
+    StoreScratchPrimitive {
+        slot_words: zeroed_words::<B>(num_slots, device),
+        control: B::int_from_data(TensorData::new(control, [len]), device),
+    }
+}

@@ -1,0 +1,405 @@
+//! `kvplan generate`: SmolLM2 served by the speculative decoder of `kvplan-decoder`, on a device.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use burn_core::tensor::{DType, Device, DeviceKind};
+use kvplan_decoder::engine::{Corruption, Drafting, Engine, EngineOptions, Outcome, Request};
+use kvplan_decoder::gguf::Gguf;
+use kvplan_decoder::model::Llama;
+use kvplan_decoder::model_file;
+use kvplan_decoder::sample::Sampling;
+use kvplan_decoder::tokenizer::Tokenizer;
+
+use crate::backends::BackendName;
+use crate::demo;
+
+/// `kvplan generate`'s usage.
+pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--raw] [--spec off|ngram|self]
+    [--draft-tokens K] [--draft-layers L] [--backend flex|vulkan|cuda] [--max-new-tokens N]
+    [--temperature T] [--seed S] [--batch N] [--dtype f32|f64] [--model FILE.gguf]
+    [--inject-corruption kv-byte|stale-row] [--json] [--ignore-eos] [--limit N]
+  Each prompt is a user message rendered with the GGUF's chat template (--raw: plain completion).
+  FILE holds one JSON object per line ({\"prompt\": ..., \"arrival_step\": 0, \"max_new_tokens\": 64}),
+  or plain lines of prompt text (--limit N: the first N). Without prompts, a built-in set runs.
+  --ignore-eos generates exactly the budget (benchmarks).";
+
+/// The built-in prompts: two repetitive ones (lists and code, where drafts from the context pay).
+const DEFAULT_PROMPTS: [&str; 4] = [
+    "What is the capital of France?",
+    "List the days of the week, one per line, then list them again in the same order.",
+    "Write a Python function that returns the squares of the numbers 1 to 10, then call it and print the result.",
+    "Explain in two sentences why the sky is blue.",
+];
+
+/// Everything `generate` was asked for.
+#[derive(Debug, Clone)]
+struct Args {
+    prompts: Vec<PromptSpec>,
+    raw: bool,
+    drafting: String,
+    draft_tokens: usize,
+    draft_layers: Option<usize>,
+    backend: Option<BackendName>,
+    max_new_tokens: usize,
+    temperature: f64,
+    seed: u64,
+    batch: usize,
+    dtype: DType,
+    model: Option<PathBuf>,
+    corruption: Option<Corruption>,
+    json: bool,
+    ignore_eos: bool,
+}
+
+#[derive(Debug, Clone)]
+struct PromptSpec {
+    text: String,
+    arrival_step: usize,
+    max_new_tokens: Option<usize>,
+}
+
+/// Runs `kvplan generate ARGS`.
+pub fn main(args: &[String]) -> Result<ExitCode, String> {
+    let args = parse(args)?;
+    let backend = match args.backend {
+        Some(name) => demo::choose(Some(name))?.name,
+        None => best_backend(),
+    };
+    let device = match backend {
+        BackendName::Flex => Device::flex(),
+        BackendName::Vulkan => Device::vulkan(DeviceKind::DefaultDevice),
+        #[cfg(feature = "cuda")]
+        BackendName::Cuda => Device::cuda(0),
+        other => {
+            return Err(format!(
+                "generate runs on flex, vulkan or cuda (the Tensor API's devices), not {other}"
+            ));
+        }
+    };
+    let path = match &args.model {
+        Some(path) => path.clone(),
+        None => model_file::smollm2_path().map_err(|e| e.to_string())?,
+    };
+    let loading = Instant::now();
+    let gguf = Gguf::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let tokenizer = Tokenizer::from_gguf(&gguf).map_err(|e| format!("{}: {e}", path.display()))?;
+    let model = Llama::load(&gguf, &device, args.dtype).map_err(|e| e.to_string())?;
+    let config = model.config().clone();
+    drop(gguf);
+    eprintln!(
+        "generate: {} ({} layers, hidden {}) on {backend} as {:?}, loaded in {:.1} s",
+        path.display(),
+        config.layers,
+        config.hidden,
+        args.dtype,
+        loading.elapsed().as_secs_f64()
+    );
+
+    let mut requests = Vec::with_capacity(args.prompts.len());
+    for (id, prompt) in args.prompts.iter().enumerate() {
+        let text = if args.raw {
+            prompt.text.clone()
+        } else {
+            tokenizer.render_chat(&prompt.text).map_err(|e| e.to_string())?
+        };
+        requests.push(Request {
+            id,
+            prompt: tokenizer.encode(&text).map_err(|e| e.to_string())?,
+            max_new_tokens: prompt.max_new_tokens.unwrap_or(args.max_new_tokens),
+            arrival_step: prompt.arrival_step,
+        });
+    }
+    let drafting = match args.drafting.as_str() {
+        "off" => Drafting::Off,
+        "ngram" => Drafting::Ngram { max_ngram: 3 },
+        "self" => Drafting::SelfSpeculative {
+            layers: args.draft_layers.unwrap_or(config.layers.saturating_sub(4).max(1)),
+        },
+        other => return Err(format!("--spec {other:?}: expected off, ngram or self")),
+    };
+    let longest = requests.iter().map(|r| r.prompt.len() + r.max_new_tokens).max().unwrap_or(0);
+    let max_context = (longest + args.draft_tokens + 1).next_multiple_of(64).min(config.context_length);
+    let max_batch = args.batch.min(requests.len().max(1));
+    let options = EngineOptions {
+        drafting,
+        draft_tokens: if drafting == Drafting::Off { 0 } else { args.draft_tokens },
+        max_batch,
+        kv_slots: max_batch * max_context + 1,
+        max_context,
+        sampling: Sampling {
+            temperature: args.temperature,
+            seed: args.seed,
+        },
+        corruption: args.corruption.map(|kind| (kind, 8)),
+        ..EngineOptions::default()
+    };
+    let eos = if args.ignore_eos {
+        Vec::new()
+    } else {
+        tokenizer.end_of_generation_ids().to_vec()
+    };
+    let mut engine = Engine::new(model, eos, options).map_err(|e| e.to_string())?;
+
+    // One request streams its text; a batch shows a progress line and prints texts at the end.
+    let streaming = requests.len() == 1 && !args.json;
+    let mut stream = tokenizer.detokenizer();
+    let mut generated = 0usize;
+    let started = Instant::now();
+    let outcomes = engine
+        .run(requests.clone(), |_, tokens| {
+            generated += tokens.len();
+            if streaming {
+                for &token in tokens.iter().filter(|&&t| !tokenizer.is_eos(t)) {
+                    if let Ok(Some(text)) = stream.step(&tokenizer, token) {
+                        print!("{text}");
+                    }
+                }
+                let _ = std::io::stdout().flush();
+            } else if !args.json {
+                eprint!("\rgenerate: {generated} tokens, {:.1} s", started.elapsed().as_secs_f64());
+            }
+        })
+        .map_err(|e| e.to_string())?;
+    let elapsed = started.elapsed();
+    if streaming {
+        println!("{}", stream.finish(&tokenizer).unwrap_or_default());
+    } else if !args.json {
+        eprintln!();
+    }
+    for outcome in &outcomes {
+        report(&args, &tokenizer, &requests[outcome.id], outcome, streaming)?;
+    }
+    summary(&engine, &outcomes, elapsed.as_secs_f64());
+    if let Some(injected) = engine.injected() {
+        let found = outcomes
+            .iter()
+            .flat_map(|o| &o.canary_violations)
+            .any(|r| r.request == injected.request && r.position == injected.position);
+        eprintln!(
+            "inject-corruption: {} at request {} slot {} position {}: {}",
+            injected.reasons,
+            injected.request,
+            injected.slot,
+            injected.position,
+            if found { "reported by the canary, request recomputed" } else { "NOT reported" }
+        );
+        if !found {
+            return Ok(ExitCode::FAILURE);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// CUDA when a probe runs there, else Flex: lavapipe-class software Vulkan is slower than Flex for
+/// a model, so Vulkan runs when asked for (`--backend vulkan`).
+fn best_backend() -> BackendName {
+    if cfg!(feature = "cuda") {
+        if let Ok(choice) = demo::choose(None) {
+            if choice.name == BackendName::Cuda {
+                return BackendName::Cuda;
+            }
+        }
+    }
+    BackendName::Flex
+}
+
+fn report(
+    args: &Args,
+    tokenizer: &Tokenizer,
+    request: &Request,
+    outcome: &Outcome,
+    streamed: bool,
+) -> Result<(), String> {
+    let text = tokenizer.decode(&outcome.tokens).map_err(|e| e.to_string())?;
+    let prompt = &args.prompts[outcome.id].text;
+    if args.json {
+        let violations: Vec<_> = outcome
+            .canary_violations
+            .iter()
+            .map(|r| serde_json::json!({"slot": r.slot, "position": r.position, "reasons": r.reasons}))
+            .collect();
+        let line = serde_json::json!({
+            "prompt": prompt,
+            "text": text,
+            "tokens": outcome.tokens,
+            "prompt_tokens": request.prompt.len(),
+            "drafted": outcome.drafted,
+            "accepted": outcome.accepted,
+            "steps": outcome.steps,
+            "finish": format!("{:?}", outcome.finish).to_lowercase(),
+            "canary_violations": violations,
+        });
+        println!("{line}");
+    } else if !streamed {
+        println!("--- [{}] {prompt}\n{text}", outcome.id);
+    }
+    Ok(())
+}
+
+fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64) {
+    let tokens: usize = outcomes.iter().map(|o| o.tokens.len()).sum();
+    let drafted: usize = outcomes.iter().map(|o| o.drafted).sum();
+    let accepted: usize = outcomes.iter().map(|o| o.accepted).sum();
+    let times = engine.times();
+    let total = times.total.as_secs_f64().max(1e-9);
+    let kvplan = times.kvplan.as_secs_f64();
+    eprintln!(
+        "generate: {} requests, {tokens} tokens in {seconds:.2} s: {:.1} tokens/s; {} steps, {:.2} ms/step \
+         (kvplan ops {:.1}%, model {:.1}%); drafts accepted {accepted}/{drafted} ({:.0}%); {:.2} tokens/step/request",
+        outcomes.len(),
+        tokens as f64 / seconds,
+        times.steps,
+        1e3 * total / times.steps.max(1) as f64,
+        100.0 * kvplan / total,
+        100.0 * (total - kvplan) / total,
+        if drafted > 0 { 100.0 * accepted as f64 / drafted as f64 } else { 0.0 },
+        tokens as f64 / outcomes.iter().map(|o| o.steps).sum::<usize>().max(1) as f64,
+    );
+}
+
+fn parse(args: &[String]) -> Result<Args, String> {
+    let mut parsed = Args {
+        prompts: Vec::new(),
+        raw: false,
+        drafting: "ngram".into(),
+        draft_tokens: 4,
+        draft_layers: None,
+        backend: None,
+        max_new_tokens: 64,
+        temperature: 0.0,
+        seed: 0,
+        batch: 8,
+        dtype: DType::F32,
+        model: None,
+        corruption: None,
+        json: false,
+        ignore_eos: false,
+    };
+    let mut limit = None;
+    let mut rest = args.iter();
+    let mut file = None;
+    while let Some(arg) = rest.next() {
+        let mut value = |flag: &str| {
+            rest.next()
+                .cloned()
+                .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))
+        };
+        fn number<T: std::str::FromStr>(flag: &str, text: String) -> Result<T, String> {
+            text.parse()
+                .map_err(|_| format!("{flag} {text:?}: not a valid number\n{USAGE}"))
+        }
+        match arg.as_str() {
+            "--file" => file = Some(value("--file")?),
+            "--raw" => parsed.raw = true,
+            "--json" => parsed.json = true,
+            "--ignore-eos" => parsed.ignore_eos = true,
+            "--limit" => limit = Some(number::<usize>("--limit", value("--limit")?)?),
+            "--spec" => parsed.drafting = value("--spec")?,
+            "--draft-tokens" => parsed.draft_tokens = number("--draft-tokens", value("--draft-tokens")?)?,
+            "--draft-layers" => parsed.draft_layers = Some(number("--draft-layers", value("--draft-layers")?)?),
+            "--max-new-tokens" => {
+                parsed.max_new_tokens = number("--max-new-tokens", value("--max-new-tokens")?)?
+            }
+            "--temperature" => parsed.temperature = number("--temperature", value("--temperature")?)?,
+            "--seed" => parsed.seed = number("--seed", value("--seed")?)?,
+            "--batch" => parsed.batch = number("--batch", value("--batch")?)?,
+            "--model" => parsed.model = Some(PathBuf::from(value("--model")?)),
+            "--backend" => {
+                parsed.backend = Some(value("--backend")?.parse::<BackendName>()?);
+            }
+            "--dtype" => {
+                parsed.dtype = match value("--dtype")?.as_str() {
+                    "f32" => DType::F32,
+                    "f64" => DType::F64,
+                    other => return Err(format!("--dtype {other:?}: expected f32 or f64")),
+                }
+            }
+            "--inject-corruption" => {
+                parsed.corruption = Some(match value("--inject-corruption")?.as_str() {
+                    "kv-byte" => Corruption::KvByte,
+                    "stale-row" => Corruption::StaleRow,
+                    other => {
+                        return Err(format!(
+                            "--inject-corruption {other:?}: expected kv-byte or stale-row"
+                        ));
+                    }
+                })
+            }
+            flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}\n{USAGE}")),
+            prompt => parsed.prompts.push(PromptSpec {
+                text: prompt.to_string(),
+                arrival_step: 0,
+                max_new_tokens: None,
+            }),
+        }
+    }
+    if !(parsed.temperature >= 0.0 && parsed.temperature.is_finite()) {
+        return Err(format!("--temperature {}: must be a finite number >= 0", parsed.temperature));
+    }
+    if parsed.batch == 0 || parsed.max_new_tokens == 0 {
+        return Err("--batch and --max-new-tokens must be at least 1".into());
+    }
+    if let Some(file) = file {
+        parsed.prompts.extend(read_workload(&file)?);
+    }
+    if let Some(limit) = limit {
+        parsed.prompts.truncate(limit);
+    }
+    if parsed.prompts.is_empty() {
+        parsed.prompts = DEFAULT_PROMPTS
+            .iter()
+            .map(|text| PromptSpec {
+                text: text.to_string(),
+                arrival_step: 0,
+                max_new_tokens: None,
+            })
+            .collect();
+    }
+    Ok(parsed)
+}
+
+/// A workload file: JSON lines with `prompt` and optional `arrival_step` and `max_new_tokens`,
+/// or plain prompt lines.
+fn read_workload(file: &str) -> Result<Vec<PromptSpec>, String> {
+    let text = std::fs::read_to_string(file).map_err(|e| format!("cannot read {file}: {e}"))?;
+    let mut prompts = Vec::new();
+    for (number, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        if !line.starts_with('{') {
+            prompts.push(PromptSpec {
+                text: line.to_string(),
+                arrival_step: 0,
+                max_new_tokens: None,
+            });
+            continue;
+        }
+        let at = |what: &str| format!("{file}:{}: {what}", number + 1);
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| at(&format!("not JSON: {e}")))?;
+        let text = value
+            .get("prompt")
+            .and_then(|p| p.as_str())
+            .ok_or_else(|| at("field \"prompt\" (a string) is missing"))?;
+        let count = |field: &str| -> Result<Option<usize>, String> {
+            match value.get(field) {
+                None => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .map(|n| Some(n as usize))
+                    .ok_or_else(|| at(&format!("field {field:?} must be a non-negative integer"))),
+            }
+        };
+        prompts.push(PromptSpec {
+            text: text.to_string(),
+            arrival_step: count("arrival_step")?.unwrap_or(0),
+            max_new_tokens: count("max_new_tokens")?,
+        });
+    }
+    Ok(prompts)
+}
