@@ -372,6 +372,17 @@ impl Engine {
         Ok(finished)
     }
 
+    /// Restarts the sampling generator from `seed` (an idle engine serves the next run with it).
+    pub fn reseed(&mut self, seed: u64) {
+        self.options.sampling.seed = seed;
+        self.rng = Rng::new(seed);
+    }
+
+    /// The model back, for another engine.
+    pub fn into_model(self) -> Llama {
+        self.model
+    }
+
     /// Where the steps' time went.
     pub fn times(&self) -> &StepTimes {
         &self.times
@@ -388,6 +399,37 @@ impl Engine {
     /// The corruption injected, if any (request, slot, position).
     pub fn injected(&self) -> Option<&Reported> {
         self.injected.as_ref()
+    }
+
+    /// The target's distribution of the token after `context` at the engine's temperature (a
+    /// sampling engine, nothing running): one prefill through the same cache, slots given back.
+    pub fn next_token_distribution(&mut self, context: &[u32]) -> Result<Vec<f32>> {
+        if self.options.sampling.is_greedy() || !self.running.is_empty() || context.is_empty() {
+            return Err(DecoderError::Options(
+                "next_token_distribution needs a sampling engine with nothing running and a context".into(),
+            ));
+        }
+        let row = self.rows.take(1)?[0];
+        let work = vec![RowWork {
+            index: Some(0),
+            row,
+            start: 0,
+            input: context.to_vec(),
+            draft: Vec::new(),
+            draft_probs: None,
+            slots: self.slots.take(context.len())?,
+        }];
+        self.assign_slots(&work)?;
+        let targets = self.verify(&work);
+        self.slots.give_back(&work[0].slots);
+        self.rows.give_back(&[row]);
+        let mut statuses = std::mem::take(&mut self.statuses);
+        statuses.extend(self.cache.take_statuses());
+        kvplan::check_all(&statuses.iter().collect::<Vec<_>>())?;
+        match targets?.pop() {
+            Some(Target::Probs(mut rows)) => Ok(rows.pop().expect("one position")),
+            _ => unreachable!("a sampling engine's verify gives distributions"),
+        }
     }
 
     /// Moves arrived requests into the batch while rows and slots last.

@@ -1107,7 +1107,9 @@ pub fn quantize(values: &[f32], ggml_type: GgmlType) -> Option<Vec<u8>> {
 /// w.tensor("w", &[2, 32], &vec![0.5; 64], GgmlType::Q8_0).unwrap();
 /// let g = Gguf::from_bytes(w.to_bytes()).unwrap();
 /// assert_eq!(g.str("general.architecture").unwrap(), "llama");
-/// assert_eq!(g.tensor("w").unwrap().data, vec![0.5; 64]);
+/// let w = g.tensor("w").unwrap();
+/// assert_eq!(w.shape, [2, 32]);
+/// assert!(w.data.iter().all(|v| (v - 0.5).abs() < 1e-3)); // 8-bit: close, not exact
 /// ```
 #[derive(Clone, Debug, Default)]
 pub struct GgufWriter {

@@ -173,3 +173,122 @@ fn corruption_is_caught_vulkan() {
 fn sampling_is_seeded_flex() {
     sampling_is_seeded(&Device::flex());
 }
+
+/// The accepted tokens follow the target's distribution: the token a self-speculative step emits
+/// first (after a drafted window) against the target's own distribution, by chi-square.
+#[test]
+fn speculative_sampling_matches_the_target_flex() {
+    let device = Device::flex();
+    let prompt: Vec<u32> = vec![40, 41, 42, 43, 44, 45];
+    let temperature = 0.2;
+    let sampling = |seed| EngineOptions {
+        sampling: Sampling { temperature, seed },
+        ..options(Drafting::SelfSpeculative { layers: 1 }, 1)
+    };
+    // The first generated token comes from the prefill; condition on its most likely value.
+    let mut probe = Engine::new(tiny_model(&device), vec![], sampling(0)).unwrap();
+    let first = probe.next_token_distribution(&prompt).unwrap();
+    let t1 = (0..first.len()).max_by(|&a, &b| first[a].total_cmp(&first[b])).unwrap() as u32;
+    let mut context = prompt.clone();
+    context.push(t1);
+    let p = probe.next_token_distribution(&context).unwrap();
+    let mut counts = vec![0usize; p.len()];
+    assert!(first[t1 as usize] > 0.2, "t1 has probability {}", first[t1 as usize]);
+    let mut engine = probe;
+    let (mut kept, mut seed) = (0, 1);
+    while kept < 1000 {
+        seed += 1;
+        engine.reseed(seed);
+        let request = Request { id: 0, prompt: prompt.clone(), max_new_tokens: 2, arrival_step: 0 };
+        let outcome = engine.run(vec![request], |_, _| {}).unwrap().remove(0);
+        if outcome.tokens[0] == t1 {
+            counts[outcome.tokens[1] as usize] += 1;
+            kept += 1;
+        }
+    }
+    // Cells with expected count >= 5; the rest pooled into one.
+    let n = kept as f64;
+    let (mut chi, mut cells, mut rest_p, mut rest_c) = (0.0, 0usize, 0.0, 0usize);
+    for (c, &q) in counts.iter().zip(&p) {
+        if n * q as f64 >= 5.0 {
+            chi += (*c as f64 - n * q as f64).powi(2) / (n * q as f64);
+            cells += 1;
+        } else {
+            rest_p += q as f64;
+            rest_c += c;
+        }
+    }
+    if n * rest_p >= 5.0 {
+        chi += (rest_c as f64 - n * rest_p).powi(2) / (n * rest_p);
+        cells += 1;
+    }
+    // The 99.9% quantile of chi-square with k degrees of freedom is below 3.2k + 11 for k >= 1.
+    let dof = cells.saturating_sub(1).max(1) as f64;
+    assert!(chi < 3.2 * dof + 11.0, "chi-square {chi:.1} over {cells} cells");
+}
+
+/// SmolLM2-135M itself (fetched by `scripts/fetch-model.sh` when it is not in the cache), on Flex.
+mod smollm2 {
+    use super::*;
+    use crate::model_file::smollm2_path;
+    use crate::tokenizer::Tokenizer;
+
+    fn load(dtype: DType) -> (Llama, Tokenizer) {
+        let gguf = Gguf::open(smollm2_path().unwrap()).unwrap();
+        let tokenizer = Tokenizer::from_gguf(&gguf).unwrap();
+        (Llama::load(&gguf, &Device::flex(), dtype).unwrap(), tokenizer)
+    }
+
+    fn chat(tokenizer: &Tokenizer, id: usize, message: &str, max_new_tokens: usize) -> Request {
+        let text = tokenizer.render_chat(message).unwrap();
+        Request {
+            id,
+            prompt: tokenizer.encode(&text).unwrap(),
+            max_new_tokens,
+            arrival_step: 0,
+        }
+    }
+
+    #[test]
+    fn names_paris() {
+        let (model, tokenizer) = load(DType::F32);
+        let eos = tokenizer.end_of_generation_ids().to_vec();
+        let request = chat(&tokenizer, 0, "What is the capital of France?", 24);
+        let mut engine = Engine::new(model, eos, options(Drafting::Off, 1)).unwrap();
+        let outcome = engine.run(vec![request], |_, _| {}).unwrap().remove(0);
+        let text = tokenizer.decode(&outcome.tokens).unwrap();
+        assert!(text.contains("Paris"), "{text:?}");
+    }
+
+    /// Greedy parity on the real model, f64 (see the module docs), three prompts in one batch.
+    #[test]
+    fn speculative_greedy_equals_plain_greedy() {
+        let (model, tokenizer) = load(DType::F64);
+        let eos = tokenizer.end_of_generation_ids().to_vec();
+        let requests: Vec<Request> = [
+            "List the days of the week, one per line.",
+            "Write the numbers from 1 to 20 separated by commas.",
+            "What is the capital of France?",
+        ]
+        .iter()
+        .enumerate()
+        .map(|(id, m)| chat(&tokenizer, id, m, 32))
+        .collect();
+        let mut engine = Engine::new(model, eos.clone(), options(Drafting::Off, 3)).unwrap();
+        let plain = tokens(&engine.run(requests.clone(), |_, _| {}).unwrap());
+        let model = engine.into_model();
+        let mut model = Some(model);
+        for drafting in [
+            Drafting::Ngram { max_ngram: 3 },
+            Drafting::SelfSpeculative { layers: 26 },
+        ] {
+            let mut o = options(drafting, 3);
+            o.draft_tokens = 3;
+            let mut engine = Engine::new(model.take().unwrap(), eos.clone(), o).unwrap();
+            let outcomes = engine.run(requests.clone(), |_, _| {}).unwrap();
+            assert_eq!(tokens(&outcomes), plain, "{drafting:?}");
+            assert!(outcomes.iter().map(|o| o.accepted).sum::<usize>() > 0, "{drafting:?}");
+            model = Some(engine.into_model());
+        }
+    }
+}
