@@ -73,21 +73,33 @@ for part in "$@"; do
       done
       ;;
     decode-check)
-      # The model is right on the GPU: greedy parity of the three drafting modes, and the canary's faults.
-      for spec in off ngram self; do
-        "$BIN" generate --backend cuda --spec "$spec" --max-new-tokens 48 --json --limit 6 \
-          --file benches/prompts.txt > "$OUT/parity-$spec.jsonl" 2> "$OUT/parity-$spec.err"
-        tail -1 "$OUT/parity-$spec.err"
+      # The model is right on the GPU: greedy parity of the three drafting modes, in f64 (the
+      # test's dtype: no near-tie flips between reduction orders) and in f32 (what is served).
+      for dtype in f64 f32; do
+        for spec in off ngram self; do
+          "$BIN" generate --backend cuda --dtype "$dtype" --spec "$spec" --max-new-tokens 48 --json --limit 6 \
+            --file benches/prompts.txt > "$OUT/parity-$dtype-$spec.jsonl" 2> "$OUT/parity-$dtype-$spec.err"
+          echo "$dtype $spec: $(tail -1 "$OUT/parity-$dtype-$spec.err")"
+        done
+        for spec in ngram self; do
+          cmp -s <(python3 -c "import json,sys;[print(json.loads(l)['tokens']) for l in open(sys.argv[1])]" "$OUT/parity-$dtype-off.jsonl") \
+                 <(python3 -c "import json,sys;[print(json.loads(l)['tokens']) for l in open(sys.argv[1])]" "$OUT/parity-$dtype-$spec.jsonl") \
+            && echo "parity $dtype off=$spec: equal" || echo "parity $dtype off=$spec: DIFFERENT"
+        done
       done
-      for spec in ngram self; do
-        cmp -s <(python3 -c "import json,sys;[print(json.loads(l)['tokens']) for l in open(sys.argv[1])]" "$OUT/parity-off.jsonl") \
-               <(python3 -c "import json,sys;[print(json.loads(l)['tokens']) for l in open(sys.argv[1])]" "$OUT/parity-$spec.jsonl") \
-          && echo "parity off=$spec: equal" || echo "parity off=$spec: DIFFERENT"
-      done
+      "$BIN" generate --backend cuda --spec ngram --max-new-tokens 32 --limit 4 --json \
+        --file benches/prompts.txt > "$OUT/inject-clean.jsonl" 2> "$OUT/inject-clean.err"
       for kind in kv-byte stale-row; do
         "$BIN" generate --backend cuda --spec ngram --max-new-tokens 32 --limit 4 --json \
           --file benches/prompts.txt --inject-corruption "$kind" > "$OUT/inject-$kind.jsonl" 2> "$OUT/inject-$kind.err"
         grep -h "inject-corruption" "$OUT/inject-$kind.err"
+        python3 - "$OUT/inject-clean.jsonl" "$OUT/inject-$kind.jsonl" <<'PY'
+import json, sys
+clean, hit = ([json.loads(l) for l in open(f)] for f in sys.argv[1:3])
+for c, h in zip(clean, hit):
+    tag = "victim" if h["canary_violations"] else "other"
+    print(f"  {tag}: {'unchanged' if c['tokens'] == h['tokens'] else 'CHANGED'} {h['canary_violations']}")
+PY
       done
       "$BIN" generate --backend cuda "What is the capital of France?" 2>&1 | tail -3
       ;;

@@ -212,13 +212,14 @@ impl RowWork {
         self.input.len() + self.draft.len()
     }
 
-    fn padding() -> Self {
+    /// A padding row of `window` tokens (all of them stored to slot 0, its outputs unread).
+    fn padding(window: usize) -> Self {
         Self {
             index: None,
             row: 0,
             start: 0,
             input: vec![0],
-            draft: Vec::new(),
+            draft: vec![0; window - 1],
             draft_probs: None,
             slots: Vec::new(),
         }
@@ -241,6 +242,8 @@ const WRITE_KIND: KernelKind = KernelKind::HEAD_K_FULL;
 const VERIFY_KIND: KernelKind = KernelKind::HEAD_K_FULL;
 /// Violation rows the canary's ring keeps between reads.
 const RING_ROWS: usize = 256;
+/// Keys per row are padded to a multiple of this.
+const KV_BLOCK: usize = 64;
 /// The K pool whose bytes the canary fingerprints.
 const CANARY_LAYER: usize = 0;
 
@@ -481,7 +484,11 @@ impl Engine {
             .copied()
             .find(|&b| b >= work.len())
             .unwrap_or(work.len());
-        work.resize_with(bucket.max(work.len()), RowWork::padding);
+        let padding_window = match self.options.drafting {
+            Drafting::Off => 1,
+            _ => self.options.draft_tokens + 1,
+        };
+        work.resize_with(bucket.max(work.len()), || RowWork::padding(padding_window));
         self.assign_slots(&work)?;
         if let Drafting::SelfSpeculative { layers } = self.options.drafting {
             self.draft_self(&mut work, layers)?;
@@ -505,7 +512,12 @@ impl Engine {
             let decoding = input.len() == 1;
             let draft = match self.options.drafting {
                 Drafting::Ngram { max_ngram } if decoding => {
-                    ngram_draft(&request.tokens, max_ngram, k)
+                    // Always k tokens: a fixed window keeps every step's shapes (and so the
+                    // device's compiled kernels) the same; a filler token is only a worse guess.
+                    let mut draft = ngram_draft(&request.tokens, max_ngram, k);
+                    let filler = *draft.last().unwrap_or(&request.tokens[request.tokens.len() - 1]);
+                    draft.resize(k, filler);
+                    draft
                 }
                 // Placeholders, drafted on the device before the verify forward.
                 Drafting::SelfSpeculative { .. } if decoding => vec![0; k],
@@ -554,7 +566,7 @@ impl Engine {
     fn draft_self(&mut self, work: &mut [RowWork], layers: usize) -> Result<()> {
         let k = self.options.draft_tokens;
         let drafting: Vec<usize> = (0..work.len())
-            .filter(|&i| !work[i].draft.is_empty())
+            .filter(|&i| work[i].index.is_some() && !work[i].draft.is_empty())
             .collect();
         if drafting.is_empty() {
             return Ok(());
@@ -834,9 +846,11 @@ impl Engine {
     fn step_input(&mut self, windows: &[Window], ids: Tensor<1, Int>) -> Result<StepInput> {
         let device = self.model.device().clone();
         let rows = windows.len();
+        // Rounded up so that consecutive steps share shapes (the device compiles per shape).
         let max_q = windows.iter().map(|w| w.len).max().unwrap_or(1);
+        let max_q = if max_q > 8 { max_q.next_multiple_of(16) } else { max_q };
         let kv_lens: Vec<usize> = windows.iter().map(|w| w.start + w.len).collect();
-        let max_kv = kv_lens.iter().copied().max().unwrap_or(1);
+        let max_kv = kv_lens.iter().copied().max().unwrap_or(1).next_multiple_of(KV_BLOCK);
         let tokens: usize = windows.iter().map(|w| w.len).sum();
         let mut positions = Vec::with_capacity(tokens);
         let mut pos2d = Vec::with_capacity(rows * max_q);

@@ -60,6 +60,8 @@ pub struct KvCache {
     v: Vec<Tensor<2>>,
     store: KvStore,
     statuses: Vec<Status>,
+    /// Stands in for a pool while a store has it.
+    placeholder: Tensor<2>,
     slots: usize,
     kv_dim: usize,
 }
@@ -73,6 +75,7 @@ impl KvCache {
             v: (0..layers).map(|_| pool()).collect(),
             store: KvStore::allocate(slots, device)?,
             statuses: Vec::new(),
+            placeholder: Tensor::<2>::zeros([1, kv_dim], (device, dtype)),
             slots,
             kv_dim,
         })
@@ -81,11 +84,12 @@ impl KvCache {
     /// Stores `k` and `v` (`[tokens, kv_dim]`) of `layer` at slots `loc` (`[tokens]`), without a
     /// read-back: the statuses wait in [`KvCache::take_statuses`].
     pub fn store(&mut self, layer: usize, loc: Tensor<1, Int>, k: Tensor<2>, v: Tensor<2>) -> Result<()> {
-        let k_pool = self.k[layer].clone();
+        // The pools move into the stores (a kept clone would make them copy the whole pool).
+        let k_pool = std::mem::replace(&mut self.k[layer], self.placeholder.clone());
         let stored = self.store.store_deferred(k_pool, loc.clone(), k)?;
         self.k[layer] = stored.cache;
         self.statuses.push(stored.status);
-        let v_pool = self.v[layer].clone();
+        let v_pool = std::mem::replace(&mut self.v[layer], self.placeholder.clone());
         let stored = self.store.store_deferred(v_pool, loc, v)?;
         self.v[layer] = stored.cache;
         self.statuses.push(stored.status);

@@ -12,12 +12,13 @@
 //! `[base, base + N)`, above every value an earlier call wrote, and token `i` raises its slot's
 //! word to `base + N - 1 - i` (an atomic maximum): a word that was already at or above `base`
 //! was claimed earlier in this call, and once every token is done each word names the first token
-//! of its slot. The last cube to finish writes the status (for a duplicate it looks for the
-//! smallest token that is not its slot's first) and leaves the control words clean.
+//! of its slot. A token that finds its slot claimed reports a token that is not its slot's first:
+//! itself when an earlier token claimed first, else the later token that did, which the old
+//! value names; the smallest second of every slot is reported that way, whatever the order. The
+//! last cube to finish writes the status and leaves the control words clean.
 
 use cubecl::prelude::*;
 
-use crate::gather::clear_status;
 use crate::scan::{
     CUBE_SIZE, NO_ERROR, SLOTS, cube_exclusive_scan, cube_min, publish_block_done, report_error,
 };
@@ -423,7 +424,7 @@ pub fn assign_write_kernel<T: Int, Q: Int, S: Int, C: Int>(
 /// `store_kv` control words (one per store, left clean by every call): the smallest token whose
 /// slot is outside the cache.
 pub const STORE_RANGE: usize = 0;
-/// Set when some slot was claimed twice.
+/// The smallest token whose slot an earlier token claimed.
 pub const STORE_DUPLICATES: usize = 1;
 /// 1 + the last token naming slot 0 (0: none).
 pub const STORE_ZERO: usize = 2;
@@ -436,6 +437,7 @@ pub const STORE_CONTROL_LEN: usize = 4;
 pub fn fresh_store_control() -> Vec<u64> {
     let mut words = vec![0u64; STORE_CONTROL_LEN];
     words[STORE_RANGE] = NO_ERROR;
+    words[STORE_DUPLICATES] = NO_ERROR;
     words
 }
 
@@ -487,10 +489,14 @@ pub fn store_check_kernel<C: Int>(
             dependency |= control[STORE_ZERO].fetch_max(i + 1) >> 63;
         }
         if inside && slot != 0 {
-            let old = slot_words[slot as usize].fetch_max(u32::cast_from(newest - i));
-            dependency |= u64::cast_from(old >> 31u32);
-            if u64::cast_from(old) >= shape.base {
-                dependency |= control[STORE_DUPLICATES].exchange(1u64.runtime()) >> 63;
+            let claim = newest - i;
+            let old = u64::cast_from(slot_words[slot as usize].fetch_max(u32::cast_from(claim)));
+            dependency |= old >> 31;
+            // Claimed earlier in this call: by an earlier token (this one is a second), or by a
+            // later one, which the old value names (that one is a second).
+            if old >= shape.base {
+                let second = select(old > claim, i, newest - old);
+                dependency |= report_error(&control[STORE_DUPLICATES], second) >> 63;
                 reported = true;
             }
         }
@@ -520,16 +526,16 @@ fn finish_store<C: Int>(
     // Swaps, not stores: cubecl 0.10 on SPIR-V was seen to drop the second of two atomic stores.
     let zero = control[STORE_ZERO].exchange(0u64.runtime());
     let mut range = NO_ERROR.runtime();
-    let mut duplicates = 0u64.runtime();
+    let mut second = NO_ERROR.runtime();
     if any_reported {
         range = control[STORE_RANGE].exchange(NO_ERROR.runtime());
-        duplicates = control[STORE_DUPLICATES].exchange(0u64.runtime());
+        second = control[STORE_DUPLICATES].exchange(NO_ERROR.runtime());
     }
     if shape.cubes > 1 {
         control[STORE_DONE].exchange(0u64.runtime());
     }
     let outside = range != NO_ERROR;
-    let duplicate = !outside && duplicates != 0;
+    let duplicate = !outside && second != NO_ERROR;
     let mut words = Array::<i64>::new(STATUS_LEN);
     #[unroll]
     for word in 0..STATUS_LEN {
@@ -542,7 +548,13 @@ fn finish_store<C: Int>(
         words[FACTS + 2] = shape.slots as i64;
     }
     if duplicate {
+        // The slot's word names its first token now.
+        let slot = i64::cast_from(loc[second as usize * shape.loc_stride as usize]);
+        let newest = shape.base + shape.tokens - 1;
         words[CODE] = STORE_DUPLICATE;
+        words[FACTS] = second as i64;
+        words[FACTS + 1] = (newest - u64::cast_from(slot_words[slot as usize].load())) as i64;
+        words[FACTS + 2] = slot;
     }
     if !outside && !duplicate {
         words[COUNT] = shape.tokens as i64;
@@ -551,25 +563,6 @@ fn finish_store<C: Int>(
     #[unroll]
     for word in 0..STATUS_LEN {
         status[word] = words[word];
-    }
-    // A duplicate's facts: the smallest token that is not its slot's first (each slot's word names
-    // its first token now). Last in the kernel, and stored from inside the loop: lavapipe was seen
-    // to lose the code after a loop holding an atomic.
-    let newest = shape.base + shape.tokens - 1;
-    let mut found = !duplicate;
-    let mut t = 0u64.runtime();
-    while !found && t < shape.tokens {
-        let slot = i64::cast_from(loc[t as usize * shape.loc_stride as usize]);
-        if slot > 0 {
-            let first = newest - u64::cast_from(slot_words[slot as usize].load());
-            if first != t {
-                status[FACTS] = t as i64;
-                status[FACTS + 1] = first as i64;
-                status[FACTS + 2] = slot;
-                found = true;
-            }
-        }
-        t += 1;
     }
 }
 

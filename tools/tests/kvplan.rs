@@ -300,11 +300,6 @@ macro_rules! suite {
             }
 
             #[test]
-            fn debug_store() {
-                crate::slots::debug_store::<B>(&device());
-            }
-
-            #[test]
             fn errors_store() {
                 crate::slots::store_errors::<B>(&device());
             }

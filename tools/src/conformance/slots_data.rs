@@ -802,6 +802,32 @@ pub fn records() -> Vec<Value> {
         ));
     }
     records.extend(store_edges());
+    // Rows of every width class the write moves: bytes (odd rows of u8), 2-byte words (odd rows of
+    // f16), 4-byte words, vectors of 4-byte words.
+    let mut rng = Rng(0x524f_5753_5749_4454);
+    for (id, dtype, shape) in [
+        ("uint8_rows_of_3", "uint8", vec![10, 3]),
+        ("uint8_rows_of_8", "uint8", vec![10, 8]),
+        ("float16_rows_of_3", "float16", vec![12, 3]),
+        ("bfloat16_rows_of_2x4", "bfloat16", vec![12, 2, 4]),
+        ("int64_rows_of_1", "int64", vec![12, 1]),
+        ("float32_rows_of_16", "float32", vec![12, 16]),
+    ] {
+        let cache = (0..shape.iter().product::<usize>())
+            .map(|_| element(&mut rng, dtype))
+            .collect();
+        let calls = (0..2)
+            .map(|_| random_call(&mut rng, dtype, &shape))
+            .collect();
+        let store = Store {
+            dtype,
+            num_slots: shape[0],
+            shape,
+            cache,
+            calls,
+        };
+        records.push(store.record(id, &format!("edge:{id}")));
+    }
     let mut rng = Rng(0x5354_4f52_454b_5631);
     for round in 0..24 {
         let store = random_store(&mut rng);

@@ -22,7 +22,7 @@ pub const ASSIGN: &str = "segment_assign:";
 pub const STORE: &str = "store_kv:";
 
 /// Records of `slots.jsonl`.
-const SLOT_RECORDS: usize = 104;
+const SLOT_RECORDS: usize = 117;
 
 pub fn conformance_file_runs<B: KvPlanBackend>(device: &B::Device) {
     let text = conformance_file("slots.jsonl");
@@ -229,9 +229,15 @@ fn broken(rng: &mut Rng, mut case: AssignCase) -> AssignCase {
             }
         }
     }
-    // Slots past int32 need an int64 list.
-    if case.loc.iter().any(|&slot| slot != slot as i32 as i64) {
-        case.dtypes[4] = DType::I64;
+    // Values past int32 need int64 lists.
+    let narrow = |values: &[i64]| values.iter().all(|&v| v == v as i32 as i64);
+    for (k, values) in [&case.rpi, &case.start, &case.lengths, &case.loc]
+        .into_iter()
+        .enumerate()
+    {
+        if !narrow(values) {
+            case.dtypes[k + 1] = DType::I64;
+        }
     }
     case
 }
@@ -1004,24 +1010,4 @@ pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
     let small = ints::<B, 2>(&[0; 8], [2, 4], DType::I32, device);
     let got = backend::segment_assign::<B>(small, l(&[1]), l(&[1]), l(&[2]), l(&[5, 6])).unwrap();
     assert_eq!(values::<B>(got), vec![0, 0, 0, 0, 0, 5, 6, 0]);
-}
-
-pub fn debug_store<B: KvPlanBackend>(device: &B::Device) {
-    let l = |values: &[i64]| list::<B>(values, DType::I64, device);
-    let mut store = KvStore::<B>::allocate_on(16, device).unwrap();
-    let cache = Rows::random(&mut Rng::new(3), DType::F32, vec![16, 4]);
-    for loc in [vec![3i64, 1, 15], vec![0, 4, 0, 0, 5], vec![5, 2, 5], vec![]] {
-        let rows = Rows::random(&mut Rng::new(4), DType::F32, vec![loc.len(), 4]);
-        let stored = backend::store_deferred::<B>(&mut store, cache.primitive(device), l(&loc), rows.primitive(device)).unwrap();
-        let words = values::<B>(stored.status.words().clone());
-        eprintln!("loc {loc:?}: status {words:?}");
-        let control = values::<B>(store_control(&store));
-        let words = values::<B>(store.scratch().slot_words.clone());
-        eprintln!("   control {control:?} words {words:?}");
-        eprintln!("   cache {:?}", read_bytes::<B>(stored.cache).len());
-    }
-}
-
-fn store_control<B: KvPlanBackend>(store: &KvStore<B>) -> IntTensor<B> {
-    store.scratch().control.clone()
 }
