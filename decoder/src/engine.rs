@@ -21,11 +21,11 @@ use std::time::{Duration, Instant};
 
 use burn_core::tensor::{Bool, DType, Int, Tensor, TensorData};
 use kvplan::canary::Violations;
-use kvplan::{
-    Canary, CanaryLaunch, GatherOptions, KernelKind, PlanInputs, RealKvSource, SourceBytes,
-    Status, StepPlan, WriteInputs,
-};
 use kvplan::reference::RealKvHashMode;
+use kvplan::{
+    Canary, CanaryLaunch, GatherOptions, KernelKind, PlanInputs, RealKvSource, SourceBytes, Status,
+    StepPlan, WriteInputs,
+};
 
 use crate::draft::ngram_draft;
 use crate::kv::{FreeList, KvCache};
@@ -79,6 +79,9 @@ pub struct EngineOptions {
     pub batch_buckets: Vec<usize>,
     /// A fault injected at step `.1`.
     pub corruption: Option<(Corruption, usize)>,
+    /// Pad every n-gram draft to `draft_tokens` (fixed step shapes, which a GPU compiles once);
+    /// off on the CPU, where each extra verified token costs time.
+    pub fixed_windows: bool,
 }
 
 impl Default for EngineOptions {
@@ -92,6 +95,7 @@ impl Default for EngineOptions {
             sampling: Sampling::greedy(),
             batch_buckets: vec![1, 2, 4, 8, 16, 32, 64],
             corruption: None,
+            fixed_windows: true,
         }
     }
 }
@@ -305,7 +309,13 @@ impl Engine {
         let req_to_token =
             Tensor::<2, Int>::zeros([table_rows, options.max_context], (&device, DType::I32));
         let verify_capacity = options.max_batch * options.max_context;
-        let write_capacity = options.batch_buckets.iter().copied().max().unwrap_or(1).max(table_rows);
+        let write_capacity = options
+            .batch_buckets
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(1)
+            .max(table_rows);
         let plan = StepPlan::allocate(verify_capacity, write_capacity, &device)?;
         let canary = Canary::allocate(options.kv_slots, 32, RING_ROWS, &device)?;
         Ok(Self {
@@ -515,8 +525,11 @@ impl Engine {
                     // Always k tokens: a fixed window keeps every step's shapes (and so the
                     // device's compiled kernels) the same; a filler token is only a worse guess.
                     let mut draft = ngram_draft(&request.tokens, max_ngram, k);
-                    let filler = *draft.last().unwrap_or(&request.tokens[request.tokens.len() - 1]);
-                    draft.resize(k, filler);
+                    if self.options.fixed_windows {
+                        let last = request.tokens[request.tokens.len() - 1];
+                        let filler = *draft.last().unwrap_or(&last);
+                        draft.resize(k, filler);
+                    }
                     draft
                 }
                 // Placeholders, drafted on the device before the verify forward.
@@ -683,7 +696,9 @@ impl Engine {
             let target = targets.next().expect("a target per real row");
             let mut emitted = match target {
                 Target::Tokens(tokens) => accept_greedy(&w.draft, &tokens),
-                Target::Probs(p) => accept_sampled(&w.draft, w.draft_probs.as_deref(), &p, &mut self.rng),
+                Target::Probs(p) => {
+                    accept_sampled(&w.draft, w.draft_probs.as_deref(), &p, &mut self.rng)
+                }
             };
             let request = &mut self.running[index];
             let budget = request.max_new_tokens - request.generated();
@@ -724,13 +739,20 @@ impl Engine {
             rows.clone(),
             Some(prefix.clone()),
             extend.clone(),
-            &GatherOptions::new().capacity(total.max(1)).context("accepted suffix"),
+            &GatherOptions::new()
+                .capacity(total.max(1))
+                .context("accepted suffix"),
         )?;
         let planned = kvplan::plan_deferred(
             &mut self.plan,
             PlanInputs::new(rows, prefix, extend, self.req_to_token.clone()),
         )?;
-        let input_ids = ints(committed.iter().flat_map(|c| c.tokens.iter().map(|&t| t as i64)), &device);
+        let input_ids = ints(
+            committed
+                .iter()
+                .flat_map(|c| c.tokens.iter().map(|&t| t as i64)),
+            &device,
+        );
         let positions = ints(
             work.iter()
                 .zip(committed)
@@ -746,7 +768,11 @@ impl Engine {
         if total > 0 {
             let slots = accepted.out_tensor().narrow(0, 0, total);
             let write = launch(WRITE_KIND)?;
-            self.canary.write(&self.plan.write, WriteInputs::new(input_ids, positions, slots), &write)?;
+            self.canary.write(
+                &self.plan.write,
+                WriteInputs::new(input_ids, positions, slots),
+                &write,
+            )?;
         }
         let verify = launch(VERIFY_KIND)?;
         self.canary.verify(&self.plan.verify, &verify)?;
@@ -848,9 +874,18 @@ impl Engine {
         let rows = windows.len();
         // Rounded up so that consecutive steps share shapes (the device compiles per shape).
         let max_q = windows.iter().map(|w| w.len).max().unwrap_or(1);
-        let max_q = if max_q > 8 { max_q.next_multiple_of(16) } else { max_q };
+        let max_q = if max_q > 8 {
+            max_q.next_multiple_of(16)
+        } else {
+            max_q
+        };
         let kv_lens: Vec<usize> = windows.iter().map(|w| w.start + w.len).collect();
-        let max_kv = kv_lens.iter().copied().max().unwrap_or(1).next_multiple_of(KV_BLOCK);
+        let max_kv = kv_lens
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(1)
+            .next_multiple_of(KV_BLOCK);
         let tokens: usize = windows.iter().map(|w| w.len).sum();
         let mut positions = Vec::with_capacity(tokens);
         let mut pos2d = Vec::with_capacity(rows * max_q);
@@ -879,7 +914,10 @@ impl Engine {
             kv_offset += kv_lens[i];
         }
         let table_rows = ints(windows.iter().map(|w| w.row), &device);
-        let pos2d = Tensor::<2, Int>::from_data(TensorData::new(pos2d, [rows, max_q]), (&device, DType::I64));
+        let pos2d = Tensor::<2, Int>::from_data(
+            TensorData::new(pos2d, [rows, max_q]),
+            (&device, DType::I64),
+        );
         let mask = Tensor::<2, Bool>::from_data(TensorData::new(mask, [rows, max_q]), &device);
         let lengths = ints(kv_lens.iter().map(|&l| l as i64), &device);
         let timer = Instant::now();
@@ -888,14 +926,18 @@ impl Engine {
             table_rows.clone(),
             pos2d,
             mask,
-            &GatherOptions::new().capacity(tokens).context("draft window"),
+            &GatherOptions::new()
+                .capacity(tokens)
+                .context("draft window"),
         )?;
         let context_slots = kvplan::segment_gather_deferred(
             self.req_to_token.clone(),
             table_rows,
             None,
             lengths,
-            &GatherOptions::new().capacity(kv_offset).context("attention context"),
+            &GatherOptions::new()
+                .capacity(kv_offset)
+                .context("attention context"),
         )?;
         self.statuses.push(window_slots.status.clone());
         self.statuses.push(context_slots.status.clone());
@@ -944,7 +986,8 @@ impl Engine {
                     (&device, dtype),
                 );
                 let s = own_slot as usize;
-                self.cache.set_k_pool(CANARY_LAYER, pool.slice_assign([s..s + 1, 0..kv_dim], row));
+                self.cache
+                    .set_k_pool(CANARY_LAYER, pool.slice_assign([s..s + 1, 0..kv_dim], row));
                 own_slot
             }
             Corruption::StaleRow => {

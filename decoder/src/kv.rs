@@ -33,7 +33,12 @@ impl FreeList {
                 free: self.free.len(),
             });
         }
-        Ok(self.free.split_off(self.free.len() - n).into_iter().rev().collect())
+        Ok(self
+            .free
+            .split_off(self.free.len() - n)
+            .into_iter()
+            .rev()
+            .collect())
     }
 
     /// Gives ids back.
@@ -68,7 +73,13 @@ pub struct KvCache {
 
 impl KvCache {
     /// Zeroed pools of `slots` rows of `kv_dim` values for `layers` layers.
-    pub fn new(layers: usize, slots: usize, kv_dim: usize, device: &Device, dtype: DType) -> Result<Self> {
+    pub fn new(
+        layers: usize,
+        slots: usize,
+        kv_dim: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self> {
         let pool = || Tensor::<2>::zeros([slots, kv_dim], (device, dtype));
         Ok(Self {
             k: (0..layers).map(|_| pool()).collect(),
@@ -83,7 +94,13 @@ impl KvCache {
 
     /// Stores `k` and `v` (`[tokens, kv_dim]`) of `layer` at slots `loc` (`[tokens]`), without a
     /// read-back: the statuses wait in [`KvCache::take_statuses`].
-    pub fn store(&mut self, layer: usize, loc: Tensor<1, Int>, k: Tensor<2>, v: Tensor<2>) -> Result<()> {
+    pub fn store(
+        &mut self,
+        layer: usize,
+        loc: Tensor<1, Int>,
+        k: Tensor<2>,
+        v: Tensor<2>,
+    ) -> Result<()> {
         // The pools move into the stores (a kept clone would make them copy the whole pool).
         let k_pool = std::mem::replace(&mut self.k[layer], self.placeholder.clone());
         let stored = self.store.store_deferred(k_pool, loc.clone(), k)?;

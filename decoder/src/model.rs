@@ -162,7 +162,10 @@ impl Llama {
                 parts.push((weight(name, &[*out, inner])?, *out));
             }
             let width: usize = parts.iter().map(|(_, out)| out).sum();
-            Ok(upload(side_by_side_transposed(&parts, inner), [inner, width]))
+            Ok(upload(
+                side_by_side_transposed(&parts, inner),
+                [inner, width],
+            ))
         };
         let (hidden, ffn, kv_dim) = (config.hidden, config.ffn, config.kv_dim());
         let mut blocks = Vec::with_capacity(config.layers);
@@ -188,7 +191,10 @@ impl Llama {
         let lm_head = if gguf.tensor_info("output.weight").is_ok() {
             matrices(&[("output.weight".to_string(), config.vocab)], hidden)?
         } else {
-            upload(side_by_side_transposed(&[(embed.clone(), config.vocab)], hidden), [hidden, config.vocab])
+            upload(
+                side_by_side_transposed(&[(embed.clone(), config.vocab)], hidden),
+                [hidden, config.vocab],
+            )
         };
         let (rope_cos, rope_sin) = rope_tables(&config, device, dtype);
         Ok(Self {
@@ -265,7 +271,13 @@ impl Llama {
 
     /// Grouped-query attention of the packed queries `q` (`[tokens, heads, head_dim / 2, 2]`)
     /// over the K/V rows `attention.kv_slots` names; `[tokens, hidden]` out.
-    fn attend(&self, cache: &KvCache, layer: usize, q: Tensor<4>, attention: &Attention) -> Tensor<2> {
+    fn attend(
+        &self,
+        cache: &KvCache,
+        layer: usize,
+        q: Tensor<4>,
+        attention: &Attention,
+    ) -> Tensor<2> {
         let c = &self.config;
         let (rows, max_q, max_kv) = (attention.rows, attention.max_q, attention.max_kv);
         let groups = c.heads / c.kv_heads;
@@ -273,7 +285,9 @@ impl Llama {
         let tokens = q.dims()[0];
         // [rows * max_q, hidden] -> [rows, kv_heads, groups * max_q, hd]: query heads that share a
         // K/V head go side by side, so K and V are never repeated.
-        let q = q.reshape([tokens, c.hidden]).select(0, attention.q_pad.clone());
+        let q = q
+            .reshape([tokens, c.hidden])
+            .select(0, attention.q_pad.clone());
         let q = q
             .reshape([rows, max_q, c.kv_heads, groups, hd])
             .permute([0, 2, 3, 1, 4])
@@ -286,7 +300,13 @@ impl Llama {
         let scale = 1.0 / (hd as f64).sqrt();
         let scores = q.matmul(k).mul_scalar(scale); // [rows, kv_heads, groups * max_q, max_kv]
         let scores = scores.reshape([rows, c.kv_heads * groups, max_q, max_kv]);
-        let scores = scores.mask_fill(attention.masked.clone().expand([rows, c.heads, max_q, max_kv]), f64::NEG_INFINITY);
+        let scores = scores.mask_fill(
+            attention
+                .masked
+                .clone()
+                .expand([rows, c.heads, max_q, max_kv]),
+            f64::NEG_INFINITY,
+        );
         let probs = softmax(scores, 3).reshape([rows, c.kv_heads, groups * max_q, max_kv]);
         let out = probs.matmul(v); // [rows, kv_heads, groups * max_q, hd]
         let out = out
@@ -322,7 +342,9 @@ fn rope_tables(config: &LlamaConfig, device: &Device, dtype: DType) -> (Tensor<2
     let mut sin = Vec::with_capacity(positions * half);
     for position in 0..positions {
         for i in 0..half {
-            let inv_freq = config.rope_base.powf(-2.0 * i as f64 / config.head_dim as f64);
+            let inv_freq = config
+                .rope_base
+                .powf(-2.0 * i as f64 / config.head_dim as f64);
             let angle = position as f64 * inv_freq;
             cos.push(angle.cos());
             sin.push(angle.sin());

@@ -75,7 +75,11 @@ impl Rng {
 /// Greedy acceptance: the drafts that equal the target's choices, then the target's next token.
 /// `targets[j]` is the target's token after draft position `j` (`draft.len() + 1` of them).
 pub fn accept_greedy(draft: &[u32], targets: &[u32]) -> Vec<u32> {
-    let accepted = draft.iter().zip(targets).take_while(|(d, t)| d == t).count();
+    let accepted = draft
+        .iter()
+        .zip(targets)
+        .take_while(|(d, t)| d == t)
+        .count();
     targets[..=accepted].to_vec()
 }
 
@@ -149,7 +153,8 @@ mod tests {
         let (mut sampled_draft, mut point_draft) = (vec![0usize; 5], vec![0usize; 5]);
         for _ in 0..trials {
             let x = rng.sample(&q) as u32;
-            let first = accept_sampled(&[x], Some(&[q.clone()]), &[p.clone(), p.clone()], &mut rng)[0];
+            let first =
+                accept_sampled(&[x], Some(&[q.clone()]), &[p.clone(), p.clone()], &mut rng)[0];
             sampled_draft[first as usize] += 1;
             // A deterministic draft of token 2 (an n-gram draft).
             let first = accept_sampled(&[2], None, &[p.clone(), p.clone()], &mut rng)[0];

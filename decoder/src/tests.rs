@@ -25,7 +25,9 @@ fn prompts(count: usize, arrival_gap: usize, max_new_tokens: usize) -> Vec<Reque
     (0..count)
         .map(|id| {
             let len = 3 + (rng.next_u64() % 12) as usize;
-            let mut prompt: Vec<u32> = (0..len).map(|_| 3 + (rng.next_u64() % 250) as u32).collect();
+            let mut prompt: Vec<u32> = (0..len)
+                .map(|_| 3 + (rng.next_u64() % 250) as u32)
+                .collect();
             if id % 2 == 1 {
                 let phrase = prompt.clone();
                 prompt.extend(&phrase);
@@ -41,17 +43,31 @@ fn prompts(count: usize, arrival_gap: usize, max_new_tokens: usize) -> Vec<Reque
         .collect()
 }
 
-fn serve(device: &Device, options: EngineOptions, requests: Vec<Request>) -> (Vec<Outcome>, Engine) {
+fn serve(
+    device: &Device,
+    options: EngineOptions,
+    requests: Vec<Request>,
+) -> (Vec<Outcome>, Engine) {
     let mut engine = Engine::new(tiny_model(device), vec![2], options).unwrap();
     let mut streamed = vec![Vec::new(); requests.len()];
     let outcomes = engine
-        .run(requests, |id, tokens| streamed[id].extend_from_slice(tokens))
+        .run(requests, |id, tokens| {
+            streamed[id].extend_from_slice(tokens)
+        })
         .unwrap();
     for outcome in &outcomes {
-        assert_eq!(streamed[outcome.id], outcome.tokens, "request {}: streamed tokens", outcome.id);
+        assert_eq!(
+            streamed[outcome.id], outcome.tokens,
+            "request {}: streamed tokens",
+            outcome.id
+        );
     }
     let ((free_slots, slots), (free_rows, rows)) = engine.free_resources();
-    assert_eq!((free_slots, free_rows), (slots, rows), "every slot and row is free at the end");
+    assert_eq!(
+        (free_slots, free_rows),
+        (slots, rows),
+        "every slot and row is free at the end"
+    );
     (outcomes, engine)
 }
 
@@ -96,7 +112,10 @@ fn greedy_parity(device: &Device) {
             if drafting != Drafting::Off {
                 let drafted: usize = outcomes.iter().map(|o| o.drafted).sum();
                 let accepted: usize = outcomes.iter().map(|o| o.accepted).sum();
-                assert!(drafted > 0 && accepted > 0, "{drafting:?}: {accepted}/{drafted} accepted");
+                assert!(
+                    drafted > 0 && accepted > 0,
+                    "{drafting:?}: {accepted}/{drafted} accepted"
+                );
             }
         }
     }
@@ -113,8 +132,14 @@ fn corruption_is_caught(device: &Device) {
             let mut injected_options = options(drafting, 3);
             injected_options.corruption = Some((kind, 4));
             let (outcomes, engine) = serve(device, injected_options, requests.clone());
-            let injected = engine.injected().expect("a corruption was injected").clone();
-            let reported: Vec<_> = outcomes.iter().flat_map(|o| o.canary_violations.clone()).collect();
+            let injected = engine
+                .injected()
+                .expect("a corruption was injected")
+                .clone();
+            let reported: Vec<_> = outcomes
+                .iter()
+                .flat_map(|o| o.canary_violations.clone())
+                .collect();
             assert_eq!(reported.len(), 1, "{kind:?}: {reported:?}");
             assert_eq!(
                 (reported[0].request, reported[0].slot, reported[0].position),
@@ -133,7 +158,10 @@ fn sampling_is_seeded(device: &Device) {
     for drafting in DRAFTINGS {
         let run = |seed| {
             let mut o = options(drafting, 3);
-            o.sampling = Sampling { temperature: 0.8, seed };
+            o.sampling = Sampling {
+                temperature: 0.8,
+                seed,
+            };
             tokens(&serve(device, o, requests.clone()).0)
         };
         let first = run(11);
@@ -188,18 +216,29 @@ fn speculative_sampling_matches_the_target_flex() {
     // The first generated token comes from the prefill; condition on its most likely value.
     let mut probe = Engine::new(tiny_model(&device), vec![], sampling(0)).unwrap();
     let first = probe.next_token_distribution(&prompt).unwrap();
-    let t1 = (0..first.len()).max_by(|&a, &b| first[a].total_cmp(&first[b])).unwrap() as u32;
+    let t1 = (0..first.len())
+        .max_by(|&a, &b| first[a].total_cmp(&first[b]))
+        .unwrap() as u32;
     let mut context = prompt.clone();
     context.push(t1);
     let p = probe.next_token_distribution(&context).unwrap();
     let mut counts = vec![0usize; p.len()];
-    assert!(first[t1 as usize] > 0.2, "t1 has probability {}", first[t1 as usize]);
+    assert!(
+        first[t1 as usize] > 0.2,
+        "t1 has probability {}",
+        first[t1 as usize]
+    );
     let mut engine = probe;
     let (mut kept, mut seed) = (0, 1);
     while kept < 1000 {
         seed += 1;
         engine.reseed(seed);
-        let request = Request { id: 0, prompt: prompt.clone(), max_new_tokens: 2, arrival_step: 0 };
+        let request = Request {
+            id: 0,
+            prompt: prompt.clone(),
+            max_new_tokens: 2,
+            arrival_step: 0,
+        };
         let outcome = engine.run(vec![request], |_, _| {}).unwrap().remove(0);
         if outcome.tokens[0] == t1 {
             counts[outcome.tokens[1] as usize] += 1;
@@ -224,7 +263,10 @@ fn speculative_sampling_matches_the_target_flex() {
     }
     // The 99.9% quantile of chi-square with k degrees of freedom is below 3.2k + 11 for k >= 1.
     let dof = cells.saturating_sub(1).max(1) as f64;
-    assert!(chi < 3.2 * dof + 11.0, "chi-square {chi:.1} over {cells} cells");
+    assert!(
+        chi < 3.2 * dof + 11.0,
+        "chi-square {chi:.1} over {cells} cells"
+    );
 }
 
 /// SmolLM2-135M itself (fetched by `scripts/fetch-model.sh` when it is not in the cache), on Flex.
@@ -236,7 +278,10 @@ mod smollm2 {
     fn load(dtype: DType) -> (Llama, Tokenizer) {
         let gguf = Gguf::open(smollm2_path().unwrap()).unwrap();
         let tokenizer = Tokenizer::from_gguf(&gguf).unwrap();
-        (Llama::load(&gguf, &Device::flex(), dtype).unwrap(), tokenizer)
+        (
+            Llama::load(&gguf, &Device::flex(), dtype).unwrap(),
+            tokenizer,
+        )
     }
 
     fn chat(tokenizer: &Tokenizer, id: usize, message: &str, max_new_tokens: usize) -> Request {
@@ -287,7 +332,10 @@ mod smollm2 {
             let mut engine = Engine::new(model.take().unwrap(), eos.clone(), o).unwrap();
             let outcomes = engine.run(requests.clone(), |_, _| {}).unwrap();
             assert_eq!(tokens(&outcomes), plain, "{drafting:?}");
-            assert!(outcomes.iter().map(|o| o.accepted).sum::<usize>() > 0, "{drafting:?}");
+            assert!(
+                outcomes.iter().map(|o| o.accepted).sum::<usize>() > 0,
+                "{drafting:?}"
+            );
             model = Some(engine.into_model());
         }
     }

@@ -103,7 +103,9 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         let text = if args.raw {
             prompt.text.clone()
         } else {
-            tokenizer.render_chat(&prompt.text).map_err(|e| e.to_string())?
+            tokenizer
+                .render_chat(&prompt.text)
+                .map_err(|e| e.to_string())?
         };
         requests.push(Request {
             id,
@@ -116,16 +118,28 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         "off" => Drafting::Off,
         "ngram" => Drafting::Ngram { max_ngram: 3 },
         "self" => Drafting::SelfSpeculative {
-            layers: args.draft_layers.unwrap_or(config.layers.saturating_sub(4).max(1)),
+            layers: args
+                .draft_layers
+                .unwrap_or(config.layers.saturating_sub(4).max(1)),
         },
         other => return Err(format!("--spec {other:?}: expected off, ngram or self")),
     };
-    let longest = requests.iter().map(|r| r.prompt.len() + r.max_new_tokens).max().unwrap_or(0);
-    let max_context = (longest + args.draft_tokens + 1).next_multiple_of(64).min(config.context_length);
+    let longest = requests
+        .iter()
+        .map(|r| r.prompt.len() + r.max_new_tokens)
+        .max()
+        .unwrap_or(0);
+    let max_context = (longest + args.draft_tokens + 1)
+        .next_multiple_of(64)
+        .min(config.context_length);
     let max_batch = args.batch.min(requests.len().max(1));
     let options = EngineOptions {
         drafting,
-        draft_tokens: if drafting == Drafting::Off { 0 } else { args.draft_tokens },
+        draft_tokens: if drafting == Drafting::Off {
+            0
+        } else {
+            args.draft_tokens
+        },
         max_batch,
         kv_slots: max_batch * max_context + 1,
         max_context,
@@ -134,6 +148,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
             seed: args.seed,
         },
         corruption: args.corruption.map(|kind| (kind, 8)),
+        fixed_windows: backend != BackendName::Flex,
         ..EngineOptions::default()
     };
     let eos = if args.ignore_eos {
@@ -159,7 +174,10 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
                 }
                 let _ = std::io::stdout().flush();
             } else if !args.json {
-                eprint!("\rgenerate: {generated} tokens, {:.1} s", started.elapsed().as_secs_f64());
+                eprint!(
+                    "\rgenerate: {generated} tokens, {:.1} s",
+                    started.elapsed().as_secs_f64()
+                );
             }
         })
         .map_err(|e| e.to_string())?;
@@ -184,7 +202,11 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
             injected.request,
             injected.slot,
             injected.position,
-            if found { "reported by the canary, request recomputed" } else { "NOT reported" }
+            if found {
+                "reported by the canary, request recomputed"
+            } else {
+                "NOT reported"
+            }
         );
         if !found {
             return Ok(ExitCode::FAILURE);
@@ -213,7 +235,9 @@ fn report(
     outcome: &Outcome,
     streamed: bool,
 ) -> Result<(), String> {
-    let text = tokenizer.decode(&outcome.tokens).map_err(|e| e.to_string())?;
+    let text = tokenizer
+        .decode(&outcome.tokens)
+        .map_err(|e| e.to_string())?;
     let prompt = &args.prompts[outcome.id].text;
     if args.json {
         let violations: Vec<_> = outcome
@@ -255,7 +279,11 @@ fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64) {
         1e3 * total / times.steps.max(1) as f64,
         100.0 * kvplan / total,
         100.0 * (total - kvplan) / total,
-        if drafted > 0 { 100.0 * accepted as f64 / drafted as f64 } else { 0.0 },
+        if drafted > 0 {
+            100.0 * accepted as f64 / drafted as f64
+        } else {
+            0.0
+        },
         tokens as f64 / outcomes.iter().map(|o| o.steps).sum::<usize>().max(1) as f64,
     );
 }
@@ -298,12 +326,18 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--ignore-eos" => parsed.ignore_eos = true,
             "--limit" => limit = Some(number::<usize>("--limit", value("--limit")?)?),
             "--spec" => parsed.drafting = value("--spec")?,
-            "--draft-tokens" => parsed.draft_tokens = number("--draft-tokens", value("--draft-tokens")?)?,
-            "--draft-layers" => parsed.draft_layers = Some(number("--draft-layers", value("--draft-layers")?)?),
+            "--draft-tokens" => {
+                parsed.draft_tokens = number("--draft-tokens", value("--draft-tokens")?)?
+            }
+            "--draft-layers" => {
+                parsed.draft_layers = Some(number("--draft-layers", value("--draft-layers")?)?)
+            }
             "--max-new-tokens" => {
                 parsed.max_new_tokens = number("--max-new-tokens", value("--max-new-tokens")?)?
             }
-            "--temperature" => parsed.temperature = number("--temperature", value("--temperature")?)?,
+            "--temperature" => {
+                parsed.temperature = number("--temperature", value("--temperature")?)?
+            }
             "--seed" => parsed.seed = number("--seed", value("--seed")?)?,
             "--batch" => parsed.batch = number("--batch", value("--batch")?)?,
             "--model" => parsed.model = Some(PathBuf::from(value("--model")?)),
@@ -337,7 +371,10 @@ fn parse(args: &[String]) -> Result<Args, String> {
         }
     }
     if !(parsed.temperature >= 0.0 && parsed.temperature.is_finite()) {
-        return Err(format!("--temperature {}: must be a finite number >= 0", parsed.temperature));
+        return Err(format!(
+            "--temperature {}: must be a finite number >= 0",
+            parsed.temperature
+        ));
     }
     if parsed.batch == 0 || parsed.max_new_tokens == 0 {
         return Err("--batch and --max-new-tokens must be at least 1".into());
