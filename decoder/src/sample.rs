@@ -33,7 +33,17 @@ impl Sampling {
     }
 }
 
-/// splitmix64: small, seedable, and the same stream on every platform.
+/// One splitmix64 step: advances `state` and returns the next 64 random bits (the project's one
+/// copy; the tools' generators call it too).
+pub fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A splitmix64 generator: small, seedable, and the same stream on every platform.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
 
@@ -45,11 +55,7 @@ impl Rng {
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        splitmix64(&mut self.0)
     }
 
     /// Uniform in `[0, 1)` with 53 bits.

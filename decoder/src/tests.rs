@@ -340,3 +340,76 @@ mod smollm2 {
         }
     }
 }
+
+/// Every refusal of the engine and the loader, with its message.
+#[test]
+fn refusals_name_their_values() {
+    let device = Device::flex();
+    let error = |options: EngineOptions| match Engine::new(tiny_model(&device), vec![2], options) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("accepted"),
+    };
+    assert_eq!(
+        error(options(Drafting::SelfSpeculative { layers: 2 }, 1)),
+        "options: self-speculative draft layers 2 must be in 1..2"
+    );
+    let mut o = options(Drafting::Off, 1);
+    o.max_context = 100_000;
+    assert_eq!(
+        error(o),
+        "options: max context 100000 exceeds the model's context length 512"
+    );
+    assert_eq!(
+        error(options(Drafting::Off, 0)),
+        "options: max batch 0 and KV slots 1024 leave nothing to serve with"
+    );
+
+    let mut engine = Engine::new(tiny_model(&device), vec![2], options(Drafting::Off, 1)).unwrap();
+    let request = |prompt: Vec<u32>, max_new_tokens| Request {
+        id: 7,
+        prompt,
+        max_new_tokens,
+        arrival_step: 0,
+    };
+    for (bad, why) in [
+        (request(vec![], 4), "a prompt of 0 tokens"),
+        (request(vec![5], 0), "a prompt of 1 tokens, 0 new"),
+        (request(vec![5; 120], 16), "a prompt of 120 tokens, 16 new"),
+    ] {
+        let message = engine.run(vec![bad], |_, _| {}).unwrap_err().to_string();
+        assert!(
+            message.starts_with(&format!("options: request 7: {why}")),
+            "{message}"
+        );
+    }
+    let mut small = options(Drafting::Off, 1);
+    small.kv_slots = 8;
+    let mut engine = Engine::new(tiny_model(&device), vec![2], small).unwrap();
+    let message = engine
+        .run(vec![request(vec![5; 4], 8)], |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        message,
+        "options: request 7 may need 13 KV slots, the pool has 7"
+    );
+    let message = engine
+        .next_token_distribution(&[5])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.starts_with("options: next_token_distribution needs a sampling engine"),
+        "{message}"
+    );
+
+    let mut writer = crate::gguf::GgufWriter::new();
+    writer.metadata("general.architecture", "mamba");
+    let gguf = Gguf::from_bytes(writer.to_bytes()).unwrap();
+    let message = crate::model::LlamaConfig::from_gguf(&gguf)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        message,
+        "model: general.architecture is \"mamba\", only \"llama\" is supported"
+    );
+}
