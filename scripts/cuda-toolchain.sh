@@ -12,6 +12,8 @@ fi
 prefix=$(python3 -m mlc_llvm_static.config --prefix)
 dir="${XDG_DATA_HOME:-$HOME/.local/share}/tracel"
 mkdir -p "$dir"
-ln -sfn "$prefix" "$dir/tracel-llvm-$BUNDLER"
-touch "$prefix/.tracel-llvm-installed"
+# Only when missing: the bundler's build script reruns on their timestamps, and with it every
+# crate above cubecl-cuda (a full Burn rebuild).
+[ "$(readlink "$dir/tracel-llvm-$BUNDLER")" = "$prefix" ] || ln -sfn "$prefix" "$dir/tracel-llvm-$BUNDLER"
+[ -f "$prefix/.tracel-llvm-installed" ] || touch "$prefix/.tracel-llvm-installed"
 echo "LLVM for tracel-llvm-bundler $BUNDLER: $dir/tracel-llvm-$BUNDLER -> $prefix"

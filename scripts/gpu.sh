@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|canary|plan|gather|nocupti|unfused|decode|decode-check|anchor]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|nocupti|unfused|decode|decode-check|anchor|profile]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -49,13 +49,25 @@ for part in "$@"; do
       done
       ;;
     sanitize)
-      # compute-sanitizer's four tools over every conformance file; one summary line per tool.
+      # compute-sanitizer's four tools over every conformance file (cuda-unfused: one launch per
+      # kernel) and over the CUDA integration suites; one summary line per tool.
       for tool in memcheck racecheck synccheck initcheck; do
-        for file in gather plan canary; do
+        for file in gather plan canary slots; do
           KVPLAN_NO_CUPTI=1 compute-sanitizer --tool "$tool" --print-limit 20 \
             "$BIN" check "tests/data/$file.jsonl" --backend cuda-unfused > "$OUT/san-$tool-$file.txt" 2>&1
         done
-        echo "$tool: $(grep -h "ERROR SUMMARY" "$OUT"/san-"$tool"-*.txt | tr '\n' ' ')"
+        KVPLAN_NO_CUPTI=1 timeout 300 compute-sanitizer --tool "$tool" --print-limit 20 \
+          "$TESTS" cuda --test-threads 1 > "$OUT/san-$tool-tests.txt" 2>&1
+        echo "$tool: $(for f in gather plan canary slots tests; do
+          printf '%s: %s; ' "$f" "$(grep -h "ERROR SUMMARY" "$OUT/san-$tool-$f.txt" | tail -1)"; done)"
+        grep -h "test result" "$OUT/san-$tool-tests.txt" | tail -1
+      done
+      ;;
+    fuzz)
+      # Differential fuzzing against the reference on both CUDA backends.
+      for backend in cuda cuda-unfused; do
+        "$BIN" fuzz --seed 19 --cases "${FUZZ_CASES:-500}" --backend "$backend" > "$OUT/fuzz-$backend.txt" 2>&1
+        echo "fuzz $backend (rc $?): $(grep -E '^[a-z]+: .* disagreements|^[0-9]+ cases' "$OUT/fuzz-$backend.txt" | tr '\n' ';')"
       done
       ;;
     canary)
@@ -111,8 +123,33 @@ PY
           "$BIN" generate --backend cuda --spec "$spec" --batch "$bs" --limit "$limit" --max-new-tokens 128 \
             --ignore-eos --json --file benches/prompts.txt > "$OUT/decode-$spec-$bs.jsonl" 2> "$OUT/decode-$spec-$bs.err"
           echo "kvplan,$spec,$bs,$(grep -h '^generate: .* requests' "$OUT/decode-$spec-$bs.err")"
+          grep -h '^generate: warm-up' "$OUT/decode-$spec-$bs.err"
         done
       done
+      ;;
+    profile)
+      # Where a decode step's time goes: phases (host enqueue, device wait), then the same run with
+      # CubeCL's compile and autotune logs, then its per-sync kernel profile (cubecl.toml in a run dir).
+      prompts="$PWD/benches/prompts.txt"
+      for run in "off 1 2" "ngram 1 2" "off 8 8"; do
+        read -r spec bs limit <<< "$run"
+        "$BIN" generate --backend cuda --spec "$spec" --batch "$bs" --limit "$limit" --max-new-tokens 128 \
+          --ignore-eos --profile --file "$prompts" > /dev/null 2> "$OUT/profile-$spec-$bs.err"
+        echo "== profile spec $spec batch $bs"; grep -E "^(generate|profile):" "$OUT/profile-$spec-$bs.err"
+      done
+      mkdir -p /tmp/kvplan-logs && cd /tmp/kvplan-logs && rm -f ./*.log
+      printf '[compilation.logger]\nlevel = "basic"\nfile = "/tmp/kvplan-logs/compile.log"\n[autotune.logger]\nlevel = "minimal"\nfile = "/tmp/kvplan-logs/autotune.log"\n' > cubecl.toml
+      "$BIN" generate --backend cuda --spec off --batch 1 --limit 2 --max-new-tokens 128 --ignore-eos --profile \
+        --file "$prompts" > /dev/null 2> "$OUT/profile-logged.err"
+      echo "== with compile/autotune logs"; grep -E "^profile: step" "$OUT/profile-logged.err"
+      echo "compile log lines: $(wc -l < compile.log 2>/dev/null), autotune log lines: $(wc -l < autotune.log 2>/dev/null)"
+      head -c 3000 compile.log; echo; head -c 2000 autotune.log; echo
+      cut -c1-120 compile.log | sort | uniq -c | sort -rn | head -20
+      printf '[profiling.logger]\nlevel = "basic"\nfile = "/tmp/kvplan-logs/profile.log"\n' > cubecl.toml
+      "$BIN" generate --backend cuda --spec off --batch 1 --limit 1 --max-new-tokens 40 --ignore-eos \
+        --file "$prompts" > /dev/null 2> "$OUT/profile-kernels.err"
+      echo "kernel profile: $(wc -l < profile.log) lines"; tail -c 6000 profile.log
+      cp compile.log autotune.log profile.log "$OUT/" 2>/dev/null; cd - > /dev/null
       ;;
     anchor)
       # transformers on the same GGUF and prompts (carry .whl with the gguf wheel).

@@ -575,6 +575,24 @@ pub enum Error {
         /// Elements a 32-bit launch may index.
         limit: u64,
     },
+    /// A buffer sized from the caller's numbers (a capacity, a plan, a gather output) that the
+    /// device, or the host holding its copy, cannot allocate: refused before anything is allocated.
+    #[error(
+        "kvplan: {what} needs {elements} elements ({bytes} bytes), more than {on} can allocate{}",
+        limit.map_or(String::new(), |limit| format!(" (at most {limit} bytes at once)"))
+    )]
+    AllocationTooLarge {
+        /// The buffer.
+        what: &'static str,
+        /// Its elements.
+        elements: u64,
+        /// Its bytes.
+        bytes: u128,
+        /// `the device` or `the host`.
+        on: &'static str,
+        /// The most bytes one allocation may have there, where it is known.
+        limit: Option<u64>,
+    },
     /// The device failed to run or read back an op (not an input error).
     #[error("kvplan: device execution failed: {detail}")]
     Execution {
@@ -648,6 +666,7 @@ impl Error {
             Error::DuplicateSlot { .. } => "duplicate_slot",
             Error::CorruptStatus { .. } => "corrupt_status",
             Error::IndexRange { .. } => "index_range",
+            Error::AllocationTooLarge { .. } => "allocation_too_large",
             Error::Execution { .. } => "execution",
         }
     }

@@ -24,7 +24,11 @@ use burn_core::tensor::{Bool, Int, Tensor};
 use crate::deferred::Status;
 use crate::error::{Error, SEGMENT_CONTEXT};
 use crate::ops::{GatherPrimitive, KvPlanBackend, OptionalInt};
+use crate::room::{self, Buffer};
 use crate::validate::{self, Arg};
+
+/// What an `allocation_too_large` error of a gather names.
+const GATHER_OUTPUT: &str = "gather output";
 
 /// The knobs of a gather.
 #[derive(Debug, Clone, Default)]
@@ -97,6 +101,10 @@ pub mod backend {
         let capacity = options
             .capacity
             .unwrap_or_else(|| mask.shape().num_elements());
+        room::on_device(
+            &req_to_token.device(),
+            &[Buffer::i64s(GATHER_OUTPUT, capacity)],
+        )?;
         let output = B::masked_gather(req_to_token, req_pool_indices, pos2d, mask, capacity);
         Ok(deferred(output, context))
     }
@@ -119,6 +127,10 @@ pub mod backend {
         let capacity = options
             .capacity
             .unwrap_or_else(|| lengths.shape().num_elements().saturating_mul(cols));
+        room::on_device(
+            &req_to_token.device(),
+            &[Buffer::i64s(GATHER_OUTPUT, capacity)],
+        )?;
         let output = B::segment_gather(
             req_to_token,
             req_pool_indices,

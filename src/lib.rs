@@ -20,6 +20,7 @@ pub mod gather;
 mod layout;
 mod ops;
 pub mod reference;
+mod room;
 pub mod slots;
 mod status;
 mod validate;

@@ -32,6 +32,7 @@ use crate::deferred::Status;
 use crate::error::{ASSIGN_CONTEXT, Error, STORE_CONTEXT};
 use crate::gather::arg;
 use crate::ops::{KvPlanBackend, KvRows, StoreScratchPrimitive};
+use crate::room::{self, Buffer};
 use crate::validate;
 
 /// The result of [`segment_assign_deferred`]: nothing was read back.
@@ -291,6 +292,8 @@ fn stored_tensor<K: Basic>(stored: backend::DeferredStore) -> Stored<K> {
 impl<B: KvPlanBackend> KvStore<B> {
     /// [`KvStore::allocate`] on a backend's device.
     pub fn allocate_on(num_slots: usize, device: &B::Device) -> Result<Self, Error> {
+        let words = Buffer::new("KvStore slot words", num_slots.max(1), 4);
+        room::on_device(device, &[words])?;
         Ok(Self {
             scratch: Some(fresh_scratch::<B>(num_slots, device)),
             num_slots,

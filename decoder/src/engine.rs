@@ -82,6 +82,9 @@ pub struct EngineOptions {
     /// Pad every n-gram draft to `draft_tokens` (fixed step shapes, which a GPU compiles once);
     /// off on the CPU, where each extra verified token costs time.
     pub fixed_windows: bool,
+    /// Wait for the device at the end of each step phase and record where the time went
+    /// ([`StepTimes::phases`]); slower, for finding what a step spends.
+    pub profile: bool,
 }
 
 impl Default for EngineOptions {
@@ -96,6 +99,7 @@ impl Default for EngineOptions {
             batch_buckets: vec![1, 2, 4, 8, 16, 32, 64],
             corruption: None,
             fixed_windows: true,
+            profile: false,
         }
     }
 }
@@ -167,6 +171,33 @@ pub struct StepTimes {
     pub kvplan: Duration,
     /// Token read-backs (the wait for the model's work on the device).
     pub readback: Duration,
+    /// With [`EngineOptions::profile`]: each step's wall time.
+    pub step_walls: Vec<Duration>,
+    /// With [`EngineOptions::profile`]: the steps' phases in step order, summed over the steps.
+    pub phases: Vec<Phase>,
+}
+
+/// One phase of the steps, summed over them ([`EngineOptions::profile`]).
+#[derive(Debug, Clone)]
+pub struct Phase {
+    /// What the phase does.
+    pub name: &'static str,
+    /// Host time until the phase had enqueued its work (read-backs inside it included).
+    pub host: Duration,
+    /// The wait for the device to finish it after that.
+    pub wait: Duration,
+}
+
+impl StepTimes {
+    fn charge(&mut self, name: &'static str, host: Duration, wait: Duration) {
+        match self.phases.iter_mut().find(|phase| phase.name == name) {
+            Some(phase) => {
+                phase.host += host;
+                phase.wait += wait;
+            }
+            None => self.phases.push(Phase { name, host, wait }),
+        }
+    }
 }
 
 /// A request in the running batch.
@@ -271,6 +302,8 @@ pub struct Engine {
     /// Deferred statuses of this step's kvplan ops, checked once at its end.
     statuses: Vec<Status>,
     injected: Option<Reported>,
+    /// The end of the last profiled phase.
+    lap: Instant,
 }
 
 impl Engine {
@@ -334,6 +367,7 @@ impl Engine {
             times: StepTimes::default(),
             statuses: Vec::new(),
             injected: None,
+            lap: Instant::now(),
             model,
             options,
         })
@@ -383,6 +417,25 @@ impl Engine {
         let mut finished = std::mem::take(&mut self.finished);
         finished.sort_by_key(|o| o.id);
         Ok(finished)
+    }
+
+    /// Serves `requests` untimed and forgets them, so that every step shape they reach is
+    /// compiled and autotuned before the served run (a server's graph capture at start). The
+    /// step clock, the times and the sampler then start again; a fault to inject waits for the
+    /// served run.
+    pub fn warm_up(&mut self, requests: Vec<Request>) -> Result<Duration> {
+        let started = Instant::now();
+        let corruption = self.options.corruption.take();
+        let served = self.run(requests, |_, _| {});
+        self.options.corruption = corruption;
+        served?;
+        // Every slot and row is free again; fresh lists hand them out in a fresh engine's order.
+        self.slots = FreeList::new("KV slots", self.options.kv_slots);
+        self.rows = FreeList::new("req_to_token rows", self.options.max_batch + 1);
+        self.step = 0;
+        self.times = StepTimes::default();
+        self.rng = Rng::new(self.options.sampling.seed);
+        Ok(started.elapsed())
     }
 
     /// Restarts the sampling generator from `seed` (an idle engine serves the next run with it).
@@ -481,6 +534,7 @@ impl Engine {
 
     fn run_step(&mut self, on_tokens: &mut impl FnMut(usize, &[u32])) -> Result<()> {
         let started = Instant::now();
+        self.lap = started;
         if let Some((kind, at)) = self.options.corruption {
             if at <= self.step && self.injected.is_none() {
                 self.inject(kind)?;
@@ -500,15 +554,22 @@ impl Engine {
         };
         work.resize_with(bucket.max(work.len()), || RowWork::padding(padding_window));
         self.assign_slots(&work)?;
+        self.lap("plan rows, segment_assign");
         if let Drafting::SelfSpeculative { layers } = self.options.drafting {
             self.draft_self(&mut work, layers)?;
+            self.lap("self-speculative drafts");
         }
         let targets = self.verify(&work)?;
         let committed = self.accept(&work, targets, on_tokens);
+        self.lap("accept");
         self.canary_step(&work, &committed)?;
+        self.lap("canary, status check");
         self.finish_requests();
         self.times.steps += 1;
         self.times.total += started.elapsed();
+        if self.options.profile {
+            self.times.step_walls.push(started.elapsed());
+        }
         self.step += 1;
         Ok(())
     }
@@ -636,8 +697,10 @@ impl Engine {
             &device,
         );
         let input = self.step_input(&windows, ids)?;
+        self.lap("inputs, gathers");
         let layers = self.model.config().layers;
         let hidden = self.model.forward(&mut self.cache, &input, 0..layers)?;
+        self.lap("target forward");
         // Only the positions whose next token is decided: the last input token and the drafts.
         let mut picked = Vec::new();
         let mut offset = 0;
@@ -675,6 +738,7 @@ impl Engine {
                 at += n;
             }
         }
+        self.lap("logits, read-back");
         Ok(targets)
     }
 
@@ -739,8 +803,9 @@ impl Engine {
             rows.clone(),
             Some(prefix.clone()),
             extend.clone(),
+            // The step's window size, not `total`: one output shape per batch bucket.
             &GatherOptions::new()
-                .capacity(total.max(1))
+                .capacity(work.iter().map(RowWork::window).sum::<usize>().max(1))
                 .context("accepted suffix"),
         )?;
         let planned = kvplan::plan_deferred(
@@ -935,8 +1000,10 @@ impl Engine {
             table_rows,
             None,
             lengths,
+            // `rows * max_kv`, not the exact total: the output's shape then changes only when a
+            // row crosses a key block, like every other shape of the step.
             &GatherOptions::new()
-                .capacity(kv_offset)
+                .capacity(rows * max_kv)
                 .context("attention context"),
         )?;
         self.statuses.push(window_slots.status.clone());
@@ -1019,6 +1086,21 @@ impl Engine {
             reasons: format!("{kind:?}"),
         });
         Ok(())
+    }
+
+    /// With `profile`: charges the host time since the last lap to `phase`, then waits for the
+    /// device and charges the wait to it too.
+    fn lap(&mut self, phase: &'static str) {
+        if !self.options.profile {
+            return;
+        }
+        let enqueued = Instant::now();
+        // A failed sync shows up at the step's next read-back; here it only ends the lap.
+        self.model.device().sync().ok();
+        let done = Instant::now();
+        self.times
+            .charge(phase, enqueued - self.lap, done - enqueued);
+        self.lap = done;
     }
 
     fn read_table(&self) -> Result<Vec<i64>> {

@@ -75,13 +75,13 @@ impl LlamaConfig {
     }
 }
 
-/// One transformer block's weights; matrices are stored `[in, out]` so that `x.matmul(w)` applies them.
+/// One transformer block's weights; matrices are stored `[in, out]` so that `x.matmul(w)` applies them,
+/// and each RMSNorm's weight is folded into the rows of the matrices that read its output.
 struct Block {
-    attn_norm: Tensor<1>,
-    /// Q, K and V projections side by side: one matmul per layer instead of three.
+    /// Q, K and V projections side by side, then Q and K again with the columns of each RoPE
+    /// pair swapped: one matmul yields Q, K, V and the swapped Q, K that RoPE mixes in.
     wqkv: Tensor<2>,
     wo: Tensor<2>,
-    ffn_norm: Tensor<1>,
     /// Gate and up projections side by side.
     w_gate_up: Tensor<2>,
     w_down: Tensor<2>,
@@ -94,10 +94,11 @@ pub struct Llama {
     device: Device,
     embed: Tensor<2>,
     blocks: Vec<Block>,
-    final_norm: Tensor<1>,
-    /// The LM head, `[hidden, vocab]` (the tied embedding, transposed once).
+    /// The LM head, `[hidden, vocab]` (the tied embedding, transposed once), the final norm's
+    /// weight folded in.
     lm_head: Tensor<2>,
-    /// RoPE angles per position and pair: `[context_length, head_dim / 2]`.
+    /// RoPE per position and head column: `[context_length, head_dim]`, `cos` of the pair's
+    /// angle in both columns, `sin` as `-sin, +sin` (applied to the pair-swapped values).
     rope_cos: Tensor<2>,
     rope_sin: Tensor<2>,
 }
@@ -151,54 +152,75 @@ impl Llama {
         let upload = |data: Vec<f32>, shape: [usize; 2]| -> Tensor<2> {
             Tensor::from_data(TensorData::new(data, shape), (device, dtype))
         };
-        let vector = |name: &str, len: usize| -> Result<Tensor<1>> {
-            Ok(upload(weight(name, &[len])?, [1, len]).reshape([len]))
-        };
         // GGUF stores torch `[out, in]` matrices; `x.matmul(w)` wants `[in, out]`, and matrices
         // that read the same input go side by side (one matmul instead of two or three).
-        let matrices = |names: &[(String, usize)], inner: usize| -> Result<Tensor<2>> {
-            let mut parts = Vec::with_capacity(names.len());
-            for (name, out) in names {
-                parts.push((weight(name, &[*out, inner])?, *out));
-            }
+        let read = |names: &[(String, usize)], inner: usize| -> Result<Vec<(Vec<f32>, usize)>> {
+            names
+                .iter()
+                .map(|(name, out)| Ok((weight(name, &[*out, inner])?, *out)))
+                .collect()
+        };
+        let side_by_side = |parts: &[(Vec<f32>, usize)], inner: usize| -> Tensor<2> {
             let width: usize = parts.iter().map(|(_, out)| out).sum();
-            Ok(upload(
-                side_by_side_transposed(&parts, inner),
-                [inner, width],
-            ))
+            upload(side_by_side_transposed(parts, inner), [inner, width])
+        };
+        let matrices = |names: &[(String, usize)], inner: usize| -> Result<Tensor<2>> {
+            Ok(side_by_side(&read(names, inner)?, inner))
         };
         let (hidden, ffn, kv_dim) = (config.hidden, config.ffn, config.kv_dim());
+        // `(x / rms(x) * w) W = (x / rms(x)) (w W)`: a norm's weight scales the matrices' inputs.
+        let read_normed =
+            |names: &[(String, usize)], norm: &str| -> Result<Vec<(Vec<f32>, usize)>> {
+                let scale = weight(norm, &[hidden])?;
+                let mut parts = read(names, hidden)?;
+                for (rows, _) in &mut parts {
+                    scale_inputs(rows, &scale);
+                }
+                Ok(parts)
+            };
         let mut blocks = Vec::with_capacity(config.layers);
         for layer in 0..config.layers {
             let name = |part: &str| format!("blk.{layer}.{part}.weight");
             blocks.push(Block {
-                attn_norm: vector(&name("attn_norm"), hidden)?,
-                wqkv: matrices(
-                    &[
-                        (name("attn_q"), hidden),
-                        (name("attn_k"), kv_dim),
-                        (name("attn_v"), kv_dim),
-                    ],
-                    hidden,
-                )?,
+                wqkv: {
+                    let mut parts = read_normed(
+                        &[
+                            (name("attn_q"), hidden),
+                            (name("attn_k"), kv_dim),
+                            (name("attn_v"), kv_dim),
+                        ],
+                        &name("attn_norm"),
+                    )?;
+                    let swapped: Vec<_> = parts[..2]
+                        .iter()
+                        .map(|(rows, out)| (swap_pair_rows(rows, hidden), *out))
+                        .collect();
+                    parts.extend(swapped);
+                    side_by_side(&parts, hidden)
+                },
                 wo: matrices(&[(name("attn_output"), hidden)], hidden)?,
-                ffn_norm: vector(&name("ffn_norm"), hidden)?,
-                w_gate_up: matrices(&[(name("ffn_gate"), ffn), (name("ffn_up"), ffn)], hidden)?,
+                w_gate_up: side_by_side(
+                    &read_normed(
+                        &[(name("ffn_gate"), ffn), (name("ffn_up"), ffn)],
+                        &name("ffn_norm"),
+                    )?,
+                    hidden,
+                ),
                 w_down: matrices(&[(name("ffn_down"), hidden)], ffn)?,
             });
         }
         let embed = weight("token_embd.weight", &[config.vocab, hidden])?;
+        let final_norm = "output_norm.weight";
         let lm_head = if gguf.tensor_info("output.weight").is_ok() {
-            matrices(&[("output.weight".to_string(), config.vocab)], hidden)?
+            read_normed(&[("output.weight".to_string(), config.vocab)], final_norm)?
         } else {
-            upload(
-                side_by_side_transposed(&[(embed.clone(), config.vocab)], hidden),
-                [hidden, config.vocab],
-            )
+            let mut tied = embed.clone();
+            scale_inputs(&mut tied, &weight(final_norm, &[hidden])?);
+            vec![(tied, config.vocab)]
         };
+        let lm_head = side_by_side(&lm_head, hidden);
         let (rope_cos, rope_sin) = rope_tables(&config, device, dtype);
         Ok(Self {
-            final_norm: vector("output_norm.weight", hidden)?,
             embed: upload(embed, [config.vocab, hidden]),
             blocks,
             lm_head,
@@ -237,25 +259,28 @@ impl Llama {
         let c = &self.config;
         let tokens = input.input_ids.dims()[0];
         let mut x = self.embed.clone().select(0, input.input_ids.clone());
-        let half = c.head_dim / 2;
+        let hd = c.head_dim;
         let cos = self.rope_cos.clone().select(0, input.positions.clone());
         let sin = self.rope_sin.clone().select(0, input.positions.clone());
-        let cos = cos.reshape([tokens, 1, half, 1]);
-        let sin = sin.reshape([tokens, 1, half, 1]);
+        let cos = cos.reshape([tokens, 1, hd]);
+        let sin = sin.reshape([tokens, 1, hd]);
+        let (qk, kv) = (c.hidden + c.kv_dim(), c.kv_dim());
         for layer in layers {
             let block = &self.blocks[layer];
-            let h = rms_norm(x.clone(), &block.attn_norm, c.rms_eps);
+            let h = rms_norm(x.clone(), c.rms_eps);
             let qkv = h.matmul(block.wqkv.clone());
-            let q = qkv.clone().narrow(1, 0, c.hidden);
-            let k = qkv.clone().narrow(1, c.hidden, c.kv_dim());
-            let v = qkv.narrow(1, c.hidden + c.kv_dim(), c.kv_dim());
-            let q = rope(q.reshape([tokens, c.heads, half, 2]), &cos, &sin);
-            let k = rope(k.reshape([tokens, c.kv_heads, half, 2]), &cos, &sin);
-            let k = k.reshape([tokens, c.kv_dim()]);
+            let v = qkv.clone().narrow(1, qk, kv);
+            // RoPE on Q and K at once: `x * cos + swapped(x) * sin` per head.
+            let heads = c.heads + c.kv_heads;
+            let plain = qkv.clone().narrow(1, 0, qk).reshape([tokens, heads, hd]);
+            let swapped = qkv.narrow(1, qk + kv, qk).reshape([tokens, heads, hd]);
+            let rotated = (plain * cos.clone() + swapped * sin.clone()).reshape([tokens, qk]);
+            let q = rotated.clone().narrow(1, 0, c.hidden);
+            let k = rotated.narrow(1, c.hidden, kv);
             cache.store(layer, input.out_cache_loc.clone(), k, v)?;
             let attended = self.attend(cache, layer, q, &input.attention);
             x = x + attended.matmul(block.wo.clone());
-            let h = rms_norm(x.clone(), &block.ffn_norm, c.rms_eps);
+            let h = rms_norm(x.clone(), c.rms_eps);
             let gate_up = h.matmul(block.w_gate_up.clone());
             let gate = gate_up.clone().narrow(1, 0, c.ffn);
             let up = gate_up.narrow(1, c.ffn, c.ffn);
@@ -266,28 +291,25 @@ impl Llama {
 
     /// Logits `[n, vocab]` of the hidden states `[n, hidden]`: final norm, then the LM head.
     pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
-        rms_norm(hidden, &self.final_norm, self.config.rms_eps).matmul(self.lm_head.clone())
+        rms_norm(hidden, self.config.rms_eps).matmul(self.lm_head.clone())
     }
 
-    /// Grouped-query attention of the packed queries `q` (`[tokens, heads, head_dim / 2, 2]`)
-    /// over the K/V rows `attention.kv_slots` names; `[tokens, hidden]` out.
+    /// Grouped-query attention of the packed queries `q` (`[tokens, hidden]`) over the K/V rows
+    /// `attention.kv_slots` names; `[tokens, hidden]` out.
     fn attend(
         &self,
         cache: &KvCache,
         layer: usize,
-        q: Tensor<4>,
+        q: Tensor<2>,
         attention: &Attention,
     ) -> Tensor<2> {
         let c = &self.config;
         let (rows, max_q, max_kv) = (attention.rows, attention.max_q, attention.max_kv);
         let groups = c.heads / c.kv_heads;
         let hd = c.head_dim;
-        let tokens = q.dims()[0];
         // [rows * max_q, hidden] -> [rows, kv_heads, groups * max_q, hd]: query heads that share a
         // K/V head go side by side, so K and V are never repeated.
-        let q = q
-            .reshape([tokens, c.hidden])
-            .select(0, attention.q_pad.clone());
+        let q = q.select(0, attention.q_pad.clone());
         let q = q
             .reshape([rows, max_q, c.kv_heads, groups, hd])
             .permute([0, 2, 3, 1, 4])
@@ -317,41 +339,50 @@ impl Llama {
     }
 }
 
-/// `x * w / rms(x)` over the last dim.
-fn rms_norm(x: Tensor<2>, weight: &Tensor<1>, eps: f64) -> Tensor<2> {
+/// `x / rms(x)` over the last dim (the norm's weight is folded into the next matrices).
+fn rms_norm(x: Tensor<2>, eps: f64) -> Tensor<2> {
     let rms = x.clone().powi_scalar(2).mean_dim(1).add_scalar(eps).sqrt();
-    (x / rms) * weight.clone().unsqueeze_dim::<2>(0)
+    x / rms
 }
 
-/// RoPE on adjacent pairs (llama.cpp's converter permutes Q/K rows for this layout):
-/// `x` is `[tokens, heads, head_dim / 2, 2]`, `cos`/`sin` `[tokens, 1, head_dim / 2, 1]`.
-fn rope(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
-    let [tokens, heads, half, _] = x.dims();
-    let even = x.clone().narrow(3, 0, 1);
-    let odd = x.narrow(3, 1, 1);
-    let rotated_even = even.clone() * cos.clone() - odd.clone() * sin.clone();
-    let rotated_odd = even * sin.clone() + odd * cos.clone();
-    Tensor::cat(vec![rotated_even, rotated_odd], 3).reshape([tokens, heads, half, 2])
+/// `[out, inner]` rows with each input column `i` scaled by `scale[i]`.
+fn scale_inputs(rows: &mut [f32], scale: &[f32]) {
+    for row in rows.chunks_exact_mut(scale.len()) {
+        for (value, s) in row.iter_mut().zip(scale) {
+            *value *= s;
+        }
+    }
 }
 
-/// `cos` and `sin` of `position * base^(-2i / head_dim)`, computed in f64 on the host.
+/// `[out, inner]` rows with each adjacent pair swapped: the projection whose outputs are the
+/// RoPE partners (llama.cpp's converter permutes Q/K rows so that RoPE pairs are adjacent).
+fn swap_pair_rows(rows: &[f32], inner: usize) -> Vec<f32> {
+    let mut swapped = Vec::with_capacity(rows.len());
+    for pair in rows.chunks_exact(2 * inner) {
+        swapped.extend_from_slice(&pair[inner..]);
+        swapped.extend_from_slice(&pair[..inner]);
+    }
+    swapped
+}
+
+/// RoPE of `position * base^(-2i / head_dim)` for pair `i`, computed in f64 on the host: `cos`
+/// in both columns of the pair, and `-sin, +sin`, so that the rotated pair is
+/// `(x0 cos - x1 sin, x1 cos + x0 sin) = x * cos + swapped(x) * sin`.
 fn rope_tables(config: &LlamaConfig, device: &Device, dtype: DType) -> (Tensor<2>, Tensor<2>) {
-    let half = config.head_dim / 2;
+    let hd = config.head_dim;
     let positions = config.context_length;
-    let mut cos = Vec::with_capacity(positions * half);
-    let mut sin = Vec::with_capacity(positions * half);
+    let mut cos = Vec::with_capacity(positions * hd);
+    let mut sin = Vec::with_capacity(positions * hd);
     for position in 0..positions {
-        for i in 0..half {
-            let inv_freq = config
-                .rope_base
-                .powf(-2.0 * i as f64 / config.head_dim as f64);
+        for i in 0..hd / 2 {
+            let inv_freq = config.rope_base.powf(-2.0 * i as f64 / hd as f64);
             let angle = position as f64 * inv_freq;
-            cos.push(angle.cos());
-            sin.push(angle.sin());
+            cos.extend([angle.cos(), angle.cos()]);
+            sin.extend([-angle.sin(), angle.sin()]);
         }
     }
     let table = |values: Vec<f64>| {
-        Tensor::from_data(TensorData::new(values, [positions, half]), (device, dtype))
+        Tensor::from_data(TensorData::new(values, [positions, hd]), (device, dtype))
     };
     (table(cos), table(sin))
 }

@@ -170,6 +170,41 @@ fn sampling_is_seeded(device: &Device) {
     }
 }
 
+/// A warmed-up engine serves exactly what a fresh one does: the same sampled tokens (arrivals
+/// over time, so the step clock restarts too), and a fault injected in the served run, not the
+/// warm-up, is still reported.
+#[test]
+fn warm_up_changes_nothing_flex() {
+    let device = Device::flex();
+    let mut requests = prompts(3, 2, 12);
+    requests[2].arrival_step = 5;
+    let mut o = options(Drafting::Ngram { max_ngram: 3 }, 2);
+    o.sampling = Sampling {
+        temperature: 0.8,
+        seed: 5,
+    };
+    o.corruption = Some((Corruption::StaleRow, 4));
+    let (fresh, fresh_engine) = serve(&device, o.clone(), requests.clone());
+    let mut engine = Engine::new(tiny_model(&device), vec![2], o).unwrap();
+    engine.warm_up(requests.clone()).unwrap();
+    assert!(
+        engine.injected().is_none(),
+        "nothing injected in the warm-up"
+    );
+    assert_eq!(engine.times().steps, 0);
+    let warmed = engine.run(requests, |_, _| {}).unwrap();
+    assert_eq!(tokens(&warmed), tokens(&fresh));
+    assert_eq!(engine.injected(), fresh_engine.injected());
+    let reported = |outcomes: &[Outcome]| -> Vec<_> {
+        outcomes
+            .iter()
+            .flat_map(|o| o.canary_violations.clone())
+            .collect()
+    };
+    assert_eq!(reported(&warmed), reported(&fresh));
+    assert_eq!(reported(&warmed).len(), 1);
+}
+
 #[cfg(feature = "vulkan")]
 fn vulkan() -> Device {
     Device::vulkan(DeviceKind::DefaultDevice)

@@ -25,6 +25,7 @@ use crate::ops::{
     KvPlanBackend, OptionalInt, PlanInputsPrimitive, VerifyPlanPrimitive, WritePlanPrimitive,
 };
 use crate::reference::PlanBuffers;
+use crate::room::{self, Buffer};
 use crate::validate;
 
 /// A step's two plans, allocated once and filled in place by every [`plan`] call.
@@ -56,6 +57,10 @@ impl<B: KvPlanBackend> StepPlan<B> {
     ) -> Result<Self, Error> {
         validate::allocation("verify_capacity", verify_capacity)?;
         validate::allocation("write_req_capacity", write_req_capacity)?;
+        // Staged on the host, then uploaded: both must have room.
+        let buffers = plan_buffers(verify_capacity, write_req_capacity);
+        room::on_device(device, &buffers)?;
+        room::on_host(&buffers)?;
         Ok(fresh::<B>(verify_capacity, write_req_capacity, device))
     }
 }
@@ -233,6 +238,23 @@ fn fresh_scratch<B: KvPlanBackend>(capacity: usize, device: &B::Device) -> IntTe
         .collect();
     let len = words.len();
     B::int_from_data(TensorData::new(words, [len]), device)
+}
+
+/// The buffers of a `StepPlan`: four verify arrays of `V`, the write offsets, seeds and scratch.
+pub(crate) fn plan_buffers(verify_capacity: usize, write_req_capacity: usize) -> [Buffer; 7] {
+    let verify = Buffer::i64s("verify plan array", verify_capacity);
+    [
+        verify,
+        verify,
+        verify,
+        verify,
+        Buffer::i64s("write_offsets", write_req_capacity + 1),
+        Buffer::i64s("write_seed_slot_indices", write_req_capacity),
+        Buffer::i64s(
+            "write plan scratch",
+            kvplan_kernels::plan::scratch_len(write_req_capacity),
+        ),
+    ]
 }
 
 /// Plans with the spec's fresh contents (`PlanBuffers::fresh`, their one definition), uploaded.
@@ -473,4 +495,37 @@ pub fn read_plans<B: KvPlanBackend>(plan: &StepPlan<B>) -> Result<PlanBuffers, E
         write_seed_slot_indices: values(write.seed_slot_indices.clone())?,
         write_num_valid_reqs: scalar(write.num_valid_reqs.clone())?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The largest capacity the count rule lets through.
+    const MAX_CAPACITY: usize = i32::MAX as usize;
+
+    #[test]
+    fn a_plan_larger_than_a_page_is_refused_naming_its_array() {
+        // lavapipe's page: 128 MiB. Any plan capacity below 2^31 passes the count rule.
+        let error = room::within(&plan_buffers(MAX_CAPACITY, 1), 128 << 20, "the device");
+        assert_eq!(
+            error,
+            Err(Error::AllocationTooLarge {
+                what: "verify plan array",
+                elements: MAX_CAPACITY as u64,
+                bytes: MAX_CAPACITY as u128 * 8,
+                on: "the device",
+                limit: Some(128 << 20),
+            })
+        );
+        let error = room::within(&plan_buffers(1, MAX_CAPACITY), 128 << 20, "the device");
+        assert_eq!(
+            error.unwrap_err().to_string(),
+            "kvplan: write_offsets needs 2147483648 elements (17179869184 bytes), more than the device can allocate (at most 134217728 bytes at once)"
+        );
+        assert_eq!(
+            room::within(&plan_buffers(1 << 20, 256), 128 << 20, "the device"),
+            Ok(())
+        );
+    }
 }

@@ -35,6 +35,7 @@ use crate::ops::{
 };
 use crate::reference::canary::{ViolationRow, fail};
 use crate::reference::{CanaryState, RealKvHashMode};
+use crate::room::{self, Buffer};
 use crate::validate;
 
 /// A view of real KV memory whose bytes the canary fingerprints (spec §4.2). Holds a clone of the
@@ -432,6 +433,14 @@ pub struct Canary<B: KvPlanBackend = Dispatch> {
     device: B::Device,
 }
 
+/// A canary's sized buffers: `num_slots` records of `slot_stride_bytes`, `ring_capacity` rows.
+fn canary_buffers(num_slots: usize, slot_stride_bytes: usize, ring_capacity: usize) -> [Buffer; 2] {
+    [
+        Buffer::new("canary record buffer", num_slots, slot_stride_bytes),
+        Buffer::new("violation ring", ring_capacity, ROW_WORDS * 8),
+    ]
+}
+
 impl Canary {
     /// A zeroed canary of `num_slots` slots of `slot_stride_bytes` (a multiple of 8, at least 32;
     /// bytes past the first 32 are the caller's) and a ring of `ring_capacity` rows.
@@ -466,6 +475,7 @@ impl<B: KvPlanBackend> Canary<B> {
         device: &B::Device,
     ) -> Result<Self, Error> {
         validate::canary::slot_stride(slot_stride_bytes)?;
+        room::on_host(&canary_buffers(num_slots, slot_stride_bytes, ring_capacity))?;
         let state = CanaryState::zeroed(num_slots, slot_stride_bytes / 8, ring_capacity);
         Self::from_state(&state, device)
     }
@@ -473,6 +483,12 @@ impl<B: KvPlanBackend> Canary<B> {
     /// A canary holding `state` (restoring a snapshot, tests, conformance scenarios).
     pub fn from_state(state: &CanaryState, device: &B::Device) -> Result<Self, Error> {
         validate::canary::slot_stride(state.slot_stride_words * 8)?;
+        let buffers = canary_buffers(
+            state.num_slots().max(1),
+            state.slot_stride_words * 8,
+            state.ring.len().max(1),
+        );
+        room::on_device(device, &buffers)?;
         Ok(Self {
             state: Some(crate::ops::upload_canary::<B>(
                 state,
@@ -549,19 +565,26 @@ impl<B: KvPlanBackend> Canary<B> {
         Ok(())
     }
 
-    /// Reads the ring back (one sync) and decodes its rows.
+    /// Reads the status and the counters back in one sync, and the ring only when it holds rows
+    /// (a clean step costs one read), and decodes its rows.
     pub fn violations(&self) -> Result<Violations, Error> {
-        self.check()?;
         let state = self.primitive();
-        let counters = read_ints::<B>(state.counters.clone())?;
-        let ring = read_ints::<B>(state.ring.clone())?;
-        let recorded = counters[WRITE_INDEX].max(0) as u64;
+        let words = B::int_cat(vec![state.status.clone(), state.counters.clone()], 0);
+        let words = read_ints::<B>(words)?;
+        let (status, counters) = words.split_at(STATUS_LEN.min(words.len()));
+        let status: crate::status::StatusWords = status.try_into().unwrap_or_default();
+        crate::status::decode(&status, "kv-canary")?;
+        let recorded = counters.get(WRITE_INDEX).copied().unwrap_or(0).max(0) as u64;
         let stored = (recorded as usize).min(state.ring_capacity);
-        let rows = ring
-            .chunks_exact(ROW_WORDS)
-            .take(stored)
-            .map(|row| Violation::from(<ViolationRow>::try_from(row).unwrap_or_default()))
-            .collect();
+        let rows = if stored == 0 {
+            Vec::new()
+        } else {
+            read_ints::<B>(state.ring.clone())?
+                .chunks_exact(ROW_WORDS)
+                .take(stored)
+                .map(|row| Violation::from(<ViolationRow>::try_from(row).unwrap_or_default()))
+                .collect()
+        };
         Ok(Violations {
             rows,
             recorded,

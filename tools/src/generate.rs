@@ -6,7 +6,9 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use burn_core::tensor::{DType, Device, DeviceKind};
-use kvplan_decoder::engine::{Corruption, Drafting, Engine, EngineOptions, Outcome, Request};
+use kvplan_decoder::engine::{
+    Corruption, Drafting, Engine, EngineOptions, Outcome, Request, StepTimes,
+};
 use kvplan_decoder::gguf::Gguf;
 use kvplan_decoder::model::Llama;
 use kvplan_decoder::model_file;
@@ -20,11 +22,14 @@ use crate::demo;
 pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--raw] [--spec off|ngram|self]
     [--draft-tokens K] [--draft-layers L] [--backend flex|vulkan|cuda] [--max-new-tokens N]
     [--temperature T] [--seed S] [--batch N] [--dtype f32|f64] [--model FILE.gguf]
-    [--inject-corruption kv-byte|stale-row] [--json] [--ignore-eos] [--limit N]
+    [--inject-corruption kv-byte|stale-row] [--json] [--ignore-eos] [--limit N] [--profile]
+    [--warm-up|--no-warm-up]
   Each prompt is a user message rendered with the GGUF's chat template (--raw: plain completion).
   FILE holds one JSON object per line ({\"prompt\": ..., \"arrival_step\": 0, \"max_new_tokens\": 64}),
   or plain lines of prompt text (--limit N: the first N). Without prompts, a built-in set runs.
-  --ignore-eos generates exactly the budget (benchmarks).";
+  --ignore-eos generates exactly the budget (benchmarks). --profile waits for the device after
+  each step phase and prints where the steps' time went. On CUDA and Vulkan the requests are
+  first served once untimed (--no-warm-up: not), which compiles and autotunes every step shape.";
 
 /// The built-in prompts: two repetitive ones (lists and code, where drafts from the context pay).
 const DEFAULT_PROMPTS: [&str; 4] = [
@@ -52,6 +57,8 @@ struct Args {
     corruption: Option<Corruption>,
     json: bool,
     ignore_eos: bool,
+    profile: bool,
+    warm_up: Option<bool>,
 }
 
 #[derive(Debug, Clone)]
@@ -149,6 +156,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         },
         corruption: args.corruption.map(|kind| (kind, 8)),
         fixed_windows: backend != BackendName::Flex,
+        profile: args.profile,
         ..EngineOptions::default()
     };
     let eos = if args.ignore_eos {
@@ -157,6 +165,16 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         tokenizer.end_of_generation_ids().to_vec()
     };
     let mut engine = Engine::new(model, eos, options).map_err(|e| e.to_string())?;
+    // A GPU compiles and autotunes each new step shape (seconds); Flex has nothing to compile.
+    if args.warm_up.unwrap_or(backend != BackendName::Flex) {
+        let took = engine
+            .warm_up(requests.clone())
+            .map_err(|e| e.to_string())?;
+        eprintln!(
+            "generate: warm-up (the same requests, untimed) took {:.1} s",
+            took.as_secs_f64()
+        );
+    }
 
     // One request streams its text; a batch shows a progress line and prints texts at the end.
     let streaming = requests.len() == 1 && !args.json;
@@ -191,6 +209,9 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         report(&args, &tokenizer, &requests[outcome.id], outcome, streaming)?;
     }
     summary(&engine, &outcomes, elapsed.as_secs_f64());
+    if args.profile {
+        profile(engine.times());
+    }
     if let Some(injected) = engine.injected() {
         let found = outcomes
             .iter()
@@ -288,6 +309,46 @@ fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64) {
     );
 }
 
+/// `--profile`: each phase's host and device-wait time per step, and the step times over the run
+/// (a step that compiles new kernels stands out against the median).
+fn profile(times: &StepTimes) {
+    let steps = times.steps.max(1) as f64;
+    eprintln!("profile: phase, host ms/step, device wait ms/step");
+    for phase in &times.phases {
+        eprintln!(
+            "profile: {:<28} {:>9.3} {:>9.3}",
+            phase.name,
+            1e3 * phase.host.as_secs_f64() / steps,
+            1e3 * phase.wait.as_secs_f64() / steps
+        );
+    }
+    let ms: Vec<f64> = times
+        .step_walls
+        .iter()
+        .map(|t| 1e3 * t.as_secs_f64())
+        .collect();
+    let mut sorted = ms.clone();
+    sorted.sort_by(f64::total_cmp);
+    if let Some(&median) = sorted.get(sorted.len() / 2) {
+        let shown: Vec<String> = ms.iter().take(12).map(|t| format!("{t:.1}")).collect();
+        eprintln!(
+            "profile: step ms: median {median:.2}, max {:.1}, first steps {}",
+            sorted[sorted.len() - 1],
+            shown.join(" ")
+        );
+        let slow: Vec<String> = ms
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| **t > 3.0 * median)
+            .map(|(i, t)| format!("{i}:{t:.0}"))
+            .collect();
+        eprintln!(
+            "profile: steps over 3x the median (step:ms): {}",
+            slow.join(" ")
+        );
+    }
+}
+
 fn parse(args: &[String]) -> Result<Args, String> {
     let mut parsed = Args {
         prompts: Vec::new(),
@@ -305,6 +366,8 @@ fn parse(args: &[String]) -> Result<Args, String> {
         corruption: None,
         json: false,
         ignore_eos: false,
+        profile: false,
+        warm_up: None,
     };
     let mut limit = None;
     let mut rest = args.iter();
@@ -324,6 +387,9 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--raw" => parsed.raw = true,
             "--json" => parsed.json = true,
             "--ignore-eos" => parsed.ignore_eos = true,
+            "--profile" => parsed.profile = true,
+            "--warm-up" => parsed.warm_up = Some(true),
+            "--no-warm-up" => parsed.warm_up = Some(false),
             "--limit" => limit = Some(number::<usize>("--limit", value("--limit")?)?),
             "--spec" => parsed.drafting = value("--spec")?,
             "--draft-tokens" => {

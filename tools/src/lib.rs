@@ -14,6 +14,7 @@ pub mod conformance;
 #[cfg(feature = "cuda")]
 pub mod cupti;
 pub mod demo;
+pub mod fuzz;
 pub mod generate;
 pub mod prim;
 

@@ -14,6 +14,10 @@ const USAGE: &str = "usage:
                                              with --inject-corruption, one live KV slot is
                                              corrupted mid-run and the canary must report it
   kvplan check FILE.jsonl [--backend NAME]   run conformance vectors
+  kvplan fuzz --seed S --cases N --backend NAME [--op gather|plan|canary|slots|all]
+                                             N random and edge cases per op against the
+                                             reference; prints a conformance record that
+                                             reproduces the first disagreement
   kvplan chart TABLE.csv OUT.png              draw the README's bar chart (op,sglang_us,kvplan_us)
   kvplan bench gather|plan|canary|canary-small|host|cuda-client [--backend NAME] [--reps N]   time the anchor grids
 backends: reference, flex, vulkan, vulkan-unfused, cuda, cuda-unfused";
@@ -64,6 +68,11 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
     let mut backend = None;
     let mut reps = 50usize;
     let mut inject_corruption = false;
+    let mut fuzz = kvplan_tools::fuzz::Fuzz {
+        ops: kvplan_tools::fuzz::Op::ALL.to_vec(),
+        seed: 0,
+        cases: 1000,
+    };
     let mut rest = args.iter();
     while let Some(arg) = rest.next() {
         match arg.as_str() {
@@ -77,9 +86,31 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
                 reps = rest
                     .next()
                     .and_then(|n| n.parse().ok())
-                    .ok_or(Failure::Usage("--reps needs a number".into()))?;
+                    // The timings take a median of the reps.
+                    .filter(|&n| n > 0)
+                    .ok_or(Failure::Usage("--reps needs a positive number".into()))?;
             }
             "--inject-corruption" => inject_corruption = true,
+            "--seed" | "--cases" => {
+                let number = rest
+                    .next()
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .ok_or(Failure::Usage(format!("{arg} needs a number")))?;
+                if arg == "--seed" {
+                    fuzz.seed = number;
+                } else {
+                    fuzz.cases = number as usize;
+                }
+            }
+            "--op" => {
+                let name = rest
+                    .next()
+                    .ok_or(Failure::Usage("--op needs a name".into()))?;
+                fuzz.ops = match name.as_str() {
+                    "all" => kvplan_tools::fuzz::Op::ALL.to_vec(),
+                    one => vec![one.parse().map_err(Failure::Usage)?],
+                };
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(ExitCode::SUCCESS);
@@ -93,6 +124,10 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
             usable(backend.unwrap_or(BackendName::Reference))?,
         )?),
         ["demo"] => Ok(demo::run(backend, inject_corruption)?),
+        ["fuzz"] => {
+            let backend = usable(backend.unwrap_or(BackendName::Reference))?;
+            Ok(run_fuzz(fuzz, backend)?)
+        }
         [probe, name] if *probe == demo::PROBE_SUBCOMMAND => {
             let name = name.parse::<BackendName>().map_err(Failure::Usage)?;
             match demo::probe_here(name) {
@@ -135,6 +170,50 @@ fn check(file: &str, backend: BackendName) -> Result<ExitCode, String> {
     println!("{file} on {backend}: {}", report.summary());
     println!("{}", report.summary());
     Ok(if report.failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn run_fuzz(fuzz: kvplan_tools::fuzz::Fuzz, backend: BackendName) -> Result<ExitCode, String> {
+    println!(
+        "kvplan fuzz on {backend}: seed {}, {} cases per op",
+        fuzz.seed, fuzz.cases
+    );
+    let reports = with_backend(backend, fuzz)?;
+    let (mut cases, mut disagreements) = (0, 0);
+    for report in &reports {
+        println!(
+            "{}: {} cases, {} disagreements",
+            report.op, report.cases, report.disagreements
+        );
+        let outcomes: Vec<String> = report
+            .outcomes
+            .iter()
+            .map(|(outcome, n)| format!("{outcome} {n}"))
+            .collect();
+        println!("  reference outcomes: {}", outcomes.join(", "));
+        cases += report.cases;
+        disagreements += report.disagreements;
+        if let Some(finding) = &report.first {
+            let reproduces = match finding.reproduces {
+                Some(true) => "yes",
+                Some(false) => {
+                    "no (the disagreement needs what the record cannot say: see its \"fuzz\" field)"
+                }
+                None => "unknown (kvplan check panicked on it)",
+            };
+            println!(
+                "first disagreement, case {} (shrunk): {}",
+                finding.case, finding.why
+            );
+            println!("kvplan check --backend {backend} reproduces it: {reproduces}");
+            println!("{}", finding.record);
+        }
+    }
+    println!("{cases} cases, {disagreements} disagreements");
+    Ok(if disagreements == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

@@ -13,10 +13,14 @@
 mod canary;
 #[path = "kvplan/common.rs"]
 mod common;
+#[path = "kvplan/concurrency.rs"]
+mod concurrency;
 #[path = "kvplan/conformance.rs"]
 mod conformance;
 #[path = "kvplan/errors.rs"]
 mod errors;
+#[path = "kvplan/fuzz.rs"]
+mod fuzz;
 #[path = "kvplan/gather.rs"]
 mod gather;
 #[cfg(feature = "vulkan")]
@@ -108,6 +112,11 @@ macro_rules! suite {
             #[test]
             fn conformance_plan() {
                 crate::conformance::plan_file::<B>(&device());
+            }
+
+            #[test]
+            fn conformance_malformed() {
+                crate::conformance::malformed_file::<B>(&device());
             }
 
             #[test]
@@ -220,6 +229,25 @@ macro_rules! suite {
             }
 
             #[test]
+            fn errors_allocation_too_large() {
+                crate::errors::allocation_too_large::<B>(&device());
+            }
+
+            #[test]
+            fn concurrency_threads() {
+                crate::concurrency::threads_on_one_device::<B>(&device());
+            }
+
+            #[test]
+            fn concurrency_two_devices() {
+                let other: Option<<B as BackendTypes>::Device> = $other;
+                match other {
+                    Some(other) => crate::concurrency::threads_on_devices::<B>(&[device(), other]),
+                    None => eprintln!("skipping two devices: the backend has one device"),
+                }
+            }
+
+            #[test]
             fn conformance_canary() {
                 crate::canary::conformance::<B>(&device());
             }
@@ -302,6 +330,32 @@ macro_rules! suite {
             #[test]
             fn errors_store() {
                 crate::slots::store_errors::<B>(&device());
+            }
+
+            #[test]
+            fn fuzz_gather() {
+                crate::fuzz::family::<B>(kvplan_tools::fuzz::Op::Gather, &device());
+            }
+
+            #[test]
+            fn fuzz_plan() {
+                crate::fuzz::family::<B>(kvplan_tools::fuzz::Op::Plan, &device());
+            }
+
+            #[test]
+            fn fuzz_canary() {
+                crate::fuzz::family::<B>(kvplan_tools::fuzz::Op::Canary, &device());
+            }
+
+            #[test]
+            #[ignore = "open: a store into a sliced bf16 cache loses the Vulkan device (fuzz.rs)"]
+            fn fuzz_regression_sliced_bf16_cache() {
+                crate::fuzz::sliced_bf16_cache::<B>(&device());
+            }
+
+            #[test]
+            fn fuzz_slots() {
+                crate::fuzz::family::<B>(kvplan_tools::fuzz::Op::Slots, &device());
             }
 
             #[test]
@@ -405,6 +459,12 @@ tensor_suite!(
 
 #[cfg(feature = "cuda")]
 tensor_suite!(tensor_cuda, burn_core::tensor::Device::cuda(0));
+
+// The `kvplan` binary answers bad files and flags with a line each, never a panic.
+#[test]
+fn binary_bad_input() {
+    crate::conformance::binary_bad_input();
+}
 
 // `tests/data/slots.jsonl` is what its generator writes.
 #[test]

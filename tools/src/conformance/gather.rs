@@ -6,9 +6,7 @@ use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_defe
 use kvplan::{DeferredGather, Error, GatherOptions, KvPlanBackend};
 use serde_json::Value;
 
-use super::{
-    Dense, Mismatch, expect_eq, expect_slice, int_list, mismatch_kind, parse_error, values,
-};
+use super::{Dense, Mismatch, expect_eq, expect_slice, int_list, mismatch_kind, values};
 
 struct Case {
     masked: bool,
@@ -22,16 +20,22 @@ struct Case {
 }
 
 impl Case {
-    fn parse(record: &Value) -> Option<Case> {
+    /// The record's inputs (the table is uploaded as int32: its values must fit).
+    fn parse(record: &Value) -> Result<Case, Mismatch> {
         let inputs = &record["inputs"];
-        Some(Case {
+        let list = |name: &str| -> Result<Option<Dense>, Mismatch> {
+            let values = int_list(&inputs[name], name)?;
+            Ok(values.map(|values| Dense::list(name, values)))
+        };
+        Ok(Case {
             masked: record["op"] == "masked",
-            table: Dense::parse(&inputs["req_to_token"])?,
-            req_pool_indices: Dense::list(int_list(&inputs["req_pool_indices"])?),
-            pos2d: Dense::parse(&inputs["pos2d"]),
-            mask: Dense::parse(&inputs["mask"]),
-            start: int_list(&inputs["start"]).map(Dense::list),
-            lengths: int_list(&inputs["lengths"]).map(Dense::list),
+            table: Dense::required(&inputs["req_to_token"], "req_to_token")?.fitting(DType::I32)?,
+            req_pool_indices: list("req_pool_indices")?
+                .ok_or_else(|| super::missing("req_pool_indices"))?,
+            pos2d: Dense::parse(&inputs["pos2d"], "pos2d")?,
+            mask: Dense::parse(&inputs["mask"], "mask")?,
+            start: list("start")?,
+            lengths: list("lengths")?,
             context: inputs["context"].as_str().unwrap_or("").to_string(),
         })
     }
@@ -46,7 +50,7 @@ impl Case {
                 .start
                 .as_ref()
                 .map(|start| start.int::<B>(DType::I64, device));
-            let no_lengths = Dense::list(vec![]);
+            let no_lengths = Dense::list("lengths", vec![]);
             let lengths = self
                 .lengths
                 .as_ref()
@@ -61,6 +65,7 @@ impl Case {
             );
         }
         let empty = Dense {
+            field: "pos2d".into(),
             shape: vec![0, 0],
             data: vec![],
         };
@@ -90,9 +95,9 @@ impl Case {
 }
 
 pub(super) fn check<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Result<(), Mismatch> {
-    let case = Case::parse(record).ok_or_else(|| parse_error("gather inputs"))?;
+    let case = Case::parse(record)?;
     let expected_kind = record["error_kind"].as_str();
-    let expected_out = int_list(&record["expected"]["out"]).unwrap_or_default();
+    let expected_out = int_list(&record["expected"]["out"], "expected.out")?.unwrap_or_default();
 
     // Exact mode: the deferred call, then its one read-back.
     match (case.run::<B>(device).and_then(exact::<B>), expected_kind) {

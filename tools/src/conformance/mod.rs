@@ -2,9 +2,9 @@
 //! through kvplan's public primitive-level API on one backend and compares each record as its
 //! `policy` says.
 
-mod canary;
+pub(crate) mod canary;
 mod gather;
-mod plan;
+pub(crate) mod plan;
 mod slots;
 pub mod slots_data;
 
@@ -66,12 +66,13 @@ pub fn check_file<B: KvPlanBackend>(text: &str, device: &B::Device) -> Report {
         .enumerate()
         .filter(|(_, line)| !line.trim().is_empty())
     {
+        let line_id = || format!("line {}", line_no + 1);
         let (id, outcome) = match serde_json::from_str::<Value>(line) {
             Ok(record) => {
-                let id = record["id"].as_str().unwrap_or("?").to_string();
+                let id = record["id"].as_str().map_or_else(line_id, str::to_string);
                 (id, check_record::<B>(&record, device))
             }
-            Err(error) => (format!("line {}", line_no + 1), Err(parse_error(error))),
+            Err(error) => (line_id(), Err(parse_error(error))),
         };
         match outcome {
             Ok(()) => report.passed += 1,
@@ -81,14 +82,34 @@ pub fn check_file<B: KvPlanBackend>(text: &str, device: &B::Device) -> Report {
     report
 }
 
+/// A line that is not one JSON record.
 fn parse_error(error: impl fmt::Display) -> Mismatch {
+    malformed("record", "a valid record", error)
+}
+
+/// A field of a record that does not hold what it must.
+fn malformed(
+    field: impl Into<String>,
+    expected: impl Into<String>,
+    got: impl fmt::Display,
+) -> Mismatch {
     Mismatch {
         mode: "parse",
-        field: "record".into(),
+        field: field.into(),
         index: None,
-        expected: "a valid record".into(),
-        got: error.to_string(),
+        expected: expected.into(),
+        got: got.to_string(),
     }
+}
+
+/// A field the record must have.
+fn missing(field: impl Into<String>) -> Mismatch {
+    malformed(field, "a value", "none")
+}
+
+/// A field that must name one of `names`.
+fn unknown(field: &str, names: &str, got: Option<&str>) -> Mismatch {
+    malformed(field, format!("one of {names}"), format!("{got:?}"))
 }
 
 /// Runs one record.
@@ -102,7 +123,11 @@ pub fn check_record<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Res
         Some("segment_assign") | Some("assign_gather") | Some("store_kv") => {
             slots::check::<B>(record, device)
         }
-        other => Err(parse_error(format!("unknown op {other:?}"))),
+        other => Err(unknown(
+            "op",
+            "plan, allocate, masked, segments, segment_assign, assign_gather, store_kv",
+            other,
+        )),
     }
 }
 
@@ -144,40 +169,173 @@ fn expect_slice(
     expect_eq(mode, &format!("{field} length"), expected.len(), got.len())
 }
 
-/// An i64 list of a record (`null` or absent is `None`).
-fn int_list(value: &Value) -> Option<Vec<i64>> {
-    value.as_array().map(|items| {
-        items
-            .iter()
-            .map(|item| item.as_i64().unwrap_or(0))
-            .collect()
+/// An i64 list of a record (`null` or absent is `None`); anything but a list of integers that
+/// fit i64 is malformed.
+fn int_list(value: &Value, field: &str) -> Result<Option<Vec<i64>>, Mismatch> {
+    list_of(value, field, "an integer that fits int64", Value::as_i64)
+}
+
+/// A list of `item`s of a record (`null` or absent is `None`); an item `item` refuses is
+/// malformed, named by its index and `what` it must be.
+fn list_of<T>(
+    value: &Value,
+    field: &str,
+    what: &str,
+    item: impl Fn(&Value) -> Option<T>,
+) -> Result<Option<Vec<T>>, Mismatch> {
+    if value.is_null() {
+        return Ok(None);
+    }
+    let items = (value.as_array()).ok_or_else(|| malformed(field, "a list", value))?;
+    let each = |(index, value): (usize, &Value)| {
+        item(value).ok_or_else(|| Mismatch {
+            index: Some(index),
+            ..malformed(field, what, value)
+        })
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(each)
+        .collect::<Result<_, _>>()
+        .map(Some)
+}
+
+/// An i64 list the record must have.
+fn required_list(value: &Value, field: &str) -> Result<Vec<i64>, Mismatch> {
+    int_list(value, field)?.ok_or_else(|| missing(field))
+}
+
+/// A size or count the record must have: a non-negative integer.
+fn size(value: &Value, field: &str) -> Result<usize, Mismatch> {
+    let size = value.as_u64().and_then(|size| usize::try_from(size).ok());
+    size.ok_or_else(|| match value {
+        Value::Null => missing(field),
+        _ => malformed(field, "a non-negative integer", value),
     })
 }
 
-/// A tensor description of a record: `{rows, cols, data}` or `{shape, data}`.
+/// A shape the record must have: a list of sizes.
+fn shape(value: &Value, field: &str) -> Result<Vec<usize>, Mismatch> {
+    let dims = value.as_array().ok_or_else(|| match value {
+        Value::Null => missing(field),
+        _ => malformed(field, "a list of sizes", value),
+    })?;
+    dims.iter().map(|dim| size(dim, field)).collect()
+}
+
+/// An optional integer of a record, within `i32` (the dtype of the field it fills); absent is
+/// `default`.
+fn i32_field(value: &Value, field: &str, default: i32) -> Result<i32, Mismatch> {
+    if value.is_null() {
+        return Ok(default);
+    }
+    let fits = value.as_i64().and_then(|v| i32::try_from(v).ok());
+    fits.ok_or_else(|| malformed(field, "an integer that fits int32", value))
+}
+
+/// Whether `value` fits `dtype` (int dtypes; any value fits the others).
+fn fits(dtype: DType, value: i64) -> bool {
+    let (min, max): (i64, i64) = match dtype {
+        DType::I32 => (i32::MIN.into(), i32::MAX.into()),
+        DType::I16 => (i16::MIN.into(), i16::MAX.into()),
+        DType::I8 => (i8::MIN.into(), i8::MAX.into()),
+        DType::U32 => (0, u32::MAX.into()),
+        DType::U16 => (0, u16::MAX.into()),
+        DType::U8 => (0, u8::MAX.into()),
+        DType::U64 => (0, i64::MAX),
+        _ => (i64::MIN, i64::MAX),
+    };
+    (min..=max).contains(&value)
+}
+
+/// The first of `values` that does not fit `dtype`, as a mismatch of `field`.
+fn check_dtype(field: &str, values: &[i64], dtype: DType) -> Result<(), Mismatch> {
+    match values.iter().position(|&value| !fits(dtype, value)) {
+        Some(index) => Err(Mismatch {
+            index: Some(index),
+            ..malformed(field, format!("a value that fits {dtype:?}"), values[index])
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Whether `len` values fill `shape`; otherwise the mismatch of the data's field.
+fn check_shape(field: &str, shape: &[usize], len: usize) -> Result<(), Mismatch> {
+    let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    if elements == Some(len) {
+        return Ok(());
+    }
+    let want = elements.map_or_else(|| "an overflowing count of".into(), |n| n.to_string());
+    Err(malformed(
+        field,
+        format!("{want} values (shape {shape:?})"),
+        format!("{len} values"),
+    ))
+}
+
+/// A tensor description of a record: `{rows, cols, data}` or `{shape, data}`, its data as long
+/// as its shape says.
 struct Dense {
+    field: String,
     shape: Vec<usize>,
     data: Vec<i64>,
 }
 
 impl Dense {
-    fn parse(value: &Value) -> Option<Dense> {
-        let data = int_list(&value["data"])?;
+    /// The tensor of field `field`; `None` when absent.
+    fn parse(value: &Value, field: &str) -> Result<Option<Dense>, Mismatch> {
+        if value.is_null() {
+            return Ok(None);
+        }
+        if !value.is_object() {
+            return Err(malformed(
+                field,
+                "{shape, data} or {rows, cols, data}",
+                value,
+            ));
+        }
+        let data = required_list(&value["data"], &format!("{field}.data"))?;
         let shape = match value.get("shape") {
-            Some(shape) => int_list(shape)?.into_iter().map(|d| d as usize).collect(),
+            Some(dims) => shape(dims, &format!("{field}.shape"))?,
             None => vec![
-                value["rows"].as_u64()? as usize,
-                value["cols"].as_u64()? as usize,
+                size(&value["rows"], &format!("{field}.rows"))?,
+                size(&value["cols"], &format!("{field}.cols"))?,
             ],
         };
-        Some(Dense { shape, data })
+        check_shape(&format!("{field}.data"), &shape, data.len())?;
+        Ok(Some(Dense {
+            field: field.to_string(),
+            shape,
+            data,
+        }))
     }
 
-    fn list(values: Vec<i64>) -> Dense {
+    /// The tensor of field `field`, which the record must have.
+    fn required(value: &Value, field: &str) -> Result<Dense, Mismatch> {
+        Self::parse(value, field)?.ok_or_else(|| missing(field))
+    }
+
+    /// A tensor, or a plain list (a 1-D tensor), of field `field`; `None` when absent.
+    fn parse_or_list(value: &Value, field: &str) -> Result<Option<Dense>, Mismatch> {
+        match value.is_array() {
+            true => Ok(int_list(value, field)?.map(|values| Dense::list(field, values))),
+            false => Self::parse(value, field),
+        }
+    }
+
+    fn list(field: &str, values: Vec<i64>) -> Dense {
         Dense {
+            field: field.to_string(),
             shape: vec![values.len()],
             data: values,
         }
+    }
+
+    /// The tensor itself when every value fits `dtype` (its upload would panic otherwise).
+    fn fitting(self, dtype: DType) -> Result<Dense, Mismatch> {
+        check_dtype(&self.field, &self.data, dtype)?;
+        Ok(self)
     }
 
     fn int<B: KvPlanBackend>(&self, dtype: DType, device: &B::Device) -> IntTensor<B> {

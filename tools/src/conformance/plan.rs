@@ -7,10 +7,13 @@ use kvplan::reference::PlanBuffers;
 use kvplan::{Error, KvPlanBackend, PlanInputs, StepPlan};
 use serde_json::Value;
 
-use super::{Dense, Mismatch, expect_eq, expect_slice, int_list, mismatch_kind, parse_error};
+use super::{
+    Dense, Mismatch, expect_eq, expect_slice, i32_field, int_list, mismatch_kind, required_list,
+    size, unknown,
+};
 
 /// Kinds found on the device: they leave a disabled plan. Every other kind leaves both unchanged.
-const DEVICE_KINDS: [&str; 6] = [
+pub(crate) const DEVICE_KINDS: [&str; 6] = [
     "req_pool_index_out_of_range",
     "position_out_of_range",
     "swa_slot_outside_lut",
@@ -87,16 +90,16 @@ fn check_allocate<B: KvPlanBackend>(
     kind: &str,
     device: &B::Device,
 ) -> Result<(), Mismatch> {
-    let capacity = |key: &str| inputs[key].as_u64().unwrap_or(0) as usize;
+    let capacity = |key: &str| size(&inputs[key], key);
     // Each half is allocated with `StepPlan::allocate_on`, the other half at a valid capacity.
     let result = match inputs["allocate"].as_str() {
         Some("VerifyPlan") => {
-            StepPlan::<B>::allocate_on(capacity("verify_capacity"), 1, device).map(|_| ())
+            StepPlan::<B>::allocate_on(capacity("verify_capacity")?, 1, device).map(|_| ())
         }
         Some("WritePlan") => {
-            StepPlan::<B>::allocate_on(1, capacity("write_req_capacity"), device).map(|_| ())
+            StepPlan::<B>::allocate_on(1, capacity("write_req_capacity")?, device).map(|_| ())
         }
-        other => return Err(parse_error(format!("unknown allocate target {other:?}"))),
+        other => return Err(unknown("allocate", "VerifyPlan, WritePlan", other)),
     };
     match result {
         Err(error) => expect_eq("allocate", "error kind", kind, error.kind()),
@@ -116,12 +119,13 @@ fn run<B: KvPlanBackend>(
     device: &B::Device,
     mode: &'static str,
 ) -> Result<Run, Mismatch> {
-    let capacity = |key: &str| inputs[key].as_u64().map(|v| v as usize);
-    let verify_capacity =
-        capacity("verify_capacity").ok_or_else(|| parse_error("verify_capacity"))?;
-    let plan_capacity = capacity("plan_verify_capacity").unwrap_or(verify_capacity);
-    let write_capacity =
-        capacity("write_req_capacity").ok_or_else(|| parse_error("write_req_capacity"))?;
+    let capacity = |key: &str| size(&inputs[key], key);
+    let verify_capacity = capacity("verify_capacity")?;
+    let plan_capacity = match inputs["plan_verify_capacity"].is_null() {
+        true => verify_capacity,
+        false => capacity("plan_verify_capacity")?,
+    };
+    let write_capacity = capacity("write_req_capacity")?;
     let setup = |error: Error| Mismatch {
         mode,
         field: "setup".into(),
@@ -165,16 +169,13 @@ fn build<B: KvPlanBackend>(
         Some("int64") => DType::I64,
         _ => default,
     };
-    let list = |source: &Value, name: &str| -> Result<Dense, Mismatch> {
-        int_list(&source[name])
-            .map(Dense::list)
-            .ok_or_else(|| parse_error(name))
-    };
     let vector = |source: &Value, name: &str| -> Result<_, Mismatch> {
-        Ok(list(source, name)?.int::<B>(dtype(name, DType::I64), device))
+        let dtype = dtype(name, DType::I64);
+        let list = Dense::list(name, required_list(&source[name], name)?).fitting(dtype)?;
+        Ok(list.int::<B>(dtype, device))
     };
-    let table = Dense::parse(&inputs["req_to_token"]).ok_or_else(|| parse_error("req_to_token"))?;
     let table_dtype = dtype("req_to_token", DType::I32);
+    let table = Dense::required(&inputs["req_to_token"], "req_to_token")?.fitting(table_dtype)?;
     let (rpi, prefix, extend) = (
         vector(batch, "req_pool_indices")?,
         vector(batch, "prefix_lens")?,
@@ -183,20 +184,25 @@ fn build<B: KvPlanBackend>(
     // The table keeps the record's rank (rank errors are the op's to report).
     let table = table.int::<B>(table_dtype, device);
     let mut plan_inputs = PlanInputs::<B>::from_primitives(rpi, prefix, extend, table)
-        .swa_window_size(inputs["swa_window_size"].as_i64().unwrap_or(0) as i32)
-        .position_offset(
-            inputs["kv_token_id_vs_position_offset"]
-                .as_i64()
-                .unwrap_or(0) as i32,
-        )
-        .verify_capacity(inputs["verify_capacity"].as_u64().unwrap_or(0) as usize);
+        .swa_window_size(i32_field(&inputs["swa_window_size"], "swa_window_size", 0)?)
+        .position_offset(i32_field(
+            &inputs["kv_token_id_vs_position_offset"],
+            "kv_token_id_vs_position_offset",
+            0,
+        )?)
+        .verify_capacity(size(&inputs["verify_capacity"], "verify_capacity")?);
     if !inputs["full_to_swa_index_mapping"].is_null() {
         plan_inputs = plan_inputs
             .full_to_swa_index_mapping_primitive(vector(inputs, "full_to_swa_index_mapping")?);
     }
     // The pool and its lengths apart: records test the rule that pairs them.
-    if let Some(pool) = Dense::parse(&inputs["req_to_verify_expected_tokens"]) {
-        plan_inputs = plan_inputs.expected_tokens_pool_primitive(pool.int::<B>(DType::I32, device));
+    let pool = Dense::parse(
+        &inputs["req_to_verify_expected_tokens"],
+        "req_to_verify_expected_tokens",
+    )?;
+    if let Some(pool) = pool {
+        let pool = pool.fitting(DType::I32)?.int::<B>(DType::I32, device);
+        plan_inputs = plan_inputs.expected_tokens_pool_primitive(pool);
     }
     if !inputs["req_to_verify_expected_tokens_valid_lens"].is_null() {
         let lens = vector(inputs, "req_to_verify_expected_tokens_valid_lens")?;
@@ -230,13 +236,17 @@ fn compare(mode: &'static str, expected: &Value, got: &PlanBuffers) -> Result<()
     ];
     if got.enable == 1 {
         for (field, values) in verify_fields {
-            let want = int_list(&expected[field]).unwrap_or_default();
+            let want = int_list(&expected[field], field)?.unwrap_or_default();
             expect_slice(mode, field, &want, &values[..valid.min(values.len())])?;
         }
     }
-    let offsets = int_list(&expected["write_offsets"]).unwrap_or_default();
+    let offsets = int_list(&expected["write_offsets"], "write_offsets")?.unwrap_or_default();
     expect_slice(mode, "write_offsets", &offsets, &got.write_offsets)?;
-    let seeds = int_list(&expected["write_seed_slot_indices"]).unwrap_or_default();
+    let seeds = int_list(
+        &expected["write_seed_slot_indices"],
+        "write_seed_slot_indices",
+    )?
+    .unwrap_or_default();
     let bs = seeds.len().min(got.write_seed_slot_indices.len());
     expect_slice(
         mode,
@@ -247,10 +257,11 @@ fn compare(mode: &'static str, expected: &Value, got: &PlanBuffers) -> Result<()
     let full = &expected["plan_state_full"];
     if !full.is_null() {
         for (field, values) in verify_fields {
-            let want = int_list(&full[field]).unwrap_or_default();
+            let want = int_list(&full[field], field)?.unwrap_or_default();
             expect_slice(mode, &format!("plan_state_full.{field}"), &want, values)?;
         }
-        let want = int_list(&full["write_seed_slot_indices"]).unwrap_or_default();
+        let want = int_list(&full["write_seed_slot_indices"], "write_seed_slot_indices")?
+            .unwrap_or_default();
         expect_slice(
             mode,
             "plan_state_full.write_seed_slot_indices",

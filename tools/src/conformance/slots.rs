@@ -12,7 +12,8 @@ use kvplan::{Error, GatherOptions, KvPlanBackend, KvRows, KvStore};
 use serde_json::Value;
 
 use super::{
-    Dense, Mismatch, expect_eq, expect_slice, int_list, mismatch_kind, parse_error, values,
+    Dense, Mismatch, check_dtype, check_shape, expect_eq, expect_slice, int_list, list_of,
+    malformed, mismatch_kind, missing, shape, unknown, values,
 };
 
 pub(super) fn check<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Result<(), Mismatch> {
@@ -20,7 +21,11 @@ pub(super) fn check<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Res
         Some("segment_assign") => assign::<B>(record, device),
         Some("assign_gather") => assign_gather::<B>(record, device),
         Some("store_kv") => store::<B>(record, device),
-        other => Err(parse_error(format!("unknown slot op {other:?}"))),
+        other => Err(unknown(
+            "op",
+            "segment_assign, assign_gather, store_kv",
+            other,
+        )),
     }
 }
 
@@ -39,12 +44,23 @@ pub fn dtype_of(name: &str) -> Option<DType> {
     })
 }
 
+/// The dtype named by field `field`, else `default`.
+fn named_dtype(value: &Value, field: &str, default: DType) -> Result<DType, Mismatch> {
+    match value {
+        Value::Null => Ok(default),
+        value => (value.as_str().and_then(dtype_of)).ok_or_else(|| {
+            malformed(
+                field,
+                "one of int64, int32, int16, int8, uint8, float32, float16, bfloat16",
+                value,
+            )
+        }),
+    }
+}
+
 /// The record's dtype for input `name`: `inputs.dtypes[name]`, else `default`.
 fn input_dtype(inputs: &Value, name: &str, default: DType) -> Result<DType, Mismatch> {
-    match inputs["dtypes"][name].as_str() {
-        Some(dtype) => dtype_of(dtype).ok_or_else(|| parse_error(format!("dtype {dtype}"))),
-        None => Ok(default),
-    }
+    named_dtype(&inputs["dtypes"][name], &format!("dtypes.{name}"), default)
 }
 
 /// The expected outcome of a run: `Ok(())` or the error's kind and message.
@@ -91,14 +107,13 @@ struct AssignCase {
 impl AssignCase {
     fn parse(record: &Value) -> Result<Self, Mismatch> {
         let inputs = &record["inputs"];
-        let table =
-            Dense::parse(&inputs["req_to_token"]).ok_or_else(|| parse_error("req_to_token"))?;
         let table_dtype = input_dtype(inputs, "req_to_token", DType::I32)?;
+        let table =
+            Dense::required(&inputs["req_to_token"], "req_to_token")?.fitting(table_dtype)?;
         let input = |name: &str| -> Result<(Dense, DType), Mismatch> {
-            let dense = Dense::parse(&inputs[name])
-                .or_else(|| int_list(&inputs[name]).map(Dense::list))
-                .ok_or_else(|| parse_error(name.to_string()))?;
-            Ok((dense, input_dtype(inputs, name, DType::I64)?))
+            let dtype = input_dtype(inputs, name, DType::I64)?;
+            let dense = Dense::parse_or_list(&inputs[name], name)?.ok_or_else(|| missing(name))?;
+            Ok((dense.fitting(dtype)?, dtype))
         };
         Ok(Self {
             table,
@@ -132,7 +147,11 @@ impl AssignCase {
 fn assign<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Result<(), Mismatch> {
     let case = AssignCase::parse(record)?;
     let expected = Expected::of(record);
-    let expected_table = int_list(&record["expected"]["req_to_token"]["data"]).unwrap_or_default();
+    let expected_table = int_list(
+        &record["expected"]["req_to_token"]["data"],
+        "expected.req_to_token.data",
+    )?
+    .unwrap_or_default();
 
     // Checked: the deferred call, then its one read-back.
     let mode = "checked";
@@ -208,17 +227,14 @@ struct Rows {
 }
 
 impl Rows {
-    fn parse(value: &Value, dtype: DType) -> Option<Self> {
-        let shape = int_list(&value["shape"])?
-            .into_iter()
-            .map(|d| d as usize)
-            .collect();
-        let data = value["data"]
-            .as_array()?
-            .iter()
-            .map(|v| v.as_f64().unwrap_or(f64::NAN))
-            .collect();
-        Some(Self { shape, data, dtype })
+    /// The tensor of field `field`: its data as long as its shape says, in `dtype`.
+    fn parse(value: &Value, field: &str, dtype: DType) -> Result<Self, Mismatch> {
+        let shape = shape(&value["shape"], &format!("{field}.shape"))?;
+        let data_field = format!("{field}.data");
+        let data =
+            numbers(&value["data"], &data_field, dtype)?.ok_or_else(|| missing(&data_field))?;
+        check_shape(&data_field, &shape, data.len())?;
+        Ok(Self { shape, data, dtype })
     }
 
     /// The host data: the record's values converted to the dtype (exact: the generator only
@@ -248,6 +264,29 @@ impl Rows {
             KvRows::Int(B::int_from_data(data, device))
         }
     }
+}
+
+/// A list of numbers in `dtype` (`None` when absent): for an int dtype, integers (the generator
+/// may write them as `1.0`) that fit it.
+fn numbers(value: &Value, field: &str, dtype: DType) -> Result<Option<Vec<f64>>, Mismatch> {
+    if !dtype.is_float() {
+        let Some(ints) = list_of(value, field, "an integer that fits int64", integral)? else {
+            return Ok(None);
+        };
+        check_dtype(field, &ints, dtype)?;
+        return Ok(Some(ints.into_iter().map(|v| v as f64).collect()));
+    }
+    list_of(value, field, "a number", Value::as_f64)
+}
+
+/// An integer, or a float within one ulp of one, within i64: serde_json parses a float only to
+/// within an ulp (`-4230317641084226.0` as `-4230317641084225.5`), so the nearest one is taken.
+fn integral(value: &Value) -> Option<i64> {
+    const TWO_POW_63: f64 = 9_223_372_036_854_775_808.0;
+    let near = |v: &f64| (v - v.round()).abs() <= f64::EPSILON * v.abs();
+    let fits = |v: &f64| (-TWO_POW_63..TWO_POW_63).contains(v);
+    let float = value.as_f64().filter(|v| near(v) && fits(v));
+    value.as_i64().or_else(|| float.map(|v| v.round() as i64))
 }
 
 /// The bytes of a cache, read back.
@@ -310,38 +349,28 @@ struct Call<'a> {
 fn store<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Result<(), Mismatch> {
     let inputs = &record["inputs"];
     let dtype = input_dtype(inputs, "cache", DType::F32)?;
-    let cache = Rows::parse(&inputs["cache"], dtype).ok_or_else(|| parse_error("cache"))?;
-    let num_slots = inputs["num_slots"]
-        .as_u64()
-        .ok_or_else(|| parse_error("num_slots"))? as usize;
+    let cache = Rows::parse(&inputs["cache"], "cache", dtype)?;
+    let num_slots = super::size(&inputs["num_slots"], "num_slots")?;
     let calls = inputs["calls"]
         .as_array()
-        .ok_or_else(|| parse_error("calls"))?
+        .ok_or_else(|| malformed("calls", "a list of calls", &inputs["calls"]))?
         .iter()
-        .map(|call| {
-            let values_dtype = match call["values_dtype"].as_str() {
-                Some(name) => dtype_of(name).ok_or_else(|| parse_error(name.to_string()))?,
-                None => dtype,
-            };
-            let loc_dtype = match call["loc_dtype"].as_str() {
-                Some(name) => dtype_of(name).ok_or_else(|| parse_error(name.to_string()))?,
-                None => DType::I64,
-            };
+        .enumerate()
+        .map(|(k, call)| {
+            let field = |name: &str| format!("calls[{k}].{name}");
+            let values_dtype = named_dtype(&call["values_dtype"], &field("values_dtype"), dtype)?;
+            let loc_dtype = named_dtype(&call["loc_dtype"], &field("loc_dtype"), DType::I64)?;
+            let loc = Dense::parse_or_list(&call["loc"], &field("loc"))?
+                .ok_or_else(|| missing(field("loc")))?;
+            let expected_cache = field("expected.cache");
+            let after = numbers(&call["expected"]["cache"], &expected_cache, dtype)?
+                .ok_or_else(|| missing(&expected_cache))?;
+            check_shape(&expected_cache, &cache.shape, after.len())?;
             Ok(Call {
-                loc: Dense::parse(&call["loc"])
-                    .or_else(|| int_list(&call["loc"]).map(Dense::list))
-                    .ok_or_else(|| parse_error("loc"))?,
+                loc: loc.fitting(loc_dtype)?,
                 loc_dtype,
-                values: Rows::parse(&call["values"], values_dtype)
-                    .ok_or_else(|| parse_error("values"))?,
-                cache: call["expected"]["cache"]
-                    .as_array()
-                    .map(|data| {
-                        data.iter()
-                            .map(|v| v.as_f64().unwrap_or(f64::NAN))
-                            .collect()
-                    })
-                    .unwrap_or_default(),
+                values: Rows::parse(&call["values"], &field("values"), values_dtype)?,
+                cache: after,
                 expected: Expected::of(call),
             })
         })

@@ -488,30 +488,35 @@ fn random_verify(rng: &mut Rng, num_slots: usize, written: &[(i64, i64, i64)]) -
 
 pub fn random_scenarios<B: KvPlanBackend>(device: &B::Device) {
     for seed in 0..12u64 {
-        let mut rng = Rng::new(0xCA7A_0000 + seed);
-        let num_slots = rng.pick(&[64usize, 300]);
-        let slot_words = rng.pick(&[4usize, 5, 8]);
-        let ring = rng.urange(0, 24);
-        let mut harness =
-            Harness::<B>::new(poisoned(&mut rng, num_slots, slot_words, ring), device);
-        let sources: Vec<Source> = (0..rng.urange(0, 4))
-            .map(|_| Source::random(&mut rng, num_slots))
-            .collect();
-        let mut written = Vec::new();
-        for step in 0..8 {
-            let mode = rng.pick(&[
-                RealKvHashMode::None,
-                RealKvHashMode::Partial,
-                RealKvHashMode::All,
-            ]);
-            let kind = rng.range(-1, 11) as i32;
-            if step % 2 == 0 {
-                let write = random_write(&mut rng, num_slots, &mut written);
-                harness.write(&write, kind, mode, &sources);
-            } else {
-                let verify = random_verify(&mut rng, num_slots, &written);
-                harness.verify(&verify, kind, mode, &sources);
-            }
+        random_scenario::<B>(0xCA7A_0000 + seed, device);
+    }
+}
+
+/// One scenario of [`random_scenarios`]: a poisoned canary, random sources, 8 writes and
+/// verifies, each compared with the oracle.
+pub fn random_scenario<B: KvPlanBackend>(seed: u64, device: &B::Device) {
+    let mut rng = Rng::new(seed);
+    let num_slots = rng.pick(&[64usize, 300]);
+    let slot_words = rng.pick(&[4usize, 5, 8]);
+    let ring = rng.urange(0, 24);
+    let mut harness = Harness::<B>::new(poisoned(&mut rng, num_slots, slot_words, ring), device);
+    let sources: Vec<Source> = (0..rng.urange(0, 4))
+        .map(|_| Source::random(&mut rng, num_slots))
+        .collect();
+    let mut written = Vec::new();
+    for step in 0..8 {
+        let mode = rng.pick(&[
+            RealKvHashMode::None,
+            RealKvHashMode::Partial,
+            RealKvHashMode::All,
+        ]);
+        let kind = rng.range(-1, 11) as i32;
+        if step % 2 == 0 {
+            let write = random_write(&mut rng, num_slots, &mut written);
+            harness.write(&write, kind, mode, &sources);
+        } else {
+            let verify = random_verify(&mut rng, num_slots, &written);
+            harness.verify(&verify, kind, mode, &sources);
         }
     }
 }

@@ -938,6 +938,60 @@ pub fn allocation_errors<B: KvPlanBackend>(device: &B::Device) {
     assert_eq!(plans.write.num_valid_reqs().dtype(), DType::I32);
 }
 
+/// `allocation_too_large` naming `what`, its elements and bytes, where it could not be allocated.
+#[track_caller]
+fn assert_too_large(got: Option<Error>, what: &str, elements: usize, elem_bytes: usize) {
+    let bytes = elements as u128 * elem_bytes as u128;
+    let Some(Error::AllocationTooLarge {
+        what: got_what,
+        elements: got_elements,
+        bytes: got_bytes,
+        on,
+        ..
+    }) = &got
+    else {
+        panic!("{what} of {elements} elements: expected allocation_too_large, got {got:?}");
+    };
+    assert_eq!(
+        (*got_what, *got_elements, *got_bytes),
+        (what, elements as u64, bytes)
+    );
+    assert!(["the device", "the host"].contains(on), "{on}");
+    let message = got.as_ref().map(Error::to_string).unwrap_or_default();
+    let named = format!("kvplan: {what} needs {elements} elements ({bytes} bytes), more than {on}");
+    assert!(message.starts_with(&named), "{message}");
+}
+
+/// Sizes no device or host allocates come back as `allocation_too_large` before anything is
+/// allocated, and the device still serves a small call afterwards.
+pub fn allocation_too_large<B: KvPlanBackend>(device: &B::Device) {
+    let d = device;
+    for huge in [1usize << 40, usize::MAX] {
+        let (table, rpi) = (
+            ints::<B, 2>(&[5, 6], [1, 2], DType::I32, d),
+            l::<B>(&[0], d),
+        );
+        let pos2d = ints::<B, 2>(&[1], [1, 1], DType::I64, d);
+        let mask = bools::<B, 2>(&[true], [1, 1], d);
+        let got = masked_deferred::<B>(table.clone(), rpi.clone(), pos2d, mask, Some(huge));
+        assert_too_large(got.err(), "gather output", huge, 8);
+        let got = segments_deferred::<B>(table, rpi, None, l::<B>(&[2], d), Some(huge));
+        assert_too_large(got.err(), "gather output", huge, 8);
+        let got = kvplan::Canary::<B>::allocate_on(huge, 32, 1, d);
+        assert_too_large(got.err(), "canary record buffer", huge, 32);
+        let got = kvplan::Canary::<B>::allocate_on(1, 32, huge, d);
+        assert_too_large(got.err(), "violation ring", huge, 64);
+        let got = kvplan::KvStore::<B>::allocate_on(huge, d);
+        assert_too_large(got.err(), "KvStore slot words", huge, 4);
+    }
+    let (table, rpi) = (
+        ints::<B, 2>(&[5, 6], [1, 2], DType::I32, d),
+        l::<B>(&[0], d),
+    );
+    let got = segments::<B>(table, rpi, None, l::<B>(&[2], d)).map(values::<B>);
+    assert_eq!(got, Ok(vec![5, 6]), "a small gather after the refusals");
+}
+
 /// How a backend meets a broadcast (`expand`ed, zero-row-stride) `req_to_token`.
 ///
 /// In 0.21 the unfused CubeCL backend refused it on the host (`HostRefused`, through the trait's

@@ -273,7 +273,7 @@ pub fn run_segments<B: KvPlanBackend>(
     }
 }
 
-fn random_table(rng: &mut Rng, rows: usize, cols: usize) -> Vec<i64> {
+pub fn random_table(rng: &mut Rng, rows: usize, cols: usize) -> Vec<i64> {
     (0..rows * cols)
         .map(|_| match rng.below(8) {
             0 => i32::MAX as i64,
@@ -285,7 +285,7 @@ fn random_table(rng: &mut Rng, rows: usize, cols: usize) -> Vec<i64> {
 }
 
 #[derive(Debug, Clone, Copy)]
-enum MaskKind {
+pub enum MaskKind {
     AllFalse,
     AllTrue,
     Ragged,
@@ -296,6 +296,17 @@ fn random_masked(rng: &mut Rng, r: usize, c: usize, kind: MaskKind) -> MaskedCas
     let rows = rng.urange(1, 6);
     let cols = rng.urange(1, 20);
     let table = random_table(rng, rows, cols);
+    random_masked_on(rng, (rows, cols, table), r, c, kind)
+}
+
+/// A random `R x C` masked gather over a given `(rows, cols, values)` table.
+pub fn random_masked_on(
+    rng: &mut Rng,
+    (rows, cols, table): (usize, usize, Vec<i64>),
+    r: usize,
+    c: usize,
+    kind: MaskKind,
+) -> MaskedCase {
     let shared = r <= 1 || rng.chance(1, 4);
     let n = if shared { 1 } else { r };
     let rpi = (0..n).map(|_| rng.range(0, rows as i64 - 1)).collect();
@@ -346,6 +357,15 @@ fn random_segments(rng: &mut Rng, s: usize) -> SegmentCase {
     let rows = rng.urange(1, 6);
     let cols = rng.urange(1, 20);
     let table = random_table(rng, rows, cols);
+    random_segments_on(rng, (rows, cols, table), s)
+}
+
+/// `s` random segments over a given `(rows, cols, values)` table.
+pub fn random_segments_on(
+    rng: &mut Rng,
+    (rows, cols, table): (usize, usize, Vec<i64>),
+    s: usize,
+) -> SegmentCase {
     let has_start = rng.chance(2, 3);
     let shared = has_start && (s == 1 || rng.chance(1, 3));
     let n = if shared { 1 } else { s };

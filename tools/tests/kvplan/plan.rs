@@ -348,37 +348,42 @@ fn with_batch(rng: &mut Rng, mut step: Step, bs: usize) -> Step {
 pub fn random_plans<B: KvPlanBackend>(device: &B::Device) {
     let mut rng = Rng::new(0x706c_616e);
     for case in 0..30 {
-        let bs = rng.pick(&[0, 1, 2, 5, 9, 17]);
-        let step = random_step(&mut rng, bs);
-        let total = step.verify_total();
-        let verify_capacity = match case % 5 {
-            0 => total.max(1),
-            1 => total + rng.urange(1, 8),
-            2 => total.saturating_sub(1).max(1),
-            3 => (total / 4).max(1),
-            _ => step.largest_total().max(1),
-        };
-        let write_capacity = (bs + rng.urange(0, 2)).max(1);
-        let mode = MODES[case % 2];
-        let mut mirror = Mirror::<B>::new(verify_capacity, write_capacity, device);
-        // Poison: a different batch (up to K requests) fills the plans first.
-        let poison_bs = rng.urange(0, write_capacity);
-        let poison = with_batch(&mut rng, step.clone(), poison_bs);
-        let what = format!("case {case}: {step:?}");
-        mirror
-            .step(&poison, mode, &format!("{what} [poison]"))
-            .unwrap();
-        mirror.step(&step, mode, &what).unwrap();
-        let smaller_bs = rng.urange(0, bs);
-        let smaller = with_batch(&mut rng, step.clone(), smaller_bs);
-        mirror
-            .step(
-                &smaller,
-                MODES[(case + 1) % 2],
-                &format!("{what} [smaller batch]"),
-            )
-            .unwrap();
+        random_plan_case::<B>(&mut rng, case, device);
     }
+}
+
+/// Case `case` of [`random_plans`]: fresh plans, a poisoning batch, the batch, a smaller batch.
+pub fn random_plan_case<B: KvPlanBackend>(rng: &mut Rng, case: usize, device: &B::Device) {
+    let bs = rng.pick(&[0, 1, 2, 5, 9, 17]);
+    let step = random_step(rng, bs);
+    let total = step.verify_total();
+    let verify_capacity = match case % 5 {
+        0 => total.max(1),
+        1 => total + rng.urange(1, 8),
+        2 => total.saturating_sub(1).max(1),
+        3 => (total / 4).max(1),
+        _ => step.largest_total().max(1),
+    };
+    let write_capacity = (bs + rng.urange(0, 2)).max(1);
+    let mode = MODES[case % 2];
+    let mut mirror = Mirror::<B>::new(verify_capacity, write_capacity, device);
+    // Poison: a different batch (up to K requests) fills the plans first.
+    let poison_bs = rng.urange(0, write_capacity);
+    let poison = with_batch(rng, step.clone(), poison_bs);
+    let what = format!("case {case}: {step:?}");
+    mirror
+        .step(&poison, mode, &format!("{what} [poison]"))
+        .unwrap();
+    mirror.step(&step, mode, &what).unwrap();
+    let smaller_bs = rng.urange(0, bs);
+    let smaller = with_batch(rng, step.clone(), smaller_bs);
+    mirror
+        .step(
+            &smaller,
+            MODES[(case + 1) % 2],
+            &format!("{what} [smaller batch]"),
+        )
+        .unwrap();
 }
 
 /// Overflow by exactly one and by many keeps every verify array stale.

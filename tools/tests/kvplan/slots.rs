@@ -195,7 +195,7 @@ pub fn random_assign(rng: &mut Rng, bs: usize, rows: usize, cols: usize) -> Assi
 
 /// Breaks a valid case at random places: each value rule once, often several at a time, so that
 /// the rule order and the first offender are compared with the reference.
-fn broken(rng: &mut Rng, mut case: AssignCase) -> AssignCase {
+pub fn broken(rng: &mut Rng, mut case: AssignCase) -> AssignCase {
     let bs = case.rpi.len();
     if bs == 0 {
         return case;
@@ -588,7 +588,7 @@ pub fn read_bytes<B: KvPlanBackend>(rows: KvRows<B>) -> Vec<u8> {
 /// One store call against the reference, through `mode` (checked or deferred): the whole cache
 /// after it (`cache` is updated), or the exact error and the cache unchanged.
 #[track_caller]
-fn run_store<B: KvPlanBackend>(
+pub fn run_store<B: KvPlanBackend>(
     store: &mut KvStore<B>,
     current: KvRows<B>,
     cache: &mut Rows,
@@ -651,7 +651,7 @@ fn run_store<B: KvPlanBackend>(
 
 /// Random calls of up to `tokens` tokens: distinct slots but 0, padding tokens on slot 0, and,
 /// with `broken`, a slot outside the cache or a duplicate far from its first (other cubes).
-fn random_loc(rng: &mut Rng, slots: usize, tokens: usize, broken: bool) -> Vec<i64> {
+pub fn random_loc(rng: &mut Rng, slots: usize, tokens: usize, broken: bool) -> Vec<i64> {
     let mut free: Vec<i64> = (1..slots as i64).collect();
     rng.shuffle(&mut free);
     let n = rng.urange(0, tokens.min(free.len() + 4));
