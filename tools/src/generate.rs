@@ -91,7 +91,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         None => model_file::smollm2_path().map_err(|e| e.to_string())?,
     };
     let loading = Instant::now();
-    let gguf = Gguf::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let gguf = Gguf::open(&path).map_err(|e| e.to_string())?;
     let tokenizer = Tokenizer::from_gguf(&gguf).map_err(|e| format!("{}: {e}", path.display()))?;
     let model = Llama::load(&gguf, &device, args.dtype).map_err(|e| e.to_string())?;
     let config = model.config().clone();
@@ -445,6 +445,15 @@ fn parse(args: &[String]) -> Result<Args, String> {
     if parsed.batch == 0 || parsed.max_new_tokens == 0 {
         return Err("--batch and --max-new-tokens must be at least 1".into());
     }
+    if parsed.draft_tokens == 0 && parsed.drafting != "off" {
+        return Err(format!(
+            "--draft-tokens 0 drafts nothing: use --spec off, or --draft-tokens 1 or more with --spec {}",
+            parsed.drafting
+        ));
+    }
+    if limit == Some(0) {
+        return Err("--limit 0 leaves no prompt to serve".into());
+    }
     if let Some(file) = file {
         parsed.prompts.extend(read_workload(&file)?);
     }
@@ -505,4 +514,35 @@ fn read_workload(file: &str) -> Result<Vec<PromptSpec>, String> {
         });
     }
     Ok(prompts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse;
+
+    fn refusal(args: &[&str]) -> String {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        parse(&args).expect_err("refused")
+    }
+
+    #[test]
+    fn flags_that_would_serve_nothing_are_refused() {
+        assert_eq!(
+            refusal(&["--spec", "ngram", "--draft-tokens", "0"]),
+            "--draft-tokens 0 drafts nothing: use --spec off, or --draft-tokens 1 or more with --spec ngram"
+        );
+        assert_eq!(
+            refusal(&["--limit", "0"]),
+            "--limit 0 leaves no prompt to serve"
+        );
+        assert!(
+            parse(&[
+                "--spec".into(),
+                "off".into(),
+                "--draft-tokens".into(),
+                "0".into()
+            ])
+            .is_ok()
+        );
+    }
 }
