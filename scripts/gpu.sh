@@ -86,10 +86,11 @@ for part in "$@"; do
       ;;
     decode-check)
       # The model is right on the GPU: greedy parity of the three drafting modes, in f64 (the
-      # test's dtype: no near-tie flips between reduction orders) and in f32 (what is served).
-      for dtype in f64 f32; do
+      # test's dtype: no near-tie flips between reduction orders) and in f32 (what is served);
+      # correctness only, so no warm-up.
+      for dtype in ${DTYPES:-f64 f32}; do
         for spec in off ngram self; do
-          "$BIN" generate --backend cuda --dtype "$dtype" --spec "$spec" --max-new-tokens 48 --json --limit 6 \
+          "$BIN" generate --backend cuda --no-warm-up --dtype "$dtype" --spec "$spec" --max-new-tokens 48 --json --limit 6 \
             --file benches/prompts.txt > "$OUT/parity-$dtype-$spec.jsonl" 2> "$OUT/parity-$dtype-$spec.err"
           echo "$dtype $spec: $(tail -1 "$OUT/parity-$dtype-$spec.err")"
         done
@@ -99,10 +100,10 @@ for part in "$@"; do
             && echo "parity $dtype off=$spec: equal" || echo "parity $dtype off=$spec: DIFFERENT"
         done
       done
-      "$BIN" generate --backend cuda --spec ngram --max-new-tokens 32 --limit 4 --json \
+      "$BIN" generate --backend cuda --no-warm-up --spec ngram --max-new-tokens 32 --limit 4 --json \
         --file benches/prompts.txt > "$OUT/inject-clean.jsonl" 2> "$OUT/inject-clean.err"
       for kind in kv-byte stale-row; do
-        "$BIN" generate --backend cuda --spec ngram --max-new-tokens 32 --limit 4 --json \
+        "$BIN" generate --backend cuda --no-warm-up --spec ngram --max-new-tokens 32 --limit 4 --json \
           --file benches/prompts.txt --inject-corruption "$kind" > "$OUT/inject-$kind.jsonl" 2> "$OUT/inject-$kind.err"
         grep -h "inject-corruption" "$OUT/inject-$kind.err"
         python3 - "$OUT/inject-clean.jsonl" "$OUT/inject-$kind.jsonl" <<'PY'
@@ -113,7 +114,7 @@ for c, h in zip(clean, hit):
     print(f"  {tag}: {'unchanged' if c['tokens'] == h['tokens'] else 'CHANGED'} {h['canary_violations']}")
 PY
       done
-      "$BIN" generate --backend cuda "What is the capital of France?" 2>&1 | tail -3
+      "$BIN" generate --backend cuda --no-warm-up "What is the capital of France?" 2>&1 | tail -3
       ;;
     decode)
       # Tokens/s, 128 new tokens, batch 1 (4 prompts one at a time), 8 and 32; spec off, n-gram, self.
