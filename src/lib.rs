@@ -4,7 +4,7 @@
 //! backend (CUDA, wgpu/Vulkan) and the host reference elsewhere.
 //!
 //! Data flows one way: public API ([`gather`], [`slots`], [`canary`]) -> host rules ->
-//! [`KvPlanBackend`] -> (kernels | [`reference`]).
+//! [`KvPlanBackend`] -> (kernels | [`reference`](mod@reference)).
 
 #![warn(missing_docs)]
 

@@ -100,7 +100,7 @@ pub struct CanaryFeatures {
     /// Write: planes are exactly `GROUP` units wide and support shuffles, so a group takes the
     /// tile's values from its units' registers instead of loading each one again.
     pub shuffle: bool,
-    /// Verify, mode `ALL`: words of every strip the cube stages per round ([`staged_strip`]),
+    /// Verify, mode `ALL`: words of every strip the cube stages per round (`staged_strip`),
     /// as many as the device's shared memory holds; 0 where each unit folds its own strip.
     pub stage_words: u32,
 }
@@ -327,7 +327,7 @@ struct StripFold {
     mode: u8,
     /// Words a unit folding alone loads before folding them.
     batch: u32,
-    /// Words per strip of a cube-staged round ([`staged_strip`]); 0 where each unit folds alone.
+    /// Words per strip of a cube-staged round (`staged_strip`); 0 where each unit folds alone.
     stage_words: u32,
 }
 

@@ -153,7 +153,7 @@ pub struct PlanFeatures {
     /// every cube knows the total, so the lead writes the scalars and the status before the fill
     /// and no cube counts itself done.
     pub lead_finishes: bool,
-    /// The runtime's planes are [`PLANE_WIDTH`] units wide: the tile is scanned by shuffles.
+    /// The runtime's planes are `PLANE_WIDTH` units wide: the tile is scanned by shuffles.
     pub planes: bool,
     /// Shared memory serves every unit what was written before a barrier, in every phase of the
     /// kernel (CUDA; lavapipe was seen to serve stale values to a later phase). Then unit 0 walks

@@ -16,7 +16,7 @@ pub const FLAG_INCLUSIVE: u64 = 2 << 62;
 pub const VALUE_MASK: u64 = (1 << 62) - 1;
 
 /// "No error" in an error-key word. The top bit stays clear so that `old >> 63` is provably 0 to
-/// us but not to the compiler (see [`publish_block_done`]).
+/// us but not to the compiler (see [`publish_block_done()`]).
 pub const NO_ERROR: u64 = (1 << 63) - 1;
 
 // A mutable local must start from a runtime value (`x.runtime()`): a literal start makes it a
@@ -27,15 +27,15 @@ pub const NO_ERROR: u64 = (1 << 63) - 1;
 // a stale value when one shared slot carried different values at different points of a kernel.
 /// Shared slot: this cube's tile ticket.
 pub const SLOT_TICKET: usize = 0;
-/// Shared slot: the exclusive prefix of this cube's tile (see [`tile_prefix`]).
+/// Shared slot: the exclusive prefix of this cube's tile (see [`tile_prefix()`]).
 pub const SLOT_PREFIX: usize = 1;
 /// Shared slot: the exclusive prefix of a second scan of the same tiles.
 pub const SLOT_SECOND_PREFIX: usize = 4;
-/// Shared slot: the `old >> 63` dependency word (see [`publish_block_done`]).
+/// Shared slot: the `old >> 63` dependency word (see [`publish_block_done()`]).
 pub const SLOT_DEPENDENCY: usize = 2;
 /// Shared slot: the done-counter value this cube saw.
 pub const SLOT_DONE: usize = 3;
-/// Shared slot: some unit of this cube reported an error (see [`publish_block_done`]).
+/// Shared slot: some unit of this cube reported an error (see [`publish_block_done()`]).
 pub const SLOT_REPORTED: usize = 5;
 /// Shared slots per cube.
 pub const SLOTS: usize = 8;
@@ -44,7 +44,7 @@ pub const SLOTS: usize = 8;
 /// no barrier sits inside a runtime loop). Returns `(exclusive prefix of this unit, cube total)`;
 /// `shared` is left holding the inclusive prefixes.
 ///
-/// With `planes`, by plane shuffles (see [`cube_exclusive_scan_pair`]).
+/// With `planes`, by plane shuffles (see [`cube_exclusive_scan_pair()`]).
 #[cube]
 pub fn cube_exclusive_scan(
     value: u64,
@@ -58,7 +58,7 @@ pub fn cube_exclusive_scan(
     }
 }
 
-/// [`cube_exclusive_scan`] in shared memory (Hillis-Steele, unrolled).
+/// [`cube_exclusive_scan()`] in shared memory (Hillis-Steele, unrolled).
 #[cube]
 fn shared_scan(value: u64, shared: &mut Shared<[u64]>) -> (u64, u64) {
     let unit = UNIT_POS as usize;
@@ -81,7 +81,7 @@ fn shared_scan(value: u64, shared: &mut Shared<[u64]>) -> (u64, u64) {
     (inclusive - value, total)
 }
 
-/// [`cube_exclusive_scan`] of two values per unit at once (one set of barriers). Returns
+/// [`cube_exclusive_scan()`] of two values per unit at once (one set of barriers). Returns
 /// `(rank a, rank b, total a, total b)`; the shared arrays are left holding the inclusive prefixes.
 ///
 /// With `planes` (the runtime's planes are exactly [`PLANE_WIDTH`] units wide: CUDA) each plane
@@ -102,7 +102,7 @@ pub fn cube_exclusive_scan_pair(
     }
 }
 
-/// [`cube_exclusive_scan_pair`] in shared memory (Hillis-Steele, unrolled).
+/// [`cube_exclusive_scan_pair()`] in shared memory (Hillis-Steele, unrolled).
 #[cube]
 fn shared_scan_pair(
     a: u64,
@@ -137,7 +137,7 @@ fn shared_scan_pair(
 }
 
 /// The minimum of one `u64` per unit over the cube, in every unit: the steps of
-/// [`shared_scan`] with `min` for `+` (unrolled: no barrier sits inside a runtime loop). `shared`
+/// `shared_scan` with `min` for `+` (unrolled: no barrier sits inside a runtime loop). `shared`
 /// serves no other purpose in the kernel (see the note on broadcast slots above).
 #[cube]
 pub fn cube_min(value: u64, shared: &mut Shared<[u64]>) -> u64 {
@@ -160,14 +160,14 @@ pub fn cube_min(value: u64, shared: &mut Shared<[u64]>) -> u64 {
     least
 }
 
-/// Units of a plane where the kernels scan by plane shuffles (see [`cube_exclusive_scan_pair`]).
+/// Units of a plane where the kernels scan by plane shuffles (see [`cube_exclusive_scan_pair()`]).
 pub const PLANE_WIDTH: u32 = 32;
 /// Planes of a cube that is [`PLANE_WIDTH`] units per plane.
 const CUBE_PLANES: usize = (CUBE_SIZE / PLANE_WIDTH) as usize;
 /// Shuffle steps of a plane's scan.
 const PLANE_LEVELS: u32 = PLANE_WIDTH.trailing_zeros();
 
-/// [`cube_exclusive_scan`] by plane shuffles: every unit adds the totals of the planes before
+/// [`cube_exclusive_scan()`] by plane shuffles: every unit adds the totals of the planes before
 /// its own (and of all of them for the cube's total) from shared memory.
 #[cube]
 fn plane_scan(value: u64, shared: &mut Shared<[u64]>) -> (u64, u64) {
@@ -185,7 +185,7 @@ fn plane_scan(value: u64, shared: &mut Shared<[u64]>) -> (u64, u64) {
     (before + inclusive - value, total)
 }
 
-/// [`cube_exclusive_scan_pair`] by plane shuffles (see [`plane_scan`]).
+/// [`cube_exclusive_scan_pair()`] by plane shuffles (see [`plane_scan`]).
 #[cube]
 fn plane_scan_pair(
     a: u64,
@@ -269,7 +269,7 @@ pub fn take_ticket(counter: &Atomic<u64>, ordered: bool, broadcast: &mut Shared<
 /// exclusive prefix of all earlier tiles, and publishes the tile's inclusive state. Called by one
 /// unit, by every unit of a cube with one publisher (each then holds the prefix itself, with no
 /// broadcast through shared memory: lavapipe was seen to serve a stale broadcast to later
-/// subgroups after a look-back), or with `plane` by a whole plane ([`plane_walk`]).
+/// subgroups after a look-back), or with `plane` by a whole plane (`plane_walk`).
 #[cube]
 pub fn look_back(
     states: &Tensor<Atomic<u64>>,
@@ -363,7 +363,7 @@ fn plane_walk(states: &Tensor<Atomic<u64>>, base: usize, tile: usize) -> u64 {
 /// Tile 0's prefix is 0 in every unit without a walk, so its cubes skip the broadcast's barrier.
 ///
 /// `broadcast_prefix` (CUDA): unit 0 walks the look-back, or with `plane_walk` the first plane
-/// ([`plane_walk`]), and hands the prefix to the cube through shared `slot`. The plane walk
+/// (`plane_walk`), and hands the prefix to the cube through shared `slot`. The plane walk
 /// suits one cube per tile (the masked gather: (1024, 64) 7.8 -> 6.5 us on the H200); where many
 /// cubes share a tile and all walk it (plan, segments), 32 lanes each polling with an atomic
 /// read-modify-write (cubecl's atomic load) contend on the same words ((4096, 512) plan 25 ->
@@ -509,7 +509,7 @@ pub fn publish_block_done(
     )
 }
 
-/// A cube's report in a done counter (see [`publish_block_done`]).
+/// A cube's report in a done counter (see [`publish_block_done()`]).
 const REPORT: u64 = 1 << 32;
 /// The cube count bits of a done counter.
 const CUBES_MASK: u64 = REPORT - 1;

@@ -442,7 +442,7 @@ pub fn fresh_store_control() -> Vec<u64> {
 }
 
 /// Clock values stay below this (the top bit of a slot word stays clear, see
-/// [`publish_block_done`]'s dependency words); a store reaching it starts again from zeroed words.
+/// [`publish_block_done()`]'s dependency words); a store reaching it starts again from zeroed words.
 pub const STORE_CLOCK_LIMIT: u64 = 1 << 31;
 
 /// Scalars of one `store_kv` check.

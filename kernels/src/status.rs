@@ -40,7 +40,7 @@ pub const GATHER_POSITION: i64 = 6;
 pub const GATHER_CAPACITY: i64 = 7;
 
 // Plan codes (spec canary-plan.md §5, rules 12-17). Facts in brackets.
-/// Rule 11, found on the device where the host could not see strides (fused backends). [stride]
+/// Rule 11, found on the device where the host could not see strides (fused backends). \[stride\]
 pub const PLAN_STRIDE: i64 = 11;
 /// Rule 12. [r, q, rows]
 pub const PLAN_ROW: i64 = 12;
@@ -52,7 +52,7 @@ pub const PLAN_SWA_SLOT: i64 = 14;
 pub const PLAN_POOL_ROW: i64 = 15;
 /// Rule 16. [r, column, pool_cols, valid_len]
 pub const PLAN_POOL_POSITION: i64 = 16;
-/// Rule 17. [r]
+/// Rule 17. \[r\]
 pub const PLAN_WRITE_OFFSETS_OVERFLOW: i64 = 17;
 
 // Slot codes (spec `slots.md`). Facts in brackets. `segment_assign` also reports `GATHER_ROW`

@@ -1,11 +1,11 @@
 //! The main job: a synthetic speculative-decoding serving trace.
 //!
-//! A small scheduler ([`trace`]) serves a few dozen requests with continuous batching, prefix
+//! A small scheduler (`trace`) serves a few dozen requests with continuous batching, prefix
 //! caching, CUDA-graph padding, ragged draft windows and a sliding-window KV group. Every step
-//! goes through kvplan's public API on the chosen backend ([`engine`]): the draft window through
+//! goes through kvplan's public API on the chosen backend (`engine`): the draft window through
 //! `masked_gather`, the accepted suffix through `segment_gather` (each also deferred), and
 //! the kv-canary plans of the full and the SWA group, which are allocated once and refilled in
-//! place. Every result of every step is compared with the host reference ([`check`]), and the
+//! place. Every result of every step is compared with the host reference (`check`), and the
 //! run ends with per-op timings and a pass line.
 
 mod check;

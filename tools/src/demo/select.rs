@@ -138,7 +138,7 @@ fn child_probe(name: BackendName) -> Option<Result<(), String>> {
     })))
 }
 
-/// Runs [`probe_gather`] on `name` in this process, turning a panic into `Err` with the first
+/// Runs `probe_gather` on `name` in this process, turning a panic into `Err` with the first
 /// panic message.
 pub fn probe_here(name: BackendName) -> Result<(), String> {
     let messages = Arc::new(Mutex::new(Vec::<String>::new()));
