@@ -54,6 +54,9 @@ impl Buffer {
 /// The most bytes one `Vec` may hold.
 const HOST_LIMIT: u64 = isize::MAX as u64;
 
+/// Host copies up to this many bytes in all are not probed with a reservation.
+const PROBE_FROM: u128 = 64 << 20;
+
 /// Refuses `buffers` where `device` cannot allocate one of them: past its `max_page_size` on a
 /// CubeCL device, past what the host can reserve on any other (Flex keeps tensors in `Vec`s).
 pub(crate) fn on_device<D: 'static>(device: &D, buffers: &[Buffer]) -> Result<(), Error> {
@@ -82,6 +85,11 @@ pub(crate) fn on_host(buffers: &[Buffer]) -> Result<(), Error> {
     let Some(largest) = buffers.iter().max_by_key(|buffer| buffer.bytes()) else {
         return Ok(());
     };
+    // Small totals skip the probe: it costs an mmap pair per gather on the hot path, and a host
+    // that cannot give this much is out of memory for everything else too.
+    if total <= PROBE_FROM {
+        return Ok(());
+    }
     // Untouched pages cost nothing: the reservation only asks the allocator whether it would.
     let total = usize::try_from(total).map_err(|_| largest.refused("the host", None))?;
     Vec::<u8>::new()
