@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|nocupti|unfused|decode|decode-check|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|ab|nocupti|unfused|decode|decode-check|anchor|profile]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -12,6 +12,9 @@ OUT=${OUT:-/tmp/kvplan-gpu}
 mkdir -p "$OUT" /tmp/kvplan-bin
 [ -f gpu/tests.xz ] && xz -dc gpu/tests.xz > "$TESTS" && chmod +x "$TESTS"
 [ -f gpu/bin.xz ] && xz -dc gpu/bin.xz > "$BIN" && chmod +x "$BIN"
+# The Burn 0.21 build of the last pre-port main (099ad25), for the A/B (`scripts/pack-gpu.sh ab`).
+BIN021=/tmp/kvplan-bin/kvplan-021
+[ -f gpu/bin021.xz ] && xz -dc gpu/bin021.xz > "$BIN021" && chmod +x "$BIN021"
 for part in gpu/model.part-*; do [ -f "$part" ] && cp "$part" /tmp/kvplan-bin/; done
 MODEL=/tmp/kvplan-bin/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$MODEL" ] && [ -f /tmp/kvplan-bin/model.part-aa ] && [ -f /tmp/kvplan-bin/model.part-ab ]; then
@@ -50,17 +53,20 @@ for part in "$@"; do
       ;;
     sanitize)
       # compute-sanitizer's four tools over every conformance file (cuda-unfused: one launch per
-      # kernel) and over the CUDA integration suites; one summary line per tool.
+      # kernel) and over the unfused CUDA integration suite (fuzz and thread tests aside: they
+      # repeat the same kernels for minutes under a sanitizer); one summary line per tool.
+      # SANITIZE_SECONDS bounds each suite run (default 150).
       for tool in memcheck racecheck synccheck initcheck; do
         for file in gather plan canary slots; do
           KVPLAN_NO_CUPTI=1 compute-sanitizer --tool "$tool" --print-limit 20 \
             "$BIN" check "tests/data/$file.jsonl" --backend cuda-unfused > "$OUT/san-$tool-$file.txt" 2>&1
         done
-        KVPLAN_NO_CUPTI=1 timeout 300 compute-sanitizer --tool "$tool" --print-limit 20 \
-          "$TESTS" cuda --test-threads 1 > "$OUT/san-$tool-tests.txt" 2>&1
+        KVPLAN_NO_CUPTI=1 timeout "${SANITIZE_SECONDS:-150}" compute-sanitizer --tool "$tool" --print-limit 20 \
+          "$TESTS" cuda_unfused:: --skip fuzz_ --skip concurrency_ --test-threads 1 > "$OUT/san-$tool-tests.txt" 2>&1
         echo "$tool: $(for f in gather plan canary slots tests; do
-          printf '%s: %s; ' "$f" "$(grep -h "ERROR SUMMARY" "$OUT/san-$tool-$f.txt" | tail -1)"; done)"
-        grep -h "test result" "$OUT/san-$tool-tests.txt" | tail -1
+          printf '%s: %s; ' "$f" "$(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT/san-$tool-$f.txt" | tail -1)"; done)"
+        echo "  checks: $(for f in gather plan canary slots; do printf '%s %s; ' "$f" "$(grep -ho '[0-9]* passed, [0-9]* failed' "$OUT/san-$tool-$f.txt" | tail -1)"; done)"
+        echo "  tests: $(grep -h "test result" "$OUT/san-$tool-tests.txt" | tail -1) $(grep -c '^test .* ok$' "$OUT/san-$tool-tests.txt") ok lines"
       done
       ;;
     fuzz)
@@ -159,6 +165,25 @@ PY
       ;;
     plan|gather)
       "$BIN" bench "$part" --backend cuda --reps 50 2>&1 | tee "$OUT/bench-$part.txt"
+      ;;
+    host)
+      # Each op's host cost against a plain Burn launch, without CUPTI (its callbacks cost host time).
+      for backend in cuda cuda-unfused; do
+        echo "== host $backend"
+        KVPLAN_NO_CUPTI=1 "$BIN" bench host --backend "$backend" --reps 400 2>&1 | tee "$OUT/bench-host-$backend.txt"
+      done
+      ;;
+    ab)
+      # Burn 0.21 (099ad25) against this build on the kernel grids, GPU time through CUPTI;
+      # two rounds each, alternating, so that clocks and the machine's state hit both alike.
+      for round in 1 2; do
+        for which in gather plan canary; do
+          "$BIN021" bench "$which" --backend cuda --reps 50 > "$OUT/ab-$which-021-$round.txt" 2>&1
+          "$BIN" bench "$which" --backend cuda --reps 50 > "$OUT/ab-$which-022-$round.txt" 2>&1
+          echo "ab $which round $round: rc done"
+        done
+      done
+      python3 benches/ab.py "$OUT" | tee "$OUT/ab.md"
       ;;
   esac
 done

@@ -3,20 +3,41 @@
 # the integration-test binary, each stripped and xz-compressed (with LLVM linked in, two of them do
 # not fit one call's 64 MiB). Carry ["gpu/tests.xz"] in one call with `scripts/gpu.sh stage`, then
 # ["gpu"] (without tests.xz) in the next, while the machine is warm: `scripts/gpu.sh tests checks ...`.
+# `scripts/pack-gpu.sh ab` also builds the Burn 0.21 binary of the last pre-port main (099ad25)
+# into gpu/bin021.xz, for `scripts/gpu.sh ab`.
+# `scripts/pack-gpu.sh model` also splits the model into gpu/model.part-* (one part per call).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/cuda-toolchain.sh
 export CARGO_TARGET_DIR="$PWD/target-cuda"
-# One build for both: the test binary's features are the binary's.
-tests=$(cargo test --release -p kvplan-tools --features cuda --test kvplan --no-run 2>&1 |
-    tee /dev/stderr | sed -n 's/.*Executable.*(\(.*\))/\1/p')
 mkdir -p gpu
+# One build for both: the test binary's features are the binary's. No wgpu: the GPU machine
+# runs CUDA only.
+features=(--no-default-features --features cuda)
+cargo build --release -p kvplan-tools "${features[@]}" --bin kvplan
+tests=$(cargo test --release -p kvplan-tools "${features[@]}" --test kvplan --no-run 2>&1 |
+    tee /dev/stderr | sed -n 's/.*Executable.*(\(.*\))/\1/p')
 strip -o gpu/kvplan target-cuda/release/kvplan
 strip -o gpu/kvplan-tests "$tests"
 xz -9 -T2 -f gpu/kvplan gpu/kvplan-tests
 mv gpu/kvplan-tests.xz gpu/tests.xz
 mv gpu/kvplan.xz gpu/bin.xz
-# The model, in two parts (carry each with `scripts/gpu.sh stage` in its own call).
-model=$(bash scripts/fetch-model.sh | tail -1)
-split -n 2 -a 2 "$model" gpu/model.part-
+for extra in "$@"; do
+    case "$extra" in
+        ab)
+            # Burn 0.21 needs no LLVM (cudarc loads NVRTC at run time).
+            tree=target-021/src
+            [ -d "$tree" ] || git worktree add --detach "$tree" 099ad25
+            (cd "$tree" && CARGO_TARGET_DIR="$PWD/../build" cargo build --release \
+                --no-default-features --features cuda --bin kvplan)
+            strip -o gpu/kvplan-021 target-021/build/release/kvplan
+            xz -9 -T2 -f gpu/kvplan-021
+            mv gpu/kvplan-021.xz gpu/bin021.xz
+            ;;
+        model)
+            model=$(bash scripts/fetch-model.sh | tail -1)
+            split -n 2 -a 2 "$model" gpu/model.part-
+            ;;
+    esac
+done
 ls -la gpu/

@@ -9,13 +9,14 @@
 use std::time::Instant;
 
 use burn_core::backend::tensor::IntTensor;
+use burn_core::backend::{Scalar, TensorData};
 use burn_core::tensor::DType;
 use kvplan::canary::{RealKvHashMode, VerifyPlan, WritePlan, read_plans};
 use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
 use kvplan::reference::{self, PlanArgs, PlanBuffers, Table};
 use kvplan::{
-    Canary, CanaryLaunch, GatherOptions, KernelKind, KvBytes, KvPlanBackend, PlanInputs,
-    RealKvSource, SourceBytes, StepPlan, WriteInputs,
+    Canary, CanaryLaunch, GatherOptions, KernelKind, KvBytes, KvPlanBackend, KvRows, KvStore,
+    PlanInputs, RealKvSource, SourceBytes, StepPlan, WriteInputs,
 };
 
 use crate::prim;
@@ -608,67 +609,194 @@ pub fn canary<B: KvPlanBackend>(
     Ok(())
 }
 
-/// Where an exact-mode gather's host time goes, on one small shape (bs 64, W 16): the deferred
-/// call alone, one status read of a finished call, a backend sync, and the exact call.
+/// The host cost of every op against a plain Burn launch, by one harness (issue 23's gate), at
+/// a decode step's size (bs 64): each deferred form queued N times with one sync (`pipelined`),
+/// against a launch fusion cannot merge (`y = x + 1; m = max(y); x = y - m`, per op, as
+/// `shared/probes/burn-dispatch` times it); each exact or checked form's host time per call
+/// against a plain op plus the read-back of its `[4]` result.
 pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), String> {
+    let e = |error: kvplan::Error| error.to_string();
     let (bs, width, rows, cols) = (64usize, 16usize, 128usize, 8192usize);
     let mut rng = Rng(5);
     let table: Vec<i64> = (0..rows * cols)
-        .map(|_| rng.below(1 << 31) as i64)
+        .map(|_| 1 + rng.below(1 << 20) as i64)
         .collect();
-    let rpi: Vec<i64> = (0..bs).map(|_| rng.below(rows as u64) as i64).collect();
+    let rpi: Vec<i64> = (1..=bs as i64).collect();
     let pos2d: Vec<i64> = (0..bs * width)
         .map(|_| rng.below(cols as u64) as i64)
         .collect();
     let mask: Vec<bool> = (0..bs * width).map(|_| rng.below(2) == 1).collect();
+    let lengths: Vec<i64> = (0..bs)
+        .map(|_| 1 + rng.below(width as u64) as i64)
+        .collect();
+    let prefix: Vec<i64> = (0..bs).map(|_| rng.below(512) as i64).collect();
     let t = int::<B, 2>(table, [rows, cols], DType::I32, device);
     let q = int::<B, 1>(rpi, [bs], DType::I32, device);
     let p = int::<B, 2>(pos2d, [bs, width], DType::I32, device);
     let m = prim::bools::<B>(&mask, &[bs, width], device);
-    let options = GatherOptions::new().context("b");
-    let capacity =
+    let lens = int::<B, 1>(lengths, [bs], DType::I32, device);
+    let prefix_t = int::<B, 1>(prefix.clone(), [bs], DType::I32, device);
+    let starts = prefix_t.clone();
+    let ones = int::<B, 1>(vec![1; bs], [bs], DType::I32, device);
+
+    // The baselines: a launch that cannot fuse, and a plain op with its read-back.
+    let mut x = int::<B, 1>((0..1024).collect(), [1024], DType::I64, device);
+    let chain = timed::<B>(device, reps, || {
+        let y = B::int_add_scalar(x.clone(), Scalar::new(1i64, &DType::I64));
+        let top = B::int_max(y.clone());
+        x = B::int_sub(y, top);
+        Ok(())
+    })
+    .map_err(e)?;
+    let launch_us = chain.pipelined_us / 3.0;
+    let small = int::<B, 1>(vec![0; 4], [4], DType::I64, device);
+    let (read_us, _) = time::<B>(device, reps, || {
+        let y = B::int_add_scalar(small.clone(), Scalar::new(1i64, &DType::I64));
+        read::<B>(y)
+            .map(drop)
+            .map_err(|detail| kvplan::Error::Execution { detail })
+    })
+    .map_err(e)?;
+
+    let options = GatherOptions::new().context("host");
+    let masked =
         || masked_gather_deferred::<B>(t.clone(), q.clone(), p.clone(), m.clone(), &options);
-    let e = |error: kvplan::Error| error.to_string();
-    println!("| part (bs 64, W 16) | host us/call | pipelined us/call |");
-    println!("|---|---:|---:|");
-    let report = |label: &str, (host, pipelined): (f64, f64)| {
-        println!("| {label} | {host:.1} | {pipelined:.1} |");
+    let segments = || {
+        segment_gather_deferred::<B>(
+            t.clone(),
+            q.clone(),
+            Some(starts.clone()),
+            lens.clone(),
+            &GatherOptions::new(),
+        )
+    };
+    let mut step = StepPlan::<B>::allocate_on(bs * 512, bs, device).map_err(e)?;
+    let plan_inputs =
+        || PlanInputs::<B>::from_primitives(q.clone(), prefix_t.clone(), ones.clone(), t.clone());
+    let work = canary_workload::<B>(device, bs, 65, false)?;
+    let (write_plan, write_inputs) = work.write_step(device, 64, 1)?;
+    let verify_plan = work.verify_plan(device)?;
+    let (write_launch, verify_launch) = (work.launch(0), work.launch(1));
+    let mut canary = work.canary;
+    // segment_assign and the store hand back the table and cache they consumed.
+    let new_slots: Vec<i64> = (0..bs as i64 * 4).map(|k| 1 + k).collect();
+    let loc = int::<B, 1>(new_slots, [bs * 4], DType::I64, device);
+    let four = int::<B, 1>(vec![4; bs], [bs], DType::I32, device);
+    let mut assigned_table = Some(int::<B, 2>(
+        vec![0; rows * cols],
+        [rows, cols],
+        DType::I32,
+        device,
+    ));
+    let kv_width = 192usize;
+    let zeros = vec![0f32; 1024 * kv_width];
+    let mut cache = Some(KvRows::Float(B::float_from_data(
+        TensorData::new(zeros, [1024, kv_width]),
+        device,
+    )));
+    let k_rows: Vec<f32> = (0..bs * 4 * kv_width).map(|k| k as f32).collect();
+    let k_rows = KvRows::Float(B::float_from_data(
+        TensorData::new(k_rows, [bs * 4, kv_width]),
+        device,
+    ));
+    let mut store = KvStore::<B>::allocate_on(1024, device).map_err(e)?;
+    let mut assign = |checked: bool| -> Result<(), kvplan::Error> {
+        let table = assigned_table.take().expect("the table is handed back");
+        let assigned = kvplan::slots::backend::segment_assign_deferred::<B>(
+            table,
+            q.clone(),
+            starts.clone(),
+            four.clone(),
+            loc.clone(),
+        )?;
+        assigned_table = Some(assigned.req_to_token);
+        if checked {
+            assigned.status.check()?;
+        }
+        Ok(())
+    };
+    let mut stores = |checked: bool| -> Result<(), kvplan::Error> {
+        let rows = cache.take().expect("the cache is handed back");
+        let stored = kvplan::slots::backend::store_deferred::<B>(
+            &mut store,
+            rows,
+            loc.clone(),
+            k_rows.clone(),
+        )?;
+        cache = Some(stored.cache);
+        if checked {
+            stored.status.check()?;
+        }
+        Ok(())
+    };
+
+    println!(
+        "plain launch (add, max, sub; per op): {launch_us:.1} us pipelined; plain op + read-back of [4]: {read_us:.1} us"
+    );
+    println!(
+        "| op (bs 64) | pipelined us/call | x plain launch | exact host us/call | exact - (op + read-back) us |"
+    );
+    println!("|---|---:|---:|---:|---:|");
+    let report = |label: &str, deferred: Timing, exact: Option<f64>| {
+        let exact = exact.map_or(("-".to_string(), "-".to_string()), |us| {
+            (format!("{us:.1}"), format!("{:+.1}", us - read_us))
+        });
+        println!(
+            "| {label} | {:.1} | {:.2} | {} | {} |",
+            deferred.pipelined_us,
+            deferred.pipelined_us / launch_us,
+            exact.0,
+            exact.1
+        );
         driver_report(reps);
     };
+    // Each exact form first, then the deferred one: the driver calls printed after a row are
+    // the deferred loop's.
+    let exact_us = time::<B>(device, reps, || masked().and_then(exact::<B>).map(drop));
+    let deferred = timed::<B>(device, reps, || masked().map(drop)).map_err(e)?;
     report(
-        "deferred call",
-        time::<B>(device, reps, || capacity().map(drop)).map_err(e)?,
+        "masked gather (64, 16)",
+        deferred,
+        Some(exact_us.map_err(e)?.0),
     );
-    let done = capacity().map_err(e)?;
-    done.status.check().map_err(e)?;
+    let exact_us = time::<B>(device, reps, || segments().and_then(exact::<B>).map(drop));
+    let deferred = timed::<B>(device, reps, || segments().map(drop)).map_err(e)?;
     report(
-        "status read of a finished call",
-        time::<B>(device, reps, || done.status.check().map(drop)).map_err(e)?,
+        "segment gather (64 x 1-16)",
+        deferred,
+        Some(exact_us.map_err(e)?.0),
     );
+    let exact_us = time::<B>(device, reps, || kvplan::plan(&mut step, plan_inputs()));
+    let deferred = timed::<B>(device, reps, || {
+        kvplan::plan_deferred(&mut step, plan_inputs()).map(drop)
+    })
+    .map_err(e)?;
     report(
-        "sync",
-        time::<B>(device, reps, || {
-            sync::<B>(device);
-            Ok(())
-        })
-        .map_err(e)?,
+        "plan (64 requests, prefix < 512)",
+        deferred,
+        Some(exact_us.map_err(e)?.0),
     );
+    let deferred = timed::<B>(device, reps, || {
+        canary.write(&write_plan, write_inputs.clone(), &write_launch)
+    })
+    .map_err(e)?;
+    report("canary write (64 x 1 token)", deferred, None);
+    let deferred =
+        timed::<B>(device, reps, || canary.verify(&verify_plan, &verify_launch)).map_err(e)?;
+    report("canary verify (64 x 65 entries)", deferred, None);
+    let exact_us = time::<B>(device, reps, || assign(true));
+    let deferred = timed::<B>(device, reps, || assign(false)).map_err(e)?;
     report(
-        "deferred call + sync",
-        time::<B>(device, reps, || {
-            capacity()?;
-            sync::<B>(device);
-            Ok(())
-        })
-        .map_err(e)?,
+        "segment_assign (64 x 4 slots)",
+        deferred,
+        Some(exact_us.map_err(e)?.0),
     );
+    let exact_us = time::<B>(device, reps, || stores(true));
+    let deferred = timed::<B>(device, reps, || stores(false)).map_err(e)?;
     report(
-        "deferred call + status read",
-        time::<B>(device, reps, || capacity()?.status.check().map(drop)).map_err(e)?,
-    );
-    report(
-        "exact call",
-        time::<B>(device, reps, || capacity().and_then(exact::<B>).map(drop)).map_err(e)?,
+        "store (256 rows of 192 f32)",
+        deferred,
+        Some(exact_us.map_err(e)?.0),
     );
     Ok(())
 }

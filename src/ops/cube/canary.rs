@@ -12,8 +12,8 @@ use kvplan_kernels::canary::{
 use kvplan_kernels::scan::CUBE_SIZE;
 
 use super::{
-    CUBES_PER_SM, address_type, bindable, fixed_planes, grid, multiprocessors, resident_cubes,
-    writable,
+    CUBES_PER_SM, address_type, bindable, contiguous, fixed_planes, grid, multiprocessors,
+    resident_cubes, writable,
 };
 use burn_cubecl::CubeBackend;
 
@@ -106,7 +106,7 @@ fn source_words(
     let (tensor, stride) = match row_stride(&tensor) {
         Some(stride) => (tensor, stride),
         None => {
-            let tensor = burn_cubecl::kernel::into_contiguous(tensor);
+            let tensor = contiguous(tensor);
             let stride = row_stride(&tensor).unwrap_or(layout.row_bytes);
             (tensor, stride)
         }

@@ -47,8 +47,34 @@ fn writable(tensor: CubeTensor) -> CubeTensor {
     if tensor.can_mut() {
         tensor
     } else {
-        tensor.copy()
+        as_bits(tensor, |bits| bits.copy())
     }
+}
+
+/// A contiguous copy of `tensor` (itself when it is contiguous already).
+fn contiguous(tensor: CubeTensor) -> CubeTensor {
+    as_bits(tensor, burn_cubecl::kernel::into_contiguous)
+}
+
+/// `copy` run on `tensor` seen as the unsigned ints of its element's width: a copy moves bits,
+/// and a runtime without a float type's arithmetic (lavapipe has no bf16: Burn's bf16 copy
+/// kernels lose its device) still moves those.
+fn as_bits(tensor: CubeTensor, copy: impl FnOnce(CubeTensor) -> CubeTensor) -> CubeTensor {
+    let dtype = tensor.dtype;
+    let bits = match dtype.size() {
+        1 => DType::U8,
+        2 => DType::U16,
+        8 => DType::U64,
+        _ => DType::U32,
+    };
+    if dtype == bits || tensor.qparams.is_some() {
+        return copy(tensor);
+    }
+    let copied = copy(CubeTensor {
+        dtype: bits,
+        ..tensor
+    });
+    CubeTensor { dtype, ..copied }
 }
 
 /// A u64 buffer uploaded from the host (scratch words that must start at known values).
@@ -75,22 +101,21 @@ fn upload_i64(like: &CubeTensor, words: &[i64]) -> CubeTensor {
     )
 }
 
-/// The tensor itself, or a one-element stand-in when it is empty (kernels never read it then:
-/// the real shape travels as a scalar).
+/// The tensor itself, or a one-element stand-in when it is empty (the real shape travels as a
+/// scalar). Kernels that load before they branch read the stand-in's element and drop it, so it
+/// is zeroed: an uninitialised one is a read of never-written memory (compute-sanitizer initcheck).
 fn bindable(tensor: CubeTensor) -> CubeTensor {
     if tensor.shape().num_elements() > 0 {
         return tensor;
     }
     let dtype = tensor.dtype;
     let rank = tensor.shape().num_dims().max(1);
-    let buffer = empty_device_contiguous_dtype(
-        tensor.client.clone(),
-        tensor.device.clone(),
-        Shape::new([1]),
-        dtype,
-    );
+    // At least 4 bytes: wgpu copies whole 4-byte words.
+    let handle = tensor
+        .client
+        .create_from_slice(&[0u8; 8][..dtype.size().max(4)]);
     let shape = Shape::from(vec![1; rank]);
-    CubeTensor::new_contiguous(buffer.client, buffer.device, shape, buffer.handle, dtype)
+    CubeTensor::new_contiguous(tensor.client, tensor.device, shape, handle, dtype)
 }
 
 /// A per-request int input widened to i64 on the device (a copy only when it is i32).

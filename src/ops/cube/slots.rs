@@ -14,8 +14,8 @@ use kvplan_kernels::slots::{
 use kvplan_kernels::status::STATUS_LEN;
 
 use super::{
-    CUBES_PER_SM, address_type, bindable, dims2, fixed_planes, grid, output_i64, resident_cubes,
-    storage, stride, upload_i64, widened, writable,
+    CUBES_PER_SM, address_type, bindable, contiguous, dims2, fixed_planes, grid, output_i64,
+    resident_cubes, storage, stride, upload_i64, widened, writable,
 };
 use crate::ops::{AssignPrimitive, KvRows, StoreScratchPrimitive, StoredPrimitive};
 
@@ -31,7 +31,7 @@ fn owned(tensor: CubeTensor) -> CubeTensor {
     if tensor.is_nonoverlapping() {
         writable(tensor)
     } else {
-        burn_cubecl::kernel::into_contiguous(tensor)
+        contiguous(tensor)
     }
 }
 
@@ -179,7 +179,7 @@ fn row_layout(tensor: &CubeTensor) -> Option<(usize, usize)> {
 fn with_rows(tensor: CubeTensor) -> CubeTensor {
     match row_layout(&tensor) {
         Some(_) => tensor,
-        None => burn_cubecl::kernel::into_contiguous(tensor),
+        None => contiguous(tensor),
     }
 }
 

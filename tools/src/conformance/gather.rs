@@ -6,7 +6,9 @@ use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_defe
 use kvplan::{DeferredGather, Error, GatherOptions, KvPlanBackend};
 use serde_json::Value;
 
-use super::{Dense, Mismatch, expect_eq, expect_slice, int_list, mismatch_kind, values};
+use super::{
+    Dense, Mismatch, expect_eq, expect_slice, int_list, mismatch_kind, prefix_values, values,
+};
 
 struct Case {
     masked: bool,
@@ -134,8 +136,8 @@ pub(super) fn check<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Res
                 case.default_capacity(),
                 gathered.out.shape().num_elements(),
             )?;
-            let out = values::<B>(mode, gathered.out)?;
-            expect_slice(mode, "out", &expected_out, &out[..checked.min(out.len())])
+            let out = prefix_values::<B>(mode, gathered.out, checked)?;
+            expect_slice(mode, "out", &expected_out, &out)
         }
         (Err(error), Some(kind)) => {
             expect_eq(mode, "error kind", kind, error.kind())?;

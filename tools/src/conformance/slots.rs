@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use super::{
     Dense, Mismatch, check_dtype, check_shape, expect_eq, expect_slice, int_list, list_of,
-    malformed, mismatch_kind, missing, shape, unknown, values,
+    malformed, mismatch_kind, missing, prefix_values, shape, unknown, values,
 };
 
 pub(super) fn check<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Result<(), Mismatch> {
@@ -215,8 +215,8 @@ fn assign_gather<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Result
     let loc = &case.inputs[3].0.data;
     expect_eq(mode, "slots assigned", loc.len(), counts[0])?;
     expect_eq(mode, "slots gathered", loc.len(), counts[1])?;
-    let out = values::<B>(mode, gathered.out)?;
-    expect_slice(mode, "gathered", loc, &out[..counts[1].min(out.len())])
+    let out = prefix_values::<B>(mode, gathered.out, counts[1])?;
+    expect_slice(mode, "gathered", loc, &out)
 }
 
 /// A tensor of a record: `{shape, data}` in `dtype`, floats or ints.

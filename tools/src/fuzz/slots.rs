@@ -134,13 +134,13 @@ fn rows(dtype: DType, shape: Vec<usize>, cache: bool) -> BoxedStrategy<Rows> {
     let n: usize = shape.iter().product();
     (proptest::collection::vec(element(dtype), n), layout())
         .prop_map(move |(mut data, layout)| {
-            // Open: a store of bf16 rows or into a bf16 cache that are not contiguous loses the
-            // Vulkan device (`fuzz_regression_sliced_bf16_cache`); such views wait for its fix.
-            let open = dtype == DType::BF16;
-            let layout = if (cache && layout == Layout::Broadcast) || open {
-                Layout::Contiguous
-            } else {
-                layout
+            // A bf16 slice at an unaligned offset is made by Burn's bf16 slice kernel, which
+            // loses lavapipe's device before kvplan runs (no bf16 there): bf16 views are made
+            // by transposing instead, which moves nothing.
+            let layout = match layout {
+                Layout::Broadcast if cache => Layout::Contiguous,
+                Layout::Sliced if dtype == DType::BF16 => Layout::Transposed,
+                layout => layout,
             };
             if layout == Layout::Broadcast && !data.is_empty() {
                 let row = n / shape[0].max(1);
@@ -305,7 +305,8 @@ fn run_stores<B: KvPlanBackend>(
 ) -> Outcome<Vec<(Outcome<usize>, Outcome<Vec<u8>>)>> {
     let mut store = KvStore::<B>::allocate_on(num_slots, device).map_err(Failure::from)?;
     let mut current = cache.tensor::<B>(device);
-    let mut bytes = cache_bytes::<B>(current.clone())?;
+    // From the host: reading a bf16 view back would run Burn's bf16 copy kernel (not on lavapipe).
+    let mut bytes = cache_bytes_of(cache);
     let mut seen = vec![];
     for (loc, values) in calls {
         let (loc_tensor, values_tensor) = (loc.int::<B>(device), values.tensor::<B>(device));
@@ -368,7 +369,7 @@ impl Family for Slots {
                 },
             ) => (after != &table.data).then(|| format!("{} changed the table", error.kind)),
             (SlotCase::Store { cache, .. }, SlotRun::Store([_, Ok(calls)])) => {
-                let mut before = cache_bytes_of(cache);
+                let mut before = Some(cache_bytes_of(cache));
                 for (k, (result, after)) in calls.iter().enumerate() {
                     let Ok(after) = after else { return None };
                     if let (Err(error), Some(before)) = (result, &before) {
@@ -457,14 +458,14 @@ impl Family for Slots {
 }
 
 /// The cache's bytes as uploaded (`None` when they cannot be built on the host).
-fn cache_bytes_of(cache: &Rows) -> Option<Vec<u8>> {
+fn cache_bytes_of(cache: &Rows) -> Vec<u8> {
     let data = if cache.dtype.is_float() {
         TensorData::new(cache.data.clone(), cache.shape.clone()).convert_dtype(cache.dtype)
     } else {
         let ints: Vec<i64> = cache.data.iter().map(|&v| v as i64).collect();
         TensorData::new(ints, cache.shape.clone()).convert_dtype(cache.dtype)
     };
-    Some(data.bytes().to_vec())
+    data.bytes().to_vec()
 }
 
 /// A list input as a record's list, another rank as `{shape, data}`.

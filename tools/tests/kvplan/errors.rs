@@ -347,6 +347,30 @@ pub fn segment_errors<B: KvPlanBackend>(device: &B::Device) {
         },
         false,
     );
+    // ... naming the longest length `L` past one tile of segments (the fuzzer saw Vulkan name
+    // another), wherever it stands and in either dtype.
+    for (segments, at, longest, dtype) in [
+        (300usize, 290usize, 1i64 << 40, DType::I64),
+        (300, 3, 1 << 40, DType::I64),
+        (257, 256, i64::from(i32::MAX), DType::I32),
+        (1000, 999, 70_000, DType::I32),
+    ] {
+        let mut lengths = vec![1i64; segments];
+        lengths[at] = longest;
+        segment_error::<B>(
+            t46::<B>(d),
+            l::<B>(&[1], d),
+            Some(l::<B>(&vec![0; segments - 1], d)),
+            list::<B>(&lengths, dtype, d),
+            None,
+            Error::MaskShapeMismatch {
+                context: seg.into(),
+                mask: Dims(vec![segments, longest as usize]),
+                pos2d: Dims(vec![segments - 1, longest as usize]),
+            },
+            false,
+        );
+    }
     // ... and skipped by the early exit.
     let got = segments::<B>(
         t46::<B>(d),

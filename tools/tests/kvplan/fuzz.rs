@@ -29,40 +29,43 @@ pub fn family<B: KvPlanBackend>(op: Op, device: &B::Device) {
     }
 }
 
-/// The fuzzer's first find on Vulkan (`kvplan fuzz --seed 1 --op slots`, case 18): a store into
-/// a bf16 cache that is a window of a larger buffer (rows of 3 at a row stride of 5) loses the
-/// device on lavapipe (f16 and f32 windows, and contiguous bf16 caches, are stored right).
-pub fn sliced_bf16_cache<B: KvPlanBackend>(device: &B::Device) {
-    let (dtype, cols) = (DType::BF16, 1);
+/// The fuzzer's first find on Vulkan (`kvplan fuzz --seed 1 --op slots`, case 18): a store of
+/// bf16 views lost the lavapipe device. The store copied them with Burn's own bf16 kernels, which
+/// lavapipe cannot run (it has no bf16); it now copies bits (u16). A cache and values that are
+/// transposed views must each be copied: both are here, checked value by value.
+pub fn bf16_views<B: KvPlanBackend>(device: &B::Device) {
     use burn_core::backend::TensorData;
-    use burn_core::tensor::{DType, Slice};
+    use burn_core::tensor::DType;
     use kvplan::{KvRows, KvStore};
-    let d = device;
-    let buffer: Vec<f32> = (0..50).map(|k| k as f32 / 4.0).collect();
-    let wide = B::float_from_data(TensorData::new(buffer, [10, 5]).convert_dtype(dtype), d);
-    let cache = B::float_slice(wide, &[Slice::from(1..9), Slice::from(cols..cols + 3)]);
+    let bf16 = |values: Vec<f32>, shape: [usize; 2]| {
+        B::float_from_data(
+            TensorData::new(values, shape).convert_dtype(DType::BF16),
+            device,
+        )
+    };
+    // The cache [8, 3] stored as its transpose [3, 8]; the values [3, 3] likewise.
+    let cache: Vec<f32> = (0..24).map(|k| k as f32 / 4.0).collect();
+    let stored_cache: Vec<f32> = (0..24).map(|k| cache[(k % 8) * 3 + k / 8]).collect();
+    let cache_view = B::float_swap_dims(bf16(stored_cache, [3, 8]), 0, 1);
     let values: Vec<f32> = (0..9).map(|k| 20.0 + k as f32).collect();
-    let values = B::float_from_data(TensorData::new(values, [3, 3]).convert_dtype(dtype), d);
-    let loc = kvplan_tools::prim::i64s::<B>(&[3, 4, 5], d);
-    let mut store = KvStore::<B>::allocate_on(8, d).unwrap();
+    let stored_values: Vec<f32> = (0..9).map(|k| values[(k % 3) * 3 + k / 3]).collect();
+    let values_view = B::float_swap_dims(bf16(stored_values, [3, 3]), 0, 1);
+    let loc = kvplan_tools::prim::i64s::<B>(&[3, 4, 6], device);
+    let mut store = KvStore::<B>::allocate_on(8, device).unwrap();
     let stored = kvplan::slots::backend::store::<B>(
         &mut store,
-        KvRows::Float(cache),
+        KvRows::Float(cache_view),
         loc,
-        KvRows::Float(values),
+        KvRows::Float(values_view),
     );
-    let KvRows::Float(cache) = stored.unwrap() else {
+    let KvRows::Float(cache_after) = stored.unwrap() else {
         unreachable!()
     };
-    let got = burn_core::backend::read_sync(B::float_into_data(cache)).unwrap();
+    let got = burn_core::backend::read_sync(B::float_into_data(cache_after)).unwrap();
     let got: Vec<f32> = got.convert_dtype(DType::F32).try_to_vec().unwrap();
-    let mut want: Vec<f32> = (0..8)
-        .flat_map(|r| (0..3).map(move |c| ((r + 1) * 5 + c + cols) as f32 / 4.0))
-        .collect();
-    for (i, slot) in [3, 4, 5].into_iter().enumerate() {
-        for c in 0..3 {
-            want[slot * 3 + c] = 20.0 + (i * 3 + c) as f32;
-        }
+    let mut want = cache;
+    for (i, slot) in [3, 4, 6].into_iter().enumerate() {
+        want[slot * 3..slot * 3 + 3].copy_from_slice(&values[i * 3..i * 3 + 3]);
     }
     assert_eq!(got, want);
 }
