@@ -33,7 +33,7 @@ for part in "$@"; do
       ;;
     checks)
       for backend in cuda cuda-unfused; do
-        for file in gather plan canary; do
+        for file in gather plan canary slots; do
           "$BIN" check "tests/data/$file.jsonl" --backend "$backend" > "$OUT/check-$file-$backend.txt" 2>&1
           echo "check $file $backend: $(tail -1 "$OUT/check-$file-$backend.txt")"
         done
@@ -45,7 +45,7 @@ for part in "$@"; do
     wide)
       # Every kernel on 64-bit indexes (KVPLAN_WIDE_INDEX=1 forces them on ordinary inputs).
       for backend in cuda cuda-unfused; do
-        for file in gather plan canary; do
+        for file in gather plan canary slots; do
           KVPLAN_WIDE_INDEX=1 "$BIN" check "tests/data/$file.jsonl" --backend "$backend" > "$OUT/wide-$file-$backend.txt" 2>&1
           echo "wide check $file $backend: $(tail -1 "$OUT/wide-$file-$backend.txt")"
         done

@@ -144,7 +144,7 @@ pub mod backend {
     /// Exact mode: one read-back of the status, then the first `count` values.
     pub fn exact<B: KvPlanBackend>(gathered: DeferredGather<B>) -> Result<IntTensor<B>, Error> {
         let count = gathered.status.check()?;
-        Ok(crate::ops::int_prefix::<B>(gathered.out, count))
+        Ok(B::gather_prefix(gathered.out, count))
     }
 
     fn deferred<B: Backend>(output: GatherPrimitive<B>, context: &str) -> DeferredGather<B> {

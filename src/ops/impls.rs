@@ -94,6 +94,13 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
     ) -> CanaryPrimitive<Self> {
         super::cube::canary_verify(canary, plan, launch)
     }
+
+    fn gather_prefix(
+        out: burn_cubecl::tensor::CubeTensor,
+        len: usize,
+    ) -> burn_cubecl::tensor::CubeTensor {
+        super::cube::prefix(out, len)
+    }
 }
 
 /// Moves a value between `Autodiff<B>` and `B`: their int primitives are one type.
@@ -337,5 +344,9 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         launch: CanaryLaunchPrimitive<Self>,
     ) -> CanaryPrimitive<Self> {
         B::canary_verify(canary.rebase(), plan.rebase(), launch.rebase()).rebase()
+    }
+
+    fn gather_prefix(out: B::IntTensorPrimitive, len: usize) -> B::IntTensorPrimitive {
+        B::gather_prefix(out, len)
     }
 }

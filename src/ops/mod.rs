@@ -15,7 +15,7 @@ mod impls;
 
 pub use host::data_to_i64;
 pub(crate) use host::{
-    canary_state, int_prefix, read_ints, read_status, upload_canary, upload_i64, upload_plans,
+    canary_state, read_ints, read_status, upload_canary, upload_i64, upload_plans,
 };
 
 use burn_core as burn; // the paths `#[backend_extension]` generates
@@ -393,6 +393,14 @@ pub trait KvPlanBackend: Backend {
         base: u32,
     ) -> StoredPrimitive<Self> {
         host::store_kv::<Self>(cache, loc, values, scratch, base)
+    }
+
+    /// The first `len` values of a gather's 1-D output: a view where the backend can make one.
+    /// (Burn's `slice` copies a range whose ends are not both on the allocator's alignment: a
+    /// second kernel for every exact gather.)
+    #[fusion(meta = |_out, len| TensorSpec::new([*len].into(), burn_core::tensor::DType::I64))]
+    fn gather_prefix(out: IntTensor<Self>, len: usize) -> IntTensor<Self> {
+        host::int_prefix::<Self>(out, len)
     }
 
     /// kv-canary write (spec `canary-write-verify.md` §6): stores the records of the plan's active

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use burn_core::tensor::{DType, Device, DeviceKind};
+use burn_core::tensor::{DType, Device};
 use kvplan_decoder::engine::{
     Corruption, Drafting, Engine, EngineOptions, Outcome, Request, StepTimes,
 };
@@ -77,7 +77,8 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
     };
     let device = match backend {
         BackendName::Flex => Device::flex(),
-        BackendName::Vulkan => Device::vulkan(DeviceKind::DefaultDevice),
+        #[cfg(feature = "vulkan")]
+        BackendName::Vulkan => Device::vulkan(burn_core::tensor::DeviceKind::DefaultDevice),
         #[cfg(feature = "cuda")]
         BackendName::Cuda => Device::cuda(0),
         other => {

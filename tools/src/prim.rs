@@ -2,8 +2,8 @@
 //! as i64, and a device sync, with errors as text.
 
 use burn_core::backend::tensor::{BoolTensor, IntTensor};
-use burn_core::backend::{Backend, TensorData, get_device_settings, try_read_sync};
-use burn_core::tensor::DType;
+use burn_core::backend::{Backend, TensorData, TensorMetadata, get_device_settings, try_read_sync};
+use burn_core::tensor::{DType, Slice};
 
 pub use kvplan::data_to_i64;
 
@@ -67,6 +67,16 @@ pub fn read_ints<B: Backend>(tensor: IntTensor<B>) -> Result<Vec<i64>, String> {
         .ok_or_else(|| "read-back failed: cannot block on a read here".to_string())?
         .map_err(|error| format!("read-back failed: {error:?}"))?;
     Ok(data_to_i64(&data))
+}
+
+/// The first `len` values of an int primitive (at most all of them), in one read-back of just
+/// those: a deferred output's tail was never written, and reading it reads uninitialised memory.
+pub fn read_prefix<B: Backend>(tensor: IntTensor<B>, len: usize) -> Result<Vec<i64>, String> {
+    let len = len.min(tensor.shape().num_elements());
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    read_ints::<B>(B::int_slice(tensor, &[Slice::from(0..len)]))
 }
 
 /// Waits for the device's queued work.

@@ -1,6 +1,7 @@
 //! Launchers of the gather kernels.
 
 use burn_core::backend::TensorMetadata;
+use burn_core::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use kvplan_kernels::gather::{
@@ -16,7 +17,7 @@ use kvplan_kernels::status::{
 
 use super::{
     address_type, bindable, dims2, faithful_shared, fixed_planes, grid, output_i64, storage,
-    stride, tile_cubes, upload_u64, widened,
+    stride, tile_cubes, upload_parts, widened,
 };
 use burn_cubecl::CubeBackend;
 
@@ -41,8 +42,6 @@ pub(crate) fn masked_gather(
     let (pos_rows, pos_cols) = dims2(&pos2d);
     let n = req_pool_indices.shape()[0];
     let out = output_i64(&req_to_token, capacity);
-    let count = output_i64(&req_to_token, 1);
-    let status = output_i64(&req_to_token, STATUS_LEN);
     // Many tiles: a count launch first, so that no tile waits on a chain of look-backs. Without
     // one, tiles are half as large.
     let cells = pos_rows * pos_cols;
@@ -68,7 +67,14 @@ pub(crate) fn masked_gather(
     // group total) empty.
     let mut words = vec![0u64; SCRATCH_TILES + tiles];
     words[SCRATCH_ERROR] = NO_ERROR;
-    let scratch = upload_u64(&req_to_token, &words);
+    let [status, count, scratch] = upload_parts(
+        &req_to_token,
+        [
+            (&[0; STATUS_LEN], DType::I64),
+            (&[0], DType::I64),
+            (&words, DType::U64),
+        ],
+    );
     let client = req_to_token.client.clone();
     let broadcast_prefix = faithful_shared(&req_to_token);
     let dtypes = [
@@ -77,7 +83,12 @@ pub(crate) fn masked_gather(
         storage(&pos2d),
         storage(&mask),
     ];
-    let counts = output_i64(&req_to_token, if counted { tiles } else { 1 });
+    // Per-tile counts of a counted launch (an uncounted one never reads them).
+    let counts = if counted {
+        output_i64(&req_to_token, tiles)
+    } else {
+        count.clone()
+    };
     let (table, req_pool_indices, pos2d, mask) = (
         bindable(req_to_token),
         bindable(req_pool_indices),
@@ -214,8 +225,6 @@ pub(crate) fn segment_gather(
         (0, [0, 0])
     };
     let out = output_i64(&req_to_token, capacity);
-    let count = output_i64(&req_to_token, 1);
-    let status = output_i64(&req_to_token, STATUS_LEN);
     // Tiles of a cube's width of segments keep the look-back short. Their cubes share the values,
     // at most about `SEGMENT_CUBE_VALUES` each by the host's bound (the capacity, or every
     // segment as long as the table is wide), and together at most `SEGMENT_CUBES_PER_SM` per SM.
@@ -243,7 +252,14 @@ pub(crate) fn segment_gather(
         Ok(address) => address,
         Err(error) => return gather_output::<CubeBackend>(Err(error), capacity, &client_device),
     };
-    let scratch = upload_u64(&req_to_token, &words);
+    let [status, count, scratch] = upload_parts(
+        &req_to_token,
+        [
+            (&[0; STATUS_LEN], DType::I64),
+            (&[0], DType::I64),
+            (&words, DType::U64),
+        ],
+    );
     let client = req_to_token.client.clone();
     let broadcast_prefix = faithful_shared(&req_to_token);
     let planes = fixed_planes(&req_to_token, PLANE_WIDTH);

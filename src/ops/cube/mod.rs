@@ -77,16 +77,41 @@ fn as_bits(tensor: CubeTensor, copy: impl FnOnce(CubeTensor) -> CubeTensor) -> C
     CubeTensor { dtype, ..copied }
 }
 
-/// A u64 buffer uploaded from the host (scratch words that must start at known values).
-fn upload_u64(like: &CubeTensor, words: &[u64]) -> CubeTensor {
-    let handle = like.client.create_from_slice(bytemuck::cast_slice(words));
-    CubeTensor::new_contiguous(
-        like.client.clone(),
-        like.device.clone(),
-        Shape::new([words.len()]),
-        handle,
-        DType::U64,
-    )
+/// The first `len` values of a contiguous 1-D output, as a view of its buffer (no copy).
+pub(crate) fn prefix(out: CubeTensor, len: usize) -> CubeTensor {
+    let size = out.shape()[0];
+    if len >= size {
+        return out;
+    }
+    let tail = ((size - len) * out.dtype.size()) as u64;
+    let (dtype, handle) = (out.dtype, out.handle.offset_end(tail));
+    CubeTensor::new_contiguous(out.client, out.device, Shape::new([len]), handle, dtype)
+}
+
+/// Words that must start at known values (status records, counts, scratch), uploaded in one
+/// transfer and handed out as one buffer per part, each at an offset the runtime can bind: one
+/// round trip to the CubeCL server instead of one per buffer.
+fn upload_parts<const N: usize>(like: &CubeTensor, parts: [(&[u64], DType); N]) -> [CubeTensor; N] {
+    let align = (like.client.properties().memory.alignment as usize / 8).max(1);
+    let mut words = Vec::new();
+    let mut spans = [(0, 0); N];
+    for (span, (part, _)) in spans.iter_mut().zip(&parts) {
+        let len = part.len().max(1);
+        *span = (words.len(), len);
+        words.extend_from_slice(part);
+        words.resize((span.0 + len).next_multiple_of(align), 0);
+    }
+    let handle = like.client.create_from_slice(bytemuck::cast_slice(&words));
+    let total = words.len();
+    std::array::from_fn(|k| {
+        let ((start, len), dtype) = (spans[k], parts[k].1);
+        let view = handle
+            .clone()
+            .offset_start((start * 8) as u64)
+            .offset_end(((total - start - len) * 8) as u64);
+        let shape = Shape::new([parts[k].0.len()]);
+        CubeTensor::new_contiguous(like.client.clone(), like.device.clone(), shape, view, dtype)
+    })
 }
 
 /// An i64 buffer uploaded from the host.

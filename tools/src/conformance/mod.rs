@@ -10,9 +10,8 @@ pub mod slots_data;
 
 use std::fmt;
 
-use burn_core::backend::TensorMetadata;
 use burn_core::backend::tensor::{BoolTensor, IntTensor};
-use burn_core::tensor::{DType, Slice};
+use burn_core::tensor::DType;
 use kvplan::KvPlanBackend;
 use serde_json::Value;
 
@@ -363,18 +362,19 @@ fn values<B: KvPlanBackend>(
     })
 }
 
-/// The first `len` values of a deferred output (at most its capacity): its tail was never written,
-/// so reading it would read uninitialised device memory.
+/// The first `len` values of a deferred output (its tail was never written).
 fn prefix_values<B: KvPlanBackend>(
     mode: &'static str,
     tensor: IntTensor<B>,
     len: usize,
 ) -> Result<Vec<i64>, Mismatch> {
-    let len = len.min(tensor.shape().num_elements());
-    if len == 0 {
-        return Ok(Vec::new());
-    }
-    values::<B>(mode, B::int_slice(tensor, &[Slice::from(0..len)]))
+    prim::read_prefix::<B>(tensor, len).map_err(|error| Mismatch {
+        mode,
+        field: "read-back".into(),
+        index: None,
+        expected: "Ok".into(),
+        got: error,
+    })
 }
 
 fn mismatch_kind(mode: &'static str, expected: &str, got: String) -> Mismatch {

@@ -10,8 +10,9 @@ use serde_json::{Value, json};
 
 use super::{
     Failure, Family, Input, Outcome, fuzz_facts, index, input, int_dtype, list_json, rank_of, read,
-    same, same_list, same_outcome, value, word,
+    read_failure, same, same_list, same_outcome, value, word,
 };
+use crate::prim;
 
 /// One gather call.
 #[derive(Debug, Clone)]
@@ -220,24 +221,23 @@ impl Family for Gather {
             .and_then(exact::<B>)
             .map_err(Failure::from)
             .and_then(read::<B>);
-        let deferred =
-            case.deferred::<B>(device)
-                .map_err(Failure::from)
-                .map(|gathered| {
-                    let checked = gathered.status.check().map_err(Failure::from);
-                    let capacity = gathered.out.shape().num_elements();
-                    let out = match &checked {
-                        Ok(count) => read::<B>(gathered.out)
-                            .map(|out| out[..(*count).min(out.len())].to_vec()),
-                        Err(_) => Ok(vec![]),
-                    };
-                    DeferredRun {
-                        checked,
-                        count: read::<B>(gathered.count),
-                        capacity,
-                        out,
-                    }
-                });
+        let deferred = case
+            .deferred::<B>(device)
+            .map_err(Failure::from)
+            .map(|gathered| {
+                let checked = gathered.status.check().map_err(Failure::from);
+                let capacity = gathered.out.shape().num_elements();
+                let out = match &checked {
+                    Ok(count) => prim::read_prefix::<B>(gathered.out, *count).map_err(read_failure),
+                    Err(_) => Ok(vec![]),
+                };
+                DeferredRun {
+                    checked,
+                    count: read::<B>(gathered.count),
+                    capacity,
+                    out,
+                }
+            });
         GatherRun { exact, deferred }
     }
 
