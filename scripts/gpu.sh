@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|ab|nocupti|unfused|decode|decode-check|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|ab|ncu-ab|nocupti|unfused|decode|decode-check|anchor|profile]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -78,6 +78,24 @@ for part in "$@"; do
       ;;
     canary)
       "$BIN" bench canary --backend cuda --reps 20 2>&1 | tee "$OUT/bench-canary.txt"
+      ;;
+    ncu-ab)
+      # The kernels the A/B found slower on 0.22 (segment gather (4096, 2048), the canary's
+      # prefill write), one launch each under Nsight Compute, on both builds: time, registers,
+      # occupancy, throughput.
+      for build in ${NCU_BUILDS:-021 022}; do
+        bin="$BIN"; [ "$build" = 021 ] && bin="$BIN021"
+        KVPLAN_NO_CUPTI=1 KVPLAN_BENCH_SHAPE=4096x2048 ncu --clock-control none --section SpeedOfLight \
+          --section LaunchStats --section Occupancy -k regex:segment -c 1 \
+          "$bin" bench gather --backend cuda --reps 2 > "$OUT/ncu-segment-$build.txt" 2>&1
+        KVPLAN_NO_CUPTI=1 KVPLAN_BENCH_SHAPE=32x2048 ncu --clock-control none --section SpeedOfLight \
+          --section LaunchStats --section Occupancy -k regex:write -c 1 \
+          "$bin" bench canary --backend cuda --reps 2 > "$OUT/ncu-write-$build.txt" 2>&1
+        for kernel in segment write; do
+          echo "== $kernel $build: $(grep -E '^  [a-z_]+.*\(' "$OUT/ncu-$kernel-$build.txt" | head -1 | cut -c1-60)"
+          grep -E "^    (Duration|Registers Per Thread|Achieved Occupancy|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Block Limit Registers|Static Shared Memory Per Block|Grid Size|Block Size)" "$OUT/ncu-$kernel-$build.txt"
+        done
+      done
       ;;
     nocupti)
       # Host-side views without CUPTI's per-launch cost (GPU columns are then empty).

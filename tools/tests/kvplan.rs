@@ -40,7 +40,9 @@ mod wide;
 #[allow(dead_code)]
 mod devices {
     use burn_core::backend::DispatchDevice;
-    use burn_core::tensor::{Device, DeviceKind};
+    use burn_core::tensor::Device;
+    #[cfg(feature = "vulkan")]
+    use burn_core::tensor::DeviceKind;
 
     /// `Dispatch` on Flex.
     pub fn flex() -> DispatchDevice {

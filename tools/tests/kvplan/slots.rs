@@ -972,6 +972,7 @@ pub fn device_errors<B: KvPlanBackend>(device: &B::Device, other: &B::Device) {
 /// `index_range` end to end (in the narrow-device child, 32-bit launches spanning `span`
 /// elements): both ops over tensors past the span are refused through their status and hand
 /// their table or cache back unchanged.
+#[cfg(feature = "vulkan")]
 pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
     let refused = |got: Result<usize, Error>, what: &str| match got {
         Err(Error::IndexRange { elements, limit }) => {
