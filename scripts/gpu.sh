@@ -194,7 +194,7 @@ PY
     ab)
       # Burn 0.21 (099ad25) against this build on the kernel grids, GPU time through CUPTI;
       # two rounds each, alternating, so that clocks and the machine's state hit both alike.
-      for round in 1 2; do
+      for round in $(seq "${AB_ROUNDS:-2}"); do
         for which in gather plan canary; do
           "$BIN021" bench "$which" --backend cuda --reps 50 > "$OUT/ab-$which-021-$round.txt" 2>&1
           "$BIN" bench "$which" --backend cuda --reps 50 > "$OUT/ab-$which-022-$round.txt" 2>&1
