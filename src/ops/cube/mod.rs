@@ -83,7 +83,8 @@ pub(crate) fn prefix(out: CubeTensor, len: usize) -> CubeTensor {
     if len >= size {
         return out;
     }
-    let tail = ((size - len) * out.dtype.size()) as u64;
+    // An empty prefix keeps one element of buffer: zero-sized bindings are not valid everywhere.
+    let tail = ((size - len.max(1)) * out.dtype.size()) as u64;
     let (dtype, handle) = (out.dtype, out.handle.offset_end(tail));
     CubeTensor::new_contiguous(out.client, out.device, Shape::new([len]), handle, dtype)
 }
