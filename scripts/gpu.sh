@@ -141,14 +141,18 @@ PY
       "$BIN" generate --backend cuda --no-warm-up "What is the capital of France?" 2>&1 | tail -3
       ;;
     decode)
-      # Tokens/s, 128 new tokens, batch 1 (4 prompts one at a time), 8 and 32; spec off, n-gram, self.
-      for bs in 1 8 32; do
+      # Tokens/s, 128 new tokens, batch 1 (4 prompts one at a time), 8 and 32; spec off, n-gram
+      # (k = 4 and 10: transformers' prompt lookup drafts 10), self. BATCHES and SPECS pick rows.
+      # CubeCL keeps compiled kernels between the runs (its autotune results it keeps by default).
+      [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
+      for bs in ${BATCHES:-1 8 32}; do
         limit=$bs; [ "$bs" = 1 ] && limit=4
-        for spec in off ngram self; do
-          "$BIN" generate --backend cuda --spec "$spec" --batch "$bs" --limit "$limit" --max-new-tokens 128 \
+        for spec in ${SPECS:-off ngram ngram10 self}; do
+          k=4; mode=$spec; [ "$spec" = ngram10 ] && k=10 && mode=ngram
+          "$BIN" generate --backend cuda --spec "$mode" --draft-tokens "$k" --batch "$bs" --limit "$limit" --max-new-tokens 128 \
             --ignore-eos --json --file benches/prompts.txt > "$OUT/decode-$spec-$bs.jsonl" 2> "$OUT/decode-$spec-$bs.err"
           echo "kvplan,$spec,$bs,$(grep -h '^generate: .* requests' "$OUT/decode-$spec-$bs.err")"
-          grep -h '^generate: warm-up' "$OUT/decode-$spec-$bs.err"
+          grep -h '^generate: warm-up\|^generate: step' "$OUT/decode-$spec-$bs.err"
         done
       done
       ;;

@@ -14,6 +14,8 @@ pub const SEGMENT_CONTEXT: &str = "DFLASH req_to_token segment gather";
 pub const ASSIGN_CONTEXT: &str = "segment_assign:";
 /// Context prefix of every `store_kv` error message.
 pub const STORE_CONTEXT: &str = "store_kv:";
+/// Context prefix of every `paged_attention` error message.
+pub const ATTENTION_CONTEXT: &str = "paged_attention:";
 
 /// Where a data-dependent error was found: names the offender the way the op's spec does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -564,6 +566,78 @@ pub enum Error {
         slot: i64,
     },
 
+    // ---- paged attention ----
+    /// `q`, the pools and `heads` do not make whole heads of one `head_dim`.
+    #[error(
+        "{context} q {q} with {heads} heads over pools {k_pool} and {v_pool} is not whole query heads over whole K/V heads of one head_dim <= {max_head_dim} (heads a multiple of K/V heads; K and V pools alike)."
+    )]
+    HeadShape {
+        /// Message prefix.
+        context: String,
+        /// The shape of `q`.
+        q: Dims,
+        /// The shape of the K pool.
+        k_pool: Dims,
+        /// The shape of the V pool.
+        v_pool: Dims,
+        /// Query heads asked for.
+        heads: usize,
+        /// The widest head the kernels take.
+        max_head_dim: usize,
+    },
+    /// The pools do not have the rows their key runs were checked against.
+    #[error("{context} k_pool {k_pool} and v_pool {v_pool} must have the {pool_rows} rows the key runs were checked against.")]
+    PoolRowsMismatch {
+        /// Message prefix.
+        context: String,
+        /// The shape of the K pool.
+        k_pool: Dims,
+        /// The shape of the V pool.
+        v_pool: Dims,
+        /// The rows of the check.
+        pool_rows: usize,
+    },
+    /// `counts` does not hold one value per start, or the runs one per row of `q`.
+    #[error("{context} {name} has length {len}, expected {tokens} (one run per token).")]
+    RunCountMismatch {
+        /// Message prefix.
+        context: String,
+        /// Argument name.
+        name: &'static str,
+        /// Its length.
+        len: usize,
+        /// Rows of `q`.
+        tokens: usize,
+    },
+    /// A token's run of keys leaves the slot list (or has a negative start or count).
+    #[error("{context} token {token}: keys {start}..{start}+{count} are outside the {slots} slots listed.")]
+    KeyRunOutOfRange {
+        /// Message prefix.
+        context: String,
+        /// The token (row of `q`).
+        token: usize,
+        /// Its start.
+        start: i64,
+        /// Its count.
+        count: i64,
+        /// Length of the slot list.
+        slots: usize,
+    },
+    /// A slot of a token's run is outside the K/V pools.
+    #[error("{context} token {token}, key {key}: slot {slot} is outside the pools' {pool_rows} rows.")]
+    KeySlotOutOfRange {
+        /// Message prefix.
+        context: String,
+        /// The token (row of `q`).
+        token: usize,
+        /// The key's index in the token's run.
+        key: usize,
+        /// The slot.
+        slot: i64,
+        /// Rows of the pools.
+        pool_rows: usize,
+    },
+
     /// A launch would index more elements than the device's kernels can address: it has no
     /// 64-bit indexing and a binding (or a count the kernel keeps) passes 2^31 elements.
     #[error(
@@ -664,6 +738,11 @@ impl Error {
             Error::StoreCapacity { .. } => "store_capacity",
             Error::LocOutOfRange { .. } => "loc_out_of_range",
             Error::DuplicateSlot { .. } => "duplicate_slot",
+            Error::HeadShape { .. } => "head_shape",
+            Error::RunCountMismatch { .. } => "run_count_mismatch",
+            Error::PoolRowsMismatch { .. } => "pool_rows_mismatch",
+            Error::KeyRunOutOfRange { .. } => "key_run_out_of_range",
+            Error::KeySlotOutOfRange { .. } => "key_slot_out_of_range",
             Error::CorruptStatus { .. } => "corrupt_status",
             Error::IndexRange { .. } => "index_range",
             Error::AllocationTooLarge { .. } => "allocation_too_large",

@@ -1,9 +1,10 @@
 //! kvplan: the KV-cache bookkeeping of an LLM server as Burn 0.22 backend extensions: the masked
 //! and segment `req_to_token` gathers, the slot assignment and KV stores that write what they
-//! read, the kv-canary plan, and the canary's write and verify, with CubeCL kernels on the Cube
-//! backend (CUDA, wgpu/Vulkan) and the host reference elsewhere.
+//! read, paged attention over the slots a gather returns, the kv-canary plan, and the canary's
+//! write and verify, with CubeCL kernels on the Cube backend (CUDA, wgpu/Vulkan) and the host
+//! reference elsewhere.
 //!
-//! Data flows one way: public API ([`gather`], [`slots`], [`canary`]) -> host rules ->
+//! Data flows one way: public API ([`gather`], [`slots`], [`attention`], [`canary`]) -> host rules ->
 //! [`KvPlanBackend`] -> (kernels | [`reference`](mod@reference)).
 
 #![warn(missing_docs)]
@@ -13,6 +14,7 @@
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
+pub mod attention;
 pub mod canary;
 mod deferred;
 mod error;
@@ -25,6 +27,7 @@ pub mod slots;
 mod status;
 mod validate;
 
+pub use attention::{KeyRuns, paged_attention};
 pub use canary::{
     Canary, CanaryLaunch, KernelKind, PlanInputs, RealKvSource, SourceBytes, StepPlan, WriteInputs,
     plan, plan_deferred,

@@ -135,6 +135,20 @@ pub fn encode(outcome: &Result<usize, Error>) -> StatusWords {
             Error::DuplicateSlot {
                 index, first, slot, ..
             } => (STORE_DUPLICATE, vec![index as i64, first as i64, slot]),
+            Error::KeyRunOutOfRange {
+                token,
+                start,
+                count,
+                slots,
+                ..
+            } => (KEY_RUN, vec![token as i64, start, count, slots as i64]),
+            Error::KeySlotOutOfRange {
+                token,
+                key,
+                slot,
+                pool_rows,
+                ..
+            } => (KEY_SLOT, vec![token as i64, key as i64, slot, pool_rows as i64]),
             _ => (UNKNOWN_CODE, vec![]),
         },
     };
@@ -267,6 +281,20 @@ pub fn decode(words: &StatusWords, context: &str) -> Result<usize, Error> {
             index: index(0),
             first: index(1),
             slot: fact(2),
+        },
+        KEY_RUN => Error::KeyRunOutOfRange {
+            context: context(),
+            token: index(0),
+            start: fact(1),
+            count: fact(2),
+            slots: index(3),
+        },
+        KEY_SLOT => Error::KeySlotOutOfRange {
+            context: context(),
+            token: index(0),
+            key: index(1),
+            slot: fact(2),
+            pool_rows: index(3),
         },
         EXECUTION => Error::Execution {
             detail: "a fused kvplan op failed on the device".into(),

@@ -19,7 +19,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use burn_core::tensor::{Bool, DType, Int, Tensor, TensorData};
+use burn_core::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use kvplan::canary::Violations;
 use kvplan::reference::RealKvHashMode;
 use kvplan::{
@@ -29,7 +29,7 @@ use kvplan::{
 
 use crate::draft::ngram_draft;
 use crate::kv::{FreeList, KvCache};
-use crate::model::{Attention, Llama, StepInput};
+use crate::model::{Attention, Llama, PaddedAttention, StepInput};
 use crate::sample::{Rng, Sampling, accept_greedy, accept_sampled};
 use crate::{DecoderError, Result};
 
@@ -82,6 +82,10 @@ pub struct EngineOptions {
     /// Pad every n-gram draft to `draft_tokens` (fixed step shapes, which a GPU compiles once);
     /// off on the CPU, where each extra verified token costs time.
     pub fixed_windows: bool,
+    /// Attention through kvplan's paged attention op, each token over its run of the step's
+    /// slot list; off: Burn ops over K/V gathered into a padded layout (for backends where the op
+    /// is the host reference, which reads every pool back each layer).
+    pub paged_attention: bool,
     /// Wait for the device at the end of each step phase and record where the time went
     /// ([`StepTimes::phases`]); slower, for finding what a step spends.
     pub profile: bool,
@@ -99,6 +103,7 @@ impl Default for EngineOptions {
             batch_buckets: vec![1, 2, 4, 8, 16, 32, 64],
             corruption: None,
             fixed_windows: true,
+            paged_attention: true,
             profile: false,
         }
     }
@@ -932,8 +937,9 @@ impl Engine {
     }
 
     /// The forward inputs of `windows` (token ids `ids`, packed in window order): positions,
-    /// the slots their K/V go to (`masked_gather` of the window cells), and the padded slot list
-    /// of each row's context (`segment_gather` of `0..start + len`).
+    /// the slots their K/V go to (`masked_gather` of the window cells), and each row's context,
+    /// `0..start + len`, through `segment_gather`: each token's run of it for paged attention
+    /// (checked once for every layer), or a padded slot list.
     fn step_input(&mut self, windows: &[Window], ids: Tensor<1, Int>) -> Result<StepInput> {
         let device = self.model.device().clone();
         let rows = windows.len();
@@ -955,27 +961,20 @@ impl Engine {
         let mut positions = Vec::with_capacity(tokens);
         let mut pos2d = Vec::with_capacity(rows * max_q);
         let mut mask = Vec::with_capacity(rows * max_q);
-        let mut q_pad = Vec::with_capacity(rows * max_q);
-        let mut q_unpad = Vec::with_capacity(tokens);
-        let mut kv_pad = Vec::with_capacity(rows * max_kv);
-        let mut masked = Vec::with_capacity(rows * max_q * max_kv);
-        let (mut token_offset, mut kv_offset) = (0, 0);
+        let mut kv_offset = 0;
+        let mut runs = (Vec::with_capacity(tokens), Vec::with_capacity(tokens));
         for (i, w) in windows.iter().enumerate() {
             for j in 0..max_q {
                 let real = j < w.len;
                 pos2d.push(if real { (w.start + j) as i64 } else { 0 });
                 mask.push(real);
-                let q = j.min(w.len - 1);
-                q_pad.push((token_offset + q) as i64);
                 if real {
                     positions.push((w.start + j) as i64);
-                    q_unpad.push((i * max_q + j) as i64);
+                    // Causal: a query sees the keys at and before its own position.
+                    runs.0.push(kv_offset as i64);
+                    runs.1.push((w.start + j + 1) as i64);
                 }
-                // Causal: a query sees the keys at and before its own position.
-                masked.extend((0..max_kv).map(|key| key > w.start + q));
             }
-            kv_pad.extend((0..max_kv).map(|key| (kv_offset + key.min(kv_lens[i] - 1)) as i64));
-            token_offset += w.len;
             kv_offset += kv_lens[i];
         }
         let table_rows = ints(windows.iter().map(|w| w.row), &device);
@@ -1008,26 +1007,29 @@ impl Engine {
         )?;
         self.statuses.push(window_slots.status.clone());
         self.statuses.push(context_slots.status.clone());
+        let attention = if self.options.paged_attention {
+            let keys = kvplan::KeyRuns::check_deferred(
+                context_slots.out_tensor(),
+                ints(runs.0.into_iter(), &device),
+                ints(runs.1.into_iter(), &device),
+                self.cache.slots(),
+            )?;
+            self.statuses.push(keys.status.clone());
+            Attention::Paged(keys)
+        } else {
+            Attention::Padded(padded_attention(
+                windows,
+                [max_q, max_kv],
+                context_slots.out_tensor(),
+                &device,
+            ))
+        };
         self.times.kvplan += timer.elapsed();
-        let kv_slots = context_slots
-            .out_tensor()
-            .select(0, ints(kv_pad.into_iter(), &device));
         Ok(StepInput {
             input_ids: ids,
             positions: ints(positions.into_iter(), &device),
             out_cache_loc: window_slots.out_tensor(),
-            attention: Attention {
-                rows,
-                max_q,
-                max_kv,
-                q_pad: ints(q_pad.into_iter(), &device),
-                q_unpad: ints(q_unpad.into_iter(), &device),
-                kv_slots,
-                masked: Tensor::<4, Bool>::from_data(
-                    TensorData::new(masked, [rows, 1, max_q, max_kv]),
-                    &device,
-                ),
-            },
+            attention,
         })
     }
 
@@ -1132,6 +1134,50 @@ enum Target {
 }
 
 /// `[n]` i64 values uploaded.
+
+/// The padded layout of `windows` over their packed context slots (`context`, rows in window
+/// order): `[rows, max_q]` queries, `[rows, max_kv]` keys, the causal and padding mask.
+fn padded_attention(
+    windows: &[Window],
+    [max_q, max_kv]: [usize; 2],
+    context: Tensor<1, Int>,
+    device: &Device,
+) -> PaddedAttention {
+    let rows = windows.len();
+    let tokens: usize = windows.iter().map(|w| w.len).sum();
+    let mut q_pad = Vec::with_capacity(rows * max_q);
+    let mut q_unpad = Vec::with_capacity(tokens);
+    let mut kv_pad = Vec::with_capacity(rows * max_kv);
+    let mut masked = Vec::with_capacity(rows * max_q * max_kv);
+    let (mut token_offset, mut kv_offset) = (0, 0);
+    for (i, w) in windows.iter().enumerate() {
+        let kv_len = w.start + w.len;
+        for j in 0..max_q {
+            let q = j.min(w.len - 1);
+            q_pad.push((token_offset + q) as i64);
+            if j < w.len {
+                q_unpad.push((i * max_q + j) as i64);
+            }
+            masked.extend((0..max_kv).map(|key| key > w.start + q));
+        }
+        kv_pad.extend((0..max_kv).map(|key| (kv_offset + key.min(kv_len - 1)) as i64));
+        token_offset += w.len;
+        kv_offset += kv_len;
+    }
+    PaddedAttention {
+        rows,
+        max_q,
+        max_kv,
+        q_pad: ints(q_pad.into_iter(), device),
+        q_unpad: ints(q_unpad.into_iter(), device),
+        kv_slots: context.select(0, ints(kv_pad.into_iter(), device)),
+        masked: Tensor::<4, Bool>::from_data(
+            TensorData::new(masked, [rows, 1, max_q, max_kv]),
+            device,
+        ),
+    }
+}
+
 fn ints(values: impl Iterator<Item = i64>, device: &burn_core::tensor::Device) -> Tensor<1, Int> {
     let values: Vec<i64> = values.collect();
     let n = values.len();

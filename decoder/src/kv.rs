@@ -121,6 +121,11 @@ impl KvCache {
         )
     }
 
+    /// The K and V pools of `layer`.
+    pub fn pools(&self, layer: usize) -> (Tensor<2>, Tensor<2>) {
+        (self.k[layer].clone(), self.v[layer].clone())
+    }
+
     /// The K pool of `layer` (the canary fingerprints its bytes).
     pub fn k_pool(&self, layer: usize) -> Tensor<2> {
         self.k[layer].clone()

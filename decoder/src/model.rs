@@ -7,6 +7,8 @@ use std::ops::Range;
 use burn_core::tensor::activation::{silu, softmax};
 use burn_core::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
+use kvplan::KeyRuns;
+
 use crate::gguf::Gguf;
 use crate::kv::KvCache;
 use crate::{DecoderError, Result};
@@ -103,9 +105,18 @@ pub struct Llama {
     rope_sin: Tensor<2>,
 }
 
-/// Where one step's tokens attend: the padded `[rows, max_q]` query layout over the packed tokens,
-/// the padded `[rows, max_kv]` slot list each row reads its K/V from, and the mask.
-pub struct Attention {
+/// Where one step's tokens attend.
+pub enum Attention {
+    /// kvplan's paged attention: each token over the K/V rows at its run of the step's slot list
+    /// (the backends with kvplan kernels).
+    Paged(KeyRuns),
+    /// Burn ops over K/V gathered into a padded `[rows, max_kv]` layout, where the attention op is
+    /// kvplan's host reference (it would read every pool back every layer).
+    Padded(PaddedAttention),
+}
+
+/// The padded layout: `[rows, max_q]` queries over the packed tokens, `[rows, max_kv]` slots, a mask.
+pub struct PaddedAttention {
     /// Rows of the (padded) batch.
     pub rows: usize,
     /// Longest query run of a row.
@@ -278,7 +289,13 @@ impl Llama {
             let q = rotated.clone().narrow(1, 0, c.hidden);
             let k = rotated.narrow(1, c.hidden, kv);
             cache.store(layer, input.out_cache_loc.clone(), k, v)?;
-            let attended = self.attend(cache, layer, q, &input.attention);
+            let attended = match &input.attention {
+                Attention::Paged(keys) => {
+                    let (k_pool, v_pool) = cache.pools(layer);
+                    kvplan::paged_attention(q, k_pool, v_pool, keys, c.heads)?
+                }
+                Attention::Padded(padded) => self.attend_padded(cache, layer, q, padded),
+            };
             x = x + attended.matmul(block.wo.clone());
             let h = rms_norm(x.clone(), c.rms_eps);
             let gate_up = h.matmul(block.w_gate_up.clone());
@@ -296,12 +313,12 @@ impl Llama {
 
     /// Grouped-query attention of the packed queries `q` (`[tokens, hidden]`) over the K/V rows
     /// `attention.kv_slots` names; `[tokens, hidden]` out.
-    fn attend(
+    fn attend_padded(
         &self,
         cache: &KvCache,
         layer: usize,
         q: Tensor<2>,
-        attention: &Attention,
+        attention: &PaddedAttention,
     ) -> Tensor<2> {
         let c = &self.config;
         let (rows, max_q, max_kv) = (attention.rows, attention.max_q, attention.max_kv);

@@ -5,6 +5,7 @@
 //! so every kernel began with a dependent global load before its first data load. Scalars are read
 //! from the kernel's parameter space.
 
+pub mod attention;
 pub mod canary;
 pub mod gather;
 pub mod hash;

@@ -72,3 +72,9 @@ pub const ASSIGN_CONFLICT: i64 = 24;
 pub const STORE_LOC: i64 = 30;
 /// `store_kv`: a slot other than 0 named twice. [index, first index, slot]
 pub const STORE_DUPLICATE: i64 = 31;
+
+// Attention codes. Facts in brackets.
+/// `paged_attention`: a token's run leaves the slot list. [token, start, count, slots_len]
+pub const KEY_RUN: i64 = 40;
+/// `paged_attention`: a slot of a token's run is outside the K/V pools. [token, key, slot, pool_rows]
+pub const KEY_SLOT: i64 = 41;

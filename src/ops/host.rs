@@ -3,7 +3,7 @@
 //! The ops are infallible (the macro's contract): a read-back that fails becomes an `execution`
 //! status record, and a canary op that cannot read its state hands back a zeroed canary holding it.
 
-use burn_core::backend::tensor::{BoolTensor, IntTensor};
+use burn_core::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn_core::backend::{Backend, TensorData, TensorMetadata, try_read_sync};
 use burn_core::tensor::{BoolStore, DType, Slice};
 use kvplan_kernels::status::{COUNT, STATUS_LEN};
@@ -238,6 +238,60 @@ pub(super) fn store_kv<B: Backend>(
         scratch,
         status: upload_status::<B>(status::encode(&outcome), &device),
     }
+}
+
+pub(super) fn check_key_runs<B: Backend>(
+    slots: IntTensor<B>,
+    starts: IntTensor<B>,
+    counts: IntTensor<B>,
+    pool_rows: usize,
+) -> IntTensor<B> {
+    let device = slots.device();
+    let run = || -> Result<usize, Error> {
+        let (_, slots) = read_int::<B>(slots)?;
+        let (_, starts) = read_int::<B>(starts)?;
+        let (_, counts) = read_int::<B>(counts)?;
+        // The context is re-attached when the status is decoded.
+        reference::key_runs(&slots, &starts, &counts, pool_rows, "").map(|runs| runs.len())
+    };
+    upload_status::<B>(status::encode(&run()), &device)
+}
+
+pub(super) fn paged_attention<B: Backend>(
+    q: FloatTensor<B>,
+    k_pool: FloatTensor<B>,
+    v_pool: FloatTensor<B>,
+    [slots, starts, counts, checked]: [IntTensor<B>; 4],
+    heads: usize,
+) -> FloatTensor<B> {
+    let device = q.device();
+    let (shape, dtype) = (q.shape(), q.dtype());
+    let run = || -> Result<Vec<f64>, Error> {
+        status::decode(&read_status::<B>(checked)?, "")?;
+        let floats = |tensor: FloatTensor<B>| -> Result<(Vec<usize>, Vec<f64>), Error> {
+            let shape = tensor.shape().to_vec();
+            let data = read(B::float_into_data(tensor))?.convert::<f64>();
+            let values = data.try_to_vec::<f64>().map_err(|error| Error::Execution {
+                detail: format!("{error:?}"),
+            })?;
+            Ok((shape, values))
+        };
+        let ((q_shape, q), (pool_shape, k), (_, v)) =
+            (floats(q)?, floats(k_pool)?, floats(v_pool)?);
+        let (_, slots) = read_int::<B>(slots)?;
+        let (_, starts) = read_int::<B>(starts)?;
+        let (_, counts) = read_int::<B>(counts)?;
+        let head_dim = q_shape[1] / heads.max(1);
+        let layout = reference::Heads {
+            heads,
+            kv_heads: pool_shape[1] / head_dim.max(1),
+            head_dim,
+        };
+        reference::paged_attention(&q, &k, &v, layout, &slots, &starts, &counts, "")
+    };
+    // An error is the status's to report; the output is NaN, as the kernel's.
+    let values = run().unwrap_or_else(|_| vec![f64::NAN; shape.num_elements()]);
+    B::float_from_data(TensorData::new(values, shape).convert_dtype(dtype), &device)
 }
 
 fn read_optional<B: Backend>(tensor: OptionalInt<B>) -> Result<Option<Vec<i64>>, Error> {

@@ -6,6 +6,7 @@
 
 use burn_core::backend::Flex;
 use burn_core::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn_core::backend::tensor::FloatTensor;
 use burn_core::backend::{Autodiff, AutodiffBackend, Backend};
 
 use super::{
@@ -100,6 +101,29 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         len: usize,
     ) -> burn_cubecl::tensor::CubeTensor {
         super::cube::prefix(out, len)
+    }
+
+    fn check_key_runs(
+        slots: burn_cubecl::tensor::CubeTensor,
+        starts: burn_cubecl::tensor::CubeTensor,
+        counts: burn_cubecl::tensor::CubeTensor,
+        pool_rows: usize,
+    ) -> burn_cubecl::tensor::CubeTensor {
+        super::cube::check_key_runs(slots, starts, counts, pool_rows)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention(
+        q: burn_cubecl::tensor::CubeTensor,
+        k_pool: burn_cubecl::tensor::CubeTensor,
+        v_pool: burn_cubecl::tensor::CubeTensor,
+        slots: burn_cubecl::tensor::CubeTensor,
+        starts: burn_cubecl::tensor::CubeTensor,
+        counts: burn_cubecl::tensor::CubeTensor,
+        status: burn_cubecl::tensor::CubeTensor,
+        heads: usize,
+    ) -> burn_cubecl::tensor::CubeTensor {
+        super::cube::paged_attention(q, k_pool, v_pool, [slots, starts, counts, status], heads)
     }
 }
 
@@ -348,5 +372,38 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
 
     fn gather_prefix(out: B::IntTensorPrimitive, len: usize) -> B::IntTensorPrimitive {
         B::gather_prefix(out, len)
+    }
+
+    fn check_key_runs(
+        slots: B::IntTensorPrimitive,
+        starts: B::IntTensorPrimitive,
+        counts: B::IntTensorPrimitive,
+        pool_rows: usize,
+    ) -> B::IntTensorPrimitive {
+        B::check_key_runs(slots, starts, counts, pool_rows)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention(
+        q: FloatTensor<Self>,
+        k_pool: FloatTensor<Self>,
+        v_pool: FloatTensor<Self>,
+        slots: B::IntTensorPrimitive,
+        starts: B::IntTensorPrimitive,
+        counts: B::IntTensorPrimitive,
+        status: B::IntTensorPrimitive,
+        heads: usize,
+    ) -> FloatTensor<Self> {
+        // The pools are constants; no gradient flows through the attention (inference only).
+        Autodiff::<B, C>::from_inner(B::paged_attention(
+            q.into_primitive(),
+            k_pool.into_primitive(),
+            v_pool.into_primitive(),
+            slots,
+            starts,
+            counts,
+            status,
+            heads,
+        ))
     }
 }

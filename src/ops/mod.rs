@@ -395,6 +395,37 @@ pub trait KvPlanBackend: Backend {
         host::store_kv::<Self>(cache, loc, values, scratch, base)
     }
 
+    /// The value rules of a paged attention's key runs (`KEY_RUN`, `KEY_SLOT`) for pools of
+    /// `pool_rows` rows, into a status record whose count is the number of tokens.
+    #[fusion(meta = |_slots, _starts, _counts, _pool_rows| status_spec())]
+    fn check_key_runs(
+        slots: IntTensor<Self>,
+        starts: IntTensor<Self>,
+        counts: IntTensor<Self>,
+        pool_rows: usize,
+    ) -> IntTensor<Self> {
+        host::check_key_runs::<Self>(slots, starts, counts, pool_rows)
+    }
+
+    /// Paged attention: each row `t` of `q` (`heads` query heads) attends over the K/V pools' rows
+    /// at `slots[starts[t] .. starts[t] + counts[t]]`, scaled by `1 / sqrt(head_dim)`; query heads
+    /// share K/V heads in groups. `status` is the runs' check (`check_key_runs`): on an error it
+    /// holds, the output is NaN. The host rules have been checked by the caller.
+    #[fusion(meta = |q, _k, _v, _slots, _starts, _counts, _status, _heads| q.clone())]
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention(
+        q: FloatTensor<Self>,
+        k_pool: FloatTensor<Self>,
+        v_pool: FloatTensor<Self>,
+        slots: IntTensor<Self>,
+        starts: IntTensor<Self>,
+        counts: IntTensor<Self>,
+        status: IntTensor<Self>,
+        heads: usize,
+    ) -> FloatTensor<Self> {
+        host::paged_attention::<Self>(q, k_pool, v_pool, [slots, starts, counts, status], heads)
+    }
+
     /// The first `len` values of a gather's 1-D output: a view where the backend can make one.
     /// (Burn's `slice` copies a range whose ends are not both on the allocator's alignment: a
     /// second kernel for every exact gather.)

@@ -4,11 +4,13 @@
 //! trait's default methods run on backends without CubeCL. Inputs are i64 whatever the tensors'
 //! dtypes were; shape-level rules (ranks, dtypes, devices) have been checked by `validate` before.
 
+mod attention;
 pub mod canary;
 mod gather;
 mod plan;
 mod slots;
 
+pub use attention::{Heads, key_runs, paged_attention};
 pub use canary::{CanaryState, RealKvHashMode};
 pub use gather::{masked_gather, segment_gather};
 pub use plan::{ExpectedTokens, PlanArgs, PlanBuffers, plan};

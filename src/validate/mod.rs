@@ -4,11 +4,13 @@
 //! functions that never touch device memory and never panic. Data-dependent rules live with the
 //! ops (kernels and reference) and come back through a status record.
 
+mod attention;
 pub mod canary;
 mod gather;
 mod plan;
 mod slots;
 
+pub use attention::{key_runs, paged_attention};
 pub use gather::{masked_gather, segment_gather};
 pub use plan::{PlanArgs, allocation, plan};
 pub use slots::{segment_assign, store_kv};

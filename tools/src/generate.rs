@@ -157,6 +157,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         },
         corruption: args.corruption.map(|kind| (kind, 8)),
         fixed_windows: backend != BackendName::Flex,
+        paged_attention: backend != BackendName::Flex,
         profile: args.profile,
         ..EngineOptions::default()
     };

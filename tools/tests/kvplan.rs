@@ -9,6 +9,8 @@
 //!
 //! One test binary on purpose: each file directly under `tests/` links all of Burn.
 
+#[path = "kvplan/attention.rs"]
+mod attention;
 #[path = "kvplan/canary.rs"]
 mod canary;
 #[path = "kvplan/common.rs"]
@@ -332,6 +334,21 @@ macro_rules! suite {
             #[test]
             fn errors_store() {
                 crate::slots::store_errors::<B>(&device());
+            }
+
+            #[test]
+            fn attention_random() {
+                crate::attention::random_cases::<B>(&device());
+            }
+
+            #[test]
+            fn attention_rows_do_not_depend_on_the_batch() {
+                crate::attention::rows_do_not_depend_on_the_batch::<B>(&device());
+            }
+
+            #[test]
+            fn errors_attention() {
+                crate::attention::errors::<B>(&device());
             }
 
             #[test]

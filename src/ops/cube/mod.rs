@@ -2,6 +2,7 @@
 //! directly: allocate outputs, launch once, never read back (the public API reads the status).
 //! A launch the device cannot run hands back its failure in the op's status record.
 
+mod attention;
 mod canary;
 mod gather;
 mod plan;
@@ -14,6 +15,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
+pub(crate) use attention::{check_key_runs, paged_attention};
 pub(crate) use canary::{canary_verify, canary_write};
 pub(crate) use gather::{masked_gather, segment_gather};
 pub(crate) use plan::canary_plan;

@@ -1,0 +1,262 @@
+//! Paged attention: every token's query heads attend over the K/V rows at its run of a slot list.
+//!
+//! Two launches, as `store_kv`: a one-cube check of every run and slot writes the status, then
+//! the attention reads it and runs only on a clear status (on an error its output is NaN, so
+//! nothing reads a row it was not given). A cube per (token, head) walks the token's keys in
+//! chunks, in their order, with a running max: the same token over the same keys
+//! gives the same bits whatever else is in the launch (a verify window and a plain step agree).
+
+use cubecl::prelude::*;
+
+use crate::scan::CUBE_SIZE;
+use crate::status::{CODE, COUNT, FACTS, KEY_RUN, KEY_SLOT, OK, STATUS_LEN};
+
+/// The fewest units of an attention cube; it has one per head dimension beyond that, rounded up
+/// to a plane of 32, and scores one key per unit per chunk.
+pub const MIN_UNITS: usize = 64;
+/// The widest head an attention cube holds (one unit per dimension).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Units of the attention cube of heads of `head_dim` (at most `MAX_HEAD_DIM`).
+pub fn attention_units(head_dim: usize) -> usize {
+    head_dim.next_multiple_of(32).max(MIN_UNITS)
+}
+
+/// Scalars of one paged attention, in elements.
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
+pub struct AttentionShape {
+    /// Tokens (rows of `q`).
+    pub tokens: u64,
+    /// Query heads per token.
+    pub heads: u64,
+    /// Query heads per K/V head.
+    pub groups: u64,
+    /// Rows of the K and V pools.
+    pub pool_rows: u64,
+    /// Length of the slot list.
+    pub slots_len: u64,
+    /// Row stride of `q`.
+    pub q_stride: u64,
+    /// Row stride of the K pool.
+    pub k_stride: u64,
+    /// Row stride of the V pool.
+    pub v_stride: u64,
+    /// Stride of the slot list.
+    pub slots_stride: u64,
+    /// Stride of `starts`.
+    pub starts_stride: u64,
+    /// Stride of `counts`.
+    pub counts_stride: u64,
+}
+
+/// The first fault of token `t`'s run: `0` none, `1` the run leaves the slot list, `2 + j` key
+/// `j`'s slot is outside the pools.
+#[cube]
+fn run_fault<S: Int, A: Int, C: Int>(
+    slots: &Tensor<S>,
+    starts: &Tensor<A>,
+    counts: &Tensor<C>,
+    t: u64,
+    shape: AttentionShape,
+) -> u64 {
+    let start = i64::cast_from(starts[(t * shape.starts_stride) as usize]);
+    let count = i64::cast_from(counts[(t * shape.counts_stride) as usize]);
+    let mut fault = 0u64;
+    if start < 0 || count < 0 || start as u64 + count as u64 > shape.slots_len {
+        fault = 1u64;
+    } else {
+        let mut j = 0u64;
+        while j < count as u64 {
+            let slot = i64::cast_from(slots[((start as u64 + j) * shape.slots_stride) as usize]);
+            if slot < 0 || slot as u64 >= shape.pool_rows {
+                fault = 2 + j;
+                j = count as u64;
+            } else {
+                j += 1;
+            }
+        }
+    }
+    fault
+}
+
+/// The check: each unit walks its tokens' runs; the lowest faulty token is reported
+/// (`KEY_RUN` [token, start, count, slots_len] or `KEY_SLOT` [token, key, slot, pool_rows]).
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn attention_check_kernel<S: Int, A: Int, C: Int>(
+    slots: &Tensor<S>,
+    starts: &Tensor<A>,
+    counts: &Tensor<C>,
+    status: &mut Tensor<i64>,
+    shape: AttentionShape,
+    #[define(S, A, C)] _dtypes: [ElemType; 3],
+) {
+    let mut first = Shared::<[u64]>::new_slice(CUBE_SIZE as usize);
+    // `tokens` stands for "no faulty token".
+    let mut lowest = shape.tokens;
+    let mut t = UNIT_POS as u64;
+    while t < shape.tokens {
+        if run_fault::<S, A, C>(slots, starts, counts, t, shape) != 0 {
+            lowest = t;
+            t = shape.tokens;
+        } else {
+            t += CUBE_SIZE as u64;
+        }
+    }
+    first[UNIT_POS as usize] = lowest;
+    sync_cube();
+    if UNIT_POS == 0 {
+        let mut token = shape.tokens;
+        for u in 0..CUBE_SIZE as usize {
+            let candidate = first[u];
+            if candidate < token {
+                token = candidate;
+            }
+        }
+        #[unroll]
+        for word in 0..STATUS_LEN {
+            status[word] = 0;
+        }
+        if token == shape.tokens {
+            status[CODE] = OK;
+            status[COUNT] = shape.tokens as i64;
+        } else {
+            let fault = run_fault::<S, A, C>(slots, starts, counts, token, shape);
+            let start = i64::cast_from(starts[(token * shape.starts_stride) as usize]);
+            status[FACTS] = token as i64;
+            if fault == 1 {
+                status[CODE] = KEY_RUN;
+                status[FACTS + 1] = start;
+                status[FACTS + 2] = i64::cast_from(counts[(token * shape.counts_stride) as usize]);
+                status[FACTS + 3] = shape.slots_len as i64;
+            } else {
+                let key = fault - 2;
+                let index = ((start as u64 + key) * shape.slots_stride) as usize;
+                status[CODE] = KEY_SLOT;
+                status[FACTS + 1] = key as i64;
+                status[FACTS + 2] = i64::cast_from(slots[index]);
+                status[FACTS + 3] = shape.pool_rows as i64;
+            }
+        }
+    }
+}
+
+/// The attention: cube `(t, h)` (flattened over a 2-D grid) writes `out[t, h]`, the softmax of
+/// `q[t, h] . K[slot] / sqrt(head_dim)` over the token's keys, applied to their V rows. Unit `u`
+/// scores key `u` of each chunk of `units` keys and accumulates dimension `u` of the output.
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn attention_kernel<F: Float, S: Int, A: Int, C: Int>(
+    q: &Tensor<F>,
+    k_pool: &Tensor<F>,
+    v_pool: &Tensor<F>,
+    slots: &Tensor<S>,
+    starts: &Tensor<A>,
+    counts: &Tensor<C>,
+    status: &Tensor<i64>,
+    out: &mut Tensor<F>,
+    shape: AttentionShape,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+    #[define(F, S, A, C)] _dtypes: [ElemType; 4],
+) {
+    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    if cube < shape.tokens * shape.heads {
+        let t = cube / shape.heads;
+        let h = cube % shape.heads;
+        let u = UNIT_POS as usize;
+        let out_at = (t * shape.heads + h) as usize * head_dim + u;
+        if status[CODE] != OK {
+            if u < head_dim {
+                out[out_at] = F::NAN;
+            }
+        } else {
+            attend::<F, S, A, C>(
+                q, k_pool, v_pool, slots, starts, counts, out, shape, t, h, head_dim, units,
+            );
+        }
+    }
+}
+
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend<F: Float, S: Int, A: Int, C: Int>(
+    q: &Tensor<F>,
+    k_pool: &Tensor<F>,
+    v_pool: &Tensor<F>,
+    slots: &Tensor<S>,
+    starts: &Tensor<A>,
+    counts: &Tensor<C>,
+    out: &mut Tensor<F>,
+    shape: AttentionShape,
+    t: u64,
+    h: u64,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+) {
+    let chunk = units as u64;
+    let u = UNIT_POS as usize;
+    let mut q_row = Shared::<[F]>::new_slice(head_dim);
+    let mut scores = Shared::<[F]>::new_slice(units);
+    let mut key_rows = Shared::<[u64]>::new_slice(units);
+    let q_base = (t * shape.q_stride + h * head_dim as u64) as usize;
+    if u < head_dim {
+        q_row[u] = q[q_base + u];
+    }
+    let start = i64::cast_from(starts[(t * shape.starts_stride) as usize]) as u64;
+    let count = i64::cast_from(counts[(t * shape.counts_stride) as usize]) as u64;
+    let kv_column = (h / shape.groups) * head_dim as u64;
+    let scale = F::new(comptime!(1.0f32 / (head_dim as f32).sqrt()));
+    let mut max = F::new(0.0);
+    let mut sum = F::new(0.0);
+    let mut acc = F::new(0.0);
+    sync_cube();
+    let mut first = 0u64;
+    while first < count {
+        let keys = select(count - first < chunk, count - first, chunk) as u32;
+        if (u as u32) < keys {
+            let slot = i64::cast_from(slots[((start + first + u as u64) * shape.slots_stride) as usize])
+                as u64;
+            let k_base = (slot * shape.k_stride + kv_column) as usize;
+            let mut dot = F::new(0.0);
+            for e in 0..head_dim {
+                dot += q_row[e] * k_pool[k_base + e];
+            }
+            scores[u] = dot * scale;
+            key_rows[u] = slot * shape.v_stride + kv_column;
+        }
+        sync_cube();
+        // Every unit keeps the same running max and sum (the chunk's scores are shared).
+        let mut chunk_max = scores[0];
+        let mut j = 1u32;
+        while j < keys {
+            let score = scores[j as usize];
+            if score > chunk_max {
+                chunk_max = score;
+            }
+            j += 1;
+        }
+        let mut next_max = chunk_max;
+        if first > 0 && max > chunk_max {
+            next_max = max;
+        }
+        let rescale = select(first > 0, (max - next_max).exp(), F::new(1.0));
+        sum *= rescale;
+        acc *= rescale;
+        let mut j = 0u32;
+        while j < keys {
+            let weight = (scores[j as usize] - next_max).exp();
+            sum += weight;
+            if u < head_dim {
+                acc += weight * v_pool[key_rows[j as usize] as usize + u];
+            }
+            j += 1;
+        }
+        max = next_max;
+        first += chunk;
+        sync_cube();
+    }
+    if u < head_dim {
+        let at = (t * shape.heads + h) as usize * head_dim + u;
+        out[at] = select(count > 0, acc / sum, F::new(0.0));
+    }
+}

@@ -1,0 +1,145 @@
+//! Paged attention over slot lists: each token's query heads attend over the K/V pool rows that
+//! a run of a slot list names (the slots a gather returned), with no K/V gathered or padded.
+//! Query heads share K/V heads in groups (GQA); the scale is `1 / sqrt(head_dim)`.
+//!
+//! The runs are checked once for a step (every layer reads the same runs over pools of one
+//! size), then each layer's attention is one launch:
+//!
+//! ```no_run
+//! use burn_core::tensor::{Int, Tensor};
+//! use kvplan::KeyRuns;
+//! # fn step(q: Tensor<2>, k_pool: Tensor<2>, v_pool: Tensor<2>, slots: Tensor<1, Int>,
+//! #     starts: Tensor<1, Int>, counts: Tensor<1, Int>) -> Result<(), kvplan::Error> {
+//! // Token t reads slots[starts[t]..][..counts[t]] of pools with 4096 rows.
+//! let keys = KeyRuns::check_deferred(slots, starts, counts, 4096)?;
+//! // q [tokens, 9 * 64], the pools [4096, 3 * 64]: 9 query heads over 3 K/V heads.
+//! let out = kvplan::paged_attention(q, k_pool, v_pool, &keys, 9)?;
+//! kvplan::check_all(&[&keys.status])?;
+//! # Ok(()) }
+//! ```
+
+use burn_core::backend::tensor::{FloatTensor, IntTensor};
+use burn_core::backend::{Backend, Dispatch};
+use burn_core::tensor::{Int, Tensor};
+
+use crate::deferred::Status;
+use crate::error::{ATTENTION_CONTEXT, Error};
+use crate::gather::arg;
+use crate::ops::KvPlanBackend;
+use crate::validate;
+
+/// Where each token's keys are, checked: token `t` attends over the pool rows at
+/// `slots[starts[t] .. starts[t] + counts[t]]` (0 keys: its output is zeros).
+#[derive(Debug, Clone)]
+pub struct KeyRuns<B: Backend = Dispatch> {
+    slots: IntTensor<B>,
+    starts: IntTensor<B>,
+    counts: IntTensor<B>,
+    pool_rows: usize,
+    /// The runs' check on the device: a run outside the slot list or a slot outside the pools
+    /// (every attention over these runs is NaN then); its count is the number of tokens.
+    pub status: Status<B>,
+}
+
+impl KeyRuns {
+    /// Checks the runs (int32 or int64, one start and count per token) against pools of
+    /// `pool_rows` rows, without any transfer to the host: the value rules stay in `status`.
+    pub fn check_deferred(
+        slots: Tensor<1, Int>,
+        starts: Tensor<1, Int>,
+        counts: Tensor<1, Int>,
+        pool_rows: usize,
+    ) -> Result<Self, Error> {
+        Self::check_primitives(
+            [
+                slots.into_dispatch(),
+                starts.into_dispatch(),
+                counts.into_dispatch(),
+            ],
+            pool_rows,
+        )
+    }
+}
+
+impl<B: KvPlanBackend> KeyRuns<B> {
+    /// [`check_deferred`](KeyRuns::check_deferred) on primitives.
+    pub fn check_primitives(
+        [slots, starts, counts]: [IntTensor<B>; 3],
+        pool_rows: usize,
+    ) -> Result<Self, Error> {
+        validate::key_runs(&arg("slots", &slots), &arg("starts", &starts), &arg("counts", &counts))?;
+        let status = B::check_key_runs(slots.clone(), starts.clone(), counts.clone(), pool_rows);
+        Ok(Self {
+            slots,
+            starts,
+            counts,
+            pool_rows,
+            status: Status::new(status, ATTENTION_CONTEXT),
+        })
+    }
+
+    /// Rows of the pools the runs were checked against.
+    pub fn pool_rows(&self) -> usize {
+        self.pool_rows
+    }
+}
+
+/// The attention on any backend's primitives.
+pub mod backend {
+    use super::*;
+
+    /// [`paged_attention`](super::paged_attention) on primitives.
+    pub fn paged_attention<B: KvPlanBackend>(
+        q: FloatTensor<B>,
+        k_pool: FloatTensor<B>,
+        v_pool: FloatTensor<B>,
+        keys: &KeyRuns<B>,
+        heads: usize,
+    ) -> Result<FloatTensor<B>, Error> {
+        validate::paged_attention(
+            &arg("q", &q),
+            &arg("k_pool", &k_pool),
+            &arg("v_pool", &v_pool),
+            [
+                &arg("slots", &keys.slots),
+                &arg("starts", &keys.starts),
+                &arg("counts", &keys.counts),
+            ],
+            heads,
+            keys.pool_rows,
+        )?;
+        Ok(B::paged_attention(
+            q,
+            k_pool,
+            v_pool,
+            keys.slots.clone(),
+            keys.starts.clone(),
+            keys.counts.clone(),
+            keys.status.words().clone(),
+            heads,
+        ))
+    }
+}
+
+/// Attention of `q` (`[tokens, heads * head_dim]`) over the K/V pools (`[pool_rows, kv_heads *
+/// head_dim]`, q's float dtype) at each token's run of `keys`: softmax of `q . K / sqrt(head_dim)`
+/// applied to V, query heads sharing K/V heads in groups. Nothing is read back: the runs' value
+/// rules are in `keys.status` (on an error there, the output is NaN). The host rules (ranks,
+/// dtypes, devices, whole heads, the pools' rows) fail at once. A launch the device cannot index
+/// (q or the pools past 2^31 elements without 64-bit indexing) is NaN too.
+pub fn paged_attention(
+    q: Tensor<2>,
+    k_pool: Tensor<2>,
+    v_pool: Tensor<2>,
+    keys: &KeyRuns,
+    heads: usize,
+) -> Result<Tensor<2>, Error> {
+    backend::paged_attention::<Dispatch>(
+        q.into_dispatch(),
+        k_pool.into_dispatch(),
+        v_pool.into_dispatch(),
+        keys,
+        heads,
+    )
+    .map(Tensor::from_dispatch)
+}

@@ -1,0 +1,162 @@
+//! Launchers of the paged attention: the key runs' check (one cube), and the attention, which
+//! runs only on the check's clear status.
+
+use burn_core::backend::TensorMetadata;
+use burn_core::tensor::Shape;
+use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, full_device_dtype};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+use kvplan_kernels::attention::{
+    AttentionShapeLaunch, attention_check_kernel, attention_kernel, attention_units,
+};
+use kvplan_kernels::scan::CUBE_SIZE;
+use kvplan_kernels::status::STATUS_LEN;
+
+use super::{
+    address_type, bindable, contiguous, grid, output_i64, storage, stride, upload_i64, widened,
+};
+
+/// The launch scalars; `pool_rows` and `slots_len` are what the check holds the runs to.
+fn attention_shape(
+    [slots, starts, counts]: [&CubeTensor; 3],
+    [tokens, heads, groups, pool_rows]: [usize; 4],
+    [q, k_pool, v_pool]: [Option<&CubeTensor>; 3],
+) -> AttentionShapeLaunch {
+    let row_stride = |tensor: Option<&CubeTensor>| tensor.map_or(0, |tensor| stride(tensor, 0));
+    AttentionShapeLaunch::new(
+        tokens as u64,
+        heads as u64,
+        groups as u64,
+        pool_rows as u64,
+        slots.shape()[0] as u64,
+        row_stride(q),
+        row_stride(k_pool),
+        row_stride(v_pool),
+        stride(slots, 0),
+        stride(starts, 0),
+        stride(counts, 0),
+    )
+}
+
+pub(crate) fn check_key_runs(
+    slots: CubeTensor,
+    starts: CubeTensor,
+    counts: CubeTensor,
+    pool_rows: usize,
+) -> CubeTensor {
+    let tokens = starts.shape()[0];
+    let status = output_i64(&slots, STATUS_LEN);
+    let address = match address_type([&slots, &starts, &counts], &[]) {
+        Ok(address) => address,
+        Err(error) => return upload_i64(&slots, &crate::status::encode(&Err(error))),
+    };
+    let (slots, starts, counts) = (
+        bindable(widened(slots)),
+        bindable(widened(starts)),
+        bindable(widened(counts)),
+    );
+    let shape = attention_shape(
+        [&slots, &starts, &counts],
+        [tokens, 0, 1, pool_rows],
+        [None, None, None],
+    );
+    let dtypes = [storage(&slots), storage(&starts), storage(&counts)];
+    let client = slots.client.clone();
+    // SAFETY: every index the kernel forms is bounds-checked against the shape passed here.
+    unsafe {
+        attention_check_kernel::launch_unchecked(
+            &client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(CUBE_SIZE),
+            address,
+            slots.into_tensor_arg(),
+            starts.into_tensor_arg(),
+            counts.into_tensor_arg(),
+            status.clone().into_tensor_arg(),
+            shape,
+            dtypes,
+        );
+    }
+    status
+}
+
+/// Rows whose last dim is contiguous: the tensor itself, or a contiguous copy.
+fn unit_rows(tensor: CubeTensor) -> CubeTensor {
+    if tensor.shape()[1] <= 1 || stride(&tensor, 1) == 1 {
+        tensor
+    } else {
+        contiguous(tensor)
+    }
+}
+
+pub(crate) fn paged_attention(
+    q: CubeTensor,
+    k_pool: CubeTensor,
+    v_pool: CubeTensor,
+    [slots, starts, counts, status]: [CubeTensor; 4],
+    heads: usize,
+) -> CubeTensor {
+    let (q, k_pool, v_pool) = (unit_rows(q), unit_rows(k_pool), unit_rows(v_pool));
+    let (tokens, q_cols) = (q.shape()[0], q.shape()[1]);
+    let head_dim = q_cols / heads;
+    let groups = heads / (k_pool.shape()[1] / head_dim);
+    let out = empty_device_contiguous_dtype(
+        q.client.clone(),
+        q.device.clone(),
+        Shape::new([tokens, q_cols]),
+        q.dtype,
+    );
+    if tokens == 0 {
+        return out;
+    }
+    // Pools past what the device indexes: NaN, as after an error (a launch never wraps an index).
+    let Ok(address) = address_type(
+        [&q, &k_pool, &v_pool, &slots, &starts, &counts, &out],
+        &[tokens * heads],
+    ) else {
+        let nan = InputScalar::new(f32::NAN, storage(&q));
+        return full_device_dtype(q.client, out.shape(), q.device, nan, q.dtype);
+    };
+    let (slots, starts, counts) = (
+        bindable(widened(slots)),
+        bindable(widened(starts)),
+        bindable(widened(counts)),
+    );
+    let shape = attention_shape(
+        [&slots, &starts, &counts],
+        [tokens, heads, groups, k_pool.shape()[0]],
+        [Some(&q), Some(&k_pool), Some(&v_pool)],
+    );
+    let dtypes = [
+        storage(&q),
+        storage(&slots),
+        storage(&starts),
+        storage(&counts),
+    ];
+    let units = attention_units(head_dim);
+    let (cubes, _) = grid(tokens * heads);
+    let client = q.client.clone();
+    // SAFETY: the kernel runs only on the check's clear status: every run inside the slot list
+    // and every slot inside the pools, whose rows and strides are the shape's.
+    unsafe {
+        attention_kernel::launch_unchecked(
+            &client,
+            cubes,
+            CubeDim::new_1d(units as u32),
+            address,
+            bindable(q).into_tensor_arg(),
+            bindable(k_pool).into_tensor_arg(),
+            bindable(v_pool).into_tensor_arg(),
+            slots.into_tensor_arg(),
+            starts.into_tensor_arg(),
+            counts.into_tensor_arg(),
+            status.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            shape,
+            head_dim,
+            units,
+            dtypes,
+        );
+    }
+    out
+}

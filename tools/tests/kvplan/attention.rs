@@ -1,0 +1,385 @@
+//! `paged_attention` and its key runs' check against the f64 reference: random shapes, heads and
+//! runs; bit-identical rows whatever else is in the launch; every error.
+
+use burn_core::backend::tensor::FloatTensor;
+use burn_core::backend::{TensorData, read_sync};
+use burn_core::tensor::{DType, Shape, Slice};
+use kvplan::attention::backend::paged_attention;
+use kvplan::reference::{self, Heads};
+use kvplan::{Dims, Error, KeyRuns, KvPlanBackend};
+
+use crate::common::{Rng, list};
+use crate::errors::INT_DTYPES;
+
+/// One attention's inputs.
+#[derive(Debug, Clone)]
+struct Case {
+    heads: Heads,
+    tokens: usize,
+    pool_rows: usize,
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    slots: Vec<i64>,
+    starts: Vec<i64>,
+    counts: Vec<i64>,
+}
+
+impl Case {
+    fn random(rng: &mut Rng, heads: Heads, tokens: usize, pool_rows: usize, longest: usize) -> Self {
+        let Heads {
+            heads: h,
+            kv_heads,
+            head_dim,
+        } = heads;
+        let mut floats = |n: usize| -> Vec<f64> {
+            (0..n).map(|_| rng.range(-256, 256) as f64 / 128.0).collect()
+        };
+        let q = floats(tokens * h * head_dim);
+        let k = floats(pool_rows * kv_heads * head_dim);
+        let v = floats(pool_rows * kv_heads * head_dim);
+        let slots_len = rng.urange(longest, 2 * longest + 3);
+        let slots: Vec<i64> = (0..slots_len)
+            .map(|_| rng.below(pool_rows as u64) as i64)
+            .collect();
+        let (mut starts, mut counts) = (Vec::new(), Vec::new());
+        for _ in 0..tokens {
+            let count = rng.urange(0, longest);
+            starts.push(rng.urange(0, slots_len - count) as i64);
+            counts.push(count as i64);
+        }
+        Self {
+            heads,
+            tokens,
+            pool_rows,
+            q,
+            k,
+            v,
+            slots,
+            starts,
+            counts,
+        }
+    }
+
+    fn reference(&self) -> Result<Vec<f64>, Error> {
+        reference::paged_attention(
+            &self.q,
+            &self.k,
+            &self.v,
+            self.heads,
+            &self.slots,
+            &self.starts,
+            &self.counts,
+            "paged_attention:",
+        )
+    }
+
+    fn q_cols(&self) -> usize {
+        self.heads.heads * self.heads.head_dim
+    }
+
+    fn kv_cols(&self) -> usize {
+        self.heads.kv_heads * self.heads.head_dim
+    }
+
+    /// Runs the check and the attention on `B`: the output values and the check's outcome.
+    /// `strided_q` passes q as a column range of a wider tensor.
+    fn run<B: KvPlanBackend>(
+        &self,
+        device: &B::Device,
+        int: DType,
+        strided_q: bool,
+    ) -> (Vec<f64>, Result<usize, Error>) {
+        let q = if strided_q {
+            let cols = self.q_cols();
+            let mut wide = vec![f64::NAN; self.tokens * (cols + 3)];
+            for t in 0..self.tokens {
+                wide[t * (cols + 3) + 1..][..cols].copy_from_slice(&self.q[t * cols..][..cols]);
+            }
+            let wide = floats::<B>(&wide, [self.tokens, cols + 3], device);
+            B::float_slice(wide, &[Slice::from(0..self.tokens), Slice::from(1..cols + 1)])
+        } else {
+            floats::<B>(&self.q, [self.tokens, self.q_cols()], device)
+        };
+        let pool = |values: &[f64]| floats::<B>(values, [self.pool_rows, self.kv_cols()], device);
+        let keys = KeyRuns::<B>::check_primitives(
+            [
+                list::<B>(&self.slots, int, device),
+                list::<B>(&self.starts, int, device),
+                list::<B>(&self.counts, int, device),
+            ],
+            self.pool_rows,
+        )
+        .expect("host rules hold");
+        let out = paged_attention::<B>(q, pool(&self.k), pool(&self.v), &keys, self.heads.heads)
+            .expect("host rules hold");
+        (float_values::<B>(out), keys.status.check())
+    }
+}
+
+fn floats<B: KvPlanBackend>(
+    values: &[f64],
+    shape: [usize; 2],
+    device: &B::Device,
+) -> FloatTensor<B> {
+    let data = TensorData::new(values.to_vec(), shape).convert_dtype(DType::F32);
+    B::float_from_data(data, device)
+}
+
+fn float_values<B: KvPlanBackend>(tensor: FloatTensor<B>) -> Vec<f64> {
+    let data = read_sync(B::float_into_data(tensor)).expect("a float read-back");
+    data.convert::<f64>().try_to_vec::<f64>().expect("f64 values")
+}
+
+/// `got` within f32 rounding of the reference, element by element.
+#[track_caller]
+fn assert_close(got: &[f64], expected: &[f64], what: &str) {
+    assert_eq!(got.len(), expected.len(), "{what}: length");
+    for (i, (g, e)) in got.iter().zip(expected).enumerate() {
+        assert!(
+            (g - e).abs() <= 1e-5 + 1e-5 * e.abs(),
+            "{what}: element {i}: {g} against the reference's {e}"
+        );
+    }
+}
+
+/// Random heads (GQA groups, head widths across the cube's unit counts), runs across key
+/// chunks, empty runs, i32 and i64 runs, a strided q.
+pub fn random_cases<B: KvPlanBackend>(device: &B::Device) {
+    let mut rng = Rng::new(0xA77E);
+    let shapes = [(1, 1, 8), (2, 1, 16), (3, 3, 32), (9, 3, 64), (4, 2, 80), (2, 2, 128)];
+    for (case_index, &(heads, kv_heads, head_dim)) in shapes.iter().cycle().take(18).enumerate() {
+        let layout = Heads {
+            heads,
+            kv_heads,
+            head_dim,
+        };
+        let tokens = rng.urange(1, 24);
+        let pool_rows = rng.urange(1, 300);
+        let longest = rng.pick(&[1, 5, 63, 64, 65, 200]);
+        let case = Case::random(&mut rng, layout, tokens, pool_rows, longest);
+        let what = format!("case {case_index}: {layout:?}, {tokens} tokens, runs <= {longest}");
+        let expected = case.reference().expect("valid runs");
+        let (got, outcome) = case.run::<B>(device, rng.int_dtype(), rng.chance(1, 2));
+        assert_eq!(outcome, Ok(tokens), "{what}: status");
+        assert_close(&got, &expected, &what);
+    }
+}
+
+/// A token's row is the same bits alone and in a batch (a plain step and a verify window agree).
+pub fn rows_do_not_depend_on_the_batch<B: KvPlanBackend>(device: &B::Device) {
+    let mut rng = Rng::new(7);
+    let layout = Heads {
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+    };
+    let case = Case::random(&mut rng, layout, 12, 400, 150);
+    let (batch, _) = case.run::<B>(device, DType::I64, false);
+    let cols = case.q_cols();
+    for t in [0, 5, 11] {
+        let alone = Case {
+            tokens: 1,
+            q: case.q[t * cols..][..cols].to_vec(),
+            starts: vec![case.starts[t]],
+            counts: vec![case.counts[t]],
+            ..case.clone()
+        };
+        let (row, _) = alone.run::<B>(device, DType::I64, false);
+        let bits = |values: &[f64]| values.iter().map(|v| (*v as f32).to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&row), bits(&batch[t * cols..][..cols]), "token {t}");
+    }
+}
+
+/// Every host rule and every value rule, with the values named; NaN out after a value error.
+pub fn errors<B: KvPlanBackend>(device: &B::Device) {
+    let context = || "paged_attention:".to_string();
+    let layout = Heads {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 8,
+    };
+    let mut rng = Rng::new(3);
+    let case = Case::random(&mut rng, layout, 3, 10, 4);
+    // Value rules, the lowest faulty token first.
+    let broken = |edit: &dyn Fn(&mut Case)| {
+        let mut case = case.clone();
+        edit(&mut case);
+        case
+    };
+    let value_cases: Vec<(Case, Error)> = vec![
+        (
+            broken(&|c| {
+                c.starts[2] = c.slots.len() as i64;
+                c.counts[2] = 1;
+            }),
+            Error::KeyRunOutOfRange {
+                context: context(),
+                token: 2,
+                start: case.slots.len() as i64,
+                count: 1,
+                slots: case.slots.len(),
+            },
+        ),
+        (
+            broken(&|c| c.starts[1] = -1),
+            Error::KeyRunOutOfRange {
+                context: context(),
+                token: 1,
+                start: -1,
+                count: case.counts[1],
+                slots: case.slots.len(),
+            },
+        ),
+        (
+            broken(&|c| c.counts[0] = -3),
+            Error::KeyRunOutOfRange {
+                context: context(),
+                token: 0,
+                start: case.starts[0],
+                count: -3,
+                slots: case.slots.len(),
+            },
+        ),
+        (
+            broken(&|c| {
+                c.starts = vec![0, 0, 0];
+                c.counts = vec![1, 3, 3];
+                c.slots[2] = 10;
+                c.slots[1] = -4;
+            }),
+            Error::KeySlotOutOfRange {
+                context: context(),
+                token: 1,
+                key: 1,
+                slot: -4,
+                pool_rows: 10,
+            },
+        ),
+        (
+            broken(&|c| {
+                c.starts = vec![0, 0, 0];
+                c.counts = vec![1, 1, 3];
+                c.slots[2] = 10;
+            }),
+            Error::KeySlotOutOfRange {
+                context: context(),
+                token: 2,
+                key: 2,
+                slot: 10,
+                pool_rows: 10,
+            },
+        ),
+    ];
+    for (case, error) in value_cases {
+        assert_eq!(case.reference(), Err(error.clone()), "reference");
+        for int in [DType::I32, DType::I64] {
+            let (out, outcome) = case.run::<B>(device, int, false);
+            assert_eq!(outcome, Err(error.clone()), "{int:?}");
+            assert!(out.iter().all(|v| v.is_nan()), "{error}: output is NaN");
+        }
+    }
+    // Host rules.
+    let q = |shape: [usize; 2]| floats::<B>(&vec![0.0; shape[0] * shape[1]], shape, device);
+    let keys = |int: DType, tokens: usize, rows: usize| {
+        KeyRuns::<B>::check_primitives(
+            [
+                list::<B>(&[1, 2], int, device),
+                list::<B>(&vec![0; tokens], int, device),
+                list::<B>(&vec![1; tokens], int, device),
+            ],
+            rows,
+        )
+        .unwrap()
+    };
+    let run = |qs: [usize; 2], ks: [usize; 2], vs: [usize; 2], heads: usize, tokens: usize| {
+        paged_attention::<B>(q(qs), q(ks), q(vs), &keys(DType::I64, tokens, ks[0]), heads)
+    };
+    let head_shape = |qs: [usize; 2], ks: [usize; 2], vs: [usize; 2], heads: usize| Error::HeadShape {
+        context: context(),
+        q: Dims(qs.to_vec()),
+        k_pool: Dims(ks.to_vec()),
+        v_pool: Dims(vs.to_vec()),
+        heads,
+        max_head_dim: 256,
+    };
+    for (qs, ks, vs, heads) in [
+        ([2, 30], [5, 16], [5, 16], 4),  // q not whole heads
+        ([2, 32], [5, 12], [5, 12], 4),  // the pool not whole heads
+        ([2, 24], [5, 16], [5, 16], 3),  // 3 query heads over 2 K/V heads
+        ([2, 32], [5, 16], [5, 8], 4),   // V unlike K
+        ([2, 32], [5, 16], [5, 16], 0),  // no heads
+        ([2, 514], [5, 514], [5, 514], 1), // head_dim past 256
+    ] {
+        assert_eq!(run(qs, ks, vs, heads, 2).unwrap_err(), head_shape(qs, ks, vs, heads));
+    }
+    assert_eq!(
+        run([3, 32], [5, 16], [5, 16], 4, 2).unwrap_err(),
+        Error::RunCountMismatch {
+            context: context(),
+            name: "starts",
+            len: 2,
+            tokens: 3,
+        }
+    );
+    assert_eq!(
+        paged_attention::<B>(q([2, 32]), q([6, 16]), q([6, 16]), &keys(DType::I32, 2, 5), 4)
+            .unwrap_err(),
+        Error::PoolRowsMismatch {
+            context: context(),
+            k_pool: Dims(vec![6, 16]),
+            v_pool: Dims(vec![6, 16]),
+            pool_rows: 5,
+        }
+    );
+    let rank3 = B::float_reshape(q([2, 32]), Shape::new([2, 4, 8]));
+    assert_eq!(
+        paged_attention::<B>(rank3, q([5, 16]), q([5, 16]), &keys(DType::I64, 2, 5), 4).unwrap_err(),
+        Error::Not2d {
+            context: context(),
+            name: "q",
+            shape: Dims(vec![2, 4, 8]),
+        }
+    );
+    let f64_pool = B::float_from_data(TensorData::new(vec![0.0f64; 80], [5, 16]), device);
+    assert_eq!(
+        paged_attention::<B>(q([2, 32]), f64_pool, q([5, 16]), &keys(DType::I64, 2, 5), 4)
+            .unwrap_err(),
+        Error::DtypeMismatch {
+            context: context(),
+            name: "k_pool",
+            got: "f64".into(),
+            accepted: "a float dtype, the same for q, k_pool and v_pool",
+        }
+    );
+    let two_d = crate::common::ints::<B, 2>(&[0, 1], [1, 2], DType::I64, device);
+    let one = || list::<B>(&[0], DType::I64, device);
+    assert_eq!(
+        KeyRuns::<B>::check_primitives([two_d, one(), one()], 5).unwrap_err(),
+        Error::Not1d {
+            context: context(),
+            name: "slots",
+            shape: Dims(vec![1, 2]),
+        }
+    );
+    let u8_slots = B::int_from_data(TensorData::new(vec![0u8, 1], [2]), device);
+    assert_eq!(
+        KeyRuns::<B>::check_primitives([u8_slots, one(), one()], 5).unwrap_err(),
+        Error::DtypeMismatch {
+            context: context(),
+            name: "slots",
+            got: "uint8".into(),
+            accepted: INT_DTYPES,
+        }
+    );
+    assert_eq!(
+        KeyRuns::<B>::check_primitives([one(), one(), list::<B>(&[1, 1], DType::I64, device)], 5)
+            .unwrap_err(),
+        Error::RunCountMismatch {
+            context: context(),
+            name: "counts",
+            len: 2,
+            tokens: 1,
+        }
+    );
+}
