@@ -1,10 +1,14 @@
 """Anchor for `kvplan generate` on the GPU: Hugging Face transformers (eager PyTorch, float32) on the
 same GGUF (dequantized by transformers), same prompts (benches/prompts.txt, chat template), greedy,
-exactly NEW tokens per request; plain and with prompt lookup (`prompt_lookup_num_tokens`).
+exactly NEW tokens per request; plain, with prompt lookup (`prompt_lookup_num_tokens`), and with
+self-speculative early exit (`assistant_early_exit`, LayerSkip's: the first 26 of 30 layers
+draft 4 tokens, as `kvplan generate --spec self`).
 
-usage: python3 benches/hf_anchor.py DIR FILE.gguf [NEW]   (prints one CSV row per run)
+usage: python3 benches/hf_anchor.py DIR FILE.gguf [NEW]   (prints one CSV row per run; ANCHOR_BATCHES
+picks batch sizes, default "1 8 32")
 transformers' assisted generation (prompt lookup) takes one sequence at a time, so at batch > 1
 its requests run one after another (`sequential` in the row)."""
+import os
 import sys
 import time
 
@@ -26,29 +30,37 @@ texts = [
 ]
 
 
-def generate(batch, lookup):
+MODES = {
+    "off": {},
+    "prompt_lookup": {"prompt_lookup_num_tokens": 10},
+    "early_exit": {"assistant_early_exit": 26, "num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant"},
+}
+
+
+def generate(batch, mode):
     enc = tok(batch, return_tensors="pt", padding=True).to("cuda")
-    extra = {"prompt_lookup_num_tokens": 10} if lookup else {}
+    extra = MODES[mode]
     out = model.generate(
         **enc, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id, **extra
     )
     return out.shape[0] * (out.shape[1] - enc["input_ids"].shape[1])
 
 
-generate(texts[:2], False)
-generate(texts[:1], True)
+generate(texts[:2], "off")
+generate(texts[:1], "prompt_lookup")
+generate(texts[:1], "early_exit")
 print("engine,mode,batch,tokens,seconds,tokens_per_s,note")
-for bs in (1, 8, 32):
-    for lookup in (False, True):
+for bs in [int(b) for b in os.environ.get("ANCHOR_BATCHES", "1 8 32").split()]:
+    # Assisted generation takes one sequence at a time: early exit runs at batch 1 only.
+    for mode in ("off", "prompt_lookup", "early_exit") if bs == 1 else ("off", "prompt_lookup"):
         batch = texts[:bs] if bs > 1 else texts[:4]
         torch.cuda.synchronize()
         start = time.perf_counter()
-        if bs == 1 or lookup:
-            tokens = sum(generate([t], lookup) for t in batch)
+        if bs == 1 or mode != "off":
+            tokens = sum(generate([t], mode) for t in batch)
         else:
-            tokens = generate(batch, lookup)
+            tokens = generate(batch, mode)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        note = "sequential" if lookup and bs > 1 else ("4 prompts one at a time" if bs == 1 else "")
-        mode = "prompt_lookup" if lookup else "off"
+        note = "sequential" if mode != "off" and bs > 1 else ("4 prompts one at a time" if bs == 1 else "")
         print(f"transformers,{mode},{bs},{tokens},{seconds:.3f},{tokens / seconds:.1f},{note}", flush=True)

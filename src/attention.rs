@@ -42,6 +42,19 @@ pub struct KeyRuns<B: Backend = Dispatch> {
 }
 
 impl KeyRuns {
+    /// [`check_deferred`](KeyRuns::check_deferred), then one read-back of the status: the runs,
+    /// or the first faulty token's error.
+    pub fn check(
+        slots: Tensor<1, Int>,
+        starts: Tensor<1, Int>,
+        counts: Tensor<1, Int>,
+        pool_rows: usize,
+    ) -> Result<Self, Error> {
+        let keys = Self::check_deferred(slots, starts, counts, pool_rows)?;
+        keys.status.check()?;
+        Ok(keys)
+    }
+
     /// Checks the runs (int32 or int64, one start and count per token) against pools of
     /// `pool_rows` rows, without any transfer to the host: the value rules stay in `status`.
     pub fn check_deferred(

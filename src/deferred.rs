@@ -45,6 +45,15 @@ pub fn check_all<B: Backend>(statuses: &[&Status<B>]) -> Result<Vec<usize>, Erro
     }
     let words = B::int_cat(statuses.iter().map(|s| s.words.clone()).collect(), 0);
     let words = crate::ops::read_ints::<B>(words)?;
+    decode_all(statuses, &words)
+}
+
+/// The counts of `statuses` from their records read back side by side (`words` may go on past
+/// them), or the first op's error.
+pub(crate) fn decode_all<B: Backend>(
+    statuses: &[&Status<B>],
+    words: &[i64],
+) -> Result<Vec<usize>, Error> {
     statuses
         .iter()
         .zip(words.chunks_exact(crate::layout::STATUS_LEN))

@@ -172,8 +172,11 @@ pub struct StepTimes {
     pub steps: usize,
     /// Whole steps.
     pub total: Duration,
-    /// Inside kvplan calls (enqueue, and the step's status check and violation read).
+    /// Inside kvplan's bookkeeping calls (gathers, `segment_assign`, the canary's plan, write
+    /// and verify, the step's one status and violation read).
     pub kvplan: Duration,
+    /// Inside kvplan's ops on the model's path (`store_kv` of every layer, paged attention).
+    pub kvplan_model: Duration,
     /// Token read-backs (the wait for the model's work on the device).
     pub readback: Duration,
     /// With [`EngineOptions::profile`]: each step's wall time.
@@ -570,6 +573,7 @@ impl Engine {
         self.canary_step(&work, &committed)?;
         self.lap("canary, status check");
         self.finish_requests();
+        self.times.kvplan_model += self.cache.take_op_time();
         self.times.steps += 1;
         self.times.total += started.elapsed();
         if self.options.profile {
@@ -798,11 +802,23 @@ impl Engine {
     /// check for all of the step's kvplan ops, one read of the violation ring.
     fn canary_step(&mut self, work: &[RowWork], committed: &[Committed]) -> Result<()> {
         let device = self.model.device().clone();
-        let timer = Instant::now();
         let rows = ints(work.iter().map(|w| w.row), &device);
         let prefix = ints(work.iter().map(|w| w.start as i64), &device);
         let extend = ints(committed.iter().map(|c| c.tokens.len() as i64), &device);
         let total: usize = committed.iter().map(|c| c.tokens.len()).sum();
+        let input_ids = ints(
+            committed
+                .iter()
+                .flat_map(|c| c.tokens.iter().map(|&t| t as i64)),
+            &device,
+        );
+        let positions = ints(
+            work.iter()
+                .zip(committed)
+                .flat_map(|(w, c)| (w.start..w.start + c.tokens.len()).map(|p| p as i64)),
+            &device,
+        );
+        let timer = Instant::now();
         let accepted = kvplan::segment_gather_deferred(
             self.req_to_token.clone(),
             rows.clone(),
@@ -817,18 +833,6 @@ impl Engine {
             &mut self.plan,
             PlanInputs::new(rows, prefix, extend, self.req_to_token.clone()),
         )?;
-        let input_ids = ints(
-            committed
-                .iter()
-                .flat_map(|c| c.tokens.iter().map(|&t| t as i64)),
-            &device,
-        );
-        let positions = ints(
-            work.iter()
-                .zip(committed)
-                .flat_map(|(w, c)| (w.start..w.start + c.tokens.len()).map(|p| p as i64)),
-            &device,
-        );
         let launch = |kind| {
             let k_pool = self.cache.k_pool(CANARY_LAYER);
             let row_bytes = (self.cache.kv_dim() * self.model.dtype().size()) as i64;
@@ -851,8 +855,8 @@ impl Engine {
         statuses.push(accepted.status);
         statuses.push(planned);
         let refs: Vec<&Status> = statuses.iter().collect();
-        kvplan::check_all(&refs)?;
-        let violations = self.canary.violations()?;
+        // One read-back: every status of the step, the canary's status and its violations.
+        let (_, violations) = self.canary.violations_after(&refs)?;
         self.times.kvplan += timer.elapsed();
         if violations.recorded > 0 {
             self.canary.clear();
@@ -984,6 +988,7 @@ impl Engine {
         );
         let mask = Tensor::<2, Bool>::from_data(TensorData::new(mask, [rows, max_q]), &device);
         let lengths = ints(kv_lens.iter().map(|&l| l as i64), &device);
+        let (starts, counts) = (ints(runs.0.into_iter(), &device), ints(runs.1.into_iter(), &device));
         let timer = Instant::now();
         let window_slots = kvplan::masked_gather_deferred(
             self.req_to_token.clone(),
@@ -1010,8 +1015,8 @@ impl Engine {
         let attention = if self.options.paged_attention {
             let keys = kvplan::KeyRuns::check_deferred(
                 context_slots.out_tensor(),
-                ints(runs.0.into_iter(), &device),
-                ints(runs.1.into_iter(), &device),
+                starts,
+                counts,
                 self.cache.slots(),
             )?;
             self.statuses.push(keys.status.clone());

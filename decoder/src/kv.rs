@@ -1,6 +1,8 @@
 //! The paged KV cache: per layer a K and a V pool of `[slots, kv_heads * head_dim]` on the device,
 //! stored into and read through kvplan, and the host allocators of its slots and table rows.
 
+use std::time::{Duration, Instant};
+
 use burn_core::tensor::{DType, Device, Int, Tensor};
 use kvplan::{KvStore, Status};
 
@@ -65,6 +67,8 @@ pub struct KvCache {
     v: Vec<Tensor<2>>,
     store: KvStore,
     statuses: Vec<Status>,
+    /// Host time inside kvplan's stores and attention since the last [`KvCache::take_op_time`].
+    op_time: Duration,
     /// Stands in for a pool while a store has it.
     placeholder: Tensor<2>,
     slots: usize,
@@ -86,6 +90,7 @@ impl KvCache {
             v: (0..layers).map(|_| pool()).collect(),
             store: KvStore::allocate(slots, device)?,
             statuses: Vec::new(),
+            op_time: Duration::ZERO,
             placeholder: Tensor::<2>::zeros([1, kv_dim], (device, dtype)),
             slots,
             kv_dim,
@@ -101,16 +106,32 @@ impl KvCache {
         k: Tensor<2>,
         v: Tensor<2>,
     ) -> Result<()> {
+        let timer = Instant::now();
         // The pools move into the stores (a kept clone would make them copy the whole pool).
         let k_pool = std::mem::replace(&mut self.k[layer], self.placeholder.clone());
         let stored = self.store.store_deferred(k_pool, loc.clone(), k)?;
         self.k[layer] = stored.cache;
-        self.statuses.push(stored.status);
+        // Every store of a forward has the same `loc` and pool size, so the same value rules'
+        // outcome: layer 0's K status stands for the forward's (a step reads one per forward,
+        // not two per layer; every forward starts at layer 0).
+        if layer == 0 {
+            self.statuses.push(stored.status);
+        }
         let v_pool = std::mem::replace(&mut self.v[layer], self.placeholder.clone());
         let stored = self.store.store_deferred(v_pool, loc, v)?;
         self.v[layer] = stored.cache;
-        self.statuses.push(stored.status);
+        self.op_time += timer.elapsed();
         Ok(())
+    }
+
+    /// Adds host time spent in a kvplan op on the model's path (the attention).
+    pub fn charge(&mut self, time: Duration) {
+        self.op_time += time;
+    }
+
+    /// Host time inside kvplan's stores and attention since the last call.
+    pub fn take_op_time(&mut self) -> Duration {
+        std::mem::take(&mut self.op_time)
     }
 
     /// The K and V rows (`[n, kv_dim]` each) of `layer` at `slots` (`[n]`).

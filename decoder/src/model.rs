@@ -292,7 +292,10 @@ impl Llama {
             let attended = match &input.attention {
                 Attention::Paged(keys) => {
                     let (k_pool, v_pool) = cache.pools(layer);
-                    kvplan::paged_attention(q, k_pool, v_pool, keys, c.heads)?
+                    let timer = std::time::Instant::now();
+                    let out = kvplan::paged_attention(q, k_pool, v_pool, keys, c.heads)?;
+                    cache.charge(timer.elapsed());
+                    out
                 }
                 Attention::Padded(padded) => self.attend_padded(cache, layer, q, padded),
             };

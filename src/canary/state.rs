@@ -26,6 +26,7 @@ use burn_core::backend::{Backend, Dispatch, TensorMetadata};
 use burn_core::tensor::{DType, Device, Float, Int, Tensor};
 
 use super::{VerifyPlan, WritePlan};
+use crate::deferred::Status;
 use crate::error::Error;
 use crate::gather::arg;
 use crate::layout::{COUNTERS, MAX_SOURCES, ROW_WORDS, STATUS_LEN, SourceLayout, WRITE_INDEX};
@@ -568,9 +569,22 @@ impl<B: KvPlanBackend> Canary<B> {
     /// Reads the status and the counters back in one sync, and the ring only when it holds rows
     /// (a clean step costs one read), and decodes its rows.
     pub fn violations(&self) -> Result<Violations, Error> {
+        self.violations_after(&[]).map(|(_, violations)| violations)
+    }
+
+    /// [`violations`](Self::violations) and [`check_all`](crate::check_all) of a step's other
+    /// statuses in the same read: their counts in order, or the first op's error (theirs first,
+    /// then the canary's).
+    pub fn violations_after(
+        &self,
+        statuses: &[&Status<B>],
+    ) -> Result<(Vec<usize>, Violations), Error> {
         let state = self.primitive();
-        let words = B::int_cat(vec![state.status.clone(), state.counters.clone()], 0);
-        let words = read_ints::<B>(words)?;
+        let mut parts: Vec<IntTensor<B>> = statuses.iter().map(|s| s.words().clone()).collect();
+        parts.extend([state.status.clone(), state.counters.clone()]);
+        let words = read_ints::<B>(B::int_cat(parts, 0))?;
+        let counts = crate::deferred::decode_all(statuses, &words)?;
+        let words = &words[(statuses.len() * STATUS_LEN).min(words.len())..];
         let (status, counters) = words.split_at(STATUS_LEN.min(words.len()));
         let status: crate::status::StatusWords = status.try_into().unwrap_or_default();
         crate::status::decode(&status, "kv-canary")?;
@@ -585,11 +599,12 @@ impl<B: KvPlanBackend> Canary<B> {
                 .map(|row| Violation::from(<ViolationRow>::try_from(row).unwrap_or_default()))
                 .collect()
         };
-        Ok(Violations {
+        let violations = Violations {
             rows,
             recorded,
             dropped: recorded - stored as u64,
-        })
+        };
+        Ok((counts, violations))
     }
 
     /// Empties the ring and resets its write index; the health counters keep counting. Forgets the

@@ -2269,3 +2269,83 @@ mod slots {
         }
     }
 }
+
+mod attention {
+    use super::super::{Heads, key_runs, paged_attention};
+    use crate::error::{ATTENTION_CONTEXT, Error};
+    use crate::status;
+
+    const ONE_HEAD: Heads = Heads {
+        heads: 1,
+        kv_heads: 1,
+        head_dim: 4,
+    };
+
+    #[test]
+    fn softmax_over_the_run_weights_v() {
+        // q . k = 2 for slot 1 and 0 for slot 3, scaled by 1/sqrt(4): weights e / (e + 1), 1 / (e + 1).
+        let q = [1.0, 1.0, 1.0, 1.0];
+        let mut k = vec![0.0; 5 * 4];
+        k[4..8].copy_from_slice(&[0.5; 4]);
+        let mut v = vec![0.0; 5 * 4];
+        v[4..8].copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+        v[12..16].copy_from_slice(&[-1.0, 0.0, 1.0, 2.0]);
+        let out = paged_attention(&q, &k, &v, ONE_HEAD, &[9, 1, 3], &[1], &[2], "").unwrap();
+        let (a, b) = (1f64.exp() / (1f64.exp() + 1.0), 1.0 / (1f64.exp() + 1.0));
+        let expected: Vec<f64> = (0..4)
+            .map(|d| a * (d as f64 + 1.0) + b * (d as f64 - 1.0))
+            .collect();
+        for (o, e) in out.iter().zip(&expected) {
+            assert!((o - e).abs() < 1e-12, "{out:?} against {expected:?}");
+        }
+    }
+
+    #[test]
+    fn query_heads_share_kv_heads_in_groups_and_empty_runs_are_zero() {
+        let layout = Heads {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 1,
+        };
+        // One key: each head's output is its K/V head's value (softmax of one score is 1).
+        let v = [10.0, 20.0];
+        let out = paged_attention(&[1.0; 8], &[0.0, 0.0], &v, layout, &[0], &[0, 0], &[1, 0], "");
+        assert_eq!(out.unwrap(), vec![10.0, 10.0, 20.0, 20.0, 0.0, 0.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn the_first_faulty_token_is_reported() {
+        let context = || ATTENTION_CONTEXT.to_string();
+        let slots = [0, 1, 7, -2];
+        let run_error = key_runs(&slots, &[0, 2, 3], &[2, 3, 1], 5, ATTENTION_CONTEXT);
+        assert_eq!(
+            run_error,
+            Err(Error::KeyRunOutOfRange {
+                context: context(),
+                token: 1,
+                start: 2,
+                count: 3,
+                slots: 4,
+            })
+        );
+        let slot_error = key_runs(&slots, &[0, 1, 3], &[2, 2, 1], 5, ATTENTION_CONTEXT);
+        assert_eq!(
+            slot_error,
+            Err(Error::KeySlotOutOfRange {
+                context: context(),
+                token: 1,
+                key: 1,
+                slot: 7,
+                pool_rows: 5,
+            })
+        );
+        for error in [run_error.unwrap_err(), slot_error.unwrap_err()] {
+            let words = status::encode(&Err(error.clone()));
+            assert_eq!(status::decode(&words, ATTENTION_CONTEXT), Err(error));
+        }
+        assert_eq!(
+            key_runs(&slots, &[0, 0], &[2, 0], 5, ATTENTION_CONTEXT).map(|runs| runs.len()),
+            Ok(2)
+        );
+    }
+}

@@ -293,15 +293,18 @@ fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64) {
     let times = engine.times();
     let total = times.total.as_secs_f64().max(1e-9);
     let kvplan = times.kvplan.as_secs_f64();
+    let in_model = times.kvplan_model.as_secs_f64();
     eprintln!(
         "generate: {} requests, {tokens} tokens in {seconds:.2} s: {:.1} tokens/s; {} steps, {:.2} ms/step \
-         (kvplan ops {:.1}%, model {:.1}%); drafts accepted {accepted}/{drafted} ({:.0}%); {:.2} tokens/step/request",
+         (kvplan ops {:.1}%, kvplan stores and attention in the model {:.1}%, rest of the model {:.1}%); \
+         drafts accepted {accepted}/{drafted} ({:.0}%); {:.2} tokens/step/request",
         outcomes.len(),
         tokens as f64 / seconds,
         times.steps,
         1e3 * total / times.steps.max(1) as f64,
         100.0 * kvplan / total,
-        100.0 * (total - kvplan) / total,
+        100.0 * in_model / total,
+        100.0 * (total - kvplan - in_model) / total,
         if drafted > 0 {
             100.0 * accepted as f64 / drafted as f64
         } else {
