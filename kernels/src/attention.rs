@@ -1,7 +1,7 @@
 //! Paged attention: every token's query heads attend over the K/V rows at its run of a slot list.
 //!
-//! Two launches, as `store_kv`: a one-cube check of every run and slot writes the status, then
-//! the attention reads it and runs only on a clear status (on an error its output is NaN, so
+//! A one-cube check of every run and slot writes a status once for a step's runs; each layer's
+//! attention launch reads it and runs only on a clear status (on an error its output is NaN, so
 //! nothing reads a row it was not given). A cube per (token, head) walks the token's keys in
 //! chunks, in their order, with a running max: the same token over the same keys
 //! gives the same bits whatever else is in the launch (a verify window and a plain step agree).
@@ -11,8 +11,8 @@ use cubecl::prelude::*;
 use crate::scan::CUBE_SIZE;
 use crate::status::{CODE, COUNT, FACTS, KEY_RUN, KEY_SLOT, OK, STATUS_LEN};
 
-/// The fewest units of an attention cube; it has one per head dimension beyond that, rounded up
-/// to a plane of 32, and scores one key per unit per chunk.
+/// The fewest units of an attention cube: one per head dimension, rounded up to a plane of 32,
+/// and at least this many; each unit scores one key per chunk.
 pub const MIN_UNITS: usize = 64;
 /// The widest head an attention cube holds (one unit per dimension).
 pub const MAX_HEAD_DIM: usize = 256;
