@@ -80,7 +80,11 @@ impl<B: KvPlanBackend> KeyRuns<B> {
         [slots, starts, counts]: [IntTensor<B>; 3],
         pool_rows: usize,
     ) -> Result<Self, Error> {
-        validate::key_runs(&arg("slots", &slots), &arg("starts", &starts), &arg("counts", &counts))?;
+        validate::key_runs(
+            &arg("slots", &slots),
+            &arg("starts", &starts),
+            &arg("counts", &counts),
+        )?;
         let status = B::check_key_runs(slots.clone(), starts.clone(), counts.clone(), pool_rows);
         Ok(Self {
             slots,

@@ -586,7 +586,9 @@ pub enum Error {
         max_head_dim: usize,
     },
     /// The pools do not have the rows their key runs were checked against.
-    #[error("{context} k_pool {k_pool} and v_pool {v_pool} must have the {pool_rows} rows the key runs were checked against.")]
+    #[error(
+        "{context} k_pool {k_pool} and v_pool {v_pool} must have the {pool_rows} rows the key runs were checked against."
+    )]
     PoolRowsMismatch {
         /// Message prefix.
         context: String,
@@ -610,7 +612,9 @@ pub enum Error {
         tokens: usize,
     },
     /// A token's run of keys leaves the slot list (or has a negative start or count).
-    #[error("{context} token {token}: keys {start}..{start}+{count} are outside the {slots} slots listed.")]
+    #[error(
+        "{context} token {token}: keys {start}..{start}+{count} are outside the {slots} slots listed."
+    )]
     KeyRunOutOfRange {
         /// Message prefix.
         context: String,
@@ -624,7 +628,9 @@ pub enum Error {
         slots: usize,
     },
     /// A slot of a token's run is outside the K/V pools.
-    #[error("{context} token {token}, key {key}: slot {slot} is outside the pools' {pool_rows} rows.")]
+    #[error(
+        "{context} token {token}, key {key}: slot {slot} is outside the pools' {pool_rows} rows."
+    )]
     KeySlotOutOfRange {
         /// Message prefix.
         context: String,

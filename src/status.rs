@@ -148,7 +148,10 @@ pub fn encode(outcome: &Result<usize, Error>) -> StatusWords {
                 slot,
                 pool_rows,
                 ..
-            } => (KEY_SLOT, vec![token as i64, key as i64, slot, pool_rows as i64]),
+            } => (
+                KEY_SLOT,
+                vec![token as i64, key as i64, slot, pool_rows as i64],
+            ),
             _ => (UNKNOWN_CODE, vec![]),
         },
     };

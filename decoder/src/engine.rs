@@ -988,7 +988,10 @@ impl Engine {
         );
         let mask = Tensor::<2, Bool>::from_data(TensorData::new(mask, [rows, max_q]), &device);
         let lengths = ints(kv_lens.iter().map(|&l| l as i64), &device);
-        let (starts, counts) = (ints(runs.0.into_iter(), &device), ints(runs.1.into_iter(), &device));
+        let (starts, counts) = (
+            ints(runs.0.into_iter(), &device),
+            ints(runs.1.into_iter(), &device),
+        );
         let timer = Instant::now();
         let window_slots = kvplan::masked_gather_deferred(
             self.req_to_token.clone(),

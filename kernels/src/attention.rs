@@ -214,8 +214,9 @@ fn attend<F: Float, S: Int, A: Int, C: Int>(
     while first < count {
         let keys = select(count - first < chunk, count - first, chunk) as u32;
         if (u as u32) < keys {
-            let slot = i64::cast_from(slots[((start + first + u as u64) * shape.slots_stride) as usize])
-                as u64;
+            let slot =
+                i64::cast_from(slots[((start + first + u as u64) * shape.slots_stride) as usize])
+                    as u64;
             let k_base = (slot * shape.k_stride + kv_column) as usize;
             let mut dot = F::new(0.0);
             for e in 0..head_dim {

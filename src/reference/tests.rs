@@ -2309,8 +2309,20 @@ mod attention {
         };
         // One key: each head's output is its K/V head's value (softmax of one score is 1).
         let v = [10.0, 20.0];
-        let out = paged_attention(&[1.0; 8], &[0.0, 0.0], &v, layout, &[0], &[0, 0], &[1, 0], "");
-        assert_eq!(out.unwrap(), vec![10.0, 10.0, 20.0, 20.0, 0.0, 0.0, 0.0, 0.0]);
+        let out = paged_attention(
+            &[1.0; 8],
+            &[0.0, 0.0],
+            &v,
+            layout,
+            &[0],
+            &[0, 0],
+            &[1, 0],
+            "",
+        );
+        assert_eq!(
+            out.unwrap(),
+            vec![10.0, 10.0, 20.0, 20.0, 0.0, 0.0, 0.0, 0.0]
+        );
     }
 
     #[test]

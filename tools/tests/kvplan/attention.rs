@@ -26,14 +26,22 @@ struct Case {
 }
 
 impl Case {
-    fn random(rng: &mut Rng, heads: Heads, tokens: usize, pool_rows: usize, longest: usize) -> Self {
+    fn random(
+        rng: &mut Rng,
+        heads: Heads,
+        tokens: usize,
+        pool_rows: usize,
+        longest: usize,
+    ) -> Self {
         let Heads {
             heads: h,
             kv_heads,
             head_dim,
         } = heads;
         let mut floats = |n: usize| -> Vec<f64> {
-            (0..n).map(|_| rng.range(-256, 256) as f64 / 128.0).collect()
+            (0..n)
+                .map(|_| rng.range(-256, 256) as f64 / 128.0)
+                .collect()
         };
         let q = floats(tokens * h * head_dim);
         let k = floats(pool_rows * kv_heads * head_dim);
@@ -97,7 +105,10 @@ impl Case {
                 wide[t * (cols + 3) + 1..][..cols].copy_from_slice(&self.q[t * cols..][..cols]);
             }
             let wide = floats::<B>(&wide, [self.tokens, cols + 3], device);
-            B::float_slice(wide, &[Slice::from(0..self.tokens), Slice::from(1..cols + 1)])
+            B::float_slice(
+                wide,
+                &[Slice::from(0..self.tokens), Slice::from(1..cols + 1)],
+            )
         } else {
             floats::<B>(&self.q, [self.tokens, self.q_cols()], device)
         };
@@ -128,7 +139,9 @@ fn floats<B: KvPlanBackend>(
 
 fn float_values<B: KvPlanBackend>(tensor: FloatTensor<B>) -> Vec<f64> {
     let data = read_sync(B::float_into_data(tensor)).expect("a float read-back");
-    data.convert::<f64>().try_to_vec::<f64>().expect("f64 values")
+    data.convert::<f64>()
+        .try_to_vec::<f64>()
+        .expect("f64 values")
 }
 
 /// `got` within f32 rounding of the reference, element by element.
@@ -147,7 +160,14 @@ fn assert_close(got: &[f64], expected: &[f64], what: &str) {
 /// chunks, empty runs, i32 and i64 runs, a strided q.
 pub fn random_cases<B: KvPlanBackend>(device: &B::Device) {
     let mut rng = Rng::new(0xA77E);
-    let shapes = [(1, 1, 8), (2, 1, 16), (3, 3, 32), (9, 3, 64), (4, 2, 80), (2, 2, 128)];
+    let shapes = [
+        (1, 1, 8),
+        (2, 1, 16),
+        (3, 3, 32),
+        (9, 3, 64),
+        (4, 2, 80),
+        (2, 2, 128),
+    ];
     for (case_index, &(heads, kv_heads, head_dim)) in shapes.iter().cycle().take(18).enumerate() {
         let layout = Heads {
             heads,
@@ -186,7 +206,12 @@ pub fn rows_do_not_depend_on_the_batch<B: KvPlanBackend>(device: &B::Device) {
             ..case.clone()
         };
         let (row, _) = alone.run::<B>(device, DType::I64, false);
-        let bits = |values: &[f64]| values.iter().map(|v| (*v as f32).to_bits()).collect::<Vec<_>>();
+        let bits = |values: &[f64]| {
+            values
+                .iter()
+                .map(|v| (*v as f32).to_bits())
+                .collect::<Vec<_>>()
+        };
         assert_eq!(bits(&row), bits(&batch[t * cols..][..cols]), "token {t}");
     }
 }
@@ -295,23 +320,27 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
     let run = |qs: [usize; 2], ks: [usize; 2], vs: [usize; 2], heads: usize, tokens: usize| {
         paged_attention::<B>(q(qs), q(ks), q(vs), &keys(DType::I64, tokens, ks[0]), heads)
     };
-    let head_shape = |qs: [usize; 2], ks: [usize; 2], vs: [usize; 2], heads: usize| Error::HeadShape {
-        context: context(),
-        q: Dims(qs.to_vec()),
-        k_pool: Dims(ks.to_vec()),
-        v_pool: Dims(vs.to_vec()),
-        heads,
-        max_head_dim: 256,
-    };
+    let head_shape =
+        |qs: [usize; 2], ks: [usize; 2], vs: [usize; 2], heads: usize| Error::HeadShape {
+            context: context(),
+            q: Dims(qs.to_vec()),
+            k_pool: Dims(ks.to_vec()),
+            v_pool: Dims(vs.to_vec()),
+            heads,
+            max_head_dim: 256,
+        };
     for (qs, ks, vs, heads) in [
-        ([2, 30], [5, 16], [5, 16], 4),  // q not whole heads
-        ([2, 32], [5, 12], [5, 12], 4),  // the pool not whole heads
-        ([2, 24], [5, 16], [5, 16], 3),  // 3 query heads over 2 K/V heads
-        ([2, 32], [5, 16], [5, 8], 4),   // V unlike K
-        ([2, 32], [5, 16], [5, 16], 0),  // no heads
+        ([2, 30], [5, 16], [5, 16], 4),    // q not whole heads
+        ([2, 32], [5, 12], [5, 12], 4),    // the pool not whole heads
+        ([2, 24], [5, 16], [5, 16], 3),    // 3 query heads over 2 K/V heads
+        ([2, 32], [5, 16], [5, 8], 4),     // V unlike K
+        ([2, 32], [5, 16], [5, 16], 0),    // no heads
         ([2, 514], [5, 514], [5, 514], 1), // head_dim past 256
     ] {
-        assert_eq!(run(qs, ks, vs, heads, 2).unwrap_err(), head_shape(qs, ks, vs, heads));
+        assert_eq!(
+            run(qs, ks, vs, heads, 2).unwrap_err(),
+            head_shape(qs, ks, vs, heads)
+        );
     }
     assert_eq!(
         run([3, 32], [5, 16], [5, 16], 4, 2).unwrap_err(),
@@ -323,8 +352,14 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         }
     );
     assert_eq!(
-        paged_attention::<B>(q([2, 32]), q([6, 16]), q([6, 16]), &keys(DType::I32, 2, 5), 4)
-            .unwrap_err(),
+        paged_attention::<B>(
+            q([2, 32]),
+            q([6, 16]),
+            q([6, 16]),
+            &keys(DType::I32, 2, 5),
+            4
+        )
+        .unwrap_err(),
         Error::PoolRowsMismatch {
             context: context(),
             k_pool: Dims(vec![6, 16]),
@@ -334,7 +369,8 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
     );
     let rank3 = B::float_reshape(q([2, 32]), Shape::new([2, 4, 8]));
     assert_eq!(
-        paged_attention::<B>(rank3, q([5, 16]), q([5, 16]), &keys(DType::I64, 2, 5), 4).unwrap_err(),
+        paged_attention::<B>(rank3, q([5, 16]), q([5, 16]), &keys(DType::I64, 2, 5), 4)
+            .unwrap_err(),
         Error::Not2d {
             context: context(),
             name: "q",
