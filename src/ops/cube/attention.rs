@@ -50,11 +50,7 @@ pub(crate) fn check_key_runs(
         Ok(address) => address,
         Err(error) => return upload_i64(&slots, &crate::status::encode(&Err(error))),
     };
-    let (slots, starts, counts) = (
-        bindable(widened(slots)),
-        bindable(widened(starts)),
-        bindable(widened(counts)),
-    );
+    let [slots, starts, counts] = [slots, starts, counts].map(|ints| bindable(widened(ints)));
     let shape = attention_shape(
         [&slots, &starts, &counts],
         [tokens, 0, 1, pool_rows],
@@ -117,11 +113,7 @@ pub(crate) fn paged_attention(
         let nan = InputScalar::new(f32::NAN, storage(&q));
         return full_device_dtype(q.client, out.shape(), q.device, nan, q.dtype);
     };
-    let (slots, starts, counts) = (
-        bindable(widened(slots)),
-        bindable(widened(starts)),
-        bindable(widened(counts)),
-    );
+    let [slots, starts, counts] = [slots, starts, counts].map(|ints| bindable(widened(ints)));
     let shape = attention_shape(
         [&slots, &starts, &counts],
         [tokens, heads, groups, k_pool.shape()[0]],
