@@ -19,7 +19,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use burn_core::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
+use burn_core::tensor::{Bool, DType, Device, FloatDType, Int, Tensor, TensorData};
 use kvplan::canary::Violations;
 use kvplan::reference::RealKvHashMode;
 use kvplan::{
@@ -34,7 +34,7 @@ use crate::sample::{Rng, Sampling, accept_greedy, accept_sampled};
 use crate::{DecoderError, Result};
 
 /// How a decode step drafts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Drafting {
     /// No drafts: one token per request per step.
     Off,
@@ -48,6 +48,9 @@ pub enum Drafting {
     SelfSpeculative {
         /// Blocks the draft runs.
         layers: usize,
+        /// A row stops drafting after a token the draft gave less probability than this
+        /// (transformers' `assistant_confidence_threshold`); 0 drafts every token.
+        min_confidence: f32,
     },
 }
 
@@ -255,14 +258,14 @@ impl RowWork {
         self.input.len() + self.draft.len()
     }
 
-    /// A padding row of `window` tokens (all of them stored to slot 0, its outputs unread).
-    fn padding(window: usize) -> Self {
+    /// A padding row of one token (stored to slot 0, its output unread).
+    fn padding() -> Self {
         Self {
             index: None,
             row: 0,
             start: 0,
             input: vec![0],
-            draft: vec![0; window - 1],
+            draft: Vec::new(),
             draft_probs: None,
             slots: Vec::new(),
         }
@@ -319,11 +322,20 @@ impl Engine {
     pub fn new(model: Llama, eos: Vec<u32>, options: EngineOptions) -> Result<Self> {
         let device = model.device().clone();
         let config = model.config().clone();
-        if let Drafting::SelfSpeculative { layers } = options.drafting {
+        if let Drafting::SelfSpeculative {
+            layers,
+            min_confidence,
+        } = options.drafting
+        {
             if layers == 0 || layers >= config.layers {
                 return Err(DecoderError::Options(format!(
                     "self-speculative draft layers {layers} must be in 1..{}",
                     config.layers
+                )));
+            }
+            if !(0.0..=1.0).contains(&min_confidence) {
+                return Err(DecoderError::Options(format!(
+                    "self-speculative draft confidence {min_confidence} must be in 0..=1"
                 )));
             }
         }
@@ -556,15 +568,16 @@ impl Engine {
             .copied()
             .find(|&b| b >= work.len())
             .unwrap_or(work.len());
-        let padding_window = match self.options.drafting {
-            Drafting::Off => 1,
-            _ => self.options.draft_tokens + 1,
-        };
-        work.resize_with(bucket.max(work.len()), || RowWork::padding(padding_window));
+        // Padding rows verify one token: a window there would only be more work.
+        work.resize_with(bucket.max(work.len()), RowWork::padding);
         self.assign_slots(&work)?;
         self.lap("plan rows, segment_assign");
-        if let Drafting::SelfSpeculative { layers } = self.options.drafting {
-            self.draft_self(&mut work, layers)?;
+        if let Drafting::SelfSpeculative {
+            layers,
+            min_confidence,
+        } = self.options.drafting
+        {
+            self.draft_self(&mut work, layers, min_confidence)?;
             self.lap("self-speculative drafts");
         }
         let targets = self.verify(&work)?;
@@ -592,12 +605,12 @@ impl Engine {
             let decoding = input.len() == 1;
             let draft = match self.options.drafting {
                 Drafting::Ngram { max_ngram } if decoding => {
-                    // Always k tokens: a fixed window keeps every step's shapes (and so the
-                    // device's compiled kernels) the same; a filler token is only a worse guess.
+                    // A row without a match verifies its one token. A match is padded to k: two
+                    // window sizes keep the step's shapes (the device's compiled kernels) few;
+                    // a filler token is only a worse guess.
                     let mut draft = ngram_draft(&request.tokens, max_ngram, k);
-                    if self.options.fixed_windows {
-                        let last = request.tokens[request.tokens.len() - 1];
-                        let filler = *draft.last().unwrap_or(&last);
+                    if self.options.fixed_windows && !draft.is_empty() {
+                        let filler = draft[draft.len() - 1];
                         draft.resize(k, filler);
                     }
                     draft
@@ -643,20 +656,30 @@ impl Engine {
         Ok(())
     }
 
-    /// Self-speculative drafting: `k` one-token forwards of the first `layers` blocks over the
-    /// decode rows. Their K/V rows land in the window's slots, which the verify forward then
-    /// overwrites with the target's (the same blocks, so the same values).
-    fn draft_self(&mut self, work: &mut [RowWork], layers: usize) -> Result<()> {
+    /// Self-speculative drafting: up to `k` one-token forwards of the first `layers` blocks over
+    /// the decode rows; a row stops after a token the draft gave less than `min_confidence`
+    /// (its window shrinks, its unused slots go back at acceptance). The K/V rows land in the
+    /// window's slots, which the verify forward then overwrites with the target's (the same
+    /// blocks, so the same values).
+    fn draft_self(
+        &mut self,
+        work: &mut [RowWork],
+        layers: usize,
+        min_confidence: f32,
+    ) -> Result<()> {
         let k = self.options.draft_tokens;
-        let drafting: Vec<usize> = (0..work.len())
+        let mut drafting: Vec<usize> = (0..work.len())
             .filter(|&i| work[i].index.is_some() && !work[i].draft.is_empty())
             .collect();
-        if drafting.is_empty() {
-            return Ok(());
+        for &i in &drafting {
+            work[i].draft.clear();
         }
         let device = self.model.device().clone();
         let mut current: Vec<u32> = drafting.iter().map(|&i| work[i].input[0]).collect();
         for j in 0..k {
+            if drafting.is_empty() {
+                break;
+            }
             let windows: Vec<Window> = drafting
                 .iter()
                 .map(|&i| Window {
@@ -669,20 +692,38 @@ impl Engine {
             let input = self.step_input(&windows, ids)?;
             let hidden = self.model.forward(&mut self.cache, &input, 0..layers)?;
             let logits = self.model.logits(hidden);
+            // Each drafted token and the draft's probability of it.
+            let mut drafted = Vec::with_capacity(drafting.len());
             if self.options.sampling.is_greedy() {
-                current = self.read_tokens(logits.argmax(1).reshape([drafting.len()]))?;
+                // One read: the argmax and its probability, 1 / sum(exp(logits - max)).
+                let max = logits.clone().max_dim(1);
+                let top = (logits.clone() - max).exp().sum_dim(1).recip();
+                let tokens = logits.argmax(1).cast(FloatDType::from(top.dtype()));
+                let read = self.read_floats(Tensor::cat(vec![tokens, top], 1))?;
+                drafted.extend(read.chunks(2).map(|pair| (pair[0] as u32, pair[1])));
+                if std::env::var("DEBUG_DRAFT").is_ok() {
+                    eprintln!("draft read {read:?}");
+                }
             } else {
                 let probs = self.read_floats(self.options.sampling.probs(logits))?;
                 let vocab = probs.len() / drafting.len();
                 for (r, &i) in drafting.iter().enumerate() {
                     let q = probs[r * vocab..(r + 1) * vocab].to_vec();
-                    current[r] = self.rng.sample(&q) as u32;
+                    let token = self.rng.sample(&q);
+                    drafted.push((token as u32, q[token]));
                     work[i].draft_probs.get_or_insert_with(Vec::new).push(q);
                 }
             }
-            for (r, &i) in drafting.iter().enumerate() {
-                work[i].draft[j] = current[r];
+            let mut next = Vec::with_capacity(drafting.len());
+            current.clear();
+            for (&i, &(token, probability)) in drafting.iter().zip(&drafted) {
+                work[i].draft.push(token);
+                if probability >= min_confidence {
+                    next.push(i);
+                    current.push(token);
+                }
             }
+            drafting = next;
         }
         Ok(())
     }

@@ -145,11 +145,26 @@ pub struct StepInput {
     pub attention: Attention,
 }
 
+/// Whether `device` computes `exp(1)` in f64 to f64 precision (one read-back).
+pub fn exp_is_64_bit(device: &Device) -> bool {
+    // Uploaded, not `ones`: Fusion folds a constant's exp on the host.
+    let one = Tensor::<1>::from_data(TensorData::new(vec![1.0f64], [1]), (device, DType::F64));
+    let e = one.exp().into_data().convert::<f64>().try_to_vec::<f64>();
+    matches!(e.as_deref(), Ok([e]) if (e - std::f64::consts::E).abs() < 1e-15)
+}
+
 impl Llama {
     /// Loads and dequantizes every weight of `gguf` onto `device`, as `dtype` (F32, or F64 for
     /// reduction-order-proof tests).
+    /// A device whose f64 `exp` is not 64-bit (SPIR-V's is 32-bit only) is refused for F64.
     pub fn load(gguf: &Gguf, device: &Device, dtype: DType) -> Result<Self> {
         let config = LlamaConfig::from_gguf(gguf)?;
+        if dtype == DType::F64 && !exp_is_64_bit(device) {
+            return Err(DecoderError::Model(
+                "this device computes f64 exp in 32 bits (Vulkan's SPIR-V does): load as f32"
+                    .into(),
+            ));
+        }
         let weight = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
             let tensor = gguf.tensor(name)?;
             if tensor.shape != shape {

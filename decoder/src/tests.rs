@@ -1,8 +1,10 @@
 //! End-to-end tests of the engine on the tiny random-weight Llama (written as GGUF and read back
 //! through the same loader as SmolLM2), on Flex and on Vulkan.
 //!
-//! Parity runs in f64: the verify forward and a plain step reduce in different orders (other
-//! shapes), and f64 makes a near-tie flip between them practically impossible.
+//! Parity runs in f64 on Flex: the verify forward and a plain step reduce in different orders
+//! (other shapes), and f64 makes a near-tie flip between them practically impossible. Vulkan's
+//! SPIR-V computes exp in 32 bits only, so there the model runs in f32, and its plain greedy
+//! tokens are checked against Flex's f64 ones first.
 
 use burn_core::tensor::{DType, Device, DeviceKind};
 
@@ -14,9 +16,18 @@ use crate::tiny::{TinyConfig, tiny_llama_bytes};
 
 const SEED: u64 = 0x5EED;
 
+/// f64 where the device's exp is 64-bit, else f32 (see the module docs).
+fn dtype(device: &Device) -> DType {
+    if crate::model::exp_is_64_bit(device) {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
 fn tiny_model(device: &Device) -> Llama {
     let gguf = Gguf::from_bytes(tiny_llama_bytes(&TinyConfig::default(), SEED).unwrap()).unwrap();
-    Llama::load(&gguf, device, DType::F64).unwrap()
+    Llama::load(&gguf, device, dtype(device)).unwrap()
 }
 
 /// Prompts of random tokens, half of them repeating a short phrase (where n-gram drafts pay).
@@ -91,10 +102,14 @@ fn padded(options: EngineOptions) -> EngineOptions {
     }
 }
 
+/// Self-speculative rows stop at a draft probability under 0.1: windows of every size.
 const DRAFTINGS: [Drafting; 3] = [
     Drafting::Off,
     Drafting::Ngram { max_ngram: 3 },
-    Drafting::SelfSpeculative { layers: 1 },
+    Drafting::SelfSpeculative {
+        layers: 1,
+        min_confidence: 0.1,
+    },
 ];
 
 fn tokens(outcomes: &[Outcome]) -> Vec<Vec<u32>> {
@@ -106,6 +121,12 @@ fn greedy_parity(device: &Device) {
     let requests = prompts(5, 0, 24);
     let (plain, _) = serve(device, options(Drafting::Off, 1), requests.clone());
     assert!(plain.iter().all(|o| !o.tokens.is_empty()));
+    let (host, _) = serve(&Device::flex(), options(Drafting::Off, 1), requests.clone());
+    assert_eq!(
+        tokens(&plain),
+        tokens(&host),
+        "plain greedy against Flex's f64"
+    );
     for (max_batch, gap) in [(1, 0), (3, 0), (4, 3), (8, 1)] {
         let mut requests = requests.clone();
         for r in &mut requests {
@@ -126,6 +147,30 @@ fn greedy_parity(device: &Device) {
                     "{drafting:?}: {accepted}/{drafted} accepted"
                 );
             }
+        }
+    }
+}
+
+/// A self-speculative row drafts `k` tokens a decode step at confidence 0 and one at confidence 1
+/// (every draft probability is below 1), with plain greedy's tokens either way.
+fn confidence_bounds_drafts(device: &Device) {
+    let requests = prompts(3, 0, 16);
+    let (plain, _) = serve(device, options(Drafting::Off, 3), requests.clone());
+    for (min_confidence, per_step) in [(0.0, 4), (1.0, 1)] {
+        let drafting = Drafting::SelfSpeculative {
+            layers: 1,
+            min_confidence,
+        };
+        let (outcomes, _) = serve(device, options(drafting, 3), requests.clone());
+        assert_eq!(tokens(&outcomes), tokens(&plain), "{drafting:?}");
+        for o in &outcomes {
+            // Every step after the prefill decodes and drafts.
+            assert_eq!(
+                o.drafted,
+                per_step * (o.steps - 1),
+                "{drafting:?}, request {}",
+                o.id
+            );
         }
     }
 }
@@ -230,6 +275,21 @@ fn vulkan() -> Device {
     Device::vulkan(DeviceKind::DefaultDevice)
 }
 
+/// Vulkan's f64 exp is 32-bit: an f64 model there is refused, not silently wrong.
+#[cfg(feature = "vulkan")]
+#[test]
+fn f64_is_refused_on_vulkan() {
+    let gguf = Gguf::from_bytes(tiny_llama_bytes(&TinyConfig::default(), SEED).unwrap()).unwrap();
+    let message = match Llama::load(&gguf, &vulkan(), DType::F64) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("f64 loaded on Vulkan"),
+    };
+    assert_eq!(
+        message,
+        "model: this device computes f64 exp in 32 bits (Vulkan's SPIR-V does): load as f32"
+    );
+}
+
 #[test]
 fn greedy_parity_flex() {
     greedy_parity(&Device::flex());
@@ -239,6 +299,17 @@ fn greedy_parity_flex() {
 #[test]
 fn greedy_parity_vulkan() {
     greedy_parity(&vulkan());
+}
+
+#[test]
+fn confidence_bounds_drafts_flex() {
+    confidence_bounds_drafts(&Device::flex());
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn confidence_bounds_drafts_vulkan() {
+    confidence_bounds_drafts(&vulkan());
 }
 
 #[test]
@@ -277,7 +348,13 @@ fn speculative_sampling_matches_the_target_flex() {
     let temperature = 0.2;
     let sampling = |seed| EngineOptions {
         sampling: Sampling { temperature, seed },
-        ..options(Drafting::SelfSpeculative { layers: 1 }, 1)
+        ..options(
+            Drafting::SelfSpeculative {
+                layers: 1,
+                min_confidence: 0.0,
+            },
+            1,
+        )
     };
     // The first generated token comes from the prefill; condition on its most likely value.
     let mut probe = Engine::new(tiny_model(&device), vec![], sampling(0)).unwrap();
@@ -392,7 +469,10 @@ mod smollm2 {
         let mut model = Some(model);
         for drafting in [
             Drafting::Ngram { max_ngram: 3 },
-            Drafting::SelfSpeculative { layers: 26 },
+            Drafting::SelfSpeculative {
+                layers: 26,
+                min_confidence: 0.4,
+            },
         ] {
             let mut o = padded(options(drafting, 3));
             o.draft_tokens = 3;
@@ -416,10 +496,20 @@ fn refusals_name_their_values() {
         Err(e) => e.to_string(),
         Ok(_) => panic!("accepted"),
     };
+    let drafting = |layers, min_confidence| Drafting::SelfSpeculative {
+        layers,
+        min_confidence,
+    };
     assert_eq!(
-        error(options(Drafting::SelfSpeculative { layers: 2 }, 1)),
+        error(options(drafting(2, 0.4), 1)),
         "options: self-speculative draft layers 2 must be in 1..2"
     );
+    for bad in [-0.5, 1.5, f32::NAN] {
+        assert_eq!(
+            error(options(drafting(1, bad), 1)),
+            format!("options: self-speculative draft confidence {bad} must be in 0..=1")
+        );
+    }
     let mut o = options(Drafting::Off, 1);
     o.max_context = 100_000;
     assert_eq!(

@@ -205,7 +205,8 @@ fn attend<F: Float, S: Int, A: Int, C: Int>(
     let start = i64::cast_from(starts[(t * shape.starts_stride) as usize]) as u64;
     let count = i64::cast_from(counts[(t * shape.counts_stride) as usize]) as u64;
     let kv_column = (h / shape.groups) * head_dim as u64;
-    let scale = F::new(comptime!(1.0f32 / (head_dim as f32).sqrt()));
+    // In F, not an f32 constant: f64 attention keeps f64's precision.
+    let scale = F::new(1.0) / F::cast_from(head_dim as u32).sqrt();
     let mut max = F::new(0.0);
     let mut sum = F::new(0.0);
     let mut acc = F::new(0.0);

@@ -20,13 +20,16 @@ use crate::demo;
 
 /// `kvplan generate`'s usage.
 pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--raw] [--spec off|ngram|self]
-    [--draft-tokens K] [--draft-layers L] [--backend flex|vulkan|cuda] [--max-new-tokens N]
+    [--draft-tokens K] [--draft-layers L] [--draft-confidence P] [--backend flex|vulkan|cuda]
+    [--max-new-tokens N]
     [--temperature T] [--seed S] [--batch N] [--dtype f32|f64] [--model FILE.gguf]
     [--inject-corruption kv-byte|stale-row] [--json] [--ignore-eos] [--limit N] [--profile]
     [--warm-up|--no-warm-up]
   Each prompt is a user message rendered with the GGUF's chat template (--raw: plain completion).
   FILE holds one JSON object per line ({\"prompt\": ..., \"arrival_step\": 0, \"max_new_tokens\": 64}),
   or plain lines of prompt text (--limit N: the first N). Without prompts, a built-in set runs.
+  --spec self drafts with the first L blocks (default: all but 4); a row stops drafting after a
+  token the draft gave less probability than P (default 0.4; 0: always K tokens).
   --ignore-eos generates exactly the budget (benchmarks). --profile waits for the device after
   each step phase and prints where the steps' time went. On CUDA and Vulkan the requests are
   first served once untimed (--no-warm-up: not), which compiles and autotunes every step shape.";
@@ -47,6 +50,7 @@ struct Args {
     drafting: String,
     draft_tokens: usize,
     draft_layers: Option<usize>,
+    draft_confidence: f32,
     backend: Option<BackendName>,
     max_new_tokens: usize,
     temperature: f64,
@@ -129,6 +133,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
             layers: args
                 .draft_layers
                 .unwrap_or(config.layers.saturating_sub(4).max(1)),
+            min_confidence: args.draft_confidence,
         },
         other => return Err(format!("--spec {other:?}: expected off, ngram or self")),
     };
@@ -361,6 +366,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         drafting: "ngram".into(),
         draft_tokens: 4,
         draft_layers: None,
+        draft_confidence: 0.4,
         backend: None,
         max_new_tokens: 64,
         temperature: 0.0,
@@ -402,6 +408,10 @@ fn parse(args: &[String]) -> Result<Args, String> {
             }
             "--draft-layers" => {
                 parsed.draft_layers = Some(number("--draft-layers", value("--draft-layers")?)?)
+            }
+            "--draft-confidence" => {
+                parsed.draft_confidence =
+                    number("--draft-confidence", value("--draft-confidence")?)?
             }
             "--max-new-tokens" => {
                 parsed.max_new_tokens = number("--max-new-tokens", value("--max-new-tokens")?)?

@@ -87,7 +87,7 @@ mod devices {
 
 /// Instantiates every test for one backend.
 macro_rules! suite {
-    ($name:ident, $backend:ty, $device:expr, other_device: $other:expr, broadcast: $broadcast:ident) => {
+    ($name:ident, $backend:ty, $device:expr, other_device: $other:expr, broadcast: $broadcast:ident, f64_exp: $f64_exp:expr) => {
         mod $name {
             use burn_core::backend::BackendTypes;
 
@@ -342,6 +342,11 @@ macro_rules! suite {
             }
 
             #[test]
+            fn attention_f64() {
+                crate::attention::f64_cases::<B>(&device(), $f64_exp);
+            }
+
+            #[test]
             fn attention_rows_do_not_depend_on_the_batch() {
                 crate::attention::rows_do_not_depend_on_the_batch::<B>(&device());
             }
@@ -389,7 +394,8 @@ suite!(
     burn_core::backend::Dispatch,
     crate::devices::flex(),
     other_device: None,
-    broadcast: Accepted
+    broadcast: Accepted,
+    f64_exp: true
 );
 
 #[cfg(feature = "vulkan")]
@@ -398,7 +404,8 @@ suite!(
     burn_core::backend::Dispatch,
     crate::devices::vulkan(burn_core::tensor::DeviceKind::DefaultDevice),
     other_device: Some(crate::devices::vulkan(burn_core::tensor::DeviceKind::Cpu)),
-    broadcast: DeviceRefused
+    broadcast: DeviceRefused,
+    f64_exp: false
 );
 
 // 0.21 refused the broadcast table on the host here (`HostRefused`); 0.22 checks every Cube
@@ -409,7 +416,8 @@ suite!(
     burn_cubecl::CubeBackend,
     crate::devices::vulkan_cube(burn_core::tensor::DeviceKind::DefaultDevice),
     other_device: Some(crate::devices::vulkan_cube(burn_core::tensor::DeviceKind::Cpu)),
-    broadcast: DeviceRefused
+    broadcast: DeviceRefused,
+    f64_exp: false
 );
 
 // GPU-only suites (`--features cuda`), run on the lent GPU: the same tests on the CUDA kernels.
@@ -419,7 +427,8 @@ suite!(
     burn_core::backend::Dispatch,
     crate::devices::cuda(),
     other_device: None,
-    broadcast: DeviceRefused
+    broadcast: DeviceRefused,
+    f64_exp: true
 );
 
 #[cfg(feature = "cuda")]
@@ -428,7 +437,8 @@ suite!(
     burn_cubecl::CubeBackend,
     crate::devices::cuda_cube(),
     other_device: None,
-    broadcast: DeviceRefused
+    broadcast: DeviceRefused,
+    f64_exp: true
 );
 
 /// The `Tensor` façade on one `Device`.

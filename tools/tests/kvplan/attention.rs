@@ -95,7 +95,7 @@ impl Case {
     fn run<B: KvPlanBackend>(
         &self,
         device: &B::Device,
-        int: DType,
+        [float, int]: [DType; 2],
         strided_q: bool,
     ) -> (Vec<f64>, Result<usize, Error>) {
         let q = if strided_q {
@@ -104,15 +104,16 @@ impl Case {
             for t in 0..self.tokens {
                 wide[t * (cols + 3) + 1..][..cols].copy_from_slice(&self.q[t * cols..][..cols]);
             }
-            let wide = floats::<B>(&wide, [self.tokens, cols + 3], device);
+            let wide = floats::<B>(&wide, [self.tokens, cols + 3], float, device);
             B::float_slice(
                 wide,
                 &[Slice::from(0..self.tokens), Slice::from(1..cols + 1)],
             )
         } else {
-            floats::<B>(&self.q, [self.tokens, self.q_cols()], device)
+            floats::<B>(&self.q, [self.tokens, self.q_cols()], float, device)
         };
-        let pool = |values: &[f64]| floats::<B>(values, [self.pool_rows, self.kv_cols()], device);
+        let pool =
+            |values: &[f64]| floats::<B>(values, [self.pool_rows, self.kv_cols()], float, device);
         let keys = KeyRuns::<B>::check_primitives(
             [
                 list::<B>(&self.slots, int, device),
@@ -131,9 +132,10 @@ impl Case {
 fn floats<B: KvPlanBackend>(
     values: &[f64],
     shape: [usize; 2],
+    float: DType,
     device: &B::Device,
 ) -> FloatTensor<B> {
-    let data = TensorData::new(values.to_vec(), shape).convert_dtype(DType::F32);
+    let data = TensorData::new(values.to_vec(), shape).convert_dtype(float);
     B::float_from_data(data, device)
 }
 
@@ -180,9 +182,37 @@ pub fn random_cases<B: KvPlanBackend>(device: &B::Device) {
         let case = Case::random(&mut rng, layout, tokens, pool_rows, longest);
         let what = format!("case {case_index}: {layout:?}, {tokens} tokens, runs <= {longest}");
         let expected = case.reference().expect("valid runs");
-        let (got, outcome) = case.run::<B>(device, rng.int_dtype(), rng.chance(1, 2));
+        let (got, outcome) = case.run::<B>(device, [DType::F32, rng.int_dtype()], rng.chance(1, 2));
         assert_eq!(outcome, Ok(tokens), "{what}: status");
         assert_close(&got, &expected, &what);
+    }
+}
+
+/// f64 pools: the reference's values to f64 rounding where the device has a 64-bit exp; NaN
+/// where it has not (SPIR-V's exp is 32-bit only), never a silently wrong value.
+pub fn f64_cases<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
+    let mut rng = Rng::new(0xF64);
+    for (heads, kv_heads, head_dim) in [(1, 1, 8), (9, 3, 64), (4, 2, 80)] {
+        let layout = Heads {
+            heads,
+            kv_heads,
+            head_dim,
+        };
+        let tokens = rng.urange(1, 12);
+        let case = Case::random(&mut rng, layout, tokens, 200, 130);
+        let expected = case.reference().expect("valid runs");
+        let (got, outcome) = case.run::<B>(device, [DType::F64, DType::I64], false);
+        assert_eq!(outcome, Ok(tokens), "{layout:?}: status");
+        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+            if exp_64 {
+                assert!(
+                    (g - e).abs() <= 1e-12 * (1.0 + e.abs()),
+                    "{layout:?}: element {i}: {g} against {e}"
+                );
+            } else {
+                assert!(g.is_nan(), "{layout:?}: element {i}: {g}, not NaN");
+            }
+        }
     }
 }
 
@@ -195,7 +225,7 @@ pub fn rows_do_not_depend_on_the_batch<B: KvPlanBackend>(device: &B::Device) {
         head_dim: 64,
     };
     let case = Case::random(&mut rng, layout, 12, 400, 150);
-    let (batch, _) = case.run::<B>(device, DType::I64, false);
+    let (batch, _) = case.run::<B>(device, [DType::F32, DType::I64], false);
     let cols = case.q_cols();
     for t in [0, 5, 11] {
         let alone = Case {
@@ -205,7 +235,7 @@ pub fn rows_do_not_depend_on_the_batch<B: KvPlanBackend>(device: &B::Device) {
             counts: vec![case.counts[t]],
             ..case.clone()
         };
-        let (row, _) = alone.run::<B>(device, DType::I64, false);
+        let (row, _) = alone.run::<B>(device, [DType::F32, DType::I64], false);
         let bits = |values: &[f64]| {
             values
                 .iter()
@@ -299,13 +329,14 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
     for (case, error) in value_cases {
         assert_eq!(case.reference(), Err(error.clone()), "reference");
         for int in [DType::I32, DType::I64] {
-            let (out, outcome) = case.run::<B>(device, int, false);
+            let (out, outcome) = case.run::<B>(device, [DType::F32, int], false);
             assert_eq!(outcome, Err(error.clone()), "{int:?}");
             assert!(out.iter().all(|v| v.is_nan()), "{error}: output is NaN");
         }
     }
     // Host rules.
-    let q = |shape: [usize; 2]| floats::<B>(&vec![0.0; shape[0] * shape[1]], shape, device);
+    let q =
+        |shape: [usize; 2]| floats::<B>(&vec![0.0; shape[0] * shape[1]], shape, DType::F32, device);
     let keys = |int: DType, tokens: usize, rows: usize| {
         KeyRuns::<B>::check_primitives(
             [
