@@ -2,7 +2,8 @@
 same GGUF (dequantized by transformers), same prompts (benches/prompts.txt, chat template), greedy,
 exactly NEW tokens per request; plain, with prompt lookup (`prompt_lookup_num_tokens`), and with
 self-speculative early exit (`assistant_early_exit`, LayerSkip's: the first 26 of 30 layers
-draft 4 tokens, as `kvplan generate --spec self`).
+draft 4 tokens, as `kvplan generate --spec self --draft-confidence 0`; and stopping under a draft
+probability of 0.4, as `--spec self`).
 
 usage: python3 benches/hf_anchor.py DIR FILE.gguf [NEW]   (prints one CSV row per run; ANCHOR_BATCHES
 picks batch sizes, default "1 8 32")
@@ -34,6 +35,12 @@ MODES = {
     "off": {},
     "prompt_lookup": {"prompt_lookup_num_tokens": 10},
     "early_exit": {"assistant_early_exit": 26, "num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant"},
+    "early_exit_confidence": {
+        "assistant_early_exit": 26,
+        "num_assistant_tokens": 4,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.4,
+    },
 }
 
 
@@ -52,7 +59,8 @@ generate(texts[:1], "early_exit")
 print("engine,mode,batch,tokens,seconds,tokens_per_s,note")
 for bs in [int(b) for b in os.environ.get("ANCHOR_BATCHES", "1 8 32").split()]:
     # Assisted generation takes one sequence at a time: early exit runs at batch 1 only.
-    for mode in ("off", "prompt_lookup", "early_exit") if bs == 1 else ("off", "prompt_lookup"):
+    modes = ("off", "prompt_lookup", "early_exit", "early_exit_confidence") if bs == 1 else ("off", "prompt_lookup")
+    for mode in modes:
         batch = texts[:bs] if bs > 1 else texts[:4]
         torch.cuda.synchronize()
         start = time.perf_counter()

@@ -142,14 +142,21 @@ PY
       ;;
     decode)
       # Tokens/s, 128 new tokens, batch 1 (4 prompts one at a time), 8 and 32; spec off, n-gram
-      # (k = 4 and 10: transformers' prompt lookup drafts 10), self. BATCHES and SPECS pick rows.
+      # (k = 4 and 10: transformers' prompt lookup drafts 10), self (26 blocks, k = 4, stopping
+      # under 0.4; self0: never stopping, as transformers' early exit; self14: 14 blocks).
+      # BATCHES and SPECS pick rows.
       # CubeCL keeps compiled kernels between the runs (its autotune results it keeps by default).
       [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
       for bs in ${BATCHES:-1 8 32}; do
         limit=$bs; [ "$bs" = 1 ] && limit=4
         for spec in ${SPECS:-off ngram ngram10 self}; do
-          k=4; mode=$spec; [ "$spec" = ngram10 ] && k=10 && mode=ngram
-          "$BIN" generate --backend cuda --spec "$mode" --draft-tokens "$k" --batch "$bs" --limit "$limit" --max-new-tokens 128 \
+          k=4; mode=$spec; extra=()
+          case "$spec" in
+            ngram10) k=10; mode=ngram ;;
+            self0) mode=self; extra=(--draft-confidence 0) ;;
+            self14) mode=self; extra=(--draft-layers 14) ;;
+          esac
+          "$BIN" generate --backend cuda --spec "$mode" --draft-tokens "$k" "${extra[@]}" --batch "$bs" --limit "$limit" --max-new-tokens 128 \
             --ignore-eos --json --file benches/prompts.txt > "$OUT/decode-$spec-$bs.jsonl" 2> "$OUT/decode-$spec-$bs.err"
           echo "kvplan,$spec,$bs,$(grep -h '^generate: .* requests' "$OUT/decode-$spec-$bs.err")"
           grep -h '^generate: warm-up\|^generate: step' "$OUT/decode-$spec-$bs.err"

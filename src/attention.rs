@@ -143,7 +143,8 @@ pub mod backend {
 /// applied to V, query heads sharing K/V heads in groups. Nothing is read back: the runs' value
 /// rules are in `keys.status` (on an error there, the output is NaN). The host rules (ranks,
 /// dtypes, devices, whole heads, the pools' rows) fail at once. A launch the device cannot index
-/// (q or the pools past 2^31 elements without 64-bit indexing) is NaN too.
+/// (q or the pools past 2^31 elements without 64-bit indexing) is NaN too, and so is f64 on
+/// Vulkan, whose SPIR-V computes exp in 32 bits only.
 pub fn paged_attention(
     q: Tensor<2>,
     k_pool: Tensor<2>,

@@ -82,8 +82,8 @@ pub struct EngineOptions {
     pub batch_buckets: Vec<usize>,
     /// A fault injected at step `.1`.
     pub corruption: Option<(Corruption, usize)>,
-    /// Pad every n-gram draft to `draft_tokens` (fixed step shapes, which a GPU compiles once);
-    /// off on the CPU, where each extra verified token costs time.
+    /// Pad every n-gram match's draft to `draft_tokens` (two window sizes, so few step shapes,
+    /// which a GPU compiles once); off on the CPU, where each extra verified token costs time.
     pub fixed_windows: bool,
     /// Attention through kvplan's paged attention op, each token over its run of the step's
     /// slot list; off: Burn ops over K/V gathered into a padded layout (for backends where the op
