@@ -701,9 +701,6 @@ impl Engine {
                 let tokens = logits.argmax(1).cast(FloatDType::from(top.dtype()));
                 let read = self.read_floats(Tensor::cat(vec![tokens, top], 1))?;
                 drafted.extend(read.chunks(2).map(|pair| (pair[0] as u32, pair[1])));
-                if std::env::var("DEBUG_DRAFT").is_ok() {
-                    eprintln!("draft read {read:?}");
-                }
             } else {
                 let probs = self.read_floats(self.options.sampling.probs(logits))?;
                 let vocab = probs.len() / drafting.len();
