@@ -343,6 +343,16 @@ fn sampling_is_seeded_flex() {
 /// first (after a drafted window) against the target's own distribution, by chi-square.
 #[test]
 fn speculative_sampling_matches_the_target_flex() {
+    speculative_sampling_matches_the_target(0.0);
+}
+
+/// The same with sampled drafts that stop under a confidence (windows of random lengths).
+#[test]
+fn speculative_sampling_with_confidence_stops_matches_the_target_flex() {
+    speculative_sampling_matches_the_target(0.5);
+}
+
+fn speculative_sampling_matches_the_target(min_confidence: f32) {
     let device = Device::flex();
     let prompt: Vec<u32> = vec![40, 41, 42, 43, 44, 45];
     let temperature = 0.2;
@@ -351,7 +361,7 @@ fn speculative_sampling_matches_the_target_flex() {
         ..options(
             Drafting::SelfSpeculative {
                 layers: 1,
-                min_confidence: 0.0,
+                min_confidence,
             },
             1,
         )
