@@ -155,8 +155,8 @@ pub fn exp_is_64_bit(device: &Device) -> bool {
 
 impl Llama {
     /// Loads and dequantizes every weight of `gguf` onto `device`, as `dtype` (F32, or F64 for
-    /// reduction-order-proof tests).
-    /// A device whose f64 `exp` is not 64-bit (SPIR-V's is 32-bit only) is refused for F64.
+    /// reduction-order-proof tests). A device whose f64 `exp` is not 64-bit (SPIR-V's is 32-bit
+    /// only) is refused for F64.
     pub fn load(gguf: &Gguf, device: &Device, dtype: DType) -> Result<Self> {
         let config = LlamaConfig::from_gguf(gguf)?;
         if dtype == DType::F64 && !exp_is_64_bit(device) {
