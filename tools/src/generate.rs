@@ -21,8 +21,8 @@ use crate::demo;
 /// `kvplan generate`'s usage.
 pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--raw] [--spec off|ngram|self]
     [--draft-tokens K] [--draft-layers L] [--draft-confidence P] [--backend flex|vulkan|cuda]
-    [--max-new-tokens N]
-    [--temperature T] [--seed S] [--batch N] [--dtype f32|f64] [--model FILE.gguf]
+    [--max-new-tokens N] [--temperature T] [--seed S] [--batch N] [--dtype f32|f64]
+    [--model FILE.gguf]
     [--inject-corruption kv-byte|stale-row] [--json] [--ignore-eos] [--limit N] [--profile]
     [--warm-up|--no-warm-up]
   Each prompt is a user message rendered with the GGUF's chat template (--raw: plain completion).
