@@ -111,8 +111,9 @@ pub(crate) fn paged_attention(
         [&q, &k_pool, &v_pool, &slots, &starts, &counts, &out],
         &[tokens * heads],
     );
-    let spirv = (q.client.properties().identity.fingerprint).starts_with("spirv_");
-    let (Ok(address), false) = (address, spirv && q.dtype == DType::F64) else {
+    let f64_on_spirv =
+        q.dtype == DType::F64 && (q.client.properties().identity.fingerprint).starts_with("spirv_");
+    let (Ok(address), false) = (address, f64_on_spirv) else {
         let nan = InputScalar::new(f32::NAN, storage(&q));
         return full_device_dtype(q.client, out.shape(), q.device, nan, q.dtype);
     };
