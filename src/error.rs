@@ -539,6 +539,30 @@ pub enum Error {
         /// The store's.
         capacity: usize,
     },
+    /// A cache stored into through checked slots without the rows they were checked against.
+    #[error(
+        "{context} {name} {cache} must have the {cache_rows} rows its slots were checked against."
+    )]
+    CacheRowsMismatch {
+        /// Message prefix.
+        context: String,
+        /// Argument name.
+        name: &'static str,
+        /// The cache's shape.
+        cache: Dims,
+        /// The rows of the check.
+        cache_rows: usize,
+    },
+    /// One cache given with two sets of rows, or two with one.
+    #[error("{context} {caches} cache(s) given with {values} set(s) of rows: one set per cache.")]
+    StoreTargetsMismatch {
+        /// Message prefix.
+        context: String,
+        /// Caches given.
+        caches: usize,
+        /// Sets of rows given.
+        values: usize,
+    },
     /// A slot outside the cache.
     #[error("{context} loc[{index}]: slot {slot} is outside the cache's {slots} slots.")]
     LocOutOfRange {
@@ -742,6 +766,8 @@ impl Error {
             Error::ValueShapeMismatch { .. } => "value_shape_mismatch",
             Error::ValueDtypeMismatch { .. } => "value_dtype_mismatch",
             Error::StoreCapacity { .. } => "store_capacity",
+            Error::CacheRowsMismatch { .. } => "cache_rows_mismatch",
+            Error::StoreTargetsMismatch { .. } => "store_targets_mismatch",
             Error::LocOutOfRange { .. } => "loc_out_of_range",
             Error::DuplicateSlot { .. } => "duplicate_slot",
             Error::HeadShape { .. } => "head_shape",

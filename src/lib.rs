@@ -42,7 +42,7 @@ pub use layout::SourceLayout;
 pub use ops::{
     AssignPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes,
     KvPlanBackend, KvRows, LaunchMeta, OptionalInt, PlanInputsPrimitive, PlanOutput,
-    StoreScratchPrimitive, StoredPrimitive, VerifyPlanPrimitive, WriteInputsPrimitive,
-    WritePlanPrimitive, data_to_i64,
+    StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets, StoreWritePrimitive,
+    VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive, data_to_i64,
 };
-pub use slots::{Assigned, KvStore, Stored, segment_assign, segment_assign_deferred};
+pub use slots::{Assigned, KvStore, StoreSlots, Stored, segment_assign, segment_assign_deferred};

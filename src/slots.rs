@@ -1,28 +1,39 @@
 //! The write side of the KV bookkeeping (spec `slots.md`): [`segment_assign`] writes a step's new
-//! KV slots into their requests' rows of `req_to_token`, and a [`KvStore`] stores the step's K or V
-//! rows at those slots. Both check every value rule on the device before writing anything.
+//! KV slots into their requests' rows of `req_to_token`, and a [`KvStore`] stores the step's K and
+//! V rows at those slots. Both check every value rule on the device before writing anything.
 //!
 //! Tables and caches are consumed and handed back, written in place when no one else holds their
 //! buffer: pass them by value, without keeping a clone (a kept clone makes the op copy the whole
 //! tensor first). On an error found on the device the tensor handed back is the unchanged input;
 //! an `Err` returned at once (a host rule: ranks, dtypes, shapes, devices) has consumed the inputs.
 //!
+//! A model stores every layer at the same slots, so a step checks them once
+//! ([`KvStore::check_slots`]) and each layer's K and V are then one launch:
+//!
 //! ```no_run
 //! use burn_core::tensor::{Device, Int, Tensor};
 //! use kvplan::KvStore;
 //! # fn step(device: &Device, req_to_token: Tensor<2, Int>, rpi: Tensor<1, Int>,
 //! #     start: Tensor<1, Int>, lengths: Tensor<1, Int>, out_cache_loc: Tensor<1, Int>,
-//! #     k_cache: Tensor<2>, k_rows: Tensor<2>) -> Result<(), kvplan::Error> {
+//! #     mut k_pools: Vec<Tensor<2>>, mut v_pools: Vec<Tensor<2>>,
+//! #     k_rows: Tensor<2>, v_rows: Tensor<2>) -> Result<(), kvplan::Error> {
 //! // Once, at start-up: the duplicate-slot scratch for caches of 2^20 slots.
 //! let mut store = KvStore::allocate(1 << 20, device)?;
 //! // Every step: no read-back until the step checks its statuses.
 //! let assigned = kvplan::segment_assign_deferred(req_to_token, rpi, start, lengths, out_cache_loc.clone())?;
-//! let stored = store.store_deferred(k_cache, out_cache_loc, k_rows)?;
-//! kvplan::check_all(&[&assigned.status, &stored.status])?;
+//! let mut slots = store.check_slots(out_cache_loc, 1 << 20)?;
+//! for layer in 0..k_pools.len() {
+//!     // The pools move in and come back (a kept clone would make the store copy them).
+//!     let (k, v) = (k_pools.remove(layer), v_pools.remove(layer));
+//!     let (k, v) = slots.store_kv(k, v, k_rows.clone(), v_rows.clone())?;
+//!     k_pools.insert(layer, k);
+//!     v_pools.insert(layer, v);
+//! }
+//! kvplan::check_all(&[&assigned.status, &slots.status])?;
 //! # Ok(()) }
 //! ```
 
-use burn_core::backend::tensor::IntTensor;
+use burn_core::backend::tensor::{FloatTensor, IntTensor};
 use burn_core::backend::{Backend, Dispatch, TensorData, TensorMetadata};
 use burn_core::tensor::kind::Basic;
 use burn_core::tensor::{Device, Float, Int, IntDType, Shape, Tensor};
@@ -31,7 +42,7 @@ use kvplan_kernels::slots::{STORE_CLOCK_LIMIT, fresh_store_control};
 use crate::deferred::Status;
 use crate::error::{ASSIGN_CONTEXT, Error, STORE_CONTEXT};
 use crate::gather::arg;
-use crate::ops::{KvPlanBackend, KvRows, StoreScratchPrimitive};
+use crate::ops::{KvPlanBackend, KvRows, StoreScratchPrimitive, StoreTargets};
 use crate::room::{self, Buffer};
 use crate::validate;
 
@@ -203,7 +214,10 @@ pub fn segment_assign_deferred(
 /// (K and V of every layer), one call at a time.
 ///
 /// Float caches go through [`store`](Self::store), int caches (raw bytes, quantized codes) through
-/// [`store_int`](Self::store_int); `values` has the cache's dtype and trailing shape.
+/// [`store_int`](Self::store_int); `values` has the cache's dtype and trailing shape. Each is two
+/// launches (the slots' check, then the write); a model that stores every layer at the same slots
+/// checks them once with [`check_slots`](Self::check_slots) and writes each layer's K and V with
+/// one launch.
 #[derive(Debug)]
 pub struct KvStore<B: KvPlanBackend = Dispatch> {
     // `None` only while a store call has lent it to the op.
@@ -248,6 +262,18 @@ impl KvStore {
             KvRows::Float(values.into_dispatch()),
         )?;
         Ok(stored_tensor(stored))
+    }
+
+    /// Checks the slots `loc [N]` (i32 or i64) once for any number of stores into caches of
+    /// `cache_rows` rows (at most the store's slots), without any transfer to the host: value
+    /// errors (a slot outside the caches, a slot other than 0 named twice) stay in the slots'
+    /// status, and then no store through them writes anything.
+    pub fn check_slots(
+        &mut self,
+        loc: Tensor<1, Int>,
+        cache_rows: usize,
+    ) -> Result<StoreSlots, Error> {
+        self.check_slot_primitives(loc.into_dispatch(), cache_rows)
     }
 
     /// [`store`](Self::store) for an int cache (any int dtype).
@@ -325,7 +351,17 @@ impl<B: KvPlanBackend> KvStore<B> {
         self.clock = (self.clock + tokens).min(STORE_CLOCK_LIMIT);
     }
 
-    /// One deferred store on primitives: the host rules, then the op (see
+    /// [`check_slots`](KvStore::check_slots) on primitives.
+    pub fn check_slot_primitives(
+        &mut self,
+        loc: IntTensor<B>,
+        cache_rows: usize,
+    ) -> Result<StoreSlots<B>, Error> {
+        validate::store_slots(&arg("loc", &loc), &self.device, cache_rows, self.num_slots)?;
+        Ok(self.checked(loc, cache_rows))
+    }
+
+    /// One deferred store on primitives: the host rules, then the slots' check and the write (see
     /// [`backend::store_deferred`]).
     pub fn store_rows(
         &mut self,
@@ -339,6 +375,22 @@ impl<B: KvPlanBackend> KvStore<B> {
             &rows_arg("values", &values),
             self.num_slots,
         )?;
+        let cache_rows = cache.shape()[0];
+        validate::store_slots(&arg("loc", &loc), &self.device, cache_rows, self.num_slots)?;
+        let mut slots = self.checked(loc, cache_rows);
+        let StoreTargets::One(cache) =
+            slots.write(StoreTargets::One(cache), StoreTargets::One(values))
+        else {
+            unreachable!("a write hands back the targets it was given");
+        };
+        Ok(backend::DeferredStore {
+            cache,
+            status: slots.status,
+        })
+    }
+
+    /// The slots' check, its host rules passed.
+    fn checked(&mut self, loc: IntTensor<B>, cache_rows: usize) -> StoreSlots<B> {
         let tokens = loc.shape()[0] as u64;
         let Some(mut scratch) = self.scratch.take() else {
             unreachable!("the scratch is always returned to its store");
@@ -351,12 +403,137 @@ impl<B: KvPlanBackend> KvStore<B> {
         }
         let base = self.clock as u32;
         self.clock = (self.clock + tokens).min(STORE_CLOCK_LIMIT);
-        let output = B::store_kv(cache, loc, values, scratch, base);
+        let output = B::check_store_slots(loc.clone(), scratch, base, cache_rows);
         self.scratch = Some(output.scratch);
-        Ok(backend::DeferredStore {
-            cache: output.cache,
+        StoreSlots {
+            loc,
+            cache_rows,
             status: Status::new(output.status, STORE_CONTEXT),
-        })
+        }
+    }
+}
+
+/// A step's store slots, checked once by [`KvStore::check_slots`]: each store through them is
+/// one launch, for one cache or a layer's K and V together. Every cache must have the rows the
+/// slots were checked against.
+#[derive(Debug, Clone)]
+pub struct StoreSlots<B: Backend = Dispatch> {
+    loc: IntTensor<B>,
+    cache_rows: usize,
+    /// The slots' check on the device, and after each store, why it could not run if it could not
+    /// (a launch the device cannot index): a store writes only while it is clear. Its count is
+    /// the number of tokens. Check it once, after the last store.
+    pub status: Status<B>,
+}
+
+impl StoreSlots {
+    /// Stores `values [N, D]` at the slots into a float `cache [rows, D]`: one launch, nothing
+    /// read back.
+    pub fn store(&mut self, cache: Tensor<2>, values: Tensor<2>) -> Result<Tensor<2>, Error> {
+        let caches = self.store_primitives(
+            StoreTargets::One(KvRows::Float(cache.into_dispatch())),
+            StoreTargets::One(KvRows::Float(values.into_dispatch())),
+        )?;
+        Ok(Tensor::from_dispatch(one(caches)))
+    }
+
+    /// [`store`](Self::store) for an int cache (any int dtype).
+    pub fn store_int(
+        &mut self,
+        cache: Tensor<2, Int>,
+        values: Tensor<2, Int>,
+    ) -> Result<Tensor<2, Int>, Error> {
+        let caches = self.store_primitives(
+            StoreTargets::One(KvRows::Int(cache.into_dispatch())),
+            StoreTargets::One(KvRows::Int(values.into_dispatch())),
+        )?;
+        Ok(Tensor::from_dispatch(one(caches)))
+    }
+
+    /// Stores a layer's K and V rows (`[N, ...]` each) into its K and V caches in one launch.
+    pub fn store_kv(
+        &mut self,
+        k_cache: Tensor<2>,
+        v_cache: Tensor<2>,
+        k: Tensor<2>,
+        v: Tensor<2>,
+    ) -> Result<(Tensor<2>, Tensor<2>), Error> {
+        let caches = self.store_primitives(
+            StoreTargets::Pair(
+                KvRows::Float(k_cache.into_dispatch()),
+                KvRows::Float(v_cache.into_dispatch()),
+            ),
+            StoreTargets::Pair(
+                KvRows::Float(k.into_dispatch()),
+                KvRows::Float(v.into_dispatch()),
+            ),
+        )?;
+        let StoreTargets::Pair(k_cache, v_cache) = caches else {
+            unreachable!("a write hands back the targets it was given");
+        };
+        let tensor = |rows: KvRows<Dispatch>| match rows {
+            KvRows::Float(tensor) | KvRows::Int(tensor) => Tensor::from_dispatch(tensor),
+        };
+        Ok((tensor(k_cache), tensor(v_cache)))
+    }
+}
+
+/// The cache of a one-cache write.
+fn one(caches: StoreTargets<Dispatch>) -> FloatTensor<Dispatch> {
+    match caches {
+        StoreTargets::One(KvRows::Float(tensor) | KvRows::Int(tensor)) => tensor,
+        StoreTargets::Pair(..) => unreachable!("a write hands back the targets it was given"),
+    }
+}
+
+impl<B: KvPlanBackend> StoreSlots<B> {
+    /// [`store`](StoreSlots::store) or [`store_kv`](StoreSlots::store_kv) on primitives: the
+    /// host rules of each cache and its rows, then one launch.
+    pub fn store_primitives(
+        &mut self,
+        caches: StoreTargets<B>,
+        values: StoreTargets<B>,
+    ) -> Result<StoreTargets<B>, Error> {
+        let names: &[(&'static str, &'static str)] = match caches {
+            StoreTargets::One(_) => &[("cache", "values")],
+            StoreTargets::Pair(..) => &[("k_cache", "k"), ("v_cache", "v")],
+        };
+        let (cache_rows, value_rows) = (caches.rows(), values.rows());
+        if cache_rows.len() != value_rows.len() {
+            return Err(Error::StoreTargetsMismatch {
+                context: STORE_CONTEXT.into(),
+                caches: cache_rows.len(),
+                values: value_rows.len(),
+            });
+        }
+        for ((cache, values), (cache_name, values_name)) in
+            cache_rows.into_iter().zip(value_rows).zip(names)
+        {
+            validate::store_write(
+                &rows_arg(cache_name, cache),
+                &arg("loc", &self.loc),
+                &rows_arg(values_name, values),
+                self.cache_rows,
+            )?;
+        }
+        Ok(self.write(caches, values))
+    }
+
+    /// Rows of the caches the slots were checked against.
+    pub fn cache_rows(&self) -> usize {
+        self.cache_rows
+    }
+
+    /// The write, its host rules passed; the status moves on to the write's.
+    fn write(&mut self, caches: StoreTargets<B>, values: StoreTargets<B>) -> StoreTargets<B> {
+        let output = B::store_rows(
+            caches,
+            values,
+            self.loc.clone(),
+            self.status.words().clone(),
+        );
+        self.status = Status::new(output.status, STORE_CONTEXT);
+        output.caches
     }
 }
 

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use burn_core::tensor::{DType, Device, Int, Tensor};
-use kvplan::{KvStore, Status};
+use kvplan::{KvStore, Status, StoreSlots};
 
 use crate::{DecoderError, Result};
 
@@ -97,31 +97,38 @@ impl KvCache {
         })
     }
 
-    /// Stores `k` and `v` (`[tokens, kv_dim]`) of `layer` at slots `loc` (`[tokens]`), without a
-    /// read-back: the statuses wait in [`KvCache::take_statuses`].
+    /// Checks a forward's slots `loc` (`[tokens]`) once for the stores of all its layers,
+    /// without a read-back.
+    pub fn check_slots(&mut self, loc: Tensor<1, Int>) -> Result<StoreSlots> {
+        let timer = Instant::now();
+        let slots = self.store.check_slots(loc, self.slots)?;
+        self.op_time += timer.elapsed();
+        Ok(slots)
+    }
+
+    /// Stores `k` and `v` (`[tokens, kv_dim]`) of `layer` at `slots`, in one launch.
     pub fn store(
         &mut self,
         layer: usize,
-        loc: Tensor<1, Int>,
+        slots: &mut StoreSlots,
         k: Tensor<2>,
         v: Tensor<2>,
     ) -> Result<()> {
         let timer = Instant::now();
-        // The pools move into the stores (a kept clone would make them copy the whole pool).
+        // The pools move into the store (a kept clone would make it copy the whole pool).
         let k_pool = std::mem::replace(&mut self.k[layer], self.placeholder.clone());
-        let stored = self.store.store_deferred(k_pool, loc.clone(), k)?;
-        self.k[layer] = stored.cache;
-        // Every store of a forward has the same `loc` and pool size, so the same value rules'
-        // outcome: layer 0's K status stands for the forward's (a step reads one per forward,
-        // not two per layer; every forward starts at layer 0).
-        if layer == 0 {
-            self.statuses.push(stored.status);
-        }
         let v_pool = std::mem::replace(&mut self.v[layer], self.placeholder.clone());
-        let stored = self.store.store_deferred(v_pool, loc, v)?;
-        self.v[layer] = stored.cache;
+        let (k_pool, v_pool) = slots.store_kv(k_pool, v_pool, k, v)?;
+        self.k[layer] = k_pool;
+        self.v[layer] = v_pool;
         self.op_time += timer.elapsed();
         Ok(())
+    }
+
+    /// Keeps a forward's store status (its slots' check and every store's) for the step's one
+    /// read: [`KvCache::take_statuses`].
+    pub fn keep_status(&mut self, slots: StoreSlots) {
+        self.statuses.push(slots.status);
     }
 
     /// Adds host time spent in a kvplan op on the model's path (the attention).

@@ -291,6 +291,7 @@ impl Llama {
         let cos = cos.reshape([tokens, 1, hd]);
         let sin = sin.reshape([tokens, 1, hd]);
         let (qk, kv) = (c.hidden + c.kv_dim(), c.kv_dim());
+        let mut slots = cache.check_slots(input.out_cache_loc.clone())?;
         for layer in layers {
             let block = &self.blocks[layer];
             let h = rms_norm(x.clone(), c.rms_eps);
@@ -303,7 +304,7 @@ impl Llama {
             let rotated = (plain * cos.clone() + swapped * sin.clone()).reshape([tokens, qk]);
             let q = rotated.clone().narrow(1, 0, c.hidden);
             let k = rotated.narrow(1, c.hidden, kv);
-            cache.store(layer, input.out_cache_loc.clone(), k, v)?;
+            cache.store(layer, &mut slots, k, v)?;
             let attended = match &input.attention {
                 Attention::Paged(keys) => {
                     let (k_pool, v_pool) = cache.pools(layer);
@@ -321,6 +322,7 @@ impl Llama {
             let up = gate_up.narrow(1, c.ffn, c.ffn);
             x = x + (silu(gate) * up).matmul(block.w_down.clone());
         }
+        cache.keep_status(slots);
         Ok(x)
     }
 

@@ -601,14 +601,60 @@ pub fn store_write_kernel<W: Int, N: Size, C: Int>(
         let vectors = shape.tokens * shape.row_vectors;
         let mut e = ABSOLUTE_POS as u64;
         while e < vectors {
-            let i = e / shape.row_vectors;
-            let d = e % shape.row_vectors;
-            let slot = i64::cast_from(loc[i as usize * shape.loc_stride as usize]);
-            if slot != 0 || i as i64 == zero_owner {
-                cache[(slot as u64 * shape.cache_row_stride + d) as usize] =
-                    values[(i * shape.values_row_stride + d) as usize];
-            }
+            write_vector(cache, values, loc, shape, zero_owner, e);
             e += shape.units;
         }
+    }
+}
+
+/// [`store_write_kernel`] into two caches at once (a layer's K and V): the first
+/// `tokens * row_vectors` vectors go to the first cache, the rest to the second.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn store_pair_write_kernel<W: Int, N: Size, C: Int>(
+    first_cache: &mut Tensor<Vector<W, N>>,
+    first_values: &Tensor<Vector<W, N>>,
+    second_cache: &mut Tensor<Vector<W, N>>,
+    second_values: &Tensor<Vector<W, N>>,
+    loc: &Tensor<C>,
+    status: &Tensor<i64>,
+    first: StoreRowsShape,
+    second: StoreRowsShape,
+    #[define(W, C)] _dtypes: [ElemType; 2],
+) {
+    if status[CODE] == OK {
+        let zero_owner = status[FACTS] - 1;
+        let first_vectors = first.tokens * first.row_vectors;
+        let vectors = first_vectors + second.tokens * second.row_vectors;
+        let mut e = ABSOLUTE_POS as u64;
+        while e < vectors {
+            if e < first_vectors {
+                write_vector(first_cache, first_values, loc, first, zero_owner, e);
+            } else {
+                let e = e - first_vectors;
+                write_vector(second_cache, second_values, loc, second, zero_owner, e);
+            }
+            e += first.units;
+        }
+    }
+}
+
+/// Vector `e` of a store's rows: row `e / row_vectors` of `values` into the cache row its slot
+/// names (a token on slot 0 only when it is the slot's last token, `zero_owner`).
+#[cube]
+fn write_vector<W: Int, N: Size, C: Int>(
+    cache: &mut Tensor<Vector<W, N>>,
+    values: &Tensor<Vector<W, N>>,
+    loc: &Tensor<C>,
+    shape: StoreRowsShape,
+    zero_owner: i64,
+    e: u64,
+) {
+    let i = e / shape.row_vectors;
+    let d = e % shape.row_vectors;
+    let slot = i64::cast_from(loc[i as usize * shape.loc_stride as usize]);
+    if slot != 0 || i as i64 == zero_owner {
+        cache[(slot as u64 * shape.cache_row_stride + d) as usize] =
+            values[(i * shape.values_row_stride + d) as usize];
     }
 }

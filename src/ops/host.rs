@@ -6,12 +6,13 @@
 use burn_core::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn_core::backend::{Backend, TensorData, TensorMetadata, try_read_sync};
 use burn_core::tensor::{BoolStore, DType, Slice};
-use kvplan_kernels::status::{COUNT, STATUS_LEN};
+use kvplan_kernels::status::{CODE, COUNT, OK, STATUS_LEN};
 
 use super::{
     AssignPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes, KvRows,
-    OptionalInt, PlanInputsPrimitive, PlanOutput, StoreScratchPrimitive, StoredPrimitive,
-    VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
+    OptionalInt, PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive, StoreScratchPrimitive,
+    StoreTargets, StoreWritePrimitive, VerifyPlanPrimitive, WriteInputsPrimitive,
+    WritePlanPrimitive,
 };
 use crate::error::Error;
 use crate::layout::{COUNTERS, KERNEL_RUN, ROW_WORDS, SLOT_RUN, SourceLayout, WRITE_INDEX};
@@ -200,43 +201,71 @@ fn read_rows<B: Backend>(rows: KvRows<B>) -> Result<TensorData, Error> {
     }
 }
 
-pub(super) fn store_kv<B: Backend>(
-    cache: KvRows<B>,
+pub(super) fn check_store_slots<B: Backend>(
     loc: IntTensor<B>,
-    values: KvRows<B>,
     scratch: StoreScratchPrimitive<B>,
     _base: u32,
-) -> StoredPrimitive<B> {
+    cache_rows: usize,
+) -> StoreCheckPrimitive<B> {
     let device = loc.device();
-    let unchanged = cache.clone();
-    let float = matches!(cache, KvRows::Float(_));
-    let run = || -> Result<(TensorData, usize), Error> {
-        let (bytes, shape, dtype) = read_rows::<B>(cache)?.into_parts();
-        let values = read_rows::<B>(values)?;
+    // The context is re-attached when the status is decoded.
+    let outcome =
+        read_int::<B>(loc).and_then(|(_, loc)| reference::check_store_slots(&loc, cache_rows, ""));
+    StoreCheckPrimitive {
+        scratch,
+        status: upload_status::<B>(status::encode(&outcome), &device),
+    }
+}
+
+pub(super) fn store_rows<B: Backend>(
+    caches: StoreTargets<B>,
+    values: StoreTargets<B>,
+    loc: IntTensor<B>,
+    status: IntTensor<B>,
+) -> StoreWritePrimitive<B> {
+    let device = loc.device();
+    let unchanged = caches.clone();
+    let clear = read_status::<B>(status.clone()).map(|words| words[CODE] == OK);
+    if matches!(clear, Ok(false)) {
+        return StoreWritePrimitive {
+            caches: unchanged,
+            status,
+        };
+    }
+    let run = || -> Result<StoreTargets<B>, Error> {
+        clear?;
         let (_, loc) = read_int::<B>(loc)?;
-        let slots = shape[0];
-        let row_bytes = shape.iter().skip(1).product::<usize>() * dtype.size();
-        let mut bytes = bytes.to_vec();
-        // The context is re-attached when the status is decoded.
-        let stored = reference::store_kv(&mut bytes, [slots, row_bytes], &loc, values.bytes(), "")?;
-        Ok((TensorData::from_bytes_vec(bytes, shape, dtype), stored))
-    };
-    let (cache, outcome) = match run() {
-        Ok((data, stored)) => {
-            let cache = if float {
+        let store = |cache: KvRows<B>, values: KvRows<B>| -> Result<KvRows<B>, Error> {
+            let float = matches!(cache, KvRows::Float(_));
+            let (bytes, shape, dtype) = read_rows::<B>(cache)?.into_parts();
+            let values = read_rows::<B>(values)?;
+            let row_bytes = shape.iter().skip(1).product::<usize>() * dtype.size();
+            let mut bytes = bytes.to_vec();
+            reference::store_kv(&mut bytes, [shape[0], row_bytes], &loc, values.bytes(), "")?;
+            let data = TensorData::from_bytes_vec(bytes, shape, dtype);
+            Ok(if float {
                 KvRows::Float(B::float_from_data(data, &device))
             } else {
                 KvRows::Int(B::int_from_data(data, &device))
-            };
-            (cache, Ok(stored))
-        }
-        // A rule that failed, or a read that did: the cache as it was.
-        Err(error) => (unchanged, Err(error)),
+            })
+        };
+        Ok(match (caches, values) {
+            (StoreTargets::Pair(first, second), StoreTargets::Pair(first_rows, second_rows)) => {
+                StoreTargets::Pair(store(first, first_rows)?, store(second, second_rows)?)
+            }
+            (StoreTargets::One(cache), StoreTargets::One(rows)) => {
+                StoreTargets::One(store(cache, rows)?)
+            }
+            (caches, _) => caches,
+        })
     };
-    StoredPrimitive {
-        cache,
-        scratch,
-        status: upload_status::<B>(status::encode(&outcome), &device),
+    match run() {
+        Ok(caches) => StoreWritePrimitive { caches, status },
+        // A read that failed: the caches as they were.
+        Err(error) => StoreWritePrimitive {
+            caches: unchanged,
+            status: upload_status::<B>(status::encode(&Err(error)), &device),
+        },
     }
 }
 

@@ -11,8 +11,9 @@ use burn_core::backend::{Autodiff, AutodiffBackend, Backend};
 
 use super::{
     AssignPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes,
-    KvPlanBackend, KvRows, OptionalInt, PlanInputsPrimitive, PlanOutput, StoreScratchPrimitive,
-    StoredPrimitive, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
+    KvPlanBackend, KvRows, OptionalInt, PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive,
+    StoreScratchPrimitive, StoreTargets, StoreWritePrimitive, VerifyPlanPrimitive,
+    WriteInputsPrimitive, WritePlanPrimitive,
 };
 
 impl KvPlanBackend for Flex {}
@@ -69,14 +70,22 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         )
     }
 
-    fn store_kv(
-        cache: KvRows<Self>,
+    fn check_store_slots(
         loc: burn_cubecl::tensor::CubeTensor,
-        values: KvRows<Self>,
         scratch: StoreScratchPrimitive<Self>,
         base: u32,
-    ) -> StoredPrimitive<Self> {
-        super::cube::store_kv(cache, loc, values, scratch, base)
+        cache_rows: usize,
+    ) -> StoreCheckPrimitive<Self> {
+        super::cube::check_store_slots(loc, scratch, base, cache_rows)
+    }
+
+    fn store_rows(
+        caches: StoreTargets<Self>,
+        values: StoreTargets<Self>,
+        loc: burn_cubecl::tensor::CubeTensor,
+        status: burn_cubecl::tensor::CubeTensor,
+    ) -> StoreWritePrimitive<Self> {
+        super::cube::store_rows(caches, values, loc, status)
     }
 
     fn canary_write(
@@ -173,6 +182,24 @@ impl<B: Backend, C: CheckpointStrategy> Rebase<KvBytes<B>> for KvBytes<Autodiff<
     }
 }
 
+impl<B: Backend, C: CheckpointStrategy> Rebase<StoreTargets<B>> for StoreTargets<Autodiff<B, C>> {
+    fn rebase(self) -> StoreTargets<B> {
+        match self {
+            Self::One(first) => StoreTargets::One(first.rebase()),
+            Self::Pair(first, second) => StoreTargets::Pair(first.rebase(), second.rebase()),
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> Rebase<StoreTargets<Autodiff<B, C>>> for StoreTargets<B> {
+    fn rebase(self) -> StoreTargets<Autodiff<B, C>> {
+        match self {
+            Self::One(first) => StoreTargets::One(first.rebase()),
+            Self::Pair(first, second) => StoreTargets::Pair(first.rebase(), second.rebase()),
+        }
+    }
+}
+
 impl<B: Backend, C: CheckpointStrategy> Rebase<KvRows<B>> for KvRows<Autodiff<B, C>> {
     fn rebase(self) -> KvRows<B> {
         match self {
@@ -201,11 +228,8 @@ rebase_ints!(StoreScratchPrimitive {
     slot_words,
     control
 });
-rebase_ints!(StoredPrimitive {
-    cache,
-    scratch,
-    status
-});
+rebase_ints!(StoreCheckPrimitive { scratch, status });
+rebase_ints!(StoreWritePrimitive { caches, status });
 rebase_ints!(VerifyPlanPrimitive {
     slot_indices,
     expected_tokens,
@@ -337,14 +361,22 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         .rebase()
     }
 
-    fn store_kv(
-        cache: KvRows<Self>,
+    fn check_store_slots(
         loc: B::IntTensorPrimitive,
-        values: KvRows<Self>,
         scratch: StoreScratchPrimitive<Self>,
         base: u32,
-    ) -> StoredPrimitive<Self> {
-        B::store_kv(cache.rebase(), loc, values.rebase(), scratch.rebase(), base).rebase()
+        cache_rows: usize,
+    ) -> StoreCheckPrimitive<Self> {
+        B::check_store_slots(loc, scratch.rebase(), base, cache_rows).rebase()
+    }
+
+    fn store_rows(
+        caches: StoreTargets<Self>,
+        values: StoreTargets<Self>,
+        loc: B::IntTensorPrimitive,
+        status: B::IntTensorPrimitive,
+    ) -> StoreWritePrimitive<Self> {
+        B::store_rows(caches.rebase(), values.rebase(), loc, status).rebase()
     }
 
     fn canary_write(

@@ -281,18 +281,48 @@ pub struct StoreScratchPrimitive<B: Backend> {
     pub control: IntTensor<B>,
 }
 
-/// The device-side result of a `store_kv`.
+/// The device-side result of a store's slot check.
 #[derive(ExtensionType, Debug, Clone)]
 #[extension_type(fusion: cfg(feature = "fusion"))]
-pub struct StoredPrimitive<B: Backend> {
-    /// The cache: written in place where its buffer was unique; as it was after an error.
-    #[extension_type]
-    pub cache: KvRows<B>,
+pub struct StoreCheckPrimitive<B: Backend> {
     /// The store's scratch, handed back.
     #[extension_type]
     pub scratch: StoreScratchPrimitive<B>,
-    /// i64 status record (`kvplan_kernels::status`); its count is the number of tokens stored.
+    /// i64 status record (`kvplan_kernels::status`); its count is the number of tokens.
     pub status: IntTensor<B>,
+}
+
+/// The caches one store write fills, or the rows it writes into them: one cache, or two (a
+/// layer's K and V) written by one launch.
+#[derive(ExtensionType, Debug, Clone)]
+#[extension_type(fusion: cfg(feature = "fusion"))]
+pub enum StoreTargets<B: Backend> {
+    /// One cache.
+    One(#[extension_type] KvRows<B>),
+    /// Two caches (K and V).
+    Pair(#[extension_type] KvRows<B>, #[extension_type] KvRows<B>),
+}
+
+/// The device-side result of a store write: the caches, and the status to check, the slots'
+/// (handed back) or a launch's refusal.
+#[derive(ExtensionType, Debug, Clone)]
+#[extension_type(fusion: cfg(feature = "fusion"))]
+pub struct StoreWritePrimitive<B: Backend> {
+    /// The caches: written in place where their buffers were unique; as they were after an error.
+    #[extension_type]
+    pub caches: StoreTargets<B>,
+    /// i64 status record (`kvplan_kernels::status`).
+    pub status: IntTensor<B>,
+}
+
+impl<B: Backend> StoreTargets<B> {
+    /// The caches (or rows), in order.
+    pub fn rows(&self) -> Vec<&KvRows<B>> {
+        match self {
+            Self::One(first) => vec![first],
+            Self::Pair(first, second) => vec![first, second],
+        }
+    }
 }
 
 /// The largest slot a `req_to_token` of `dtype` (int32 or int64) holds.
@@ -376,23 +406,39 @@ pub trait KvPlanBackend: Backend {
         )
     }
 
-    /// `store_kv` (spec `slots.md` §2): `cache[loc[i]] = values[i]`. The cache and the store's
-    /// scratch are consumed and handed back (written in place when unique); on any error no row
-    /// is written. `base` is the call's first clock value (`kvplan_kernels::slots`). The host
-    /// rules have been checked by the caller.
-    #[fusion(meta = |cache, _loc, _values, scratch, _base| StoredPrimitiveMetadata {
-        cache: cache.clone(),
+    /// The value rules of a store's slots (spec `slots.md` §2: every slot inside caches of
+    /// `cache_rows` rows, no slot but 0 twice) into a status record whose count is the number of
+    /// tokens. The store's scratch is consumed and handed back; `base` is the call's first clock
+    /// value (`kvplan_kernels::slots`). The host rules have been checked by the caller.
+    #[fusion(meta = |_loc, scratch, _base, _cache_rows| StoreCheckPrimitiveMetadata {
         scratch: scratch.clone(),
         status: status_spec(),
     })]
-    fn store_kv(
-        #[extension_type] cache: KvRows<Self>,
+    fn check_store_slots(
         loc: IntTensor<Self>,
-        #[extension_type] values: KvRows<Self>,
         #[extension_type] scratch: StoreScratchPrimitive<Self>,
         base: u32,
-    ) -> StoredPrimitive<Self> {
-        host::store_kv::<Self>(cache, loc, values, scratch, base)
+        cache_rows: usize,
+    ) -> StoreCheckPrimitive<Self> {
+        host::check_store_slots::<Self>(loc, scratch, base, cache_rows)
+    }
+
+    /// A store's write (spec `slots.md` §2): `cache[loc[i]] = values[i]` for each cache, when
+    /// `status` (the slots' check against the caches' rows, or an earlier write's) is clear. The
+    /// caches are consumed and handed back (written in place when unique), unchanged after an
+    /// error; the status comes back as it was, or holding why this write could not run. The host
+    /// rules have been checked by the caller.
+    #[fusion(meta = |caches, _values, _loc, _status| StoreWritePrimitiveMetadata {
+        caches: caches.clone(),
+        status: status_spec(),
+    })]
+    fn store_rows(
+        #[extension_type] caches: StoreTargets<Self>,
+        #[extension_type] values: StoreTargets<Self>,
+        loc: IntTensor<Self>,
+        status: IntTensor<Self>,
+    ) -> StoreWritePrimitive<Self> {
+        host::store_rows::<Self>(caches, values, loc, status)
     }
 
     /// The value rules of a paged attention's key runs (`KEY_RUN`, `KEY_SLOT`) for pools of

@@ -14,7 +14,7 @@ pub use attention::{Heads, key_runs, paged_attention};
 pub use canary::{CanaryState, RealKvHashMode};
 pub use gather::{masked_gather, segment_gather};
 pub use plan::{ExpectedTokens, PlanArgs, PlanBuffers, plan};
-pub use slots::{Segments, segment_assign, store_kv};
+pub use slots::{Segments, check_store_slots, segment_assign, store_kv};
 
 /// A row-major 2-D integer table (`req_to_token`, the expected-token pool).
 #[derive(Debug, Clone, Copy)]

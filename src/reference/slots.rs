@@ -218,7 +218,7 @@ pub fn store_kv<T: Copy>(
 ) -> Result<usize, Error> {
     debug_assert_eq!(slots.checked_mul(row_len), Some(cache.len()));
     debug_assert_eq!(loc.len().checked_mul(row_len), Some(values.len()));
-    let rows = check_store(loc, slots, context)?;
+    let rows = check_store_slots(loc, slots, context)?;
     for (i, &slot) in loc.iter().enumerate() {
         let (to, from) = (slot as usize * row_len, i * row_len);
         cache[to..to + row_len].copy_from_slice(&values[from..from + row_len]);
@@ -226,8 +226,8 @@ pub fn store_kv<T: Copy>(
     Ok(rows)
 }
 
-/// The rules of [`store_kv`] for a cache of `slots` slots.
-fn check_store(loc: &[i64], slots: usize, context: &str) -> Result<usize, Error> {
+/// The rules of [`store_kv`] for a cache of `slots` slots; the number of tokens.
+pub fn check_store_slots(loc: &[i64], slots: usize, context: &str) -> Result<usize, Error> {
     if let Some(index) = loc
         .iter()
         .position(|&slot| usize::try_from(slot).map_or(true, |slot| slot >= slots))

@@ -13,7 +13,7 @@ mod slots;
 pub use attention::{key_runs, paged_attention};
 pub use gather::{masked_gather, segment_gather};
 pub use plan::{PlanArgs, allocation, plan};
-pub use slots::{segment_assign, store_kv};
+pub use slots::{segment_assign, store_kv, store_slots, store_write};
 
 use core::fmt::Debug;
 

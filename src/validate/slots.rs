@@ -49,8 +49,48 @@ pub fn store_kv<D: PartialEq + Debug>(
     values: &Arg<D>,
     capacity: usize,
 ) -> Result<(), Error> {
+    require_rank(loc, 1, STORE_CONTEXT)?;
+    rows(cache, loc, values)?;
+    fits(cache.dim(0), capacity)
+}
+
+/// A store's slots: `loc` 1-D ints on the store's device, for caches of at most the store's
+/// `capacity` rows.
+pub fn store_slots<D: PartialEq + Debug>(
+    loc: &Arg<D>,
+    device: &D,
+    cache_rows: usize,
+    capacity: usize,
+) -> Result<(), Error> {
+    require_rank(loc, 1, STORE_CONTEXT)?;
+    require_int(loc, STORE_CONTEXT)?;
+    require_device(loc, device, STORE_CONTEXT)?;
+    fits(cache_rows, capacity)
+}
+
+/// One cache and its rows through checked slots: [`store_kv`]'s rules of the two, and the cache
+/// has the rows the slots were checked against.
+pub fn store_write<D: PartialEq + Debug>(
+    cache: &Arg<D>,
+    loc: &Arg<D>,
+    values: &Arg<D>,
+    cache_rows: usize,
+) -> Result<(), Error> {
+    rows(cache, loc, values)?;
+    if cache.dim(0) != cache_rows {
+        return Err(Error::CacheRowsMismatch {
+            context: STORE_CONTEXT.into(),
+            name: cache.name,
+            cache: cache.dims(),
+            cache_rows,
+        });
+    }
+    Ok(())
+}
+
+/// `values` one cache row per slot of `loc`, the cache's dtype (a float or int one), one device.
+fn rows<D: PartialEq + Debug>(cache: &Arg<D>, loc: &Arg<D>, values: &Arg<D>) -> Result<(), Error> {
     let context = STORE_CONTEXT;
-    require_rank(loc, 1, context)?;
     let mut expected = vec![loc.dim(0)];
     expected.extend(cache.shape.iter().skip(1));
     if cache.shape.is_empty() || values.shape != expected {
@@ -81,10 +121,15 @@ pub fn store_kv<D: PartialEq + Debug>(
     for arg in [loc, values] {
         require_device(arg, &cache.device, context)?;
     }
-    if cache.dim(0) > capacity {
+    Ok(())
+}
+
+/// Caches of `rows` rows fit a store allocated for `capacity` slots.
+fn fits(rows: usize, capacity: usize) -> Result<(), Error> {
+    if rows > capacity {
         return Err(Error::StoreCapacity {
-            context: context.into(),
-            slots: cache.dim(0),
+            context: STORE_CONTEXT.into(),
+            slots: rows,
             capacity,
         });
     }

@@ -16,7 +16,7 @@ use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_defe
 use kvplan::reference::{self, PlanArgs, PlanBuffers, Table};
 use kvplan::{
     Canary, CanaryLaunch, GatherOptions, KernelKind, KvBytes, KvPlanBackend, KvRows, KvStore,
-    PlanInputs, RealKvSource, SourceBytes, StepPlan, WriteInputs,
+    PlanInputs, RealKvSource, SourceBytes, StepPlan, StoreTargets, WriteInputs,
 };
 
 use crate::prim;
@@ -798,6 +798,24 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
         deferred,
         Some(exact_us.map_err(e)?.0),
     );
+    // A model's store: the slots checked once a step, then one launch per layer for K and V.
+    let mut slots = store.check_slot_primitives(loc.clone(), 1024).map_err(e)?;
+    let mut pools = Some(StoreTargets::Pair(
+        cache.take().expect("the cache is handed back"),
+        KvRows::Float(B::float_from_data(
+            TensorData::new(vec![0f32; 1024 * kv_width], [1024, kv_width]),
+            device,
+        )),
+    ));
+    let pair = StoreTargets::Pair(k_rows.clone(), k_rows.clone());
+    let deferred = timed::<B>(device, reps, || {
+        let caches = pools.take().expect("the pools are handed back");
+        pools = Some(slots.store_primitives(caches, pair.clone())?);
+        Ok(())
+    })
+    .map_err(e)?;
+    report("store K and V, slots checked (256 rows)", deferred, None);
+    slots.status.check().map_err(e)?;
     Ok(())
 }
 

@@ -337,6 +337,11 @@ macro_rules! suite {
             }
 
             #[test]
+            fn errors_slot_stores() {
+                crate::slots::slot_store_errors::<B>(&device());
+            }
+
+            #[test]
             fn attention_random() {
                 crate::attention::random_cases::<B>(&device());
             }

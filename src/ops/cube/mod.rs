@@ -19,7 +19,7 @@ pub(crate) use attention::{check_key_runs, paged_attention};
 pub(crate) use canary::{canary_verify, canary_write};
 pub(crate) use gather::{masked_gather, segment_gather};
 pub(crate) use plan::canary_plan;
-pub(crate) use slots::{segment_assign, store_kv};
+pub(crate) use slots::{check_store_slots, segment_assign, store_rows};
 
 /// A contiguous i64 tensor of `len` values (uninitialised).
 fn empty_i64(like: &CubeTensor, len: usize) -> CubeTensor {

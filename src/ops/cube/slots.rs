@@ -1,5 +1,5 @@
-//! Launchers of the slot kernels: `segment_assign` and `store_kv`, a check launch then a write
-//! launch each.
+//! Launchers of the slot kernels: `segment_assign`, a check launch then a write launch, and a
+//! store's two ops: the check of its slots, and a write of one cache or two (K and V) per launch.
 
 use burn_core::backend::TensorMetadata;
 use burn_core::tensor::{DType, Shape};
@@ -9,7 +9,8 @@ use cubecl::prelude::*;
 use kvplan_kernels::scan::{CUBE_SIZE, PLANE_WIDTH};
 use kvplan_kernels::slots::{
     AssignShapeLaunch, STORE_CLOCK_LIMIT, StoreRowsShapeLaunch, StoreShapeLaunch,
-    assign_check_kernel, assign_write_kernel, store_check_kernel, store_write_kernel,
+    assign_check_kernel, assign_write_kernel, store_check_kernel, store_pair_write_kernel,
+    store_write_kernel,
 };
 use kvplan_kernels::status::STATUS_LEN;
 
@@ -17,7 +18,10 @@ use super::{
     CUBES_PER_SM, address_type, bindable, contiguous, dims2, fixed_planes, grid, output_i64,
     resident_cubes, storage, stride, upload_i64, widened, writable,
 };
-use crate::ops::{AssignPrimitive, KvRows, StoreScratchPrimitive, StoredPrimitive};
+use crate::ops::{
+    AssignPrimitive, KvRows, StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets,
+    StoreWritePrimitive,
+};
 
 /// A status record on the device holding a launch that could not run.
 fn refused_status(like: &CubeTensor, error: crate::Error) -> CubeTensor {
@@ -192,11 +196,11 @@ struct RowWords {
 }
 
 impl RowWords {
-    fn of(row_bytes: usize, tensors: [&CubeTensor; 2]) -> Self {
-        // Everything a vector's start is a multiple of: the row, the row strides (of tensors with
-        // more than one row), the buffers' offsets.
-        let mut multiple = row_bytes;
-        for tensor in tensors {
+    fn of(row_bytes: impl IntoIterator<Item = usize>, tensors: &[&CubeTensor]) -> Self {
+        // Everything a vector's start is a multiple of: the rows, the row strides (of tensors
+        // with more than one row), the buffers' offsets.
+        let mut multiple = row_bytes.into_iter().fold(0, gcd);
+        for &tensor in tensors {
             if tensor.shape()[0] > 1 {
                 multiple = gcd(multiple, stride(tensor, 0) as usize * tensor.dtype.size());
             }
@@ -244,124 +248,240 @@ fn gcd(a: usize, b: usize) -> usize {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
-pub(crate) fn store_kv(
-    cache: KvRows<CubeBackend>,
+pub(crate) fn check_store_slots(
     loc: CubeTensor,
-    values: KvRows<CubeBackend>,
     scratch: StoreScratchPrimitive<CubeBackend>,
     base: u32,
-) -> StoredPrimitive<CubeBackend> {
-    let (cache, float) = match cache {
-        KvRows::Float(tensor) => (tensor, true),
-        KvRows::Int(tensor) => (tensor, false),
-    };
-    let values = match values {
-        KvRows::Float(tensor) | KvRows::Int(tensor) => tensor,
-    };
-    let rows = |tensor: CubeTensor| {
-        if float {
-            KvRows::Float(tensor)
-        } else {
-            KvRows::Int(tensor)
-        }
-    };
-    let cache = with_rows(owned(cache));
-    let values = with_rows(values);
-    let slots = cache.shape()[0];
+    cache_rows: usize,
+) -> StoreCheckPrimitive<CubeBackend> {
     let tokens = loc.shape()[0];
-    let row_bytes = row_layout(&cache).map_or(0, |(bytes, _)| bytes);
-    let status = output_i64(&cache, STATUS_LEN);
-    let words = RowWords::of(row_bytes, [&cache, &values]);
-    let row_vectors = row_bytes / (words.word * words.lanes);
+    let status = output_i64(&loc, STATUS_LEN);
     let base = u64::from(base);
     // A call owns the clock values `[base, base + N)` (the store starts again below the limit
     // whenever it can; only a single call of 2^31 tokens cannot).
-    let clock = if base + tokens as u64 > STORE_CLOCK_LIMIT {
+    let address = if base + tokens as u64 > STORE_CLOCK_LIMIT {
         Err(crate::Error::IndexRange {
             elements: tokens as u64,
             limit: STORE_CLOCK_LIMIT - base,
         })
     } else {
-        address_type(
-            [&cache, &values, &loc, &scratch.slot_words, &scratch.control],
-            &[tokens * row_vectors],
-        )
+        address_type([&loc, &scratch.slot_words, &scratch.control], &[tokens])
     };
-    let address = match clock {
+    let address = match address {
         Ok(address) => address,
         Err(error) => {
-            return StoredPrimitive {
-                status: refused_status(&cache, error),
-                cache: rows(cache),
+            return StoreCheckPrimitive {
+                status: refused_status(&loc, error),
                 scratch,
             };
         }
     };
     let slot_words = writable(scratch.slot_words);
     let control = writable(scratch.control);
-    let loc_bound = bindable(widened(loc));
-    let client = cache.client.clone();
+    let loc = bindable(widened(loc));
     // A unit per token (see the kernel).
     let (check_grid, check_cubes) = grid(tokens.div_ceil(CUBE_SIZE as usize));
-    let check_shape = StoreShapeLaunch::new(
+    let shape = StoreShapeLaunch::new(
         tokens as u64,
-        slots as u64,
+        cache_rows as u64,
         base,
         check_cubes as u64,
-        stride(&loc_bound, 0),
+        stride(&loc, 0),
     );
-    let c = storage(&loc_bound);
-    // SAFETY: every index the kernels form is bounds-checked against the shapes passed here.
+    let c = storage(&loc);
+    // SAFETY: every index the kernel forms is bounds-checked against the shape passed here.
     unsafe {
         store_check_kernel::launch_unchecked(
-            &client,
+            &loc.client.clone(),
             check_grid,
             CubeDim::new_1d(CUBE_SIZE),
             address,
-            loc_bound.clone().into_tensor_arg(),
+            loc.into_tensor_arg(),
             slot_words.clone().into_tensor_arg(),
             control.clone().into_tensor_arg(),
             status.clone().into_tensor_arg(),
-            check_shape,
+            shape,
             c,
         );
-        // Nothing to write without rows, and nowhere to write into an empty cache (every slot is
-        // outside it: the check fails).
-        if tokens > 0 && row_vectors > 0 && slots > 0 {
-            let (write_grid, write_units) = stride_grid(&cache, tokens * row_vectors);
-            let write_shape = StoreRowsShapeLaunch::new(
-                tokens as u64,
-                row_vectors as u64,
-                words.row_stride(&cache),
-                words.row_stride(&values),
-                stride(&loc_bound, 0),
-                write_units as u64,
-            );
-            let (cache_words, values_words) = (words.view(&cache), words.view(&values));
-            let w = storage(&cache_words);
-            store_write_kernel::launch_unchecked(
-                &client,
-                write_grid,
-                CubeDim::new_1d(CUBE_SIZE),
-                address,
-                words.lanes,
-                cache_words.into_tensor_arg(),
-                values_words.into_tensor_arg(),
-                loc_bound.into_tensor_arg(),
-                status.clone().into_tensor_arg(),
-                write_shape,
-                [w, c],
-            );
-        }
     }
-    StoredPrimitive {
-        cache: rows(cache),
+    StoreCheckPrimitive {
         scratch: StoreScratchPrimitive {
             slot_words,
             control,
         },
         status,
     }
+}
+
+/// One cache of a store write, ready to bind: the cache (owned, whole rows), its rows, and
+/// whether it holds floats.
+struct Target {
+    cache: CubeTensor,
+    values: CubeTensor,
+    float: bool,
+}
+
+impl Target {
+    fn new(cache: KvRows<CubeBackend>, values: KvRows<CubeBackend>) -> Self {
+        let (cache, float) = match cache {
+            KvRows::Float(tensor) => (tensor, true),
+            KvRows::Int(tensor) => (tensor, false),
+        };
+        let values = match values {
+            KvRows::Float(tensor) | KvRows::Int(tensor) => tensor,
+        };
+        Self {
+            cache: with_rows(owned(cache)),
+            values: with_rows(values),
+            float,
+        }
+    }
+
+    fn row_bytes(&self) -> usize {
+        row_layout(&self.cache).map_or(0, |(bytes, _)| bytes)
+    }
+
+    /// Whether a launch has anything to write here (and buffers to bind: an empty cache or
+    /// zero-width rows have none).
+    fn has_work(&self) -> bool {
+        self.cache.shape()[0] > 0 && self.values.shape()[0] > 0 && self.row_bytes() > 0
+    }
+
+    /// The write's scalars for this cache, in vectors of `words`.
+    fn shape(&self, words: RowWords, loc: &CubeTensor, units: usize) -> StoreRowsShapeLaunch {
+        StoreRowsShapeLaunch::new(
+            self.values.shape()[0] as u64,
+            (self.row_bytes() / (words.word * words.lanes)) as u64,
+            words.row_stride(&self.cache),
+            words.row_stride(&self.values),
+            stride(loc, 0),
+            units as u64,
+        )
+    }
+
+    fn into_rows(self) -> KvRows<CubeBackend> {
+        if self.float {
+            KvRows::Float(self.cache)
+        } else {
+            KvRows::Int(self.cache)
+        }
+    }
+}
+
+pub(crate) fn store_rows(
+    caches: StoreTargets<CubeBackend>,
+    values: StoreTargets<CubeBackend>,
+    loc: CubeTensor,
+    status: CubeTensor,
+) -> StoreWritePrimitive<CubeBackend> {
+    let targets = match (caches, values) {
+        (StoreTargets::One(cache), StoreTargets::One(values)) => vec![Target::new(cache, values)],
+        (StoreTargets::Pair(first, second), StoreTargets::Pair(first_values, second_values)) => {
+            vec![
+                Target::new(first, first_values),
+                Target::new(second, second_values),
+            ]
+        }
+        // The public API pairs them; nothing to write otherwise.
+        (caches, _) => return StoreWritePrimitive { caches, status },
+    };
+    let status = match write_targets(&targets, loc, status.clone()) {
+        Ok(()) => status,
+        Err(error) => refused_status(&status, error),
+    };
+    let mut targets = targets.into_iter().map(Target::into_rows);
+    let caches = match (targets.next(), targets.next()) {
+        (Some(first), Some(second)) => StoreTargets::Pair(first, second),
+        (Some(first), None) => StoreTargets::One(first),
+        _ => unreachable!("one or two targets"),
+    };
+    StoreWritePrimitive { caches, status }
+}
+
+/// One launch writing every target with work: the single kernel, or the pair kernel for two; or
+/// the reason it cannot run.
+fn write_targets(
+    targets: &[Target],
+    loc: CubeTensor,
+    status: CubeTensor,
+) -> Result<(), crate::Error> {
+    let busy: Vec<usize> = (0..targets.len())
+        .filter(|&at| targets[at].has_work())
+        .collect();
+    let Some(&first) = busy.first() else {
+        return Ok(());
+    };
+    let tensors: Vec<&CubeTensor> = busy
+        .iter()
+        .flat_map(|&at| [&targets[at].cache, &targets[at].values])
+        .collect();
+    let words = RowWords::of(busy.iter().map(|&at| targets[at].row_bytes()), &tensors);
+    let vectors: usize = busy
+        .iter()
+        .map(|&at| {
+            targets[at].values.shape()[0] * targets[at].row_bytes() / (words.word * words.lanes)
+        })
+        .sum();
+    let mut bound: Vec<&CubeTensor> = tensors.clone();
+    bound.extend([&loc, &status]);
+    let address = address_type(bound, &[vectors])?;
+    let (grid, units) = stride_grid(&targets[first].cache, vectors);
+    let client = loc.client.clone();
+    let loc = bindable(widened(loc));
+    let c = storage(&loc);
+    let view = |at: usize| {
+        let target = &targets[at];
+        (
+            words.view(&target.cache).into_tensor_arg(),
+            words.view(&target.values).into_tensor_arg(),
+            target.shape(words, &loc, units),
+        )
+    };
+    let w = storage(&words.view(&targets[first].cache));
+    // SAFETY: every index the kernels form is bounds-checked against the shapes passed here, and
+    // a clear status means every slot is inside caches of these rows (checked by the caller).
+    unsafe {
+        match busy[..] {
+            [one] => {
+                let (cache, values, shape) = view(one);
+                store_write_kernel::launch_unchecked(
+                    &client,
+                    grid,
+                    CubeDim::new_1d(CUBE_SIZE),
+                    address,
+                    words.lanes,
+                    cache,
+                    values,
+                    loc.clone().into_tensor_arg(),
+                    status.into_tensor_arg(),
+                    shape,
+                    [w, c],
+                );
+            }
+            [one, two] => {
+                let (first_cache, first_values, first_shape) = view(one);
+                let (second_cache, second_values, second_shape) = view(two);
+                store_pair_write_kernel::launch_unchecked(
+                    &client,
+                    grid,
+                    CubeDim::new_1d(CUBE_SIZE),
+                    address,
+                    words.lanes,
+                    first_cache,
+                    first_values,
+                    second_cache,
+                    second_values,
+                    loc.clone().into_tensor_arg(),
+                    status.into_tensor_arg(),
+                    first_shape,
+                    second_shape,
+                    [w, c],
+                );
+            }
+            _ => unreachable!("one or two targets"),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

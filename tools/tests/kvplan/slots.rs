@@ -1,7 +1,8 @@
 //! `segment_assign` and `store_kv` through the backend API (`kvplan::slots::backend`,
 //! `KvStore<B>`), against the host reference: random cases with poisoned outputs (every cell
 //! compared, written or not), every error kind with its exact facts in checked and deferred mode,
-//! outputs unchanged after an error, shared and strided inputs, and the store's clock.
+//! outputs unchanged after an error, shared and strided inputs, the store's clock, and stores
+//! through slots checked once (`KvStore::check_slot_primitives`), one cache or K and V a launch.
 
 use burn_core::backend::tensor::IntTensor;
 use burn_core::backend::{TensorData, read_sync};
@@ -9,7 +10,7 @@ use burn_core::tensor::DType;
 use kvplan::gather::backend::segment_gather_deferred;
 use kvplan::reference::{Segments, segment_assign, store_kv};
 use kvplan::slots::backend;
-use kvplan::{Dims, Error, GatherOptions, KvPlanBackend, KvRows, KvStore, Site};
+use kvplan::{Dims, Error, GatherOptions, KvPlanBackend, KvRows, KvStore, Site, StoreTargets};
 use kvplan_tools::conformance::check_file;
 use kvplan_tools::prim::read_prefix;
 
@@ -634,7 +635,14 @@ pub fn run_store<B: KvPlanBackend>(
         (Err(error), Err(want_error)) => assert_eq!(error, want_error, "{what}: error"),
         (got, want) => panic!("{what}: got {got:?}, want {want:?}"),
     }
-    let bytes = read_bytes::<B>(got.0.clone());
+    assert_cache::<B>(got.0.clone(), cache, what);
+    got.0
+}
+
+/// Every byte of a cache on the device against `cache`.
+#[track_caller]
+fn assert_cache<B: KvPlanBackend>(got: KvRows<B>, cache: &Rows, what: &str) {
+    let bytes = read_bytes::<B>(got);
     let want = cache.bytes();
     if let Some(at) = (0..want.len()).find(|&at| bytes.get(at) != Some(&want[at])) {
         let size = cache.dtype.size();
@@ -647,7 +655,6 @@ pub fn run_store<B: KvPlanBackend>(
         );
     }
     assert_eq!(bytes.len(), want.len(), "{what}: cache bytes");
-    got.0
 }
 
 /// Random calls of up to `tokens` tokens: distinct slots but 0, padding tokens on slot 0, and,
@@ -678,7 +685,8 @@ pub fn random_loc(rng: &mut Rng, slots: usize, tokens: usize, broken: bool) -> V
 
 /// Random stores against the reference: one store shared by two caches (K and V), calls in
 /// sequence (slots reused across calls), every dtype, rows of odd widths, and calls of thousands
-/// of tokens (a check over many cubes), valid and broken.
+/// of tokens (a check over many cubes), valid and broken; each call checked, deferred, or through
+/// checked slots (K and V in one launch, or one launch each).
 pub fn random_stores<B: KvPlanBackend>(device: &B::Device) {
     let mut rng = Rng::new(0x7374_6f72_6573);
     let dtypes = [
@@ -696,7 +704,7 @@ pub fn random_stores<B: KvPlanBackend>(device: &B::Device) {
         (64, 40, [5, 64]),
         (5000, 3000, [2, 12]),
     ] {
-        for deferred in [false, true] {
+        for mode in [Mode::Checked, Mode::Deferred, Mode::Slots] {
             let mut store = KvStore::<B>::allocate_on(slots + 3, device).unwrap();
             let dtype = rng.pick(&dtypes);
             let width = rng.pick(&widths);
@@ -706,18 +714,109 @@ pub fn random_stores<B: KvPlanBackend>(device: &B::Device) {
             for call in 0..6 {
                 let broken = call % 3 == 2;
                 let loc = random_loc(&mut rng, slots, tokens, broken);
-                let what = format!("S {slots} {dtype:?}x{width} call {call} deferred {deferred}");
-                let rows = Rows::random(&mut rng, dtype, vec![loc.len(), width]);
+                let what = format!("S {slots} {dtype:?}x{width} call {call} {mode:?}");
+                let k_rows = Rows::random(&mut rng, dtype, vec![loc.len(), width]);
+                let v_rows = Rows::random(&mut rng, DType::F32, vec![loc.len(), 2, 3]);
+                if mode == Mode::Slots {
+                    let pair = call % 2 == 0;
+                    (k_now, v_now) = run_slot_stores::<B>(
+                        &mut store,
+                        [k_now, v_now],
+                        [&mut k, &mut v],
+                        &loc,
+                        [&k_rows, &v_rows],
+                        pair,
+                        device,
+                        &what,
+                    );
+                    continue;
+                }
+                let deferred = mode == Mode::Deferred;
                 k_now = run_store::<B>(
-                    &mut store, k_now, &mut k, &loc, &rows, deferred, device, &what,
+                    &mut store, k_now, &mut k, &loc, &k_rows, deferred, device, &what,
                 );
-                let rows = Rows::random(&mut rng, DType::F32, vec![loc.len(), 2, 3]);
                 v_now = run_store::<B>(
-                    &mut store, v_now, &mut v, &loc, &rows, deferred, device, &what,
+                    &mut store, v_now, &mut v, &loc, &v_rows, deferred, device, &what,
                 );
             }
         }
     }
+}
+
+/// How a random store call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Checked,
+    Deferred,
+    Slots,
+}
+
+/// K and V stored at `loc` through slots checked once, in one launch (`pair`) or one each, against
+/// the reference: both caches after it (`caches` are updated), or the exact error and both
+/// caches unchanged.
+#[track_caller]
+#[allow(clippy::too_many_arguments)]
+fn run_slot_stores<B: KvPlanBackend>(
+    store: &mut KvStore<B>,
+    [k_now, v_now]: [KvRows<B>; 2],
+    mut caches: [&mut Rows; 2],
+    loc: &[i64],
+    rows: [&Rows; 2],
+    pair: bool,
+    device: &B::Device,
+    what: &str,
+) -> (KvRows<B>, KvRows<B>) {
+    let mut wants = Vec::new();
+    let mut outcome = Ok(loc.len());
+    for (cache, rows) in caches.iter().zip(rows) {
+        let mut want = cache.data.clone();
+        outcome = store_kv(
+            &mut want,
+            [cache.shape[0], cache.row_len()],
+            loc,
+            &rows.data,
+            STORE,
+        );
+        wants.push(want);
+    }
+    let cache_rows = caches[0].shape[0];
+    let mut slots = store
+        .check_slot_primitives(list::<B>(loc, DType::I64, device), cache_rows)
+        .unwrap_or_else(|error| panic!("{what}: host rules pass, got {error}"));
+    let (k_rows, v_rows) = (rows[0].primitive(device), rows[1].primitive(device));
+    let (k_now, v_now) = if pair {
+        let stored = slots
+            .store_primitives(
+                StoreTargets::Pair(k_now, v_now),
+                StoreTargets::Pair(k_rows, v_rows),
+            )
+            .unwrap_or_else(|error| panic!("{what}: host rules pass, got {error}"));
+        match stored {
+            StoreTargets::Pair(k, v) => (k, v),
+            StoreTargets::One(_) => panic!("{what}: a pair comes back as a pair"),
+        }
+    } else {
+        let mut one = |cache: KvRows<B>, rows: KvRows<B>| match slots
+            .store_primitives(StoreTargets::One(cache), StoreTargets::One(rows))
+        {
+            Ok(StoreTargets::One(cache)) => cache,
+            other => panic!("{what}: one cache back, got {other:?}"),
+        };
+        (one(k_now, k_rows), one(v_now, v_rows))
+    };
+    match (slots.status.check(), outcome) {
+        (Ok(count), Ok(want_count)) => {
+            assert_eq!(count, want_count, "{what}: stored");
+            for (cache, want) in caches.iter_mut().zip(wants) {
+                cache.data = want;
+            }
+        }
+        (Err(error), Err(want_error)) => assert_eq!(error, want_error, "{what}: error"),
+        (got, want) => panic!("{what}: got {got:?}, want {want:?}"),
+    }
+    assert_cache::<B>(k_now.clone(), caches[0], &format!("{what}, K"));
+    assert_cache::<B>(v_now.clone(), caches[1], &format!("{what}, V"));
+    (k_now, v_now)
 }
 
 /// Host rules of a store, at once in both forms, and a cache (a clone the caller keeps) never
@@ -849,6 +948,168 @@ pub fn store_errors<B: KvPlanBackend>(device: &B::Device) {
     );
 }
 
+/// Host and value rules of stores through checked slots: the check's rules at once, each
+/// cache's at its store (naming the cache), and a value error in the slots keeping every cache
+/// stored through them unchanged.
+pub fn slot_store_errors<B: KvPlanBackend>(device: &B::Device) {
+    let context = || STORE.to_string();
+    let mut rng = Rng::new(0x736c_6f74);
+    let k = Rows::random(&mut rng, DType::F32, vec![8, 4]);
+    let v = Rows::random(&mut rng, DType::F32, vec![8, 2]);
+    let rows =
+        |n: usize, width: usize| Rows::random(&mut Rng::new(n as u64), DType::F32, vec![n, width]);
+    let l = |values: &[i64]| list::<B>(values, DType::I64, device);
+    let mut store = KvStore::<B>::allocate_on(8, device).unwrap();
+    let check = |store: &mut KvStore<B>, loc: IntTensor<B>, cache_rows: usize| {
+        store.check_slot_primitives(loc, cache_rows).err()
+    };
+    assert_eq!(
+        check(&mut store, l(&[1]), 9),
+        Some(Error::StoreCapacity {
+            context: context(),
+            slots: 9,
+            capacity: 8,
+        })
+    );
+    assert_eq!(
+        check(
+            &mut store,
+            ints::<B, 2>(&[1, 2], [2, 1], DType::I64, device),
+            8
+        ),
+        Some(Error::Not1d {
+            context: context(),
+            name: "loc",
+            shape: Dims(vec![2, 1]),
+        })
+    );
+    assert_eq!(
+        check(&mut store, list::<B>(&[1], DType::I16, device), 8),
+        Some(Error::DtypeMismatch {
+            context: context(),
+            name: "loc",
+            got: "int16".into(),
+            accepted: INT_DTYPES,
+        })
+    );
+    let pair = |k: KvRows<B>, v: KvRows<B>| StoreTargets::Pair(k, v);
+    let mut slots = store.check_slot_primitives(l(&[1, 2]), 8).unwrap();
+    let short = Rows::random(&mut rng, DType::F32, vec![7, 2]);
+    for (caches, values, want) in [
+        (
+            pair(k.primitive(device), short.primitive(device)),
+            pair(rows(2, 4).primitive(device), rows(2, 2).primitive(device)),
+            Error::CacheRowsMismatch {
+                context: context(),
+                name: "v_cache",
+                cache: Dims(vec![7, 2]),
+                cache_rows: 8,
+            },
+        ),
+        (
+            StoreTargets::One(k.primitive(device)),
+            pair(rows(2, 4).primitive(device), rows(2, 2).primitive(device)),
+            Error::StoreTargetsMismatch {
+                context: context(),
+                caches: 1,
+                values: 2,
+            },
+        ),
+        (
+            pair(k.primitive(device), v.primitive(device)),
+            pair(rows(3, 4).primitive(device), rows(2, 2).primitive(device)),
+            Error::ValueShapeMismatch {
+                context: context(),
+                values: Dims(vec![3, 4]),
+                expected: Dims(vec![2, 4]),
+                cache: Dims(vec![8, 4]),
+            },
+        ),
+        (
+            pair(k.primitive(device), v.primitive(device)),
+            pair(
+                rows(2, 4).primitive(device),
+                Rows::random(&mut rng, DType::I32, vec![2, 2]).primitive(device),
+            ),
+            Error::ValueDtypeMismatch {
+                context: context(),
+                values: "int32".into(),
+                cache: "f32".into(),
+            },
+        ),
+    ] {
+        assert_eq!(slots.store_primitives(caches, values).err(), Some(want));
+    }
+    // Host errors leave the slots as they were: a valid store through them still runs.
+    let (k_rows, v_rows) = (rows(2, 4), rows(2, 2));
+    let (k_clone, v_clone) = (k.primitive::<B>(device), v.primitive::<B>(device));
+    let stored = slots
+        .store_primitives(
+            pair(k_clone.clone(), v_clone.clone()),
+            pair(k_rows.primitive(device), v_rows.primitive(device)),
+        )
+        .unwrap();
+    assert_eq!(slots.status.check(), Ok(2));
+    let StoreTargets::Pair(k_now, v_now) = stored else {
+        panic!("a pair comes back as a pair");
+    };
+    let (mut k_want, mut v_want) = (k.clone(), v.clone());
+    k_want.data[4..12].copy_from_slice(&k_rows.data);
+    v_want.data[2..6].copy_from_slice(&v_rows.data);
+    assert_cache::<B>(k_now, &k_want, "K stored");
+    assert_cache::<B>(v_now, &v_want, "V stored");
+    assert_cache::<B>(k_clone, &k, "the caller's K clone");
+    assert_cache::<B>(v_clone, &v, "the caller's V clone");
+
+    // Value rules: found by the check, every store through the slots leaves its caches as they
+    // were, and the status keeps the check's error.
+    for (loc, want) in [
+        (
+            vec![3, 9, -1],
+            Error::LocOutOfRange {
+                context: context(),
+                index: 1,
+                slot: 9,
+                slots: 8,
+            },
+        ),
+        (
+            vec![0, 3, 0, 5, 3, 5],
+            Error::DuplicateSlot {
+                context: context(),
+                index: 4,
+                first: 1,
+                slot: 3,
+            },
+        ),
+    ] {
+        let mut slots = store.check_slot_primitives(l(&loc), 8).unwrap();
+        let n = loc.len();
+        let stored = slots
+            .store_primitives(
+                pair(k.primitive(device), v.primitive(device)),
+                pair(rows(n, 4).primitive(device), rows(n, 2).primitive(device)),
+            )
+            .unwrap();
+        let StoreTargets::Pair(k_now, v_now) = stored else {
+            panic!("a pair comes back as a pair");
+        };
+        let stored = slots
+            .store_primitives(
+                StoreTargets::One(k.primitive(device)),
+                StoreTargets::One(rows(n, 4).primitive(device)),
+            )
+            .unwrap();
+        let StoreTargets::One(k_one) = stored else {
+            panic!("one cache comes back as one");
+        };
+        assert_eq!(slots.status.check(), Err(want), "{loc:?}");
+        assert_cache::<B>(k_now, &k, "K unchanged");
+        assert_cache::<B>(v_now, &v, "V unchanged");
+        assert_cache::<B>(k_one, &k, "K unchanged, one cache");
+    }
+}
+
 /// Strided rows: `values` a transposed view (copied to rows first) and a slice of a larger
 /// tensor (read in place), and a 1-D cache (one element per slot).
 pub fn store_layouts<B: KvPlanBackend>(device: &B::Device) {
@@ -967,6 +1228,22 @@ pub fn device_errors<B: KvPlanBackend>(device: &B::Device, other: &B::Device) {
         values.primitive(device),
     );
     assert_eq!(got.err(), Some(want(STORE, "loc")));
+    // Everything on the other device but the store (its scratch).
+    let got = backend::store::<B>(
+        &mut store,
+        cache.primitive(other),
+        l(&[1], other),
+        values.primitive(other),
+    );
+    assert_eq!(got.err(), Some(want(STORE, "loc")));
+    let got = store.check_slot_primitives(l(&[1], other), 8);
+    assert_eq!(got.err(), Some(want(STORE, "loc")));
+    let mut slots = store.check_slot_primitives(l(&[1], device), 8).unwrap();
+    let got = slots.store_primitives(
+        StoreTargets::Pair(cache.primitive(device), cache.primitive(device)),
+        StoreTargets::Pair(values.primitive(device), values.primitive(other)),
+    );
+    assert_eq!(got.err(), Some(want(STORE, "v")));
 }
 
 /// `index_range` end to end (in the narrow-device child, 32-bit launches spanning `span`
@@ -1008,6 +1285,37 @@ pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
         cache.bytes(),
         "cache unchanged"
     );
+    // Slots within the span pass their check; a write into a cache past it is refused by the
+    // write, which leaves both caches unchanged, and so is every later write through the slots.
+    let mut slots = store.check_slot_primitives(l(&[1]), span).unwrap();
+    let k = Rows::random(&mut Rng::new(5), DType::F32, vec![span, 1]);
+    let stored = slots
+        .store_primitives(
+            StoreTargets::Pair(k.primitive(device), cache.primitive(device)),
+            StoreTargets::Pair(
+                Rows::random(&mut Rng::new(6), DType::F32, vec![1, 1]).primitive(device),
+                rows.primitive(device),
+            ),
+        )
+        .expect("host rules pass: the refusal is the launch's");
+    let StoreTargets::Pair(k_now, v_now) = stored else {
+        panic!("a pair comes back as a pair");
+    };
+    assert_cache::<B>(k_now, &k, "K unchanged");
+    assert_cache::<B>(v_now, &cache, "V unchanged");
+    let stored = slots
+        .store_primitives(
+            StoreTargets::One(k.primitive(device)),
+            StoreTargets::One(
+                Rows::random(&mut Rng::new(7), DType::F32, vec![1, 1]).primitive(device),
+            ),
+        )
+        .unwrap();
+    let StoreTargets::One(k_now) = stored else {
+        panic!("one cache comes back as one");
+    };
+    assert_cache::<B>(k_now, &k, "K unchanged by a later store");
+    refused(slots.status.check(), "a store through checked slots");
     // Within the span both run.
     let small = ints::<B, 2>(&[0; 8], [2, 4], DType::I32, device);
     let got = backend::segment_assign::<B>(small, l(&[1]), l(&[1]), l(&[2]), l(&[5, 6])).unwrap();

@@ -614,4 +614,88 @@ pub fn slots(device: &Device) {
         k.bytes(),
         "K unchanged"
     );
+
+    // A model's stores: the slots checked once, then K and V of every layer in one launch each;
+    // call 1 stores a float and an int cache one launch each.
+    let mut layers: Vec<[Rows; 2]> = (0..3)
+        .map(|_| [0, 1].map(|_| Rows::random(&mut rng, DType::F32, vec![24, 6])))
+        .collect();
+    let mut pools: Vec<[Tensor<2>; 2]> = layers.iter().map(|[k, v]| [float(k), float(v)]).collect();
+    let mut v_int = Rows::random(&mut rng, DType::I32, vec![24, 3]);
+    let mut v_int_now = int(&v_int);
+    for (call, loc) in [vec![3, 0, 7, 0, 9], vec![7, 3, 20]]
+        .into_iter()
+        .enumerate()
+    {
+        let mut slots = store
+            .check_slots(list(&loc, DType::I32, device), 24)
+            .unwrap();
+        assert_eq!(slots.cache_rows(), 24);
+        for (layer, [k, v]) in layers.iter_mut().enumerate() {
+            let rows = [0, 1].map(|_| Rows::random(&mut rng, DType::F32, vec![loc.len(), 6]));
+            for (cache, values) in [(&mut *k, &rows[0]), (&mut *v, &rows[1])] {
+                kvplan::reference::store_kv(&mut cache.data, [24, 6], &loc, &values.data, "")
+                    .unwrap();
+            }
+            let [k_pool, v_pool] = pools.remove(layer);
+            let (k_pool, v_pool) = if call == 1 && layer == 0 {
+                let k_pool = slots.store(k_pool, float(&rows[0])).unwrap();
+                (k_pool, slots.store(v_pool, float(&rows[1])).unwrap())
+            } else {
+                slots
+                    .store_kv(k_pool, v_pool, float(&rows[0]), float(&rows[1]))
+                    .unwrap()
+            };
+            pools.insert(layer, [k_pool, v_pool]);
+        }
+        let v_rows = Rows::random(&mut rng, DType::I32, vec![loc.len(), 3]);
+        kvplan::reference::store_kv(&mut v_int.data, [24, 3], &loc, &v_rows.data, "").unwrap();
+        v_int_now = slots.store_int(v_int_now, int(&v_rows)).unwrap();
+        assert_eq!(kvplan::check_all(&[&slots.status]), Ok(vec![loc.len()]));
+        for ([k, v], [k_pool, v_pool]) in layers.iter().zip(&pools) {
+            assert_eq!(
+                k_pool.clone().into_data().bytes().to_vec(),
+                k.bytes(),
+                "call {call}: K"
+            );
+            assert_eq!(
+                v_pool.clone().into_data().bytes().to_vec(),
+                v.bytes(),
+                "call {call}: V"
+            );
+        }
+        assert_eq!(
+            v_int_now.clone().into_data().bytes().to_vec(),
+            v_int.bytes(),
+            "call {call}: int V"
+        );
+    }
+    // A duplicate in the checked slots: no store through them writes, the status names it.
+    let mut slots = store
+        .check_slots(list(&[4, 8, 4], DType::I64, device), 24)
+        .unwrap();
+    let [k_pool, v_pool] = pools.remove(0);
+    let rows = Rows::random(&mut rng, DType::F32, vec![3, 6]);
+    let (k_pool, v_pool) = slots
+        .store_kv(k_pool, v_pool, float(&rows), float(&rows))
+        .unwrap();
+    assert_eq!(
+        slots.status.check(),
+        Err(Error::DuplicateSlot {
+            context: crate::slots::STORE.into(),
+            index: 2,
+            first: 0,
+            slot: 4,
+        })
+    );
+    assert_eq!(
+        k_pool.into_data().bytes().to_vec(),
+        layers[0][0].bytes(),
+        "K unchanged"
+    );
+    assert_eq!(
+        v_pool.into_data().bytes().to_vec(),
+        layers[0][1].bytes(),
+        "V unchanged"
+    );
 }
