@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|ab|ncu-ab|nocupti|unfused|decode|decode-check|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|anchor|profile]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -15,6 +15,9 @@ mkdir -p "$OUT" /tmp/kvplan-bin
 # The Burn 0.21 build of the last pre-port main (099ad25), for the A/B (`scripts/pack-gpu.sh ab`).
 BIN021=/tmp/kvplan-bin/kvplan-021
 [ -f gpu/bin021.xz ] && xz -dc gpu/bin021.xz > "$BIN021" && chmod +x "$BIN021"
+# A baseline build for `decode-ab` (`scripts/pack-gpu.sh old REV`).
+BINOLD=/tmp/kvplan-bin/kvplan-old
+[ -f gpu/binold.xz ] && xz -dc gpu/binold.xz > "$BINOLD" && chmod +x "$BINOLD"
 for part in gpu/model.part-*; do [ -f "$part" ] && cp "$part" /tmp/kvplan-bin/; done
 MODEL=/tmp/kvplan-bin/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$MODEL" ] && [ -f /tmp/kvplan-bin/model.part-aa ] && [ -f /tmp/kvplan-bin/model.part-ab ]; then
@@ -140,13 +143,14 @@ PY
       done
       "$BIN" generate --backend cuda --no-warm-up "What is the capital of France?" 2>&1 | tail -3
       ;;
-    decode)
+    decode|decode-ab)
       # Tokens/s, 128 new tokens, batch 1 (4 prompts one at a time), 8 and 32; spec off, n-gram
       # (k = 4 and 10: transformers' prompt lookup drafts 10), self (26 blocks, k = 4, stopping
       # under 0.4; self0: never stopping, as transformers' early exit; self14: 14 blocks).
-      # BATCHES and SPECS pick rows.
+      # BATCHES and SPECS pick rows. decode-ab runs the baseline build before this one for each row.
       # CubeCL keeps compiled kernels between the runs (its autotune results it keeps by default).
       [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
+      builds=new; [ "$part" = decode-ab ] && builds="old new"
       for bs in ${BATCHES:-1 8 32}; do
         limit=$bs; [ "$bs" = 1 ] && limit=4
         for spec in ${SPECS:-off ngram ngram10 self}; do
@@ -156,10 +160,14 @@ PY
             self0) mode=self; extra=(--draft-confidence 0) ;;
             self14) mode=self; extra=(--draft-layers 14) ;;
           esac
-          "$BIN" generate --backend cuda --spec "$mode" --draft-tokens "$k" "${extra[@]}" --batch "$bs" --limit "$limit" --max-new-tokens 128 \
-            --ignore-eos --json --file benches/prompts.txt > "$OUT/decode-$spec-$bs.jsonl" 2> "$OUT/decode-$spec-$bs.err"
-          echo "kvplan,$spec,$bs,$(grep -h '^generate: .* requests' "$OUT/decode-$spec-$bs.err")"
-          grep -h '^generate: warm-up\|^generate: step' "$OUT/decode-$spec-$bs.err"
+          for build in $builds; do
+            bin="$BIN"; tag=kvplan; [ "$build" = old ] && bin="$BINOLD" && tag=kvplan-old
+            log="$OUT/decode-$build-$spec-$bs"
+            "$bin" generate --backend cuda --spec "$mode" --draft-tokens "$k" "${extra[@]}" --batch "$bs" --limit "$limit" --max-new-tokens 128 \
+              --ignore-eos --json --file benches/prompts.txt > "$log.jsonl" 2> "$log.err"
+            echo "$tag,$spec,$bs,$(grep -h '^generate: .* requests' "$log.err")"
+            grep -h '^generate: warm-up\|^generate: step' "$log.err"
+          done
         done
       done
       ;;

@@ -6,6 +6,8 @@
 # `scripts/pack-gpu.sh ab` also builds the Burn 0.21 binary of the last pre-port main (099ad25)
 # into gpu/bin021.xz, for `scripts/gpu.sh ab`.
 # `scripts/pack-gpu.sh model` also splits the model into gpu/model.part-* (one part per call).
+# `scripts/pack-gpu.sh old REV` also builds REV's `kvplan` into gpu/binold.xz (a worktree sharing
+# target-cuda, so only the workspace's own crates build again), for `scripts/gpu.sh decode-ab`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/cuda-toolchain.sh
@@ -22,8 +24,23 @@ strip -o gpu/kvplan-tests "$tests"
 xz -9 -T2 -f gpu/kvplan gpu/kvplan-tests
 mv gpu/kvplan-tests.xz gpu/tests.xz
 mv gpu/kvplan.xz gpu/bin.xz
-for extra in "$@"; do
+while [ $# -gt 0 ]; do
+    extra=$1
+    shift
     case "$extra" in
+        old)
+            rev=$1
+            shift
+            tree=target-cuda/old-src
+            git worktree remove --force "$tree" 2>/dev/null || true
+            git worktree add --detach "$tree" "$rev"
+            (cd "$tree" && cargo build --release -p kvplan-tools "${features[@]}" --bin kvplan)
+            strip -o gpu/kvplan-old target-cuda/release/kvplan
+            # The worktree's build replaced target-cuda/release/kvplan: this tree's again.
+            cargo build --release -p kvplan-tools "${features[@]}" --bin kvplan
+            xz -9 -T2 -f gpu/kvplan-old
+            mv gpu/kvplan-old.xz gpu/binold.xz
+            ;;
         ab)
             # Burn 0.21 needs no LLVM (cudarc loads NVRTC at run time).
             tree=target-021/src

@@ -14,7 +14,7 @@
 //! let keys = KeyRuns::check_deferred(slots, starts, counts, 4096)?;
 //! // q [tokens, 9 * 64], the pools [4096, 3 * 64]: 9 query heads over 3 K/V heads.
 //! let out = kvplan::paged_attention(q, k_pool, v_pool, &keys, 9)?;
-//! kvplan::check_all(&[&keys.status])?;
+//! kvplan::check_all(&[keys.status()])?;
 //! # Ok(()) }
 //! ```
 
@@ -36,9 +36,8 @@ pub struct KeyRuns<B: Backend = Dispatch> {
     starts: IntTensor<B>,
     counts: IntTensor<B>,
     pool_rows: usize,
-    /// The runs' check on the device: a run outside the slot list or a slot outside the pools
-    /// (every attention over these runs is NaN then); its count is the number of tokens.
-    pub status: Status<B>,
+    // Private: the attention trusts it, so only the check may set it.
+    status: Status<B>,
 }
 
 impl KeyRuns {
@@ -99,6 +98,12 @@ impl<B: KvPlanBackend> KeyRuns<B> {
     pub fn pool_rows(&self) -> usize {
         self.pool_rows
     }
+
+    /// The runs' check on the device: a run outside the slot list or a slot outside the pools
+    /// (every attention over these runs is NaN then); its count is the number of tokens.
+    pub fn status(&self) -> &Status<B> {
+        &self.status
+    }
 }
 
 /// The attention on any backend's primitives.
@@ -141,7 +146,7 @@ pub mod backend {
 /// Attention of `q` (`[tokens, heads * head_dim]`) over the K/V pools (`[pool_rows, kv_heads *
 /// head_dim]`, q's float dtype) at each token's run of `keys`: softmax of `q . K / sqrt(head_dim)`
 /// applied to V, query heads sharing K/V heads in groups. Nothing is read back: the runs' value
-/// rules are in `keys.status` (on an error there, the output is NaN). The host rules (ranks,
+/// rules are in `keys.status()` (on an error there, the output is NaN). The host rules (ranks,
 /// dtypes, devices, whole heads, the pools' rows) fail at once. A launch the device cannot index
 /// (q or the pools past 2^31 elements without 64-bit indexing) is NaN too, and so is f64 on
 /// Vulkan, whose SPIR-V computes exp in 32 bits only.

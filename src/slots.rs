@@ -29,7 +29,7 @@
 //!     k_pools.insert(layer, k);
 //!     v_pools.insert(layer, v);
 //! }
-//! kvplan::check_all(&[&assigned.status, &slots.status])?;
+//! kvplan::check_all(&[&assigned.status, slots.status()])?;
 //! # Ok(()) }
 //! ```
 
@@ -416,14 +416,12 @@ impl<B: KvPlanBackend> KvStore<B> {
 /// A step's store slots, checked once by [`KvStore::check_slots`]: each store through them is
 /// one launch, for one cache or a layer's K and V together. Every cache must have the rows the
 /// slots were checked against.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct StoreSlots<B: Backend = Dispatch> {
     loc: IntTensor<B>,
     cache_rows: usize,
-    /// The slots' check on the device, and after each store, why it could not run if it could not
-    /// (a launch the device cannot index): a store writes only while it is clear. Its count is
-    /// the number of tokens. Check it once, after the last store.
-    pub status: Status<B>,
+    // Private: the writes trust it, so only the check and the writes may set it.
+    status: Status<B>,
 }
 
 impl StoreSlots {
@@ -522,6 +520,18 @@ impl<B: KvPlanBackend> StoreSlots<B> {
     /// Rows of the caches the slots were checked against.
     pub fn cache_rows(&self) -> usize {
         self.cache_rows
+    }
+
+    /// The slots' check on the device, and after each store, why it could not run if it could
+    /// not (a launch the device cannot index): a store writes only while it is clear. Its count
+    /// is the number of tokens. Check it once, after the last store.
+    pub fn status(&self) -> &Status<B> {
+        &self.status
+    }
+
+    /// The status, when no store follows (see [`status`](Self::status)).
+    pub fn into_status(self) -> Status<B> {
+        self.status
     }
 
     /// The write, its host rules passed; the status moves on to the write's.

@@ -1060,7 +1060,7 @@ impl Engine {
                 counts,
                 self.cache.slots(),
             )?;
-            self.statuses.push(keys.status.clone());
+            self.statuses.push(keys.status().clone());
             Attention::Paged(keys)
         } else {
             Attention::Padded(padded_attention(

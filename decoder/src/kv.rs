@@ -128,7 +128,7 @@ impl KvCache {
     /// Keeps a forward's store status (its slots' check and every store's) for the step's one
     /// read: [`KvCache::take_statuses`].
     pub fn keep_status(&mut self, slots: StoreSlots) {
-        self.statuses.push(slots.status);
+        self.statuses.push(slots.into_status());
     }
 
     /// Adds host time spent in a kvplan op on the model's path (the attention).

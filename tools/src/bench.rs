@@ -815,7 +815,7 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     })
     .map_err(e)?;
     report("store K and V, slots checked (256 rows)", deferred, None);
-    slots.status.check().map_err(e)?;
+    slots.status().check().map_err(e)?;
     Ok(())
 }
 

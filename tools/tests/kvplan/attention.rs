@@ -125,7 +125,7 @@ impl Case {
         .expect("host rules hold");
         let out = paged_attention::<B>(q, pool(&self.k), pool(&self.v), &keys, self.heads.heads)
             .expect("host rules hold");
-        (float_values::<B>(out), keys.status.check())
+        (float_values::<B>(out), keys.status().check())
     }
 }
 

@@ -804,7 +804,7 @@ fn run_slot_stores<B: KvPlanBackend>(
         };
         (one(k_now, k_rows), one(v_now, v_rows))
     };
-    match (slots.status.check(), outcome) {
+    match (slots.status().check(), outcome) {
         (Ok(count), Ok(want_count)) => {
             assert_eq!(count, want_count, "{what}: stored");
             for (cache, want) in caches.iter_mut().zip(wants) {
@@ -1049,7 +1049,7 @@ pub fn slot_store_errors<B: KvPlanBackend>(device: &B::Device) {
             pair(k_rows.primitive(device), v_rows.primitive(device)),
         )
         .unwrap();
-    assert_eq!(slots.status.check(), Ok(2));
+    assert_eq!(slots.status().check(), Ok(2));
     let StoreTargets::Pair(k_now, v_now) = stored else {
         panic!("a pair comes back as a pair");
     };
@@ -1103,7 +1103,7 @@ pub fn slot_store_errors<B: KvPlanBackend>(device: &B::Device) {
         let StoreTargets::One(k_one) = stored else {
             panic!("one cache comes back as one");
         };
-        assert_eq!(slots.status.check(), Err(want), "{loc:?}");
+        assert_eq!(slots.status().check(), Err(want), "{loc:?}");
         assert_cache::<B>(k_now, &k, "K unchanged");
         assert_cache::<B>(v_now, &v, "V unchanged");
         assert_cache::<B>(k_one, &k, "K unchanged, one cache");
@@ -1315,7 +1315,7 @@ pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
         panic!("one cache comes back as one");
     };
     assert_cache::<B>(k_now, &k, "K unchanged by a later store");
-    refused(slots.status.check(), "a store through checked slots");
+    refused(slots.status().check(), "a store through checked slots");
     // Within the span both run.
     let small = ints::<B, 2>(&[0; 8], [2, 4], DType::I32, device);
     let got = backend::segment_assign::<B>(small, l(&[1]), l(&[1]), l(&[2]), l(&[5, 6])).unwrap();

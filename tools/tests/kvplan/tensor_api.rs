@@ -651,7 +651,7 @@ pub fn slots(device: &Device) {
         let v_rows = Rows::random(&mut rng, DType::I32, vec![loc.len(), 3]);
         kvplan::reference::store_kv(&mut v_int.data, [24, 3], &loc, &v_rows.data, "").unwrap();
         v_int_now = slots.store_int(v_int_now, int(&v_rows)).unwrap();
-        assert_eq!(kvplan::check_all(&[&slots.status]), Ok(vec![loc.len()]));
+        assert_eq!(kvplan::check_all(&[slots.status()]), Ok(vec![loc.len()]));
         for ([k, v], [k_pool, v_pool]) in layers.iter().zip(&pools) {
             assert_eq!(
                 k_pool.clone().into_data().bytes().to_vec(),
@@ -680,7 +680,7 @@ pub fn slots(device: &Device) {
         .store_kv(k_pool, v_pool, float(&rows), float(&rows))
         .unwrap();
     assert_eq!(
-        slots.status.check(),
+        slots.status().check(),
         Err(Error::DuplicateSlot {
             context: crate::slots::STORE.into(),
             index: 2,
