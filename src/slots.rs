@@ -15,20 +15,16 @@
 //! use kvplan::KvStore;
 //! # fn step(device: &Device, req_to_token: Tensor<2, Int>, rpi: Tensor<1, Int>,
 //! #     start: Tensor<1, Int>, lengths: Tensor<1, Int>, out_cache_loc: Tensor<1, Int>,
-//! #     mut k_pools: Vec<Tensor<2>>, mut v_pools: Vec<Tensor<2>>,
-//! #     k_rows: Tensor<2>, v_rows: Tensor<2>) -> Result<(), kvplan::Error> {
+//! #     k_pool: Tensor<2>, v_pool: Tensor<2>, k_rows: Tensor<2>, v_rows: Tensor<2>,
+//! # ) -> Result<(), kvplan::Error> {
 //! // Once, at start-up: the duplicate-slot scratch for caches of 2^20 slots.
 //! let mut store = KvStore::allocate(1 << 20, device)?;
 //! // Every step: no read-back until the step checks its statuses.
 //! let assigned = kvplan::segment_assign_deferred(req_to_token, rpi, start, lengths, out_cache_loc.clone())?;
 //! let mut slots = store.check_slots(out_cache_loc, 1 << 20)?;
-//! for layer in 0..k_pools.len() {
-//!     // The pools move in and come back (a kept clone would make the store copy them).
-//!     let (k, v) = (k_pools.remove(layer), v_pools.remove(layer));
-//!     let (k, v) = slots.store_kv(k, v, k_rows.clone(), v_rows.clone())?;
-//!     k_pools.insert(layer, k);
-//!     v_pools.insert(layer, v);
-//! }
+//! // Every layer: its K and V pools move in and come back, one launch (a kept clone of a pool
+//! // would make the store copy it).
+//! let (k_pool, v_pool) = slots.store_kv(k_pool, v_pool, k_rows, v_rows)?;
 //! kvplan::check_all(&[&assigned.status, slots.status()])?;
 //! # Ok(()) }
 //! ```
