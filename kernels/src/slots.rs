@@ -607,7 +607,7 @@ pub fn store_write_kernel<W: Int, N: Size, C: Int>(
     }
 }
 
-/// [`store_write_kernel`] into two caches at once (a layer's K and V): the first
+/// [`store_write_kernel()`] into two caches at once (a layer's K and V): the first
 /// `tokens * row_vectors` vectors go to the first cache, the rest to the second.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked, address_type = "dynamic")]
