@@ -29,7 +29,7 @@
 //! # Ok(()) }
 //! ```
 
-use burn_core::backend::tensor::{FloatTensor, IntTensor};
+use burn_core::backend::tensor::IntTensor;
 use burn_core::backend::{Backend, Dispatch, TensorData, TensorMetadata};
 use burn_core::tensor::kind::Basic;
 use burn_core::tensor::{Device, Float, Int, IntDType, Shape, Tensor};
@@ -302,12 +302,16 @@ impl KvStore {
 
 /// A deferred store's cache as a tensor of kind `K` (the kind it was given as).
 fn stored_tensor<K: Basic>(stored: backend::DeferredStore) -> Stored<K> {
-    let cache = match stored.cache {
-        KvRows::Float(tensor) | KvRows::Int(tensor) => tensor,
-    };
     Stored {
-        cache: Tensor::from_dispatch(cache),
+        cache: cache_tensor(stored.cache),
         status: stored.status,
+    }
+}
+
+/// A cache a store hands back, as a tensor of the kind it was given as.
+fn cache_tensor<K: Basic>(cache: KvRows<Dispatch>) -> Tensor<2, K> {
+    match cache {
+        KvRows::Float(tensor) | KvRows::Int(tensor) => Tensor::from_dispatch(tensor),
     }
 }
 
@@ -428,7 +432,7 @@ impl StoreSlots {
             StoreTargets::One(KvRows::Float(cache.into_dispatch())),
             StoreTargets::One(KvRows::Float(values.into_dispatch())),
         )?;
-        Ok(Tensor::from_dispatch(one(caches)))
+        Ok(cache_tensor(one(caches)))
     }
 
     /// [`store`](Self::store) for an int cache (any int dtype).
@@ -441,7 +445,7 @@ impl StoreSlots {
             StoreTargets::One(KvRows::Int(cache.into_dispatch())),
             StoreTargets::One(KvRows::Int(values.into_dispatch())),
         )?;
-        Ok(Tensor::from_dispatch(one(caches)))
+        Ok(cache_tensor(one(caches)))
     }
 
     /// Stores a layer's K and V rows (`[N, ...]` each) into its K and V caches in one launch.
@@ -465,17 +469,14 @@ impl StoreSlots {
         let StoreTargets::Pair(k_cache, v_cache) = caches else {
             unreachable!("a write hands back the targets it was given");
         };
-        let tensor = |rows: KvRows<Dispatch>| match rows {
-            KvRows::Float(tensor) | KvRows::Int(tensor) => Tensor::from_dispatch(tensor),
-        };
-        Ok((tensor(k_cache), tensor(v_cache)))
+        Ok((cache_tensor(k_cache), cache_tensor(v_cache)))
     }
 }
 
 /// The cache of a one-cache write.
-fn one(caches: StoreTargets<Dispatch>) -> FloatTensor<Dispatch> {
+fn one(caches: StoreTargets<Dispatch>) -> KvRows<Dispatch> {
     match caches {
-        StoreTargets::One(KvRows::Float(tensor) | KvRows::Int(tensor)) => tensor,
+        StoreTargets::One(cache) => cache,
         StoreTargets::Pair(..) => unreachable!("a write hands back the targets it was given"),
     }
 }

@@ -819,6 +819,30 @@ fn run_slot_stores<B: KvPlanBackend>(
     (k_now, v_now)
 }
 
+/// A store's value rules on a cache of 8 slots: each `loc` with its exact error.
+fn value_errors() -> [(Vec<i64>, Error); 2] {
+    [
+        (
+            vec![3, 9, -1],
+            Error::LocOutOfRange {
+                context: STORE.into(),
+                index: 1,
+                slot: 9,
+                slots: 8,
+            },
+        ),
+        (
+            vec![0, 3, 0, 5, 3, 5],
+            Error::DuplicateSlot {
+                context: STORE.into(),
+                index: 4,
+                first: 1,
+                slot: 3,
+            },
+        ),
+    ]
+}
+
 /// Host rules of a store, at once in both forms, and a cache (a clone the caller keeps) never
 /// written by a failing or a succeeding store.
 pub fn store_errors<B: KvPlanBackend>(device: &B::Device) {
@@ -894,26 +918,7 @@ pub fn store_errors<B: KvPlanBackend>(device: &B::Device) {
     );
     // Value rules with their facts; the caller's clone is never written.
     let primitive = cache.primitive::<B>(device);
-    for (loc, want) in [
-        (
-            vec![3, 9, -1],
-            Error::LocOutOfRange {
-                context: context(),
-                index: 1,
-                slot: 9,
-                slots: 8,
-            },
-        ),
-        (
-            vec![0, 3, 0, 5, 3, 5],
-            Error::DuplicateSlot {
-                context: context(),
-                index: 4,
-                first: 1,
-                slot: 3,
-            },
-        ),
-    ] {
+    for (loc, want) in value_errors() {
         let stored = backend::store_deferred::<B>(
             &mut store,
             primitive.clone(),
@@ -1063,26 +1068,7 @@ pub fn slot_store_errors<B: KvPlanBackend>(device: &B::Device) {
 
     // Value rules: found by the check, every store through the slots leaves its caches as they
     // were, and the status keeps the check's error.
-    for (loc, want) in [
-        (
-            vec![3, 9, -1],
-            Error::LocOutOfRange {
-                context: context(),
-                index: 1,
-                slot: 9,
-                slots: 8,
-            },
-        ),
-        (
-            vec![0, 3, 0, 5, 3, 5],
-            Error::DuplicateSlot {
-                context: context(),
-                index: 4,
-                first: 1,
-                slot: 3,
-            },
-        ),
-    ] {
+    for (loc, want) in value_errors() {
         let mut slots = store.check_slot_primitives(l(&loc), 8).unwrap();
         let n = loc.len();
         let stored = slots
