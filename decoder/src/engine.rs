@@ -27,6 +27,7 @@ use kvplan::{
     StepPlan, WriteInputs,
 };
 
+use crate::clock::{OpClock, OpKind, OpTimes};
 use crate::draft::ngram_draft;
 use crate::kv::{FreeList, KvCache};
 use crate::model::{Attention, Llama, PaddedAttention, StepInput};
@@ -175,11 +176,9 @@ pub struct StepTimes {
     pub steps: usize,
     /// Whole steps.
     pub total: Duration,
-    /// Inside kvplan's bookkeeping calls (gathers, `segment_assign`, the canary's plan, write
-    /// and verify, the step's one status and violation read).
-    pub kvplan: Duration,
-    /// Inside kvplan's ops on the model's path (`store_kv` of every layer, paged attention).
-    pub kvplan_model: Duration,
+    /// Inside kvplan's calls, by kind; with [`EngineOptions::profile`] each call isolated from
+    /// the model's queued work ([`OpClock::isolated`]).
+    pub kvplan: OpTimes,
     /// Token read-backs (the wait for the model's work on the device).
     pub readback: Duration,
     /// With [`EngineOptions::profile`]: each step's wall time.
@@ -358,6 +357,11 @@ impl Engine {
             config.kv_dim(),
             &device,
             model.dtype(),
+            if options.profile {
+                OpClock::isolated(&device)
+            } else {
+                OpClock::new(&device)
+            },
         )?;
         let req_to_token =
             Tensor::<2, Int>::zeros([table_rows, options.max_context], (&device, DType::I32));
@@ -586,7 +590,7 @@ impl Engine {
         self.canary_step(&work, &committed)?;
         self.lap("canary, status check");
         self.finish_requests();
-        self.times.kvplan_model += self.cache.take_op_time();
+        self.cache.clock.drain_into(&mut self.times.kvplan);
         self.times.steps += 1;
         self.times.total += started.elapsed();
         if self.options.profile {
@@ -642,7 +646,7 @@ impl Engine {
         let start = ints(work.iter().map(|w| w.start as i64), &device);
         let lengths = ints(work.iter().map(|w| w.slots.len() as i64), &device);
         let slots = ints(work.iter().flat_map(|w| w.slots.iter().copied()), &device);
-        let timer = Instant::now();
+        let span = self.cache.clock.start();
         let assigned = kvplan::segment_assign_deferred(
             self.req_to_token.clone(),
             rows,
@@ -652,7 +656,7 @@ impl Engine {
         )?;
         self.req_to_token = assigned.req_to_token;
         self.statuses.push(assigned.status);
-        self.times.kvplan += timer.elapsed();
+        self.cache.clock.stop(span, OpKind::Bookkeeping);
         Ok(())
     }
 
@@ -856,7 +860,7 @@ impl Engine {
                 .flat_map(|(w, c)| (w.start..w.start + c.tokens.len()).map(|p| p as i64)),
             &device,
         );
-        let timer = Instant::now();
+        let span = self.cache.clock.start();
         let accepted = kvplan::segment_gather_deferred(
             self.req_to_token.clone(),
             rows.clone(),
@@ -895,7 +899,7 @@ impl Engine {
         let refs: Vec<&Status> = statuses.iter().collect();
         // One read-back: every status of the step, the canary's status and its violations.
         let (_, violations) = self.canary.violations_after(&refs)?;
-        self.times.kvplan += timer.elapsed();
+        self.cache.clock.stop(span, OpKind::Bookkeeping);
         if violations.recorded > 0 {
             self.canary.clear();
             self.handle_violations(&violations)?;
@@ -1030,7 +1034,7 @@ impl Engine {
             ints(runs.0.into_iter(), &device),
             ints(runs.1.into_iter(), &device),
         );
-        let timer = Instant::now();
+        let span = self.cache.clock.start();
         let window_slots = kvplan::masked_gather_deferred(
             self.req_to_token.clone(),
             table_rows.clone(),
@@ -1070,7 +1074,7 @@ impl Engine {
                 &device,
             ))
         };
-        self.times.kvplan += timer.elapsed();
+        self.cache.clock.stop(span, OpKind::Bookkeeping);
         Ok(StepInput {
             input_ids: ids,
             positions: ints(positions.into_iter(), &device),

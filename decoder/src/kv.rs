@@ -1,11 +1,10 @@
 //! The paged KV cache: per layer a K and a V pool of `[slots, kv_heads * head_dim]` on the device,
 //! stored into and read through kvplan, and the host allocators of its slots and table rows.
 
-use std::time::{Duration, Instant};
-
 use burn_core::tensor::{DType, Device, Int, Tensor};
 use kvplan::{KvStore, Status, StoreSlots};
 
+use crate::clock::{OpClock, OpKind};
 use crate::{DecoderError, Result};
 
 /// A free list of ids `1..count`: id 0 is the padding sink (slot) or padding row, never handed out.
@@ -67,8 +66,8 @@ pub struct KvCache {
     v: Vec<Tensor<2>>,
     store: KvStore,
     statuses: Vec<Status>,
-    /// Host time inside kvplan's stores and attention since the last [`KvCache::take_op_time`].
-    op_time: Duration,
+    /// Times kvplan's calls: the forward's stores and attention here, the engine's bookkeeping.
+    pub clock: OpClock,
     /// Stands in for a pool while a store has it.
     placeholder: Tensor<2>,
     slots: usize,
@@ -83,6 +82,7 @@ impl KvCache {
         kv_dim: usize,
         device: &Device,
         dtype: DType,
+        clock: OpClock,
     ) -> Result<Self> {
         let pool = || Tensor::<2>::zeros([slots, kv_dim], (device, dtype));
         Ok(Self {
@@ -90,7 +90,7 @@ impl KvCache {
             v: (0..layers).map(|_| pool()).collect(),
             store: KvStore::allocate(slots, device)?,
             statuses: Vec::new(),
-            op_time: Duration::ZERO,
+            clock,
             placeholder: Tensor::<2>::zeros([1, kv_dim], (device, dtype)),
             slots,
             kv_dim,
@@ -100,10 +100,10 @@ impl KvCache {
     /// Checks a forward's slots `loc` (`[tokens]`) once for the stores of all its layers,
     /// without a read-back.
     pub fn check_slots(&mut self, loc: Tensor<1, Int>) -> Result<StoreSlots> {
-        let timer = Instant::now();
-        let slots = self.store.check_slots(loc, self.slots)?;
-        self.op_time += timer.elapsed();
-        Ok(slots)
+        let span = self.clock.start();
+        let slots = self.store.check_slots(loc, self.slots);
+        self.clock.stop(span, OpKind::Stores);
+        Ok(slots?)
     }
 
     /// Stores `k` and `v` (`[tokens, kv_dim]`) of `layer` at `slots`, in one launch.
@@ -114,14 +114,13 @@ impl KvCache {
         k: Tensor<2>,
         v: Tensor<2>,
     ) -> Result<()> {
-        let timer = Instant::now();
+        let span = self.clock.start();
         // The pools move into the store (a kept clone would make it copy the whole pool).
         let k_pool = std::mem::replace(&mut self.k[layer], self.placeholder.clone());
         let v_pool = std::mem::replace(&mut self.v[layer], self.placeholder.clone());
-        let (k_pool, v_pool) = slots.store_kv(k_pool, v_pool, k, v)?;
-        self.k[layer] = k_pool;
-        self.v[layer] = v_pool;
-        self.op_time += timer.elapsed();
+        let stored = slots.store_kv(k_pool, v_pool, k, v);
+        self.clock.stop(span, OpKind::Stores);
+        (self.k[layer], self.v[layer]) = stored?;
         Ok(())
     }
 
@@ -129,16 +128,6 @@ impl KvCache {
     /// read: [`KvCache::take_statuses`].
     pub fn keep_status(&mut self, slots: StoreSlots) {
         self.statuses.push(slots.into_status());
-    }
-
-    /// Adds host time spent in a kvplan op on the model's path (the attention).
-    pub fn charge(&mut self, time: Duration) {
-        self.op_time += time;
-    }
-
-    /// Host time inside kvplan's stores and attention since the last call.
-    pub fn take_op_time(&mut self) -> Duration {
-        std::mem::take(&mut self.op_time)
     }
 
     /// The K and V rows (`[n, kv_dim]` each) of `layer` at `slots` (`[n]`).

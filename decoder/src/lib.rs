@@ -3,9 +3,10 @@
 //! kvplan's ops, the kv-canary on every step.
 //!
 //! Files: [`gguf`] and [`tokenizer`] read the model file, [`model`] is the Llama forward,
-//! [`kv`] the paged cache, [`engine`] the serving loop (batching, drafting, acceptance, canary),
+//! [`kv`] the paged cache, [`clock`] the time in kvplan's calls, [`engine`] the serving loop (batching, drafting, acceptance, canary),
 //! [`draft`] and [`sample`] the drafting and acceptance rules.
 
+pub mod clock;
 pub mod draft;
 pub mod engine;
 pub mod gguf;

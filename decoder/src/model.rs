@@ -9,6 +9,7 @@ use burn_core::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use kvplan::KeyRuns;
 
+use crate::clock::OpKind;
 use crate::gguf::Gguf;
 use crate::kv::KvCache;
 use crate::{DecoderError, Result};
@@ -308,10 +309,10 @@ impl Llama {
             let attended = match &input.attention {
                 Attention::Paged(keys) => {
                     let (k_pool, v_pool) = cache.pools(layer);
-                    let timer = std::time::Instant::now();
-                    let out = kvplan::paged_attention(q, k_pool, v_pool, keys, c.heads)?;
-                    cache.charge(timer.elapsed());
-                    out
+                    let span = cache.clock.start();
+                    let out = kvplan::paged_attention(q, k_pool, v_pool, keys, c.heads);
+                    cache.clock.stop(span, OpKind::Attention);
+                    out?
                 }
                 Attention::Padded(padded) => self.attend_padded(cache, layer, q, padded),
             };

@@ -186,6 +186,31 @@ fn paged_equals_padded(device: &Device) {
     }
 }
 
+/// `profile` (each phase waited for, each kvplan call timed apart from the model's queued work)
+/// changes no token, and charges every kind of kvplan call.
+fn profile_changes_nothing(device: &Device) {
+    let requests = prompts(3, 1, 12);
+    let drafting = Drafting::Ngram { max_ngram: 3 };
+    let (plain, _) = serve(device, options(drafting, 2), requests.clone());
+    let profiled_options = EngineOptions {
+        profile: true,
+        ..options(drafting, 2)
+    };
+    let (profiled, engine) = serve(device, profiled_options, requests);
+    assert_eq!(tokens(&plain), tokens(&profiled));
+    let times = engine.times();
+    let kvplan = times.kvplan;
+    for (kind, time) in [
+        ("bookkeeping", kvplan.bookkeeping),
+        ("stores", kvplan.stores),
+        ("attention", kvplan.attention),
+    ] {
+        assert!(!time.is_zero(), "{kind}: nothing charged");
+    }
+    assert!(kvplan.total() < times.total);
+    assert_eq!(times.step_walls.len(), times.steps);
+}
+
 /// Each injected corruption is reported at its request, slot and position; the request
 /// recomputes, and every request's tokens equal a clean run's.
 fn corruption_is_caught(device: &Device) {
@@ -321,6 +346,17 @@ fn paged_equals_padded_flex() {
 #[test]
 fn paged_equals_padded_vulkan() {
     paged_equals_padded(&vulkan());
+}
+
+#[test]
+fn profile_changes_nothing_flex() {
+    profile_changes_nothing(&Device::flex());
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn profile_changes_nothing_vulkan() {
+    profile_changes_nothing(&vulkan());
 }
 
 #[test]
