@@ -36,7 +36,11 @@ while [ $# -gt 0 ]; do
             git worktree add --detach "$tree" "$rev"
             (cd "$tree" && cargo build --release -p kvplan-tools "${features[@]}" --bin kvplan)
             strip -o gpu/kvplan-old target-cuda/release/kvplan
-            # The worktree's build replaced target-cuda/release/kvplan: this tree's again.
+            git worktree remove --force "$tree"
+            # The worktree's crates hash like this tree's (same relative paths), so their artifacts
+            # would pass for this tree's in a later build (one that finds the worktree's sources
+            # unchanged): clean them, then build this tree's binary again.
+            cargo clean --release -p kvplan -p kvplan-kernels -p kvplan-decoder -p kvplan-tools
             cargo build --release -p kvplan-tools "${features[@]}" --bin kvplan
             xz -9 -T2 -f gpu/kvplan-old
             mv gpu/kvplan-old.xz gpu/binold.xz
