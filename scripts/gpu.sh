@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|split|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|split|repeat|anchor|profile]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -22,6 +22,12 @@ for part in gpu/model.part-*; do [ -f "$part" ] && cp "$part" /tmp/kvplan-bin/; 
 MODEL=/tmp/kvplan-bin/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$MODEL" ] && [ -f /tmp/kvplan-bin/model.part-aa ] && [ -f /tmp/kvplan-bin/model.part-ab ]; then
   cat /tmp/kvplan-bin/model.part-* > "$MODEL"
+fi
+# Or the model xz-compressed in two parts (`scripts/pack-gpu.sh model-xz`): the first small enough
+# to travel with gpu/bin.xz, so a fresh machine runs after two calls.
+for part in gpu/mx.part-*; do [ -f "$part" ] && cp "$part" /tmp/kvplan-bin/; done
+if [ ! -f "$MODEL" ] && [ -f /tmp/kvplan-bin/mx.part-aa ] && [ -f /tmp/kvplan-bin/mx.part-ab ]; then
+  cat /tmp/kvplan-bin/mx.part-* | xz -dc > "$MODEL"
 fi
 export KVPLAN_MODEL="$MODEL"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -190,6 +196,21 @@ PY
           echo "split,$spec,$bs,step $step ms,${line#profile: }" | awk -v step="$step" '{
             n = split($0, f, /[, ]+/); b = f[n-4]; s = f[n-2]; a = f[n];
             printf "%s; share of the plain step: bookkeeping %.1f%%, stores %.1f%%, attention %.1f%%\n", $0, 100*b/step, 100*s/step, 100*a/step }'
+        done
+      done
+      ;;
+    repeat)
+      # What kvplan's stores and attention cost a pipelined step: each such call runs twice on
+      # every other step (--repeat-ops); the difference of the two medians, spec off.
+      [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
+      for bs in ${BATCHES:-1 8 32}; do
+        limit=$bs; [ "$bs" = 1 ] && limit=4
+        for kind in ${KINDS:-stores attention}; do
+          log="$OUT/repeat-$kind-$bs.err"
+          "$BIN" generate --backend cuda --spec off --batch "$bs" --limit "$limit" --max-new-tokens 128 \
+            --ignore-eos --repeat-ops "$kind" --file benches/prompts.txt > /dev/null 2> "$log"
+          echo "repeat,$bs,$(grep -h '^repeat-ops' "$log")"
+          grep -h '^generate: [0-9]* requests' "$log"
         done
       done
       ;;

@@ -37,7 +37,7 @@ impl OpTimes {
 }
 
 /// Which [`OpTimes`] field a span is charged to.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpKind {
     /// [`OpTimes::bookkeeping`].
     Bookkeeping,

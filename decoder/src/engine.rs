@@ -93,6 +93,11 @@ pub struct EngineOptions {
     /// Wait for the device at the end of each step phase and record where the time went
     /// ([`StepTimes::phases`]); slower, for finding what a step spends.
     pub profile: bool,
+    /// Benchmarks only: on every other step each kvplan call of this kind (stores or attention)
+    /// runs twice, so that those steps' rise over the others is the calls' cost in a pipelined
+    /// step ([`StepTimes::step_walls`]). A repeated store writes the same rows again; a repeated
+    /// attention attends with the first one's output as queries, which changes the tokens.
+    pub repeat: Option<OpKind>,
 }
 
 impl Default for EngineOptions {
@@ -109,6 +114,7 @@ impl Default for EngineOptions {
             fixed_windows: true,
             paged_attention: true,
             profile: false,
+            repeat: None,
         }
     }
 }
@@ -181,7 +187,7 @@ pub struct StepTimes {
     pub kvplan: OpTimes,
     /// Token read-backs (the wait for the model's work on the device).
     pub readback: Duration,
-    /// With [`EngineOptions::profile`]: each step's wall time.
+    /// With [`EngineOptions::profile`] or [`EngineOptions::repeat`]: each step's wall time.
     pub step_walls: Vec<Duration>,
     /// With [`EngineOptions::profile`]: the steps' phases in step order, summed over the steps.
     pub phases: Vec<Phase>,
@@ -559,6 +565,7 @@ impl Engine {
     fn run_step(&mut self, on_tokens: &mut impl FnMut(usize, &[u32])) -> Result<()> {
         let started = Instant::now();
         self.lap = started;
+        self.cache.repeat = self.options.repeat.filter(|_| self.step % 2 == 1);
         if let Some((kind, at)) = self.options.corruption {
             if at <= self.step && self.injected.is_none() {
                 self.inject(kind)?;
@@ -593,7 +600,7 @@ impl Engine {
         self.cache.clock.drain_into(&mut self.times.kvplan);
         self.times.steps += 1;
         self.times.total += started.elapsed();
-        if self.options.profile {
+        if self.options.profile || self.options.repeat.is_some() {
             self.times.step_walls.push(started.elapsed());
         }
         self.step += 1;

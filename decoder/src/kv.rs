@@ -68,6 +68,9 @@ pub struct KvCache {
     statuses: Vec<Status>,
     /// Times kvplan's calls: the forward's stores and attention here, the engine's bookkeeping.
     pub clock: OpClock,
+    /// Benchmarks only: the kind of kvplan call this step runs twice
+    /// ([`crate::engine::EngineOptions::repeat`]).
+    pub repeat: Option<OpKind>,
     /// Stands in for a pool while a store has it.
     placeholder: Tensor<2>,
     slots: usize,
@@ -91,6 +94,7 @@ impl KvCache {
             store: KvStore::allocate(slots, device)?,
             statuses: Vec::new(),
             clock,
+            repeat: None,
             placeholder: Tensor::<2>::zeros([1, kv_dim], (device, dtype)),
             slots,
             kv_dim,
@@ -118,7 +122,13 @@ impl KvCache {
         // The pools move into the store (a kept clone would make it copy the whole pool).
         let k_pool = std::mem::replace(&mut self.k[layer], self.placeholder.clone());
         let v_pool = std::mem::replace(&mut self.v[layer], self.placeholder.clone());
-        let stored = slots.store_kv(k_pool, v_pool, k, v);
+        let stored = if self.repeat == Some(OpKind::Stores) {
+            slots
+                .store_kv(k_pool, v_pool, k.clone(), v.clone())
+                .and_then(|(k_pool, v_pool)| slots.store_kv(k_pool, v_pool, k, v))
+        } else {
+            slots.store_kv(k_pool, v_pool, k, v)
+        };
         self.clock.stop(span, OpKind::Stores);
         (self.k[layer], self.v[layer]) = stored?;
         Ok(())

@@ -310,7 +310,13 @@ impl Llama {
                 Attention::Paged(keys) => {
                     let (k_pool, v_pool) = cache.pools(layer);
                     let span = cache.clock.start();
-                    let out = kvplan::paged_attention(q, k_pool, v_pool, keys, c.heads);
+                    let mut out =
+                        kvplan::paged_attention(q, k_pool.clone(), v_pool.clone(), keys, c.heads);
+                    if cache.repeat == Some(OpKind::Attention) {
+                        out = out.and_then(|q| {
+                            kvplan::paged_attention(q, k_pool, v_pool, keys, c.heads)
+                        });
+                    }
                     cache.clock.stop(span, OpKind::Attention);
                     out?
                 }

@@ -8,6 +8,7 @@
 
 use burn_core::tensor::{DType, Device, DeviceKind};
 
+use crate::clock::OpKind;
 use crate::engine::{Corruption, Drafting, Engine, EngineOptions, Outcome, Request};
 use crate::gguf::Gguf;
 use crate::model::Llama;
@@ -187,7 +188,7 @@ fn paged_equals_padded(device: &Device) {
 }
 
 /// `profile` (each phase waited for, each kvplan call timed apart from the model's queued work)
-/// changes no token, and charges every kind of kvplan call.
+/// changes no token, and charges every kind of kvplan call; nor do repeated stores.
 fn profile_changes_nothing(device: &Device) {
     let requests = prompts(3, 1, 12);
     let drafting = Drafting::Ngram { max_ngram: 3 };
@@ -209,6 +210,14 @@ fn profile_changes_nothing(device: &Device) {
     }
     assert!(kvplan.total() < times.total);
     assert_eq!(times.step_walls.len(), times.steps);
+    // Stores run twice on every other step (a benchmark's variant) write the same rows again.
+    let repeated_options = EngineOptions {
+        repeat: Some(OpKind::Stores),
+        ..options(drafting, 2)
+    };
+    let (repeated, engine) = serve(device, repeated_options, prompts(3, 1, 12));
+    assert_eq!(tokens(&plain), tokens(&repeated));
+    assert_eq!(engine.times().step_walls.len(), engine.times().steps);
 }
 
 /// Each injected corruption is reported at its request, slot and position; the request

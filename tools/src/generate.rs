@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use burn_core::tensor::{DType, Device};
+use kvplan_decoder::clock::OpKind;
 use kvplan_decoder::engine::{
     Corruption, Drafting, Engine, EngineOptions, Outcome, Request, StepTimes,
 };
@@ -24,7 +25,7 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
     [--max-new-tokens N] [--temperature T] [--seed S] [--batch N] [--dtype f32|f64]
     [--model FILE.gguf]
     [--inject-corruption kv-byte|stale-row] [--json] [--ignore-eos] [--limit N] [--profile]
-    [--warm-up|--no-warm-up]
+    [--warm-up|--no-warm-up] [--repeat-ops stores|attention]
   Each prompt is a user message rendered with the GGUF's chat template (--raw: plain completion).
   FILE holds one JSON object per line ({\"prompt\": ..., \"arrival_step\": 0, \"max_new_tokens\": 64}),
   or plain lines of prompt text (--limit N: the first N). Without prompts, a built-in set runs.
@@ -32,7 +33,9 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
   token the draft gave less probability than P (default 0.4; 0: always K tokens).
   --ignore-eos generates exactly the budget (benchmarks). --profile waits for the device after
   each step phase and prints where the steps' time went; it times each kvplan call apart from
-  the model's queued work (the summary's split), which makes the steps slower. On CUDA and Vulkan the requests are
+  the model's queued work (the summary's split), which makes the steps slower. --repeat-ops runs
+  each such kvplan call twice on every other step (benchmarks: the steps' difference is what the
+  calls cost a pipelined step; repeated attention changes the tokens). On CUDA and Vulkan the requests are
   first served once untimed (--no-warm-up: not), which compiles and autotunes every step shape.";
 
 /// The built-in prompts: two repetitive ones (lists and code, where drafts from the context pay).
@@ -63,6 +66,7 @@ struct Args {
     json: bool,
     ignore_eos: bool,
     profile: bool,
+    repeat: Option<OpKind>,
     warm_up: Option<bool>,
 }
 
@@ -165,6 +169,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         fixed_windows: backend != BackendName::Flex,
         paged_attention: backend != BackendName::Flex,
         profile: args.profile,
+        repeat: args.repeat,
         ..EngineOptions::default()
     };
     let eos = if args.ignore_eos {
@@ -219,6 +224,9 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
     summary(&engine, &outcomes, elapsed.as_secs_f64(), args.profile);
     if args.profile {
         profile(engine.times());
+    }
+    if let Some(kind) = args.repeat {
+        repeated(kind, engine.times());
     }
     if let Some(injected) = engine.injected() {
         let found = outcomes
@@ -325,6 +333,26 @@ fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64, profiled: bool) 
     );
 }
 
+/// `--repeat-ops`: the median step with each call of `kind` run twice (odd steps) against the
+/// median of the others, and the difference: those calls' cost in a pipelined step.
+fn repeated(kind: OpKind, times: &StepTimes) {
+    let median = |parity: usize| {
+        let mut ms: Vec<f64> = (times.step_walls.iter().enumerate())
+            .filter(|(step, _)| step % 2 == parity)
+            .map(|(_, t)| 1e3 * t.as_secs_f64())
+            .collect();
+        ms.sort_by(f64::total_cmp);
+        ms.get(ms.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let (plain, twice) = (median(0), median(1));
+    eprintln!(
+        "repeat-ops {kind:?}: median step {plain:.3} ms, with them twice {twice:.3} ms: \
+         {:.3} ms/step, {:.1}% of the step",
+        twice - plain,
+        100.0 * (twice - plain) / plain
+    );
+}
+
 /// `--profile`: each phase's host and device-wait time per step, and the step times over the run
 /// (a step that compiles new kernels stands out against the median).
 fn profile(times: &StepTimes) {
@@ -391,6 +419,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         json: false,
         ignore_eos: false,
         profile: false,
+        repeat: None,
         warm_up: None,
     };
     let mut limit = None;
@@ -412,6 +441,17 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--json" => parsed.json = true,
             "--ignore-eos" => parsed.ignore_eos = true,
             "--profile" => parsed.profile = true,
+            "--repeat-ops" => {
+                parsed.repeat = Some(match value("--repeat-ops")?.as_str() {
+                    "stores" => OpKind::Stores,
+                    "attention" => OpKind::Attention,
+                    other => {
+                        return Err(format!(
+                            "--repeat-ops {other:?}: stores or attention\n{USAGE}"
+                        ));
+                    }
+                })
+            }
             "--warm-up" => parsed.warm_up = Some(true),
             "--no-warm-up" => parsed.warm_up = Some(false),
             "--limit" => limit = Some(number::<usize>("--limit", value("--limit")?)?),
