@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|split|repeat|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|repeat|anchor|profile]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -174,28 +174,6 @@ PY
             echo "$tag,$spec,$bs,$(grep -h '^generate: .* requests' "$log.err")"
             grep -h '^generate: warm-up\|^generate: step' "$log.err"
           done
-        done
-      done
-      ;;
-    split)
-      # kvplan's share of a step: each kvplan call isolated from the model's queued work
-      # (--profile), against the step time of the same run unprofiled.
-      [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
-      for bs in ${BATCHES:-1 8 32}; do
-        limit=$bs; [ "$bs" = 1 ] && limit=4
-        for spec in ${SPECS:-off ngram10 self}; do
-          k=4; mode=$spec; [ "$spec" = ngram10 ] && k=10 && mode=ngram
-          log="$OUT/split-$spec-$bs"
-          for run in plain profile; do
-            flag=(); [ "$run" = profile ] && flag=(--profile)
-            "$BIN" generate --backend cuda --spec "$mode" --draft-tokens "$k" --batch "$bs" --limit "$limit" \
-              --max-new-tokens 128 --ignore-eos "${flag[@]}" --file benches/prompts.txt > /dev/null 2> "$log-$run.err"
-          done
-          step=$(grep -o '[0-9.]* ms/step' "$log-plain.err" | head -1 | cut -d' ' -f1)
-          line=$(grep -h "kvplan's calls isolated, ms/step" "$log-profile.err")
-          echo "split,$spec,$bs,step $step ms,${line#profile: }" | awk -v step="$step" '{
-            n = split($0, f, /[, ]+/); b = f[n-4]; s = f[n-2]; a = f[n];
-            printf "%s; share of the plain step: bookkeeping %.1f%%, stores %.1f%%, attention %.1f%%\n", $0, 100*b/step, 100*s/step, 100*a/step }'
         done
       done
       ;;

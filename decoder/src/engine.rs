@@ -27,7 +27,7 @@ use kvplan::{
     StepPlan, WriteInputs,
 };
 
-use crate::clock::{OpClock, OpKind, OpTimes};
+use crate::clock::{OpKind, OpTimes};
 use crate::draft::ngram_draft;
 use crate::kv::{FreeList, KvCache};
 use crate::model::{Attention, Llama, PaddedAttention, StepInput};
@@ -182,8 +182,7 @@ pub struct StepTimes {
     pub steps: usize,
     /// Whole steps.
     pub total: Duration,
-    /// Inside kvplan's calls, by kind; with [`EngineOptions::profile`] each call isolated from
-    /// the model's queued work ([`OpClock::isolated`]).
+    /// The caller's time inside kvplan's calls, by kind (see [`crate::clock`]).
     pub kvplan: OpTimes,
     /// Token read-backs (the wait for the model's work on the device).
     pub readback: Duration,
@@ -363,11 +362,6 @@ impl Engine {
             config.kv_dim(),
             &device,
             model.dtype(),
-            if options.profile {
-                OpClock::isolated(&device)
-            } else {
-                OpClock::new(&device)
-            },
         )?;
         let req_to_token =
             Tensor::<2, Int>::zeros([table_rows, options.max_context], (&device, DType::I32));

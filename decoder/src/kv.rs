@@ -85,7 +85,6 @@ impl KvCache {
         kv_dim: usize,
         device: &Device,
         dtype: DType,
-        clock: OpClock,
     ) -> Result<Self> {
         let pool = || Tensor::<2>::zeros([slots, kv_dim], (device, dtype));
         Ok(Self {
@@ -93,7 +92,7 @@ impl KvCache {
             v: (0..layers).map(|_| pool()).collect(),
             store: KvStore::allocate(slots, device)?,
             statuses: Vec::new(),
-            clock,
+            clock: OpClock::default(),
             repeat: None,
             placeholder: Tensor::<2>::zeros([1, kv_dim], (device, dtype)),
             slots,

@@ -187,8 +187,8 @@ fn paged_equals_padded(device: &Device) {
     }
 }
 
-/// `profile` (each phase waited for, each kvplan call timed apart from the model's queued work)
-/// changes no token, and charges every kind of kvplan call; nor do repeated stores.
+/// `profile` (each phase waited for) changes no token, and every kind of kvplan call is charged;
+/// stores repeated on every other step change no token either.
 fn profile_changes_nothing(device: &Device) {
     let requests = prompts(3, 1, 12);
     let drafting = Drafting::Ngram { max_ngram: 3 };

@@ -32,8 +32,7 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
   --spec self drafts with the first L blocks (default: all but 4); a row stops drafting after a
   token the draft gave less probability than P (default 0.4; 0: always K tokens).
   --ignore-eos generates exactly the budget (benchmarks). --profile waits for the device after
-  each step phase and prints where the steps' time went; it times each kvplan call apart from
-  the model's queued work (the summary's split), which makes the steps slower. --repeat-ops runs
+  each step phase and prints where the steps' time went. --repeat-ops runs
   each such kvplan call twice on every other step (benchmarks: the steps' difference is what the
   calls cost a pipelined step; repeated attention changes the tokens). On CUDA and Vulkan the requests are
   first served once untimed (--no-warm-up: not), which compiles and autotunes every step shape.";
@@ -221,7 +220,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
     for outcome in &outcomes {
         report(&args, &tokenizer, &requests[outcome.id], outcome, streaming)?;
     }
-    summary(&engine, &outcomes, elapsed.as_secs_f64(), args.profile);
+    summary(&engine, &outcomes, elapsed.as_secs_f64());
     if args.profile {
         profile(engine.times());
     }
@@ -300,7 +299,7 @@ fn report(
     Ok(())
 }
 
-fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64, profiled: bool) {
+fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64) {
     let tokens: usize = outcomes.iter().map(|o| o.tokens.len()).sum();
     let drafted: usize = outcomes.iter().map(|o| o.drafted).sum();
     let accepted: usize = outcomes.iter().map(|o| o.accepted).sum();
@@ -309,7 +308,8 @@ fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64, profiled: bool) 
     let share = |time: std::time::Duration| 100.0 * time.as_secs_f64() / total;
     eprintln!(
         "generate: {} requests, {tokens} tokens in {seconds:.2} s: {:.1} tokens/s; {} steps, {:.2} ms/step \
-         (kvplan bookkeeping {:.1}%, stores {:.1}%, attention {:.1}%, rest of the model {:.1}%{}); \
+         (kvplan bookkeeping {:.1}%, stores {:.1}%, attention {:.1}%, rest of the model {:.1}%: \
+         the caller's time in kvplan's calls, --repeat-ops measures their cost); \
          drafts accepted {accepted}/{drafted} ({:.0}%); {:.2} tokens/step/request",
         outcomes.len(),
         tokens as f64 / seconds,
@@ -319,11 +319,6 @@ fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64, profiled: bool) 
         share(times.kvplan.stores),
         share(times.kvplan.attention),
         100.0 - share(times.kvplan.total()),
-        if profiled {
-            ", kvplan's calls isolated"
-        } else {
-            ", caller's time in kvplan's calls"
-        },
         if drafted > 0 {
             100.0 * accepted as f64 / drafted as f64
         } else {
@@ -366,13 +361,6 @@ fn profile(times: &StepTimes) {
             1e3 * phase.wait.as_secs_f64() / steps
         );
     }
-    let per_step = |time: std::time::Duration| 1e3 * time.as_secs_f64() / steps;
-    eprintln!(
-        "profile: kvplan's calls isolated, ms/step: bookkeeping {:.3}, stores {:.3}, attention {:.3}",
-        per_step(times.kvplan.bookkeeping),
-        per_step(times.kvplan.stores),
-        per_step(times.kvplan.attention)
-    );
     let ms: Vec<f64> = times
         .step_walls
         .iter()
