@@ -99,6 +99,35 @@ impl<B: KvPlanBackend> KeyRuns<B> {
         self.pool_rows
     }
 
+    /// The host rules of an attention of `q` over the pools through these runs, then what its
+    /// launch takes of them: the slots, starts, counts and the check's status.
+    pub(crate) fn launch_args(
+        &self,
+        q: &FloatTensor<B>,
+        k_pool: &FloatTensor<B>,
+        v_pool: &FloatTensor<B>,
+        heads: usize,
+    ) -> Result<[IntTensor<B>; 4], Error> {
+        validate::paged_attention(
+            &arg("q", q),
+            &arg("k_pool", k_pool),
+            &arg("v_pool", v_pool),
+            [
+                &arg("slots", &self.slots),
+                &arg("starts", &self.starts),
+                &arg("counts", &self.counts),
+            ],
+            heads,
+            self.pool_rows,
+        )?;
+        Ok([
+            self.slots.clone(),
+            self.starts.clone(),
+            self.counts.clone(),
+            self.status.words().clone(),
+        ])
+    }
+
     /// The runs' check on the device: a run outside the slot list or a slot outside the pools
     /// (every attention over these runs is NaN then); its count is the number of tokens.
     pub fn status(&self) -> &Status<B> {
@@ -118,27 +147,9 @@ pub mod backend {
         keys: &KeyRuns<B>,
         heads: usize,
     ) -> Result<FloatTensor<B>, Error> {
-        validate::paged_attention(
-            &arg("q", &q),
-            &arg("k_pool", &k_pool),
-            &arg("v_pool", &v_pool),
-            [
-                &arg("slots", &keys.slots),
-                &arg("starts", &keys.starts),
-                &arg("counts", &keys.counts),
-            ],
-            heads,
-            keys.pool_rows,
-        )?;
+        let [slots, starts, counts, checked] = keys.launch_args(&q, &k_pool, &v_pool, heads)?;
         Ok(B::paged_attention(
-            q,
-            k_pool,
-            v_pool,
-            keys.slots.clone(),
-            keys.starts.clone(),
-            keys.counts.clone(),
-            keys.status.words().clone(),
-            heads,
+            q, k_pool, v_pool, slots, starts, counts, checked, heads,
         ))
     }
 }

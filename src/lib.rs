@@ -40,9 +40,11 @@ pub use gather::{
 };
 pub use layout::SourceLayout;
 pub use ops::{
-    AssignPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes,
-    KvPlanBackend, KvRows, LaunchMeta, OptionalInt, PlanInputsPrimitive, PlanOutput,
+    AssignPrimitive, AttendedPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive,
+    KvBytes, KvPlanBackend, KvRows, LaunchMeta, OptionalInt, PlanInputsPrimitive, PlanOutput,
     StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets, StoreWritePrimitive,
     VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive, data_to_i64,
 };
-pub use slots::{Assigned, KvStore, StoreSlots, Stored, segment_assign, segment_assign_deferred};
+pub use slots::{
+    Assigned, Attended, KvStore, StoreSlots, Stored, segment_assign, segment_assign_deferred,
+};

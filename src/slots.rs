@@ -29,12 +29,13 @@
 //! # Ok(()) }
 //! ```
 
-use burn_core::backend::tensor::IntTensor;
+use burn_core::backend::tensor::{FloatTensor, IntTensor};
 use burn_core::backend::{Backend, Dispatch, TensorData, TensorMetadata};
 use burn_core::tensor::kind::Basic;
 use burn_core::tensor::{Device, Float, Int, IntDType, Shape, Tensor};
 use kvplan_kernels::slots::{STORE_CLOCK_LIMIT, fresh_store_control};
 
+use crate::attention::KeyRuns;
 use crate::deferred::Status;
 use crate::error::{ASSIGN_CONTEXT, Error, STORE_CONTEXT};
 use crate::gather::arg;
@@ -471,6 +472,50 @@ impl StoreSlots {
         };
         Ok((cache_tensor(k_cache), cache_tensor(v_cache)))
     }
+
+    /// [`store_kv`](Self::store_kv) of a layer's K and V rows into its pools, then
+    /// [`paged_attention`](crate::paged_attention) of `q` over those pools through `keys`, as
+    /// one op: a forward pays one op's host cost for both (two launches, nothing read back).
+    /// The store's status stays in [`status`](Self::status), the runs' in `keys`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_kv_and_attend(
+        &mut self,
+        k_pool: Tensor<2>,
+        v_pool: Tensor<2>,
+        k: Tensor<2>,
+        v: Tensor<2>,
+        q: Tensor<2>,
+        keys: &KeyRuns,
+        heads: usize,
+    ) -> Result<Attended, Error> {
+        self.store_kv_and_attend_primitives(
+            [k_pool, v_pool, k, v, q].map(Tensor::into_dispatch),
+            keys,
+            heads,
+        )
+    }
+}
+
+/// What [`StoreSlots::store_kv_and_attend`] hands back.
+#[derive(Debug, Clone)]
+pub struct Attended<B: Backend = Dispatch> {
+    /// The attention's output, `[tokens, heads * head_dim]`.
+    pub out: FloatTensor<B>,
+    /// The K pool, with the layer's K rows stored (unchanged after an error the slots' status holds).
+    pub k_pool: FloatTensor<B>,
+    /// The V pool, likewise.
+    pub v_pool: FloatTensor<B>,
+}
+
+impl Attended {
+    /// The output and the pools as `Tensor`s: `(out, k_pool, v_pool)`.
+    pub fn into_tensors(self) -> (Tensor<2>, Tensor<2>, Tensor<2>) {
+        (
+            Tensor::from_dispatch(self.out),
+            Tensor::from_dispatch(self.k_pool),
+            Tensor::from_dispatch(self.v_pool),
+        )
+    }
 }
 
 /// The cache of a one-cache write.
@@ -512,6 +557,47 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             )?;
         }
         Ok(self.write(caches, values))
+    }
+
+    /// [`store_kv_and_attend`](StoreSlots::store_kv_and_attend) on primitives: the host rules of
+    /// the store and of the attention, then one op.
+    pub fn store_kv_and_attend_primitives(
+        &mut self,
+        [k_pool, v_pool, k, v, q]: [FloatTensor<B>; 5],
+        keys: &KeyRuns<B>,
+        heads: usize,
+    ) -> Result<Attended<B>, Error> {
+        for (cache_name, cache, values_name, values) in
+            [("k_pool", &k_pool, "k", &k), ("v_pool", &v_pool, "v", &v)]
+        {
+            validate::store_write(
+                &arg(cache_name, cache),
+                &arg("loc", &self.loc),
+                &arg(values_name, values),
+                self.cache_rows,
+            )?;
+        }
+        let [slots, starts, counts, checked] = keys.launch_args(&q, &k_pool, &v_pool, heads)?;
+        let output = B::store_and_attend(
+            q,
+            k_pool,
+            v_pool,
+            k,
+            v,
+            self.loc.clone(),
+            self.status.words().clone(),
+            slots,
+            starts,
+            counts,
+            checked,
+            heads,
+        );
+        self.status = Status::new(output.status, STORE_CONTEXT);
+        Ok(Attended {
+            out: output.out,
+            k_pool: output.k_pool,
+            v_pool: output.v_pool,
+        })
     }
 
     /// Rows of the caches the slots were checked against.

@@ -10,10 +10,10 @@ use burn_core::backend::tensor::FloatTensor;
 use burn_core::backend::{Autodiff, AutodiffBackend, Backend};
 
 use super::{
-    AssignPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes,
-    KvPlanBackend, KvRows, OptionalInt, PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive,
-    StoreScratchPrimitive, StoreTargets, StoreWritePrimitive, VerifyPlanPrimitive,
-    WriteInputsPrimitive, WritePlanPrimitive,
+    AssignPrimitive, AttendedPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive,
+    KvBytes, KvPlanBackend, KvRows, OptionalInt, PlanInputsPrimitive, PlanOutput,
+    StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets, StoreWritePrimitive,
+    VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
 };
 
 impl KvPlanBackend for Flex {}
@@ -437,5 +437,43 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
             status,
             heads,
         ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store_and_attend(
+        q: FloatTensor<Self>,
+        k_pool: FloatTensor<Self>,
+        v_pool: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        loc: B::IntTensorPrimitive,
+        stored: B::IntTensorPrimitive,
+        slots: B::IntTensorPrimitive,
+        starts: B::IntTensorPrimitive,
+        counts: B::IntTensorPrimitive,
+        checked: B::IntTensorPrimitive,
+        heads: usize,
+    ) -> AttendedPrimitive<Self> {
+        // As the store and the attention alone: constants, no gradient (inference only).
+        let inner = B::store_and_attend(
+            q.into_primitive(),
+            k_pool.into_primitive(),
+            v_pool.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            loc,
+            stored,
+            slots,
+            starts,
+            counts,
+            checked,
+            heads,
+        );
+        AttendedPrimitive {
+            out: Autodiff::<B, C>::from_inner(inner.out),
+            k_pool: Autodiff::<B, C>::from_inner(inner.k_pool),
+            v_pool: Autodiff::<B, C>::from_inner(inner.v_pool),
+            status: inner.status,
+        }
     }
 }

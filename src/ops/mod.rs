@@ -315,6 +315,20 @@ pub struct StoreWritePrimitive<B: Backend> {
     pub status: IntTensor<B>,
 }
 
+/// The device-side result of a store followed by the attention over the pools it wrote.
+#[derive(ExtensionType, Debug, Clone)]
+#[extension_type(fusion: cfg(feature = "fusion"))]
+pub struct AttendedPrimitive<B: Backend> {
+    /// The attention's output, `[tokens, heads * head_dim]`.
+    pub out: FloatTensor<B>,
+    /// The K pool: written in place where its buffer was unique; as it was after an error.
+    pub k_pool: FloatTensor<B>,
+    /// The V pool, likewise.
+    pub v_pool: FloatTensor<B>,
+    /// The store's i64 status record (`kvplan_kernels::status`), as `store_rows` hands it back.
+    pub status: IntTensor<B>,
+}
+
 impl<B: Backend> StoreTargets<B> {
     /// The caches (or rows), in order.
     pub fn rows(&self) -> Vec<&KvRows<B>> {
@@ -470,6 +484,59 @@ pub trait KvPlanBackend: Backend {
         heads: usize,
     ) -> FloatTensor<Self> {
         host::paged_attention::<Self>(q, k_pool, v_pool, [slots, starts, counts, status], heads)
+    }
+
+    /// A layer's K and V rows stored at `loc` (`store_rows` with the pair), then the paged
+    /// attention of `q` over the pools they were stored in (`paged_attention`): one op for two
+    /// launches, so that a forward pays one op's host cost (Fusion's registration, Burn's
+    /// dispatch) for both. The host rules of both have been checked by the caller.
+    #[fusion(meta = |q, k_pool, v_pool, _k, _v, _loc, _stored, _slots, _starts, _counts, _checked, _heads| AttendedPrimitiveMetadata {
+        out: q.clone(),
+        k_pool: k_pool.clone(),
+        v_pool: v_pool.clone(),
+        status: status_spec(),
+    })]
+    #[allow(clippy::too_many_arguments)]
+    fn store_and_attend(
+        q: FloatTensor<Self>,
+        k_pool: FloatTensor<Self>,
+        v_pool: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        loc: IntTensor<Self>,
+        stored: IntTensor<Self>,
+        slots: IntTensor<Self>,
+        starts: IntTensor<Self>,
+        counts: IntTensor<Self>,
+        checked: IntTensor<Self>,
+        heads: usize,
+    ) -> AttendedPrimitive<Self> {
+        let written = Self::store_rows(
+            StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)),
+            StoreTargets::Pair(KvRows::Float(k), KvRows::Float(v)),
+            loc,
+            stored,
+        );
+        let StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)) = written.caches
+        else {
+            unreachable!("a write hands back the targets it was given");
+        };
+        let out = Self::paged_attention(
+            q,
+            k_pool.clone(),
+            v_pool.clone(),
+            slots,
+            starts,
+            counts,
+            checked,
+            heads,
+        );
+        AttendedPrimitive {
+            out,
+            k_pool,
+            v_pool,
+            status: written.status,
+        }
     }
 
     /// The first `len` values of a gather's 1-D output: a view where the backend can make one.

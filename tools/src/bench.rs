@@ -11,12 +11,13 @@ use std::time::Instant;
 use burn_core::backend::tensor::IntTensor;
 use burn_core::backend::{Scalar, TensorData};
 use burn_core::tensor::DType;
+use kvplan::attention::backend::paged_attention;
 use kvplan::canary::{RealKvHashMode, VerifyPlan, WritePlan, read_plans};
 use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
 use kvplan::reference::{self, PlanArgs, PlanBuffers, Table};
 use kvplan::{
-    Canary, CanaryLaunch, GatherOptions, KernelKind, KvBytes, KvPlanBackend, KvRows, KvStore,
-    PlanInputs, RealKvSource, SourceBytes, StepPlan, StoreTargets, WriteInputs,
+    Canary, CanaryLaunch, GatherOptions, KernelKind, KeyRuns, KvBytes, KvPlanBackend, KvRows,
+    KvStore, PlanInputs, RealKvSource, SourceBytes, StepPlan, StoreTargets, WriteInputs,
 };
 
 use crate::prim;
@@ -815,7 +816,53 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     })
     .map_err(e)?;
     report("store K and V, slots checked (256 rows)", deferred, None);
+    // A layer's attention (9 query heads over 3 K/V heads of 64), alone and with its store in
+    // the same op: the difference is what the store adds to the attention's op.
+    let tokens = bs * 4;
+    let q = B::float_from_data(
+        TensorData::new(vec![0.5f32; tokens * 576], [tokens, 576]),
+        device,
+    );
+    let run_starts: Vec<i64> = (0..tokens as i64)
+        .map(|t| t % (tokens as i64 - 16))
+        .collect();
+    let keys = KeyRuns::<B>::check_primitives(
+        [
+            loc.clone(),
+            int::<B, 1>(run_starts, [tokens], DType::I32, device),
+            int::<B, 1>(vec![16; tokens], [tokens], DType::I32, device),
+        ],
+        1024,
+    )
+    .map_err(e)?;
+    let float_pools = |pools: StoreTargets<B>| match pools {
+        StoreTargets::Pair(KvRows::Float(k), KvRows::Float(v)) => (k, v),
+        _ => unreachable!("float pools"),
+    };
+    let (k_pool, v_pool) = float_pools(pools.take().expect("the pools are handed back"));
+    let deferred = timed::<B>(device, reps, || {
+        paged_attention::<B>(q.clone(), k_pool.clone(), v_pool.clone(), &keys, 9).map(drop)
+    })
+    .map_err(e)?;
+    report("paged attention (256 tokens x 16 keys)", deferred, None);
+    let mut pools = Some((k_pool, v_pool));
+    let KvRows::Float(k_rows) = k_rows else {
+        unreachable!("float rows")
+    };
+    let deferred = timed::<B>(device, reps, || {
+        let (k_pool, v_pool) = pools.take().expect("the pools are handed back");
+        let attended = slots.store_kv_and_attend_primitives(
+            [k_pool, v_pool, k_rows.clone(), k_rows.clone(), q.clone()],
+            &keys,
+            9,
+        )?;
+        pools = Some((attended.k_pool, attended.v_pool));
+        Ok(())
+    })
+    .map_err(e)?;
+    report("store K and V + attention, one op", deferred, None);
     slots.status().check().map_err(e)?;
+    keys.status().check().map_err(e)?;
     Ok(())
 }
 

@@ -357,6 +357,11 @@ macro_rules! suite {
             }
 
             #[test]
+            fn attention_after_store() {
+                crate::attention::store_then_attend::<B>(&device());
+            }
+
+            #[test]
             fn errors_attention() {
                 crate::attention::errors::<B>(&device());
             }

@@ -6,7 +6,7 @@ use burn_core::backend::{TensorData, read_sync};
 use burn_core::tensor::{DType, Shape, Slice};
 use kvplan::attention::backend::paged_attention;
 use kvplan::reference::{self, Heads};
-use kvplan::{Dims, Error, KeyRuns, KvPlanBackend};
+use kvplan::{Dims, Error, KeyRuns, KvPlanBackend, KvRows, KvStore, StoreTargets};
 
 use crate::common::{Rng, list};
 use crate::errors::INT_DTYPES;
@@ -449,4 +449,173 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
             tokens: 1,
         }
     );
+}
+
+/// `store_kv_and_attend`: the pools hold what a separate `store_kv` leaves, exactly, and the
+/// output is the bits of a separate attention over them (the reference's values); a duplicate
+/// store slot leaves the pools unchanged and reports the store's error; every host rule of the
+/// store and of the attention fails as in the separate op.
+pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device) {
+    let mut rng = Rng::new(0x5707E);
+    let shapes = [(9, 3, 64), (4, 2, 80), (1, 1, 8), (2, 2, 128)];
+    for (case_index, &(heads, kv_heads, head_dim)) in shapes.iter().cycle().take(8).enumerate() {
+        let layout = Heads {
+            heads,
+            kv_heads,
+            head_dim,
+        };
+        // The last case stores two tokens at one slot.
+        let duplicate = case_index == 7;
+        let tokens = rng.urange(1 + usize::from(duplicate), 12);
+        let pool_rows = rng.urange(tokens + 2, 200);
+        let mut case = Case::random(&mut rng, layout, tokens, pool_rows, 40);
+        let mut free: Vec<i64> = (1..pool_rows as i64).collect();
+        rng.shuffle(&mut free);
+        let mut loc = free[..tokens].to_vec();
+        if duplicate {
+            loc[1] = loc[0];
+        }
+        // Half the keys are this step's new rows.
+        for slot in case.slots.iter_mut() {
+            if rng.chance(1, 2) {
+                *slot = loc[rng.below(tokens as u64) as usize];
+            }
+        }
+        let cols = case.kv_cols();
+        let fresh = |rng: &mut Rng| -> Vec<f64> {
+            (0..tokens * cols)
+                .map(|_| rng.range(-256, 256) as f64 / 128.0)
+                .collect()
+        };
+        let (k_new, v_new) = (fresh(&mut rng), fresh(&mut rng));
+        let mut stored = case.clone();
+        for (i, &slot) in loc.iter().enumerate() {
+            let at = slot as usize * cols;
+            stored.k[at..][..cols].copy_from_slice(&k_new[i * cols..][..cols]);
+            stored.v[at..][..cols].copy_from_slice(&v_new[i * cols..][..cols]);
+        }
+        let what = format!("case {case_index}: {layout:?}, {tokens} tokens over {pool_rows} rows");
+        let int = rng.int_dtype();
+        let inputs = || {
+            let pool = |values: &[f64]| floats::<B>(values, [pool_rows, cols], DType::F32, device);
+            let rows = |values: &[f64]| floats::<B>(values, [tokens, cols], DType::F32, device);
+            let q = floats::<B>(&case.q, [tokens, case.q_cols()], DType::F32, device);
+            let keys = KeyRuns::<B>::check_primitives(
+                [&case.slots, &case.starts, &case.counts].map(|v| list::<B>(v, int, device)),
+                pool_rows,
+            )
+            .expect("host rules hold");
+            let store = KvStore::<B>::allocate_on(pool_rows, device).unwrap();
+            let parts = [pool(&case.k), pool(&case.v), rows(&k_new), rows(&v_new), q];
+            (parts, keys, store)
+        };
+        // Together.
+        let ([k_pool, v_pool, k, v, q], keys, mut store) = inputs();
+        let mut slots = store
+            .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
+            .unwrap();
+        let attended = slots
+            .store_kv_and_attend_primitives([k_pool, v_pool, k, v, q], &keys, heads)
+            .expect("host rules hold");
+        let status = slots.status().check();
+        let (out, k_got, v_got) = (
+            float_values::<B>(attended.out),
+            float_values::<B>(attended.k_pool),
+            float_values::<B>(attended.v_pool),
+        );
+        // Apart.
+        let ([k_pool, v_pool, k, v, q], keys, mut store) = inputs();
+        let mut slots = store
+            .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
+            .unwrap();
+        let pair = |a, b| StoreTargets::Pair(KvRows::Float(a), KvRows::Float(b));
+        let StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)) = slots
+            .store_primitives(pair(k_pool, v_pool), pair(k, v))
+            .expect("host rules hold")
+        else {
+            unreachable!("a pair comes back")
+        };
+        let apart = paged_attention::<B>(q, k_pool.clone(), v_pool.clone(), &keys, heads).unwrap();
+        assert_eq!(status, slots.status().check(), "{what}: status");
+        let bits = |values: &[f64]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&out),
+            bits(&float_values::<B>(apart)),
+            "{what}: output"
+        );
+        assert_eq!(k_got, float_values::<B>(k_pool), "{what}: K pool");
+        assert_eq!(v_got, float_values::<B>(v_pool), "{what}: V pool");
+        if duplicate {
+            assert!(status.is_err(), "{what}: a duplicate slot");
+            assert_eq!(
+                (k_got, v_got),
+                (case.k.clone(), case.v.clone()),
+                "{what}: unchanged"
+            );
+        } else {
+            assert_eq!(status, Ok(tokens), "{what}: status");
+            assert_eq!(
+                (k_got, v_got),
+                (stored.k.clone(), stored.v.clone()),
+                "{what}: pools"
+            );
+            assert_close(&out, &stored.reference().unwrap(), &what);
+        }
+    }
+    // Host rules: the store's, then the attention's, each as its own op reports it.
+    let zeros =
+        |shape: [usize; 2]| floats::<B>(&vec![0.0; shape[0] * shape[1]], shape, DType::F32, device);
+    let keys = KeyRuns::<B>::check_primitives(
+        [&[1, 2][..], &[0, 0], &[1, 2]].map(|v| list::<B>(v, DType::I64, device)),
+        5,
+    )
+    .unwrap();
+    let mut store = KvStore::<B>::allocate_on(5, device).unwrap();
+    let run = |store: &mut KvStore<B>, [q, k_pool, k]: [[usize; 2]; 3], heads: usize| {
+        let mut slots = store
+            .check_slot_primitives(list::<B>(&[3, 4], DType::I64, device), 5)
+            .unwrap();
+        let together = slots
+            .store_kv_and_attend_primitives(
+                [zeros(k_pool), zeros(k_pool), zeros(k), zeros(k), zeros(q)],
+                &keys,
+                heads,
+            )
+            .map(drop);
+        let pair = |a, b| StoreTargets::Pair(KvRows::Float(a), KvRows::Float(b));
+        let apart = slots
+            .store_primitives(pair(zeros(k_pool), zeros(k_pool)), pair(zeros(k), zeros(k)))
+            .and_then(|_| {
+                paged_attention::<B>(zeros(q), zeros(k_pool), zeros(k_pool), &keys, heads)
+            })
+            .map(drop);
+        (together, apart)
+    };
+    for (shapes, heads) in [
+        ([[2, 32], [5, 16], [3, 16]], 4), // three K rows for two slots
+        ([[2, 32], [5, 16], [2, 8]], 4),  // K rows narrower than the pool
+        ([[2, 32], [4, 16], [2, 16]], 4), // a pool of fewer rows than the slots were checked for
+        ([[2, 30], [5, 16], [2, 16]], 4), // q not whole heads
+        ([[3, 32], [5, 16], [2, 16]], 4), // a query more than the runs
+        ([[2, 24], [5, 16], [2, 16]], 3), // 3 query heads over 2 K/V heads
+    ] {
+        let (together, apart) = run(&mut store, shapes, heads);
+        assert!(together.is_err(), "{shapes:?}: refused");
+        // The pools are named as this op's arguments, where `store_kv` names caches.
+        let apart = apart.map_err(|error| match error {
+            Error::CacheRowsMismatch {
+                context,
+                name: "k_cache",
+                cache,
+                cache_rows,
+            } => Error::CacheRowsMismatch {
+                context,
+                name: "k_pool",
+                cache,
+                cache_rows,
+            },
+            error => error,
+        });
+        assert_eq!(together, apart, "{shapes:?}");
+    }
 }
