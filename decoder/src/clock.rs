@@ -13,9 +13,9 @@ pub struct OpTimes {
     /// Bookkeeping: gathers, `segment_assign`, the key runs' check, the canary's plan, write and
     /// verify, the step's one status and violation read.
     pub bookkeeping: Duration,
-    /// The forwards' K/V stores' slot checks, and the stores of the padded attention.
+    /// The forwards' K/V stores (their slots' check included).
     pub stores: Duration,
-    /// Paged attention, each layer's K/V store in the same op.
+    /// Paged attention.
     pub attention: Duration,
 }
 

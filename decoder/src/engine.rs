@@ -93,12 +93,10 @@ pub struct EngineOptions {
     /// Wait for the device at the end of each step phase and record where the time went
     /// ([`StepTimes::phases`]); slower, for finding what a step spends.
     pub profile: bool,
-    /// Benchmarks only: on every other step each kvplan call of this kind runs again, so that
-    /// those steps' rise over the others is the calls' cost in a pipelined step
-    /// ([`StepTimes::step_walls`]). With the paged attention, `Stores` runs each layer's
-    /// store-and-attend op again and `Attention` the attention alone: the store's own cost is
-    /// the difference. A repeated store writes the same rows again; a repeated attention attends
-    /// with the first one's output as queries, which changes the tokens.
+    /// Benchmarks only: on every other step each kvplan call of this kind (stores or attention)
+    /// runs twice, so that those steps' rise over the others is the calls' cost in a pipelined
+    /// step ([`StepTimes::step_walls`]). A repeated store writes the same rows again; a repeated
+    /// attention attends with the first one's output as queries, which changes the tokens.
     pub repeat: Option<OpKind>,
 }
 

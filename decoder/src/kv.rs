@@ -2,7 +2,7 @@
 //! stored into and read through kvplan, and the host allocators of its slots and table rows.
 
 use burn_core::tensor::{DType, Device, Int, Tensor};
-use kvplan::{Attended, KeyRuns, KvStore, Status, StoreSlots};
+use kvplan::{KvStore, Status, StoreSlots};
 
 use crate::clock::{OpClock, OpKind};
 use crate::{DecoderError, Result};
@@ -131,52 +131,6 @@ impl KvCache {
         self.clock.stop(span, OpKind::Stores);
         (self.k[layer], self.v[layer]) = stored?;
         Ok(())
-    }
-
-    /// Stores `k` and `v` (`[tokens, kv_dim]`) of `layer` at `slots`, then the paged attention
-    /// of `q` over that layer's pools through `keys`: one kvplan op (two launches).
-    pub fn store_and_attend(
-        &mut self,
-        layer: usize,
-        slots: &mut StoreSlots,
-        [q, k, v]: [Tensor<2>; 3],
-        keys: &KeyRuns,
-        heads: usize,
-    ) -> Result<Tensor<2>> {
-        let span = self.clock.start();
-        let k_pool = std::mem::replace(&mut self.k[layer], self.placeholder.clone());
-        let v_pool = std::mem::replace(&mut self.v[layer], self.placeholder.clone());
-        let mut attended =
-            slots.store_kv_and_attend(k_pool, v_pool, k.clone(), v.clone(), q.clone(), keys, heads);
-        // Benchmarks: the whole op again, its output dropped (stores: the same rows again, no
-        // token changes), or the attention alone with the first output as queries (attention);
-        // the store's own cost is the difference of the two.
-        attended = match (self.repeat, attended) {
-            (Some(OpKind::Stores), Ok(first)) => {
-                let (out, k_pool, v_pool) = first.into_tensors();
-                slots
-                    .store_kv_and_attend(k_pool, v_pool, k, v, q, keys, heads)
-                    .map(|again| Attended {
-                        out: out.into_dispatch(),
-                        ..again
-                    })
-            }
-            (Some(OpKind::Attention), Ok(first)) => {
-                let (out, k_pool, v_pool) = first.into_tensors();
-                kvplan::paged_attention(out, k_pool.clone(), v_pool.clone(), keys, heads).map(
-                    |out| Attended {
-                        out: out.into_dispatch(),
-                        k_pool: k_pool.into_dispatch(),
-                        v_pool: v_pool.into_dispatch(),
-                    },
-                )
-            }
-            (_, attended) => attended,
-        };
-        self.clock.stop(span, OpKind::Attention);
-        let (out, k_pool, v_pool) = attended?.into_tensors();
-        (self.k[layer], self.v[layer]) = (k_pool, v_pool);
-        Ok(out)
     }
 
     /// Keeps a forward's store status (its slots' check and every store's) for the step's one

@@ -9,6 +9,7 @@ use burn_core::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use kvplan::KeyRuns;
 
+use crate::clock::OpKind;
 use crate::gguf::Gguf;
 use crate::kv::KvCache;
 use crate::{DecoderError, Result};
@@ -108,7 +109,7 @@ pub struct Llama {
 /// Where one step's tokens attend.
 pub enum Attention {
     /// kvplan's paged attention: each token over the K/V rows at its run of the step's slot list
-    /// (the backends with kvplan kernels), in one op with the layer's K/V store.
+    /// (the backends with kvplan kernels).
     Paged(KeyRuns),
     /// Burn ops over K/V gathered into a padded `[rows, max_kv]` layout, where the attention op is
     /// kvplan's host reference (it would read every pool back every layer).
@@ -304,14 +305,22 @@ impl Llama {
             let rotated = (plain * cos.clone() + swapped * sin.clone()).reshape([tokens, qk]);
             let q = rotated.clone().narrow(1, 0, c.hidden);
             let k = rotated.narrow(1, c.hidden, kv);
+            cache.store(layer, &mut slots, k, v)?;
             let attended = match &input.attention {
                 Attention::Paged(keys) => {
-                    cache.store_and_attend(layer, &mut slots, [q, k, v], keys, c.heads)?
+                    let (k_pool, v_pool) = cache.pools(layer);
+                    let span = cache.clock.start();
+                    let mut out =
+                        kvplan::paged_attention(q, k_pool.clone(), v_pool.clone(), keys, c.heads);
+                    if cache.repeat == Some(OpKind::Attention) {
+                        out = out.and_then(|q| {
+                            kvplan::paged_attention(q, k_pool, v_pool, keys, c.heads)
+                        });
+                    }
+                    cache.clock.stop(span, OpKind::Attention);
+                    out?
                 }
-                Attention::Padded(padded) => {
-                    cache.store(layer, &mut slots, k, v)?;
-                    self.attend_padded(cache, layer, q, padded)
-                }
+                Attention::Padded(padded) => self.attend_padded(cache, layer, q, padded),
             };
             x = x + attended.matmul(block.wo.clone());
             let h = rms_norm(x.clone(), c.rms_eps);
