@@ -487,9 +487,9 @@ pub trait KvPlanBackend: Backend {
     }
 
     /// A layer's K and V rows stored at `loc` (`store_rows` with the pair), then the paged
-    /// attention of `q` over the pools they were stored in (`paged_attention`): one op for two
-    /// launches, so that a forward pays one op's host cost (Fusion's registration, Burn's
-    /// dispatch) for both. The host rules of both have been checked by the caller.
+    /// attention of `q` over the pools they were stored in (`paged_attention`): one op (one
+    /// Fusion registration) for two launches. The host rules of both have been checked by the
+    /// caller.
     #[fusion(meta = |q, k_pool, v_pool, _k, _v, _loc, _stored, _slots, _starts, _counts, _checked, _heads| AttendedPrimitiveMetadata {
         out: q.clone(),
         k_pool: k_pool.clone(),
