@@ -41,8 +41,8 @@ pub use gather::{
 pub use layout::SourceLayout;
 pub use ops::{
     AssignPrimitive, AttendedPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive,
-    KvBytes, KvPlanBackend, KvRows, LaunchMeta, OptionalInt, PlanInputsPrimitive, PlanOutput,
-    StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets, StoreWritePrimitive,
+    KvBytes, KvPlanBackend, KvRows, LaunchMeta, NewRowsPrimitive, OptionalInt, PlanInputsPrimitive,
+    PlanOutput, StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets, StoreWritePrimitive,
     VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive, data_to_i64,
 };
 pub use slots::{

@@ -39,7 +39,7 @@ use crate::attention::KeyRuns;
 use crate::deferred::Status;
 use crate::error::{ASSIGN_CONTEXT, Error, STORE_CONTEXT};
 use crate::gather::arg;
-use crate::ops::{KvPlanBackend, KvRows, StoreScratchPrimitive, StoreTargets};
+use crate::ops::{KvPlanBackend, KvRows, NewRowsPrimitive, StoreScratchPrimitive, StoreTargets};
 use crate::room::{self, Buffer};
 use crate::validate;
 
@@ -405,11 +405,15 @@ impl<B: KvPlanBackend> KvStore<B> {
         let base = self.clock as u32;
         self.clock = (self.clock + tokens).min(STORE_CLOCK_LIMIT);
         let output = B::check_store_slots(loc.clone(), scratch, base, cache_rows);
+        // Held while the slots live: a later check then writes a copy of the words, not these.
+        let claims = output.scratch.slot_words.clone();
         self.scratch = Some(output.scratch);
         StoreSlots {
             loc,
             cache_rows,
             status: Status::new(output.status, STORE_CONTEXT),
+            claims,
+            base,
         }
     }
 }
@@ -423,6 +427,10 @@ pub struct StoreSlots<B: Backend = Dispatch> {
     cache_rows: usize,
     // Private: the writes trust it, so only the check and the writes may set it.
     status: Status<B>,
+    // The store scratch's slot words after this check, and its first clock value: which new row
+    // holds a slot, for `store_kv_and_attend`.
+    claims: IntTensor<B>,
+    base: u32,
 }
 
 impl StoreSlots {
@@ -474,10 +482,11 @@ impl StoreSlots {
     }
 
     /// [`store_kv`](Self::store_kv) of a layer's K and V rows into its pools, then
-    /// [`paged_attention`](crate::paged_attention) of `q` over those pools through `keys`, as
-    /// one op (two launches, nothing read back). On the H200 it saves 4-5 us of host time per
-    /// layer against the two ops, no measurable step time (`benches/RESULTS.md`).
-    /// The store's status stays in [`status`](Self::status), the runs' in `keys`.
+    /// [`paged_attention`](crate::paged_attention) of `q` over those pools through `keys`: the
+    /// same pools and the same output bits, in one launch on the Cube backend (a key this store
+    /// writes is read from the new rows), nothing read back. The store's status stays in
+    /// [`status`](Self::status), the runs' in `keys`. A key at slot 0, the padding sink, reads
+    /// whatever the sink holds while tokens of this store write it.
     #[allow(clippy::too_many_arguments)]
     pub fn store_kv_and_attend(
         &mut self,
@@ -569,19 +578,15 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             self.check_write(arg(cache_name, cache), arg(values_name, values))?;
         }
         let [slots, starts, counts, checked] = keys.launch_args(&q, &k_pool, &v_pool, heads)?;
-        let output = B::store_and_attend(
-            q,
-            k_pool,
-            v_pool,
+        let rows = NewRowsPrimitive {
             k,
             v,
-            self.loc.clone(),
-            self.status.words().clone(),
-            slots,
-            starts,
-            counts,
-            checked,
-            heads,
+            loc: self.loc.clone(),
+            status: self.status.words().clone(),
+            claims: self.claims.clone(),
+        };
+        let output = B::store_and_attend(
+            q, k_pool, v_pool, rows, self.base, slots, starts, counts, checked, heads,
         );
         self.status = Status::new(output.status, STORE_CONTEXT);
         Ok(Attended {

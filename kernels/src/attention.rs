@@ -50,6 +50,28 @@ pub struct AttentionShape {
     pub counts_stride: u64,
 }
 
+/// Scalars of the store an attention launch makes first: the step's new K/V rows and their slots.
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
+pub struct NewRowsShape {
+    /// New rows (the length of `loc`).
+    pub rows: u64,
+    /// Row stride of the new K rows.
+    pub k_stride: u64,
+    /// Row stride of the new V rows.
+    pub v_stride: u64,
+    /// Stride of `loc`.
+    pub loc_stride: u64,
+    /// The slots' check claimed `[base, newest]`: a slot's word `w` in it names row `newest - w`
+    /// (`crate::slots`).
+    pub base: u64,
+    /// The newest claim of the check.
+    pub newest: u64,
+}
+
+/// A key read from the step's new rows, not the pools (a flag above every row offset).
+const NEW_ROW: u64 = 1 << 63;
+
 /// The first fault of token `t`'s run: `0` none, `1` the run leaves the slot list, `2 + j` key
 /// `j`'s slot is outside the pools.
 #[cube]
@@ -170,28 +192,132 @@ pub fn attention_kernel<F: Float, S: Int, A: Int, C: Int>(
                 out[out_at] = F::NAN;
             }
         } else {
-            attend::<F, S, A, C>(
-                q, k_pool, v_pool, slots, starts, counts, out, shape, t, h, head_dim, units,
+            // No new rows: the pools stand in for them, never read (`with_new_rows` is false).
+            let none = NewRowsShape {
+                rows: 0,
+                k_stride: 0,
+                v_stride: 0,
+                loc_stride: 0,
+                base: 1,
+                newest: 0,
+            };
+            attend::<F, S, A, C, S>(
+                q, k_pool, v_pool, k_pool, v_pool, slots, slots, starts, counts, out, shape, none,
+                t, h, head_dim, units, false,
             );
         }
     }
 }
 
+/// The store and the attention in one launch: cube `(t, h)` stores the columns of K/V head
+/// `h / groups` of new row `t` at `loc[t]` when `h` is its group's first query head and the slots'
+/// status is clear, then attends as `attention_kernel` does. A key whose slot this store claims
+/// reads the new row instead of the pools (whose rows other cubes are writing), so the output is
+/// the attention over the pools after the store, bit for bit.
+#[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::too_many_arguments)]
+pub fn store_attention_kernel<F: Float, S: Int, A: Int, C: Int, L: Int>(
+    q: &Tensor<F>,
+    k_pool: &mut Tensor<F>,
+    v_pool: &mut Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    loc: &Tensor<L>,
+    claims: &Tensor<u32>,
+    stored: &Tensor<i64>,
+    slots: &Tensor<S>,
+    starts: &Tensor<A>,
+    counts: &Tensor<C>,
+    status: &Tensor<i64>,
+    out: &mut Tensor<F>,
+    shape: AttentionShape,
+    new_rows: NewRowsShape,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+    #[define(F, S, A, C, L)] _dtypes: [ElemType; 5],
+) {
+    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    let t = cube / shape.heads;
+    let h = cube % shape.heads;
+    let u = UNIT_POS as usize;
+    // An unclear store writes nothing, and every key is read from the pools as they are.
+    let mut rows = new_rows;
+    if stored[CODE] != OK {
+        rows.base = 1;
+        rows.newest = 0;
+    }
+    if rows.base <= rows.newest && t < rows.rows && h % shape.groups == 0 && u < head_dim {
+        let slot = i64::cast_from(loc[(t * rows.loc_stride) as usize]) as u64;
+        let column = (h / shape.groups) * head_dim as u64 + u as u64;
+        k_pool[(slot * shape.k_stride + column) as usize] =
+            k[(t * rows.k_stride + column) as usize];
+        v_pool[(slot * shape.v_stride + column) as usize] =
+            v[(t * rows.v_stride + column) as usize];
+    }
+    if t < shape.tokens {
+        let out_at = (t * shape.heads + h) as usize * head_dim + u;
+        if status[CODE] != OK {
+            if u < head_dim {
+                out[out_at] = F::NAN;
+            }
+        } else {
+            attend::<F, S, A, C, u32>(
+                q, &*k_pool, &*v_pool, k, v, slots, claims, starts, counts, out, shape, rows, t, h,
+                head_dim, units, true,
+            );
+        }
+    }
+}
+
+/// The new row that holds slot `slot`'s K/V (`NEW_ROW` when the pools do): the one whose token
+/// claimed the slot in the check (slot 0, the padding sink, is never claimed).
+#[cube]
+fn new_row<W: Int>(claims: &Tensor<W>, slot: u64, rows: NewRowsShape) -> u64 {
+    let mut row = NEW_ROW.runtime();
+    if slot != 0 {
+        let claim = u64::cast_from(claims[slot as usize]);
+        if claim >= rows.base && claim <= rows.newest {
+            row = rows.newest - claim;
+        }
+    }
+    row
+}
+
+/// `q_row . keys[at .. at + head_dim]`, in the dimensions' order.
+#[cube]
+fn dot<F: Float>(
+    q_row: &Shared<[F]>,
+    keys: &Tensor<F>,
+    at: usize,
+    #[comptime] head_dim: usize,
+) -> F {
+    let mut sum = F::new(0.0);
+    for e in 0..head_dim {
+        sum += q_row[e] * keys[at + e];
+    }
+    sum
+}
+
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn attend<F: Float, S: Int, A: Int, C: Int>(
+fn attend<F: Float, S: Int, A: Int, C: Int, W: Int>(
     q: &Tensor<F>,
     k_pool: &Tensor<F>,
     v_pool: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
     slots: &Tensor<S>,
+    claims: &Tensor<W>,
     starts: &Tensor<A>,
     counts: &Tensor<C>,
     out: &mut Tensor<F>,
     shape: AttentionShape,
+    rows: NewRowsShape,
     t: u64,
     h: u64,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
+    #[comptime] with_new_rows: bool,
 ) {
     let chunk = units as u64;
     let u = UNIT_POS as usize;
@@ -218,13 +344,19 @@ fn attend<F: Float, S: Int, A: Int, C: Int>(
             let slot =
                 i64::cast_from(slots[((start + first + u as u64) * shape.slots_stride) as usize])
                     as u64;
-            let k_base = (slot * shape.k_stride + kv_column) as usize;
-            let mut dot = F::new(0.0);
-            for e in 0..head_dim {
-                dot += q_row[e] * k_pool[k_base + e];
+            let mut row = NEW_ROW.runtime();
+            if comptime![with_new_rows] {
+                row = new_row::<W>(claims, slot, rows);
             }
-            scores[u] = dot * scale;
-            key_rows[u] = slot * shape.v_stride + kv_column;
+            if row == NEW_ROW {
+                let at = (slot * shape.k_stride + kv_column) as usize;
+                scores[u] = dot::<F>(&q_row, k_pool, at, head_dim) * scale;
+                key_rows[u] = slot * shape.v_stride + kv_column;
+            } else {
+                let at = (row * rows.k_stride + kv_column) as usize;
+                scores[u] = dot::<F>(&q_row, k, at, head_dim) * scale;
+                key_rows[u] = NEW_ROW | (row * rows.v_stride + kv_column);
+            }
         }
         sync_cube();
         // Every unit keeps the same running max and sum (the chunk's scores are shared).
@@ -249,7 +381,16 @@ fn attend<F: Float, S: Int, A: Int, C: Int>(
             let weight = (scores[j as usize] - next_max).exp();
             sum += weight;
             if u < head_dim {
-                acc += weight * v_pool[key_rows[j as usize] as usize + u];
+                let at = key_rows[j as usize];
+                if comptime![with_new_rows] {
+                    if at >= NEW_ROW {
+                        acc += weight * v[(at - NEW_ROW) as usize + u];
+                    } else {
+                        acc += weight * v_pool[at as usize + u];
+                    }
+                } else {
+                    acc += weight * v_pool[at as usize + u];
+                }
             }
             j += 1;
         }

@@ -11,7 +11,7 @@ use burn_core::backend::{Autodiff, AutodiffBackend, Backend};
 
 use super::{
     AssignPrimitive, AttendedPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive,
-    KvBytes, KvPlanBackend, KvRows, OptionalInt, PlanInputsPrimitive, PlanOutput,
+    KvBytes, KvPlanBackend, KvRows, NewRowsPrimitive, OptionalInt, PlanInputsPrimitive, PlanOutput,
     StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets, StoreWritePrimitive,
     VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
 };
@@ -133,6 +133,28 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         heads: usize,
     ) -> burn_cubecl::tensor::CubeTensor {
         super::cube::paged_attention(q, k_pool, v_pool, [slots, starts, counts, status], heads)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store_and_attend(
+        q: burn_cubecl::tensor::CubeTensor,
+        k_pool: burn_cubecl::tensor::CubeTensor,
+        v_pool: burn_cubecl::tensor::CubeTensor,
+        rows: NewRowsPrimitive<Self>,
+        base: u32,
+        slots: burn_cubecl::tensor::CubeTensor,
+        starts: burn_cubecl::tensor::CubeTensor,
+        counts: burn_cubecl::tensor::CubeTensor,
+        checked: burn_cubecl::tensor::CubeTensor,
+        heads: usize,
+    ) -> AttendedPrimitive<Self> {
+        super::cube::store_and_attend(
+            [q, k_pool, v_pool],
+            rows,
+            base,
+            [slots, starts, counts, checked],
+            heads,
+        )
     }
 }
 
@@ -444,10 +466,8 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         q: FloatTensor<Self>,
         k_pool: FloatTensor<Self>,
         v_pool: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        loc: B::IntTensorPrimitive,
-        stored: B::IntTensorPrimitive,
+        rows: NewRowsPrimitive<Self>,
+        base: u32,
         slots: B::IntTensorPrimitive,
         starts: B::IntTensorPrimitive,
         counts: B::IntTensorPrimitive,
@@ -455,14 +475,19 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         heads: usize,
     ) -> AttendedPrimitive<Self> {
         // As the store and the attention alone: constants, no gradient (inference only).
+        let rows = NewRowsPrimitive {
+            k: rows.k.into_primitive(),
+            v: rows.v.into_primitive(),
+            loc: rows.loc,
+            status: rows.status,
+            claims: rows.claims,
+        };
         let inner = B::store_and_attend(
             q.into_primitive(),
             k_pool.into_primitive(),
             v_pool.into_primitive(),
-            k.into_primitive(),
-            v.into_primitive(),
-            loc,
-            stored,
+            rows,
+            base,
             slots,
             starts,
             counts,

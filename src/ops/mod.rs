@@ -315,6 +315,23 @@ pub struct StoreWritePrimitive<B: Backend> {
     pub status: IntTensor<B>,
 }
 
+/// A layer's new K/V rows and the checked slots they are stored at, for `store_and_attend`.
+#[derive(ExtensionType, Debug, Clone)]
+#[extension_type(fusion: cfg(feature = "fusion"))]
+pub struct NewRowsPrimitive<B: Backend> {
+    /// The new K rows, `[N, K pool columns]`.
+    pub k: FloatTensor<B>,
+    /// The new V rows, `[N, V pool columns]`.
+    pub v: FloatTensor<B>,
+    /// The slots, `[N]`.
+    pub loc: IntTensor<B>,
+    /// The slots' i64 status record: their check's, or an earlier write's.
+    pub status: IntTensor<B>,
+    /// The store scratch's u32 slot words as the slots' check left them: which row claims a slot
+    /// (`kvplan_kernels::slots`). Unused by the host reference.
+    pub claims: IntTensor<B>,
+}
+
 /// The device-side result of a store followed by the attention over the pools it wrote.
 #[derive(ExtensionType, Debug, Clone)]
 #[extension_type(fusion: cfg(feature = "fusion"))]
@@ -486,11 +503,12 @@ pub trait KvPlanBackend: Backend {
         host::paged_attention::<Self>(q, k_pool, v_pool, [slots, starts, counts, status], heads)
     }
 
-    /// A layer's K and V rows stored at `loc` (`store_rows` with the pair), then the paged
-    /// attention of `q` over the pools they were stored in (`paged_attention`): one op (one
-    /// Fusion registration) for two launches. The host rules of both have been checked by the
-    /// caller.
-    #[fusion(meta = |q, k_pool, v_pool, _k, _v, _loc, _stored, _slots, _starts, _counts, _checked, _heads| AttendedPrimitiveMetadata {
+    /// A layer's new K and V rows stored at their slots (`store_rows` with the pair), then the
+    /// paged attention of `q` over the pools they were stored in (`paged_attention`), as one op.
+    /// `base` is the slots' check's first clock value: the Cube backend reads the keys this store
+    /// writes from the new rows, through the claims, and makes both in one launch. The host rules
+    /// of both have been checked by the caller.
+    #[fusion(meta = |q, k_pool, v_pool, _rows, _base, _slots, _starts, _counts, _checked, _heads| AttendedPrimitiveMetadata {
         out: q.clone(),
         k_pool: k_pool.clone(),
         v_pool: v_pool.clone(),
@@ -501,21 +519,20 @@ pub trait KvPlanBackend: Backend {
         q: FloatTensor<Self>,
         k_pool: FloatTensor<Self>,
         v_pool: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        loc: IntTensor<Self>,
-        stored: IntTensor<Self>,
+        #[extension_type] rows: NewRowsPrimitive<Self>,
+        base: u32,
         slots: IntTensor<Self>,
         starts: IntTensor<Self>,
         counts: IntTensor<Self>,
         checked: IntTensor<Self>,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
+        let _ = base; // the host has no claims to read: it stores, then attends
         let written = Self::store_rows(
             StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)),
-            StoreTargets::Pair(KvRows::Float(k), KvRows::Float(v)),
-            loc,
-            stored,
+            StoreTargets::Pair(KvRows::Float(rows.k), KvRows::Float(rows.v)),
+            rows.loc,
+            rows.status,
         );
         let StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)) = written.caches
         else {

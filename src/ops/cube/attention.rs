@@ -3,18 +3,23 @@
 
 use burn_core::backend::TensorMetadata;
 use burn_core::tensor::{DType, Shape};
+use burn_cubecl::CubeBackend;
 use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, full_device_dtype};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use kvplan_kernels::attention::{
-    AttentionShapeLaunch, attention_check_kernel, attention_kernel, attention_units,
+    AttentionShapeLaunch, NewRowsShapeLaunch, attention_check_kernel, attention_kernel,
+    attention_units, store_attention_kernel,
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::STATUS_LEN;
 
+use super::slots::owned;
 use super::{
-    address_type, bindable, contiguous, grid, output_i64, storage, stride, upload_i64, widened,
+    address_type, bindable, contiguous, grid, output_i64, storage, store_rows, stride, upload_i64,
+    widened,
 };
+use crate::ops::{AttendedPrimitive, KvRows, NewRowsPrimitive, StoreTargets};
 
 /// The launch scalars; `pool_rows` and `slots_len` are what the check holds the runs to.
 fn attention_shape(
@@ -76,6 +81,11 @@ pub(crate) fn check_key_runs(
     status
 }
 
+/// f64 through SPIR-V, whose exp is 32-bit only (GLSL.std.450): the attention is NaN there.
+fn f64_on_spirv(q: &CubeTensor) -> bool {
+    q.dtype == DType::F64 && (q.client.properties().identity.fingerprint).starts_with("spirv_")
+}
+
 /// Rows whose last dim is contiguous: the tensor itself, or a contiguous copy.
 fn unit_rows(tensor: CubeTensor) -> CubeTensor {
     if tensor.shape()[1] <= 1 || stride(&tensor, 1) == 1 {
@@ -111,9 +121,7 @@ pub(crate) fn paged_attention(
         [&q, &k_pool, &v_pool, &slots, &starts, &counts, &out],
         &[tokens * heads],
     );
-    let f64_on_spirv =
-        q.dtype == DType::F64 && (q.client.properties().identity.fingerprint).starts_with("spirv_");
-    let (Ok(address), false) = (address, f64_on_spirv) else {
+    let (Ok(address), false) = (address, f64_on_spirv(&q)) else {
         let nan = InputScalar::new(f32::NAN, storage(&q));
         return full_device_dtype(q.client, out.shape(), q.device, nan, q.dtype);
     };
@@ -155,4 +163,133 @@ pub(crate) fn paged_attention(
         );
     }
     out
+}
+
+/// A layer's store and attention in one launch (`store_attention_kernel`). Where that launch
+/// cannot run (an index past the device's width, f64 through SPIR-V), the store's and the
+/// attention's own launchers, which report or mark it as each does alone.
+pub(crate) fn store_and_attend(
+    [q, k_pool, v_pool]: [CubeTensor; 3],
+    rows: NewRowsPrimitive<CubeBackend>,
+    base: u32,
+    [slots, starts, counts, checked]: [CubeTensor; 4],
+    heads: usize,
+) -> AttendedPrimitive<CubeBackend> {
+    let (q, k, v) = (unit_rows(q), unit_rows(rows.k), unit_rows(rows.v));
+    let (k_pool, v_pool) = (owned(unit_rows(k_pool)), owned(unit_rows(v_pool)));
+    let (tokens, q_cols) = (q.shape()[0], q.shape()[1]);
+    let new = k.shape()[0];
+    let head_dim = q_cols / heads;
+    let groups = heads / (k_pool.shape()[1] / head_dim);
+    let cubes = tokens.max(new) * heads;
+    let address = address_type(
+        [
+            &q,
+            &k_pool,
+            &v_pool,
+            &k,
+            &v,
+            &rows.loc,
+            &rows.claims,
+            &slots,
+            &starts,
+            &counts,
+        ],
+        &[cubes, tokens * q_cols],
+    );
+    let (Ok(address), false) = (address, f64_on_spirv(&q)) else {
+        let written = store_rows(
+            StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)),
+            StoreTargets::Pair(KvRows::Float(k), KvRows::Float(v)),
+            rows.loc,
+            rows.status,
+        );
+        let StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)) = written.caches
+        else {
+            unreachable!("a write hands back the targets it was given");
+        };
+        let runs = [slots, starts, counts, checked];
+        return AttendedPrimitive {
+            out: paged_attention(q, k_pool.clone(), v_pool.clone(), runs, heads),
+            k_pool,
+            v_pool,
+            status: written.status,
+        };
+    };
+    let out = empty_device_contiguous_dtype(
+        q.client.clone(),
+        q.device.clone(),
+        Shape::new([tokens, q_cols]),
+        q.dtype,
+    );
+    if cubes == 0 {
+        return AttendedPrimitive {
+            out,
+            k_pool,
+            v_pool,
+            status: rows.status,
+        };
+    }
+    let loc = bindable(widened(rows.loc));
+    let [slots, starts, counts] = [slots, starts, counts].map(|ints| bindable(widened(ints)));
+    let shape = attention_shape(
+        [&slots, &starts, &counts],
+        [tokens, heads, groups, k_pool.shape()[0]],
+        [Some(&q), Some(&k_pool), Some(&v_pool)],
+    );
+    let (base, new) = (u64::from(base), new as u64);
+    // The check claimed `[base, base + new - 1]` (an empty range without new rows).
+    let new_rows = NewRowsShapeLaunch::new(
+        new,
+        stride(&k, 0),
+        stride(&v, 0),
+        stride(&loc, 0),
+        base,
+        base + new - u64::from(new > 0),
+    );
+    let dtypes = [
+        storage(&q),
+        storage(&slots),
+        storage(&starts),
+        storage(&counts),
+        storage(&loc),
+    ];
+    let units = attention_units(head_dim);
+    let (grid, _) = grid(cubes);
+    let client = q.client.clone();
+    // SAFETY: the kernel stores only on the slots' clear status (every slot inside pools of
+    // these rows, none but 0 twice) and attends only on the runs' (every run inside the slot
+    // list, every slot inside the pools); the claims span the pools' rows.
+    unsafe {
+        store_attention_kernel::launch_unchecked(
+            &client,
+            grid,
+            CubeDim::new_1d(units as u32),
+            address,
+            bindable(q).into_tensor_arg(),
+            bindable(k_pool.clone()).into_tensor_arg(),
+            bindable(v_pool.clone()).into_tensor_arg(),
+            bindable(k).into_tensor_arg(),
+            bindable(v).into_tensor_arg(),
+            loc.into_tensor_arg(),
+            bindable(rows.claims).into_tensor_arg(),
+            rows.status.clone().into_tensor_arg(),
+            slots.into_tensor_arg(),
+            starts.into_tensor_arg(),
+            counts.into_tensor_arg(),
+            checked.into_tensor_arg(),
+            bindable(out.clone()).into_tensor_arg(),
+            shape,
+            new_rows,
+            head_dim,
+            units,
+            dtypes,
+        );
+    }
+    AttendedPrimitive {
+        out,
+        k_pool,
+        v_pool,
+        status: rows.status,
+    }
 }

@@ -31,7 +31,7 @@ fn refused_status(like: &CubeTensor, error: crate::Error) -> CubeTensor {
 /// A tensor the kernels may write in place: the caller's own buffer when no one else holds it and
 /// no two of its elements share memory (a broadcast view does), otherwise a contiguous copy, which
 /// is what the op then returns (Burn tensors are values: that is the same result).
-fn owned(tensor: CubeTensor) -> CubeTensor {
+pub(super) fn owned(tensor: CubeTensor) -> CubeTensor {
     if tensor.is_nonoverlapping() {
         writable(tensor)
     } else {
