@@ -464,26 +464,32 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device) {
             kv_heads,
             head_dim,
         };
-        // The last case stores two tokens at one slot.
+        // The last case stores two tokens at one slot; odd cases store more or fewer rows than
+        // there are queries.
         let duplicate = case_index == 7;
-        let tokens = rng.urange(1 + usize::from(duplicate), 12);
-        let pool_rows = rng.urange(tokens + 2, 200);
+        let tokens = rng.urange(1, 12);
+        let new = if case_index % 2 == 1 {
+            rng.urange(1 + usize::from(duplicate), 12)
+        } else {
+            tokens.max(1 + usize::from(duplicate))
+        };
+        let pool_rows = rng.urange(new + 2, 200);
         let mut case = Case::random(&mut rng, layout, tokens, pool_rows, 40);
         let mut free: Vec<i64> = (1..pool_rows as i64).collect();
         rng.shuffle(&mut free);
-        let mut loc = free[..tokens].to_vec();
+        let mut loc = free[..new].to_vec();
         if duplicate {
             loc[1] = loc[0];
         }
         // Half the keys are this step's new rows.
         for slot in case.slots.iter_mut() {
             if rng.chance(1, 2) {
-                *slot = loc[rng.below(tokens as u64) as usize];
+                *slot = loc[rng.below(new as u64) as usize];
             }
         }
         let cols = case.kv_cols();
         let fresh = |rng: &mut Rng| -> Vec<f64> {
-            (0..tokens * cols)
+            (0..new * cols)
                 .map(|_| rng.range(-256, 256) as f64 / 128.0)
                 .collect()
         };
@@ -494,11 +500,13 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device) {
             stored.k[at..][..cols].copy_from_slice(&k_new[i * cols..][..cols]);
             stored.v[at..][..cols].copy_from_slice(&v_new[i * cols..][..cols]);
         }
-        let what = format!("case {case_index}: {layout:?}, {tokens} tokens over {pool_rows} rows");
+        let what = format!(
+            "case {case_index}: {layout:?}, {tokens} tokens, {new} new rows over {pool_rows} rows"
+        );
         let int = rng.int_dtype();
         let inputs = || {
             let pool = |values: &[f64]| floats::<B>(values, [pool_rows, cols], DType::F32, device);
-            let rows = |values: &[f64]| floats::<B>(values, [tokens, cols], DType::F32, device);
+            let rows = |values: &[f64]| floats::<B>(values, [new, cols], DType::F32, device);
             let q = floats::<B>(&case.q, [tokens, case.q_cols()], DType::F32, device);
             let keys = KeyRuns::<B>::check_primitives(
                 [&case.slots, &case.starts, &case.counts].map(|v| list::<B>(v, int, device)),
@@ -509,15 +517,18 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device) {
             let parts = [pool(&case.k), pool(&case.v), rows(&k_new), rows(&v_new), q];
             (parts, keys, store)
         };
-        // Together.
+        // Together; a later check of other slots through the same store sits between.
         let ([k_pool, v_pool, k, v, q], keys, mut store) = inputs();
         let mut slots = store
             .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
             .unwrap();
+        let later: Vec<i64> = free[free.len() - 3..].iter().chain(&loc).copied().collect();
+        let later = store.check_slot_primitives(list::<B>(&later, int, device), pool_rows);
         let attended = slots
             .store_kv_and_attend_primitives([k_pool, v_pool, k, v, q], &keys, heads)
             .expect("host rules hold");
         let status = slots.status().check();
+        drop(later);
         let (out, k_got, v_got) = (
             float_values::<B>(attended.out),
             float_values::<B>(attended.k_pool),
@@ -553,7 +564,7 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device) {
                 "{what}: unchanged"
             );
         } else {
-            assert_eq!(status, Ok(tokens), "{what}: status");
+            assert_eq!(status, Ok(new), "{what}: status");
             assert_eq!(
                 (k_got, v_got),
                 (stored.k.clone(), stored.v.clone()),
