@@ -13,9 +13,10 @@ pub struct OpTimes {
     /// Bookkeeping: gathers, `segment_assign`, the key runs' check, the canary's plan, write and
     /// verify, the step's one status and violation read.
     pub bookkeeping: Duration,
-    /// The forwards' K/V stores (their slots' check included).
+    /// The forwards' K/V stores: with paged attention only their slots' check (each layer's
+    /// store is made by its attention's launch).
     pub stores: Duration,
-    /// Paged attention.
+    /// Paged attention, with each layer's store.
     pub attention: Duration,
 }
 

@@ -7,9 +7,9 @@
 //!    token) and, for a decode row, a draft; slots for all of them from the free list;
 //! 2. `segment_assign` writes those slots into the rows at the committed length;
 //! 3. self-speculative only: `draft_tokens` forwards of the first layers draft on the device;
-//! 4. the target forward over every row's window: new K/V through `store_kv` at the slots that
-//!    `masked_gather` reads back out of the table, attention over the slots `segment_gather`
-//!    returns for each row's whole context;
+//! 4. the target forward over every row's window: each layer's new K/V stored at the slots that
+//!    `masked_gather` reads back out of the table and its attention over the slots
+//!    `segment_gather` returns for each row's whole context, one `store_kv_and_attend` launch;
 //! 5. one read-back of the target's tokens; host acceptance; rejected slots back to the free list;
 //! 6. the canary: the accepted suffix's slots through `segment_gather`, `plan_deferred` (prefix =
 //!    the committed length before the step, extend = the tokens committed now), a write of their
@@ -95,8 +95,10 @@ pub struct EngineOptions {
     pub profile: bool,
     /// Benchmarks only: on every other step each kvplan call of this kind (stores or attention)
     /// runs twice, so that those steps' rise over the others is the calls' cost in a pipelined
-    /// step ([`StepTimes::step_walls`]). A repeated store writes the same rows again; a repeated
-    /// attention attends with the first one's output as queries, which changes the tokens.
+    /// step ([`StepTimes::step_walls`]). A repeated store writes the same rows again (with paged
+    /// attention, the layer's store-and-attend op runs again on the same rows and queries); a
+    /// repeated attention attends alone again with the first one's output as queries, which
+    /// changes the tokens.
     pub repeat: Option<OpKind>,
 }
 

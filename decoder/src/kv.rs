@@ -2,7 +2,7 @@
 //! stored into and read through kvplan, and the host allocators of its slots and table rows.
 
 use burn_core::tensor::{DType, Device, Int, Tensor};
-use kvplan::{KvStore, Status, StoreSlots};
+use kvplan::{Attended, KeyRuns, KvStore, Status, StoreSlots};
 
 use crate::clock::{OpClock, OpKind};
 use crate::{DecoderError, Result};
@@ -131,6 +131,51 @@ impl KvCache {
         self.clock.stop(span, OpKind::Stores);
         (self.k[layer], self.v[layer]) = stored?;
         Ok(())
+    }
+
+    /// Stores `k` and `v` of `layer` at `slots`, then attends `q` (`heads` query heads) over the
+    /// layer's pools through `keys`: one launch on the GPU (kvplan's `store_kv_and_attend`).
+    /// Charged to the attention.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_and_attend(
+        &mut self,
+        layer: usize,
+        slots: &mut StoreSlots,
+        k: Tensor<2>,
+        v: Tensor<2>,
+        q: Tensor<2>,
+        keys: &KeyRuns,
+        heads: usize,
+    ) -> Result<Tensor<2>> {
+        let span = self.clock.start();
+        let k_pool = std::mem::replace(&mut self.k[layer], self.placeholder.clone());
+        let v_pool = std::mem::replace(&mut self.v[layer], self.placeholder.clone());
+        let mut attended = slots
+            .store_kv_and_attend(k_pool, v_pool, k.clone(), v.clone(), q.clone(), keys, heads)
+            .map(Attended::into_tensors);
+        match self.repeat {
+            // The same rows stored again with the same queries: the same pools and output.
+            Some(OpKind::Stores) => {
+                attended = attended.and_then(|(_, k_pool, v_pool)| {
+                    slots
+                        .store_kv_and_attend(k_pool, v_pool, k, v, q, keys, heads)
+                        .map(Attended::into_tensors)
+                });
+            }
+            // The attention alone again, its first output as queries (other tokens).
+            Some(OpKind::Attention) => {
+                attended = attended.and_then(|(out, k_pool, v_pool)| {
+                    let out =
+                        kvplan::paged_attention(out, k_pool.clone(), v_pool.clone(), keys, heads)?;
+                    Ok((out, k_pool, v_pool))
+                });
+            }
+            _ => {}
+        }
+        self.clock.stop(span, OpKind::Attention);
+        let (out, k_pool, v_pool) = attended?;
+        (self.k[layer], self.v[layer]) = (k_pool, v_pool);
+        Ok(out)
     }
 
     /// Keeps a forward's store status (its slots' check and every store's) for the step's one

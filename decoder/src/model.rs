@@ -9,7 +9,6 @@ use burn_core::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use kvplan::KeyRuns;
 
-use crate::clock::OpKind;
 use crate::gguf::Gguf;
 use crate::kv::KvCache;
 use crate::{DecoderError, Result};
@@ -305,22 +304,14 @@ impl Llama {
             let rotated = (plain * cos.clone() + swapped * sin.clone()).reshape([tokens, qk]);
             let q = rotated.clone().narrow(1, 0, c.hidden);
             let k = rotated.narrow(1, c.hidden, kv);
-            cache.store(layer, &mut slots, k, v)?;
             let attended = match &input.attention {
                 Attention::Paged(keys) => {
-                    let (k_pool, v_pool) = cache.pools(layer);
-                    let span = cache.clock.start();
-                    let mut out =
-                        kvplan::paged_attention(q, k_pool.clone(), v_pool.clone(), keys, c.heads);
-                    if cache.repeat == Some(OpKind::Attention) {
-                        out = out.and_then(|q| {
-                            kvplan::paged_attention(q, k_pool, v_pool, keys, c.heads)
-                        });
-                    }
-                    cache.clock.stop(span, OpKind::Attention);
-                    out?
+                    cache.store_and_attend(layer, &mut slots, k, v, q, keys, c.heads)?
                 }
-                Attention::Padded(padded) => self.attend_padded(cache, layer, q, padded),
+                Attention::Padded(padded) => {
+                    cache.store(layer, &mut slots, k, v)?;
+                    self.attend_padded(cache, layer, q, padded)
+                }
             };
             x = x + attended.matmul(block.wo.clone());
             let h = rms_norm(x.clone(), c.rms_eps);

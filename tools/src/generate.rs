@@ -34,7 +34,8 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
   --ignore-eos generates exactly the budget (benchmarks). --profile waits for the device after
   each step phase and prints where the steps' time went. --repeat-ops runs
   each such kvplan call twice on every other step (benchmarks: the steps' difference is what the
-  calls cost a pipelined step; repeated attention changes the tokens). On CUDA and Vulkan the requests are
+  calls cost a pipelined step; with paged attention, stores repeats each layer's store-and-attend
+  op, attention the attention alone, which changes the tokens). On CUDA and Vulkan the requests are
   first served once untimed (--no-warm-up: not), which compiles and autotunes every step shape.";
 
 /// The built-in prompts: two repetitive ones (lists and code, where drafts from the context pay).
