@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|repeat|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|repeat|repeat-ab|anchor|profile]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -177,18 +177,23 @@ PY
         done
       done
       ;;
-    repeat)
+    repeat|repeat-ab)
       # What kvplan's stores and attention cost a pipelined step: each such call runs twice on
-      # every other step (--repeat-ops); the difference of the two medians, spec off.
+      # every other step (--repeat-ops); the difference of the two medians, spec off. repeat-ab
+      # runs the baseline build before this one for each row.
       [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
+      builds=new; [ "$part" = repeat-ab ] && builds="old new"
       for bs in ${BATCHES:-1 8 32}; do
         limit=$bs; [ "$bs" = 1 ] && limit=4
         for kind in ${KINDS:-stores attention}; do
-          log="$OUT/repeat-$kind-$bs.err"
-          "$BIN" generate --backend cuda --spec off --batch "$bs" --limit "$limit" --max-new-tokens 128 \
-            --ignore-eos --repeat-ops "$kind" --file benches/prompts.txt > /dev/null 2> "$log"
-          echo "repeat,$bs,$(grep -h '^repeat-ops' "$log")"
-          grep -h '^generate: [0-9]* requests' "$log"
+          for build in $builds; do
+            bin="$BIN"; tag=kvplan; [ "$build" = old ] && bin="$BINOLD" && tag=kvplan-old
+            log="$OUT/repeat-$build-$kind-$bs.err"
+            "$bin" generate --backend cuda --spec off --batch "$bs" --limit "$limit" --max-new-tokens 128 \
+              --ignore-eos --repeat-ops "$kind" --file benches/prompts.txt > /dev/null 2> "$log"
+            echo "$tag,repeat,$bs,$(grep -h '^repeat-ops' "$log")"
+            grep -h '^generate: [0-9]* requests' "$log"
+          done
         done
       done
       ;;
