@@ -203,7 +203,7 @@ pub fn attention_kernel<F: Float, S: Int, A: Int, C: Int>(
             };
             attend::<F, S, A, C, S>(
                 q, k_pool, v_pool, k_pool, v_pool, slots, slots, starts, counts, out, shape, none,
-                t, h, head_dim, units, false,
+                NEW_ROW, t, h, head_dim, units, false,
             );
         }
     }
@@ -211,7 +211,8 @@ pub fn attention_kernel<F: Float, S: Int, A: Int, C: Int>(
 
 /// The store and the attention in one launch: cube `(t, h)` stores the columns of K/V head
 /// `h / groups` of new row `t` at `loc[t]` when `h` is its group's first query head and the slots'
-/// status is clear, then attends as `attention_kernel` does. A key whose slot this store claims
+/// status is clear (of the rows naming slot 0 only the last, as the store does), then attends as
+/// `attention_kernel` does. A key whose slot this store claims
 /// reads the new row instead of the pools (whose rows other cubes are writing), so the output is
 /// the attention over the pools after the store, bit for bit.
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -242,17 +243,23 @@ pub fn store_attention_kernel<F: Float, S: Int, A: Int, C: Int, L: Int>(
     let u = UNIT_POS as usize;
     // An unclear store writes nothing, and every key is read from the pools as they are.
     let mut rows = new_rows;
+    // Of the rows naming slot 0 (the padding sink) only the last is stored (`FACTS` names it).
+    let mut zero_row = NEW_ROW.runtime();
     if stored[CODE] != OK {
         rows.base = 1;
         rows.newest = 0;
+    } else if stored[FACTS] > 0 {
+        zero_row = (stored[FACTS] - 1) as u64;
     }
     if rows.base <= rows.newest && t < rows.rows && h % shape.groups == 0 && u < head_dim {
         let slot = i64::cast_from(loc[(t * rows.loc_stride) as usize]) as u64;
-        let column = (h / shape.groups) * head_dim as u64 + u as u64;
-        k_pool[(slot * shape.k_stride + column) as usize] =
-            k[(t * rows.k_stride + column) as usize];
-        v_pool[(slot * shape.v_stride + column) as usize] =
-            v[(t * rows.v_stride + column) as usize];
+        if slot != 0 || t == zero_row {
+            let column = (h / shape.groups) * head_dim as u64 + u as u64;
+            k_pool[(slot * shape.k_stride + column) as usize] =
+                k[(t * rows.k_stride + column) as usize];
+            v_pool[(slot * shape.v_stride + column) as usize] =
+                v[(t * rows.v_stride + column) as usize];
+        }
     }
     if t < shape.tokens {
         let out_at = (t * shape.heads + h) as usize * head_dim + u;
@@ -262,19 +269,20 @@ pub fn store_attention_kernel<F: Float, S: Int, A: Int, C: Int, L: Int>(
             }
         } else {
             attend::<F, S, A, C, u32>(
-                q, &*k_pool, &*v_pool, k, v, slots, claims, starts, counts, out, shape, rows, t, h,
-                head_dim, units, true,
+                q, &*k_pool, &*v_pool, k, v, slots, claims, starts, counts, out, shape, rows,
+                zero_row, t, h, head_dim, units, true,
             );
         }
     }
 }
 
 /// The new row that holds slot `slot`'s K/V (`NEW_ROW` when the pools do): the one whose token
-/// claimed the slot in the check (slot 0, the padding sink, is never claimed).
+/// claimed the slot in the check, or for slot 0 (never claimed) `zero_row`.
 #[cube]
-fn new_row<W: Int>(claims: &Tensor<W>, slot: u64, rows: NewRowsShape) -> u64 {
-    let mut row = NEW_ROW.runtime();
+fn new_row<W: Int>(claims: &Tensor<W>, slot: u64, rows: NewRowsShape, zero_row: u64) -> u64 {
+    let mut row = zero_row;
     if slot != 0 {
+        row = NEW_ROW;
         let claim = u64::cast_from(claims[slot as usize]);
         if claim >= rows.base && claim <= rows.newest {
             row = rows.newest - claim;
@@ -313,6 +321,7 @@ fn attend<F: Float, S: Int, A: Int, C: Int, W: Int>(
     out: &mut Tensor<F>,
     shape: AttentionShape,
     rows: NewRowsShape,
+    zero_row: u64,
     t: u64,
     h: u64,
     #[comptime] head_dim: usize,
@@ -346,7 +355,7 @@ fn attend<F: Float, S: Int, A: Int, C: Int, W: Int>(
                     as u64;
             let mut row = NEW_ROW.runtime();
             if comptime![with_new_rows] {
-                row = new_row::<W>(claims, slot, rows);
+                row = new_row::<W>(claims, slot, rows, zero_row);
             }
             if row == NEW_ROW {
                 let at = (slot * shape.k_stride + kv_column) as usize;

@@ -481,6 +481,10 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device) {
         if duplicate {
             loc[1] = loc[0];
         }
+        // Cases 2 and 3 name the padding slot 0 at two rows (allowed; only the last is stored).
+        if (2..4).contains(&case_index) && new >= 2 {
+            (loc[0], loc[new - 1]) = (0, 0);
+        }
         // Half the keys are this step's new rows.
         for slot in case.slots.iter_mut() {
             if rng.chance(1, 2) {
