@@ -93,12 +93,13 @@ pub struct EngineOptions {
     /// Wait for the device at the end of each step phase and record where the time went
     /// ([`StepTimes::phases`]); slower, for finding what a step spends.
     pub profile: bool,
-    /// Benchmarks only: on every other step each kvplan call of this kind (stores or attention)
-    /// runs twice, so that those steps' rise over the others is the calls' cost in a pipelined
+    /// Benchmarks only: on every other step each kvplan call of this kind (bookkeeping, stores or
+    /// attention) runs twice, so that those steps' rise over the others is the calls' cost in a pipelined
     /// step ([`StepTimes::step_walls`]). A repeated store writes the same rows again (with paged
     /// attention, the layer's store-and-attend op runs again on the same rows and queries); a
     /// repeated attention attends alone again with the first one's output as queries, which
-    /// changes the tokens.
+    /// changes the tokens. Repeated bookkeeping (every call outside the forward's layers, and
+    /// each forward's slots check) computes and writes the same values again.
     pub repeat: Option<OpKind>,
 }
 
@@ -642,6 +643,12 @@ impl Engine {
         Ok(work)
     }
 
+    /// How many times this step runs each bookkeeping call: twice under
+    /// `--repeat-ops bookkeeping` (every other step), else once.
+    fn bookkeeping_runs(&self) -> usize {
+        1 + usize::from(self.cache.repeat == Some(OpKind::Bookkeeping))
+    }
+
     /// `segment_assign`: every row's new slots into its table row at its committed length.
     fn assign_slots(&mut self, work: &[RowWork]) -> Result<()> {
         let device = self.model.device().clone();
@@ -650,15 +657,18 @@ impl Engine {
         let lengths = ints(work.iter().map(|w| w.slots.len() as i64), &device);
         let slots = ints(work.iter().flat_map(|w| w.slots.iter().copied()), &device);
         let span = self.cache.clock.start();
-        let assigned = kvplan::segment_assign_deferred(
-            self.req_to_token.clone(),
-            rows,
-            start,
-            lengths,
-            slots,
-        )?;
-        self.req_to_token = assigned.req_to_token;
-        self.statuses.push(assigned.status);
+        for _ in 0..self.bookkeeping_runs() {
+            // The same slots at the same places: a repeat writes the table as it is.
+            let assigned = kvplan::segment_assign_deferred(
+                self.req_to_token.clone(),
+                rows.clone(),
+                start.clone(),
+                lengths.clone(),
+                slots.clone(),
+            )?;
+            self.req_to_token = assigned.req_to_token;
+            self.statuses.push(assigned.status);
+        }
         self.cache.clock.stop(span, OpKind::Bookkeeping);
         Ok(())
     }
@@ -864,41 +874,51 @@ impl Engine {
             &device,
         );
         let span = self.cache.clock.start();
-        let accepted = kvplan::segment_gather_deferred(
-            self.req_to_token.clone(),
-            rows.clone(),
-            Some(prefix.clone()),
-            extend.clone(),
-            // The step's window size, not `total`: one output shape per batch bucket.
-            &GatherOptions::new()
-                .capacity(work.iter().map(RowWork::window).sum::<usize>().max(1))
-                .context("accepted suffix"),
-        )?;
-        let planned = kvplan::plan_deferred(
-            &mut self.plan,
-            PlanInputs::new(rows, prefix, extend, self.req_to_token.clone()),
-        )?;
-        let launch = |kind| {
-            let k_pool = self.cache.k_pool(CANARY_LAYER);
-            let row_bytes = (self.cache.kv_dim() * self.model.dtype().size()) as i64;
-            RealKvSource::float(k_pool, SourceBytes::per_slot(row_bytes))
-                .map(|source| CanaryLaunch::new(kind).real_kv(RealKvHashMode::All, vec![source]))
-        };
-        if total > 0 {
-            let slots = accepted.out_tensor().narrow(0, 0, total);
-            let write = launch(WRITE_KIND)?;
-            self.canary.write(
-                &self.plan.write,
-                WriteInputs::new(input_ids, positions, slots),
-                &write,
+        let mut canary_statuses = Vec::new();
+        for _ in 0..self.bookkeeping_runs() {
+            // A repeat writes the same records again and verifies the same prefixes.
+            let accepted = kvplan::segment_gather_deferred(
+                self.req_to_token.clone(),
+                rows.clone(),
+                Some(prefix.clone()),
+                extend.clone(),
+                // The step's window size, not `total`: one output shape per batch bucket.
+                &GatherOptions::new()
+                    .capacity(work.iter().map(RowWork::window).sum::<usize>().max(1))
+                    .context("accepted suffix"),
             )?;
+            let planned = kvplan::plan_deferred(
+                &mut self.plan,
+                PlanInputs::new(
+                    rows.clone(),
+                    prefix.clone(),
+                    extend.clone(),
+                    self.req_to_token.clone(),
+                ),
+            )?;
+            let launch = |kind| {
+                let k_pool = self.cache.k_pool(CANARY_LAYER);
+                let row_bytes = (self.cache.kv_dim() * self.model.dtype().size()) as i64;
+                RealKvSource::float(k_pool, SourceBytes::per_slot(row_bytes)).map(|source| {
+                    CanaryLaunch::new(kind).real_kv(RealKvHashMode::All, vec![source])
+                })
+            };
+            if total > 0 {
+                let slots = accepted.out_tensor().narrow(0, 0, total);
+                let write = launch(WRITE_KIND)?;
+                self.canary.write(
+                    &self.plan.write,
+                    WriteInputs::new(input_ids.clone(), positions.clone(), slots),
+                    &write,
+                )?;
+            }
+            let verify = launch(VERIFY_KIND)?;
+            self.canary.verify(&self.plan.verify, &verify)?;
+            canary_statuses.extend([accepted.status, planned]);
         }
-        let verify = launch(VERIFY_KIND)?;
-        self.canary.verify(&self.plan.verify, &verify)?;
         let mut statuses = std::mem::take(&mut self.statuses);
         statuses.extend(self.cache.take_statuses());
-        statuses.push(accepted.status);
-        statuses.push(planned);
+        statuses.extend(canary_statuses);
         let refs: Vec<&Status> = statuses.iter().collect();
         // One read-back: every status of the step, the canary's status and its violations.
         let (_, violations) = self.canary.violations_after(&refs)?;
@@ -1038,50 +1058,55 @@ impl Engine {
             ints(runs.1.into_iter(), &device),
         );
         let span = self.cache.clock.start();
-        let window_slots = kvplan::masked_gather_deferred(
-            self.req_to_token.clone(),
-            table_rows.clone(),
-            pos2d,
-            mask,
-            &GatherOptions::new()
-                .capacity(tokens)
-                .context("draft window"),
-        )?;
-        let context_slots = kvplan::segment_gather_deferred(
-            self.req_to_token.clone(),
-            table_rows,
-            None,
-            lengths,
-            // `rows * max_kv`, not the exact total: the output's shape then changes only when a
-            // row crosses a key block, like every other shape of the step.
-            &GatherOptions::new()
-                .capacity(rows * max_kv)
-                .context("attention context"),
-        )?;
-        self.statuses.push(window_slots.status.clone());
-        self.statuses.push(context_slots.status.clone());
-        let attention = if self.options.paged_attention {
-            let keys = kvplan::KeyRuns::check_deferred(
-                context_slots.out_tensor(),
-                starts,
-                counts,
-                self.cache.slots(),
+        let mut step_keys = None;
+        for _ in 0..self.bookkeeping_runs() {
+            let window_slots = kvplan::masked_gather_deferred(
+                self.req_to_token.clone(),
+                table_rows.clone(),
+                pos2d.clone(),
+                mask.clone(),
+                &GatherOptions::new()
+                    .capacity(tokens)
+                    .context("draft window"),
             )?;
-            self.statuses.push(keys.status().clone());
-            Attention::Paged(keys)
-        } else {
-            Attention::Padded(padded_attention(
-                windows,
-                [max_q, max_kv],
-                context_slots.out_tensor(),
-                &device,
-            ))
-        };
+            let context_slots = kvplan::segment_gather_deferred(
+                self.req_to_token.clone(),
+                table_rows.clone(),
+                None,
+                lengths.clone(),
+                // `rows * max_kv`, not the exact total: the output's shape then changes only when
+                // a row crosses a key block, like every other shape of the step.
+                &GatherOptions::new()
+                    .capacity(rows * max_kv)
+                    .context("attention context"),
+            )?;
+            self.statuses.push(window_slots.status.clone());
+            self.statuses.push(context_slots.status.clone());
+            let attention = if self.options.paged_attention {
+                let keys = kvplan::KeyRuns::check_deferred(
+                    context_slots.out_tensor(),
+                    starts.clone(),
+                    counts.clone(),
+                    self.cache.slots(),
+                )?;
+                self.statuses.push(keys.status().clone());
+                Attention::Paged(keys)
+            } else {
+                Attention::Padded(padded_attention(
+                    windows,
+                    [max_q, max_kv],
+                    context_slots.out_tensor(),
+                    &device,
+                ))
+            };
+            step_keys = Some((window_slots.out_tensor(), attention));
+        }
+        let (out_cache_loc, attention) = step_keys.expect("bookkeeping runs at least once");
         self.cache.clock.stop(span, OpKind::Bookkeeping);
         Ok(StepInput {
             input_ids: ids,
             positions: ints(positions.into_iter(), &device),
-            out_cache_loc: window_slots.out_tensor(),
+            out_cache_loc,
             attention,
         })
     }

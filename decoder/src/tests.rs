@@ -188,7 +188,7 @@ fn paged_equals_padded(device: &Device) {
 }
 
 /// `profile` (each phase waited for) changes no token, and every kind of kvplan call is charged;
-/// stores repeated on every other step change no token either.
+/// stores or bookkeeping repeated on every other step change no token either.
 fn profile_changes_nothing(device: &Device) {
     let requests = prompts(3, 1, 12);
     let drafting = Drafting::Ngram { max_ngram: 3 };
@@ -210,14 +210,21 @@ fn profile_changes_nothing(device: &Device) {
     }
     assert!(kvplan.total() < times.total);
     assert_eq!(times.step_walls.len(), times.steps);
-    // Stores run twice on every other step (a benchmark's variant) write the same rows again.
-    let repeated_options = EngineOptions {
-        repeat: Some(OpKind::Stores),
-        ..options(drafting, 2)
-    };
-    let (repeated, engine) = serve(device, repeated_options, prompts(3, 1, 12));
-    assert_eq!(tokens(&plain), tokens(&repeated));
-    assert_eq!(engine.times().step_walls.len(), engine.times().steps);
+    // Stores or bookkeeping run twice on every other step (a benchmark's variant) write the
+    // same rows, table entries and canary records again.
+    for kind in [OpKind::Stores, OpKind::Bookkeeping] {
+        let repeated_options = EngineOptions {
+            repeat: Some(kind),
+            ..options(drafting, 2)
+        };
+        let (repeated, engine) = serve(device, repeated_options, prompts(3, 1, 12));
+        assert_eq!(tokens(&plain), tokens(&repeated), "{kind:?}");
+        assert!(
+            repeated.iter().all(|o| o.canary_violations.is_empty()),
+            "{kind:?}"
+        );
+        assert_eq!(engine.times().step_walls.len(), engine.times().steps);
+    }
 }
 
 /// Each injected corruption is reported at its request, slot and position; the request

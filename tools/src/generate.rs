@@ -25,7 +25,7 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
     [--max-new-tokens N] [--temperature T] [--seed S] [--batch N] [--dtype f32|f64]
     [--model FILE.gguf]
     [--inject-corruption kv-byte|stale-row] [--json] [--ignore-eos] [--limit N] [--profile]
-    [--warm-up|--no-warm-up] [--repeat-ops stores|attention]
+    [--warm-up|--no-warm-up] [--repeat-ops bookkeeping|stores|attention]
   Each prompt is a user message rendered with the GGUF's chat template (--raw: plain completion).
   FILE holds one JSON object per line ({\"prompt\": ..., \"arrival_step\": 0, \"max_new_tokens\": 64}),
   or plain lines of prompt text (--limit N: the first N). Without prompts, a built-in set runs.
@@ -34,8 +34,9 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
   --ignore-eos generates exactly the budget (benchmarks). --profile waits for the device after
   each step phase and prints where the steps' time went. --repeat-ops runs
   each such kvplan call twice on every other step (benchmarks: the steps' difference is what the
-  calls cost a pipelined step; with paged attention, stores repeats each layer's store-and-attend
-  op, attention the attention alone, which changes the tokens). On CUDA and Vulkan the requests are
+  calls cost a pipelined step; bookkeeping repeats every call outside the layers and each
+  forward's slots check; with paged attention, stores repeats each layer's store-and-attend op,
+  attention the attention alone, which changes the tokens). On CUDA and Vulkan the requests are
   first served once untimed (--no-warm-up: not), which compiles and autotunes every step shape.";
 
 /// The built-in prompts: two repetitive ones (lists and code, where drafts from the context pay).
@@ -432,11 +433,12 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--profile" => parsed.profile = true,
             "--repeat-ops" => {
                 parsed.repeat = Some(match value("--repeat-ops")?.as_str() {
+                    "bookkeeping" => OpKind::Bookkeeping,
                     "stores" => OpKind::Stores,
                     "attention" => OpKind::Attention,
                     other => {
                         return Err(format!(
-                            "--repeat-ops {other:?}: stores or attention\n{USAGE}"
+                            "--repeat-ops {other:?}: bookkeeping, stores or attention\n{USAGE}"
                         ));
                     }
                 })
