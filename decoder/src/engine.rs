@@ -90,6 +90,10 @@ pub struct EngineOptions {
     /// slot list; off: Burn ops over K/V gathered into a padded layout (for backends where the op
     /// is the host reference, which reads every pool back each layer).
     pub paged_attention: bool,
+    /// With paged attention, steps of at most this many tokens store each layer's K/V and attend
+    /// in one launch (`store_kv_and_attend`); larger ones store, then attend. The one launch
+    /// saves host time per layer and costs GPU time per token (`benches/RESULTS.md`, session 26).
+    pub fused_store_tokens: usize,
     /// Wait for the device at the end of each step phase and record where the time went
     /// ([`StepTimes::phases`]); slower, for finding what a step spends.
     pub profile: bool,
@@ -116,6 +120,7 @@ impl Default for EngineOptions {
             corruption: None,
             fixed_windows: true,
             paged_attention: true,
+            fused_store_tokens: 16,
             profile: false,
             repeat: None,
         }
@@ -1090,7 +1095,10 @@ impl Engine {
                     self.cache.slots(),
                 )?;
                 self.statuses.push(keys.status().clone());
-                Attention::Paged(keys)
+                Attention::Paged {
+                    keys,
+                    fused_store: tokens <= self.options.fused_store_tokens,
+                }
             } else {
                 Attention::Padded(padded_attention(
                     windows,

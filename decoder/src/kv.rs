@@ -184,6 +184,25 @@ impl KvCache {
         Ok(out)
     }
 
+    /// Attends `q` (`heads` query heads) over `layer`'s pools through `keys`: one launch
+    /// (kvplan's `paged_attention`).
+    pub fn attend(
+        &mut self,
+        layer: usize,
+        q: Tensor<2>,
+        keys: &KeyRuns,
+        heads: usize,
+    ) -> Result<Tensor<2>> {
+        let (k_pool, v_pool) = self.pools(layer);
+        let span = self.clock.start();
+        let mut out = kvplan::paged_attention(q, k_pool.clone(), v_pool.clone(), keys, heads);
+        if self.repeat == Some(OpKind::Attention) {
+            out = out.and_then(|q| kvplan::paged_attention(q, k_pool, v_pool, keys, heads));
+        }
+        self.clock.stop(span, OpKind::Attention);
+        Ok(out?)
+    }
+
     /// Keeps a forward's store status (its slots' check and every store's) for the step's one
     /// read: [`KvCache::take_statuses`].
     pub fn keep_status(&mut self, slots: StoreSlots) {

@@ -108,8 +108,14 @@ pub struct Llama {
 /// Where one step's tokens attend.
 pub enum Attention {
     /// kvplan's paged attention: each token over the K/V rows at its run of the step's slot list
-    /// (the backends with kvplan kernels).
-    Paged(KeyRuns),
+    /// (the backends with kvplan kernels); with `fused_store`, each layer's store and attention
+    /// in one launch (`StoreSlots::store_kv_and_attend`), else the store, then the attention.
+    Paged {
+        /// The step's key runs, checked.
+        keys: KeyRuns,
+        /// One launch per layer for its store and attention.
+        fused_store: bool,
+    },
     /// Burn ops over K/V gathered into a padded `[rows, max_kv]` layout, where the attention op is
     /// kvplan's host reference (it would read every pool back every layer).
     Padded(PaddedAttention),
@@ -305,8 +311,16 @@ impl Llama {
             let q = rotated.clone().narrow(1, 0, c.hidden);
             let k = rotated.narrow(1, c.hidden, kv);
             let attended = match &input.attention {
-                Attention::Paged(keys) => {
-                    cache.store_and_attend(layer, &mut slots, k, v, q, keys, c.heads)?
+                Attention::Paged {
+                    keys,
+                    fused_store: true,
+                } => cache.store_and_attend(layer, &mut slots, k, v, q, keys, c.heads)?,
+                Attention::Paged {
+                    keys,
+                    fused_store: false,
+                } => {
+                    cache.store(layer, &mut slots, k, v)?;
+                    cache.attend(layer, q, keys, c.heads)?
                 }
                 Attention::Padded(padded) => {
                     cache.store(layer, &mut slots, k, v)?;

@@ -177,13 +177,27 @@ fn confidence_bounds_drafts(device: &Device) {
 }
 
 /// kvplan's paged attention and Burn ops over padded K/V give the same greedy tokens, with and
-/// without drafts (f64: no near-tie flips between their reduction orders).
+/// without drafts (f64: no near-tie flips between their reduction orders); so do a layer's store
+/// and attention in one launch or two.
 fn paged_equals_padded(device: &Device) {
     let requests = prompts(4, 1, 16);
     for drafting in [Drafting::Off, Drafting::Ngram { max_ngram: 3 }] {
         let (paged, _) = serve(device, options(drafting, 3), requests.clone());
         let (padded, _) = serve(device, padded(options(drafting, 3)), requests.clone());
         assert_eq!(tokens(&paged), tokens(&padded), "{drafting:?}");
+        // Every step's store and attention in one launch, then in two: the same bits.
+        for fused_store_tokens in [usize::MAX, 0] {
+            let split = EngineOptions {
+                fused_store_tokens,
+                ..options(drafting, 3)
+            };
+            let (split, _) = serve(device, split, requests.clone());
+            assert_eq!(
+                tokens(&paged),
+                tokens(&split),
+                "{drafting:?}, {fused_store_tokens}"
+            );
+        }
     }
 }
 

@@ -25,7 +25,7 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
     [--max-new-tokens N] [--temperature T] [--seed S] [--batch N] [--dtype f32|f64]
     [--model FILE.gguf]
     [--inject-corruption kv-byte|stale-row] [--json] [--ignore-eos] [--limit N] [--profile]
-    [--warm-up|--no-warm-up] [--repeat-ops bookkeeping|stores|attention]
+    [--warm-up|--no-warm-up] [--repeat-ops bookkeeping|stores|attention] [--fused-store-tokens N]
   Each prompt is a user message rendered with the GGUF's chat template (--raw: plain completion).
   FILE holds one JSON object per line ({\"prompt\": ..., \"arrival_step\": 0, \"max_new_tokens\": 64}),
   or plain lines of prompt text (--limit N: the first N). Without prompts, a built-in set runs.
@@ -36,8 +36,10 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
   each such kvplan call twice on every other step (benchmarks: the steps' difference is what the
   calls cost a pipelined step; bookkeeping repeats every call outside the layers and each
   forward's slots check; with paged attention, stores repeats each layer's store-and-attend op,
-  attention the attention alone, which changes the tokens). On CUDA and Vulkan the requests are
-  first served once untimed (--no-warm-up: not), which compiles and autotunes every step shape.";
+  attention the attention alone, which changes the tokens). Steps of at most N tokens (default 16)
+  store each layer's K/V and attend in one launch, larger ones in two. On CUDA and Vulkan the
+  requests are first served once untimed (--no-warm-up: not), which compiles and autotunes every
+  step shape.";
 
 /// The built-in prompts: two repetitive ones (lists and code, where drafts from the context pay).
 const DEFAULT_PROMPTS: [&str; 4] = [
@@ -68,6 +70,7 @@ struct Args {
     ignore_eos: bool,
     profile: bool,
     repeat: Option<OpKind>,
+    fused_store_tokens: Option<usize>,
     warm_up: Option<bool>,
 }
 
@@ -171,6 +174,9 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         paged_attention: backend != BackendName::Flex,
         profile: args.profile,
         repeat: args.repeat,
+        fused_store_tokens: args
+            .fused_store_tokens
+            .unwrap_or(EngineOptions::default().fused_store_tokens),
         ..EngineOptions::default()
     };
     let eos = if args.ignore_eos {
@@ -410,6 +416,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         ignore_eos: false,
         profile: false,
         repeat: None,
+        fused_store_tokens: None,
         warm_up: None,
     };
     let mut limit = None;
@@ -447,6 +454,12 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--no-warm-up" => parsed.warm_up = Some(false),
             "--limit" => limit = Some(number::<usize>("--limit", value("--limit")?)?),
             "--spec" => parsed.drafting = value("--spec")?,
+            "--fused-store-tokens" => {
+                parsed.fused_store_tokens = Some(number(
+                    "--fused-store-tokens",
+                    value("--fused-store-tokens")?,
+                )?)
+            }
             "--draft-tokens" => {
                 parsed.draft_tokens = number("--draft-tokens", value("--draft-tokens")?)?
             }
