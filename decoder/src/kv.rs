@@ -156,12 +156,15 @@ impl KvCache {
         let span = self.clock.start();
         let k_pool = std::mem::replace(&mut self.k[layer], self.placeholder.clone());
         let v_pool = std::mem::replace(&mut self.v[layer], self.placeholder.clone());
+        // Clones only for a repeat: a kept tensor is one the op may not reuse.
+        let again =
+            (self.repeat == Some(OpKind::Stores)).then(|| (k.clone(), v.clone(), q.clone()));
         let mut attended = slots
-            .store_kv_and_attend(k_pool, v_pool, k.clone(), v.clone(), q.clone(), keys, heads)
+            .store_kv_and_attend(k_pool, v_pool, k, v, q, keys, heads)
             .map(Attended::into_tensors);
-        match self.repeat {
+        match (self.repeat, again) {
             // The same rows stored again with the same queries: the same pools and output.
-            Some(OpKind::Stores) => {
+            (Some(OpKind::Stores), Some((k, v, q))) => {
                 attended = attended.and_then(|(_, k_pool, v_pool)| {
                     slots
                         .store_kv_and_attend(k_pool, v_pool, k, v, q, keys, heads)
@@ -169,7 +172,7 @@ impl KvCache {
                 });
             }
             // The attention alone again, its first output as queries (other tokens).
-            Some(OpKind::Attention) => {
+            (Some(OpKind::Attention), _) => {
                 attended = attended.and_then(|(out, k_pool, v_pool)| {
                     let out =
                         kvplan::paged_attention(out, k_pool.clone(), v_pool.clone(), keys, heads)?;
