@@ -358,7 +358,7 @@ macro_rules! suite {
 
             #[test]
             fn attention_after_store() {
-                crate::attention::store_then_attend::<B>(&device());
+                crate::attention::store_then_attend::<B>(&device(), $f64_exp);
             }
 
             #[test]
