@@ -183,29 +183,19 @@ pub fn attention_kernel<F: Float, S: Int, A: Int, C: Int>(
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     if cube < shape.tokens * shape.heads {
-        let t = cube / shape.heads;
-        let h = cube % shape.heads;
-        let u = UNIT_POS as usize;
-        let out_at = (t * shape.heads + h) as usize * head_dim + u;
-        if status[CODE] != OK {
-            if u < head_dim {
-                out[out_at] = F::NAN;
-            }
-        } else {
-            // No new rows: the pools stand in for them, never read (`with_new_rows` is false).
-            let none = NewRowsShape {
-                rows: 0,
-                k_stride: 0,
-                v_stride: 0,
-                loc_stride: 0,
-                base: 1,
-                newest: 0,
-            };
-            attend::<F, S, A, C, S>(
-                q, k_pool, v_pool, k_pool, v_pool, slots, slots, starts, counts, out, shape, none,
-                NEW_ROW, t, h, head_dim, units, false,
-            );
-        }
+        // No new rows: the pools stand in for them, never read (`with_new_rows` is false).
+        let none = NewRowsShape {
+            rows: 0,
+            k_stride: 0,
+            v_stride: 0,
+            loc_stride: 0,
+            base: 1,
+            newest: 0,
+        };
+        attend::<F, S, A, C, S>(
+            q, k_pool, v_pool, k_pool, v_pool, slots, slots, starts, counts, status, out, shape,
+            none, NEW_ROW, cube, head_dim, units, false,
+        );
     }
 }
 
@@ -262,17 +252,10 @@ pub fn store_attention_kernel<F: Float, S: Int, A: Int, C: Int, L: Int>(
         }
     }
     if t < shape.tokens {
-        let out_at = (t * shape.heads + h) as usize * head_dim + u;
-        if status[CODE] != OK {
-            if u < head_dim {
-                out[out_at] = F::NAN;
-            }
-        } else {
-            attend::<F, S, A, C, u32>(
-                q, &*k_pool, &*v_pool, k, v, slots, claims, starts, counts, out, shape, rows,
-                zero_row, t, h, head_dim, units, true,
-            );
-        }
+        attend::<F, S, A, C, u32>(
+            q, &*k_pool, &*v_pool, k, v, slots, claims, starts, counts, status, out, shape, rows,
+            zero_row, cube, head_dim, units, true,
+        );
     }
 }
 
@@ -318,18 +301,22 @@ fn attend<F: Float, S: Int, A: Int, C: Int, W: Int>(
     claims: &Tensor<W>,
     starts: &Tensor<A>,
     counts: &Tensor<C>,
+    status: &Tensor<i64>,
     out: &mut Tensor<F>,
     shape: AttentionShape,
     rows: NewRowsShape,
     zero_row: u64,
-    t: u64,
-    h: u64,
+    cube: u64,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
     #[comptime] with_new_rows: bool,
 ) {
+    let t = cube / shape.heads;
+    let h = cube % shape.heads;
     let chunk = units as u64;
     let u = UNIT_POS as usize;
+    // On the runs' failed check no key is read (no run is walked) and the output is NaN.
+    let clear = status[CODE] == OK;
     let mut q_row = Shared::<[F]>::new_slice(head_dim);
     let mut scores = Shared::<[F]>::new_slice(units);
     let mut key_rows = Shared::<[u64]>::new_slice(units);
@@ -338,7 +325,11 @@ fn attend<F: Float, S: Int, A: Int, C: Int, W: Int>(
         q_row[u] = q[q_base + u];
     }
     let start = i64::cast_from(starts[(t * shape.starts_stride) as usize]) as u64;
-    let count = i64::cast_from(counts[(t * shape.counts_stride) as usize]) as u64;
+    let count = select(
+        clear,
+        i64::cast_from(counts[(t * shape.counts_stride) as usize]) as u64,
+        0u64,
+    );
     let kv_column = (h / shape.groups) * head_dim as u64;
     // In F, not an f32 constant: f64 attention keeps f64's precision.
     let scale = F::new(1.0) / F::cast_from(head_dim as u32).sqrt();
@@ -409,6 +400,6 @@ fn attend<F: Float, S: Int, A: Int, C: Int, W: Int>(
     }
     if u < head_dim {
         let at = (t * shape.heads + h) as usize * head_dim + u;
-        out[at] = select(count > 0, acc / sum, F::new(0.0));
+        out[at] = select(clear, select(count > 0, acc / sum, F::new(0.0)), F::NAN);
     }
 }
