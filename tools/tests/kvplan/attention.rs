@@ -643,4 +643,43 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         });
         assert_eq!(together, apart, "{shapes:?}");
     }
+    // A key outside the pools: the runs' error, NaN out, and the rows stored all the same.
+    let keys = KeyRuns::<B>::check_primitives(
+        [&[1, 9][..], &[0, 0], &[1, 2]].map(|v| list::<B>(v, DType::I64, device)),
+        5,
+    )
+    .unwrap();
+    let mut slots = store
+        .check_slot_primitives(list::<B>(&[3, 4], DType::I64, device), 5)
+        .unwrap();
+    let rows: Vec<f64> = (0..32).map(f64::from).collect();
+    let attended = slots
+        .store_kv_and_attend_primitives(
+            [
+                zeros([5, 16]),
+                zeros([5, 16]),
+                floats::<B>(&rows, [2, 16], DType::F32, device),
+                floats::<B>(&rows, [2, 16], DType::F32, device),
+                zeros([2, 32]),
+            ],
+            &keys,
+            4,
+        )
+        .unwrap();
+    assert_eq!(
+        keys.status().check(),
+        Err(Error::KeySlotOutOfRange {
+            context: "paged_attention:".into(),
+            token: 1,
+            key: 1,
+            slot: 9,
+            pool_rows: 5,
+        })
+    );
+    assert_eq!(slots.status().check(), Ok(2));
+    assert!(float_values::<B>(attended.out).iter().all(|v| v.is_nan()));
+    let mut stored = vec![0.0; 3 * 16];
+    stored.extend(&rows);
+    assert_eq!(float_values::<B>(attended.k_pool), stored);
+    assert_eq!(float_values::<B>(attended.v_pool), stored);
 }
