@@ -485,8 +485,8 @@ impl StoreSlots {
     /// [`paged_attention`](crate::paged_attention) of `q` over those pools through `keys`: the
     /// same pools and the same output bits, in one launch on the Cube backend (a key this store
     /// writes is read from the new rows), nothing read back. The store's status stays in
-    /// [`status`](Self::status), the runs' in `keys`. A key at slot 0, the padding sink, reads
-    /// whatever the sink holds while tokens of this store write it.
+    /// [`status`](Self::status), the runs' in `keys`. While these slots live a later check of
+    /// the same store writes a copy of its scratch words (the op reads these).
     #[allow(clippy::too_many_arguments)]
     pub fn store_kv_and_attend(
         &mut self,

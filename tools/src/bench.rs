@@ -817,7 +817,7 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     .map_err(e)?;
     report("store K and V, slots checked (256 rows)", deferred, None);
     // A layer's attention (9 query heads over 3 K/V heads of 64), alone and with its store in
-    // the same op: the difference is what the store adds to the attention's op.
+    // the same launch: the difference is what the store adds to the attention's launch.
     let tokens = bs * 4;
     let q = B::float_from_data(
         TensorData::new(vec![0.5f32; tokens * 576], [tokens, 576]),
@@ -860,7 +860,7 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
         Ok(())
     })
     .map_err(e)?;
-    report("store K and V + attention, one op", deferred, None);
+    report("store K and V + attention, one launch", deferred, None);
     slots.status().check().map_err(e)?;
     keys.status().check().map_err(e)?;
     Ok(())
