@@ -400,6 +400,12 @@ fn attend<F: Float, S: Int, A: Int, C: Int, W: Int>(
     }
     if u < head_dim {
         let at = (t * shape.heads + h) as usize * head_dim + u;
-        out[at] = select(clear, select(count > 0, acc / sum, F::new(0.0)), F::NAN);
+        // A store of NaN, not a select: cubecl 0.11's LLVM path types a selected `F::NAN` as
+        // f32, which does not verify in f64 kernels.
+        if clear {
+            out[at] = select(count > 0, acc / sum, F::new(0.0));
+        } else {
+            out[at] = F::NAN;
+        }
     }
 }
