@@ -14,7 +14,7 @@
 //! let keys = KeyRuns::check_deferred(slots, starts, counts, 4096)?;
 //! // q [tokens, 9 * 64], the pools [4096, 3 * 64]: 9 query heads over 3 K/V heads.
 //! let out = kvplan::paged_attention(q, k_pool, v_pool, &keys, 9)?;
-//! kvplan::check_all(&[keys.status()])?;
+//! kvplan::check_all([keys.status().clone()])?;
 //! # Ok(()) }
 //! ```
 

@@ -32,34 +32,47 @@ impl<B: Backend> Status<B> {
     pub fn words(&self) -> &IntTensor<B> {
         &self.words
     }
+
+    /// The record, moved into an op that hands back the next one.
+    pub(crate) fn into_words(self) -> IntTensor<B> {
+        self.words
+    }
 }
 
 /// Reads several deferred ops' statuses back in one transfer (a step's gathers and plan), and
-/// returns their counts in order, or the first op's error.
-pub fn check_all<B: Backend>(statuses: &[&Status<B>]) -> Result<Vec<usize>, Error> {
-    let Some(first) = statuses.first() else {
-        return Ok(Vec::new());
+/// returns their counts in order, or the first op's error. The statuses move into the read: a
+/// record whose last reference an op takes costs Fusion no drop afterwards (clone one to keep it).
+pub fn check_all<B: Backend>(
+    statuses: impl IntoIterator<Item = Status<B>>,
+) -> Result<Vec<usize>, Error> {
+    let (mut parts, contexts) = split(statuses);
+    let words = match parts.len() {
+        0 => return Ok(Vec::new()),
+        1 => crate::ops::read_ints::<B>(parts.remove(0))?,
+        _ => crate::ops::read_ints::<B>(B::int_cat(parts, 0))?,
     };
-    if statuses.len() == 1 {
-        return first.check().map(|count| vec![count]);
-    }
-    let words = B::int_cat(statuses.iter().map(|s| s.words.clone()).collect(), 0);
-    let words = crate::ops::read_ints::<B>(words)?;
-    decode_all(statuses, &words)
+    decode_all(&contexts, &words)
 }
 
-/// The counts of `statuses` from their records read back side by side (`words` may go on past
-/// them), or the first op's error.
-pub(crate) fn decode_all<B: Backend>(
-    statuses: &[&Status<B>],
-    words: &[i64],
-) -> Result<Vec<usize>, Error> {
+/// The statuses' records and their contexts.
+pub(crate) fn split<B: Backend>(
+    statuses: impl IntoIterator<Item = Status<B>>,
+) -> (Vec<IntTensor<B>>, Vec<String>) {
     statuses
+        .into_iter()
+        .map(|status| (status.words, status.context))
+        .unzip()
+}
+
+/// The counts of the statuses of `contexts` from their records read back side by side (`words`
+/// may go on past them), or the first op's error.
+pub(crate) fn decode_all(contexts: &[String], words: &[i64]) -> Result<Vec<usize>, Error> {
+    contexts
         .iter()
         .zip(words.chunks_exact(crate::layout::STATUS_LEN))
-        .map(|(status, record)| {
+        .map(|(context, record)| {
             let record: status::StatusWords = record.try_into().unwrap_or_default();
-            status::decode(&record, &status.context)
+            status::decode(&record, context)
         })
         .collect()
 }

@@ -19,10 +19,11 @@
 use burn_core::backend::Backend;
 use burn_core::backend::tensor::{BoolTensor, IntTensor};
 use burn_core::backend::{Dispatch, TensorMetadata};
-use burn_core::tensor::{Bool, Int, Tensor};
+use burn_core::tensor::{Bool, Int, Slice, Tensor};
 
 use crate::deferred::Status;
 use crate::error::{Error, SEGMENT_CONTEXT};
+use crate::layout::COUNT;
 use crate::ops::{GatherPrimitive, KvPlanBackend, OptionalInt};
 use crate::room::{self, Buffer};
 use crate::validate::{self, Arg};
@@ -62,10 +63,20 @@ impl GatherOptions {
 pub struct DeferredGather<B: Backend = Dispatch> {
     /// i64 `[capacity]`. `out[0..count]` are the gathered slots; the tail is unspecified.
     pub out: IntTensor<B>,
-    /// i64 `[1]`: the number of gathered values, 0 after a deferred error.
-    pub count: IntTensor<B>,
-    /// The device-side validation status.
+    /// The device-side validation status; its count word is the number of gathered values.
     pub status: Status<B>,
+}
+
+impl<B: Backend> DeferredGather<B> {
+    /// i64 `[1]` on the device: the number of gathered values, 0 after a deferred error. A view
+    /// of the status record's count word: the op makes no separate count output (each output
+    /// costs Fusion an operation when it is dropped).
+    pub fn count(&self) -> IntTensor<B> {
+        B::int_slice(
+            self.status.words().clone(),
+            &[Slice::from(COUNT..COUNT + 1)],
+        )
+    }
 }
 
 pub(crate) fn arg<T: TensorMetadata>(name: &'static str, tensor: &T) -> Arg<T::Device> {
@@ -150,7 +161,6 @@ pub mod backend {
     fn deferred<B: Backend>(output: GatherPrimitive<B>, context: &str) -> DeferredGather<B> {
         DeferredGather {
             out: output.out,
-            count: output.count,
             status: Status::new(output.status, context),
         }
     }
@@ -229,8 +239,8 @@ impl DeferredGather {
         Tensor::from_dispatch(self.out.clone())
     }
 
-    /// `count` as a tensor.
+    /// [`count`](DeferredGather::count) as a tensor.
     pub fn count_tensor(&self) -> Tensor<1, Int> {
-        Tensor::from_dispatch(self.count.clone())
+        Tensor::from_dispatch(self.count())
     }
 }

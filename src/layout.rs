@@ -6,7 +6,7 @@
 pub use kvplan_kernels::canary::{
     COUNTERS, KERNEL_RUN, MAX_SOURCES, ROW_WORDS, SLOT_RUN, WRITE_INDEX,
 };
-pub use kvplan_kernels::status::STATUS_LEN;
+pub use kvplan_kernels::status::{COUNT, STATUS_LEN};
 
 /// A real-KV source's layout in bytes (spec §4.2), validated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

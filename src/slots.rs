@@ -25,7 +25,7 @@
 //! // Every layer: its K and V pools move in and come back, one launch (a kept clone of a pool
 //! // would make the store copy it).
 //! let (k_pool, v_pool) = slots.store_kv(k_pool, v_pool, k_rows, v_rows)?;
-//! kvplan::check_all(&[&assigned.status, slots.status()])?;
+//! kvplan::check_all([assigned.status, slots.into_status()])?;
 //! # Ok(()) }
 //! ```
 
@@ -386,7 +386,7 @@ impl<B: KvPlanBackend> KvStore<B> {
         };
         Ok(backend::DeferredStore {
             cache,
-            status: slots.status,
+            status: slots.into_status(),
         })
     }
 
@@ -411,7 +411,7 @@ impl<B: KvPlanBackend> KvStore<B> {
         StoreSlots {
             loc,
             cache_rows,
-            status: Status::new(output.status, STORE_CONTEXT),
+            status: Some(Status::new(output.status, STORE_CONTEXT)),
             claims,
             base,
         }
@@ -425,8 +425,9 @@ impl<B: KvPlanBackend> KvStore<B> {
 pub struct StoreSlots<B: Backend = Dispatch> {
     loc: IntTensor<B>,
     cache_rows: usize,
-    // Private: the writes trust it, so only the check and the writes may set it.
-    status: Status<B>,
+    // Private: the writes trust it, so only the check and the writes may set it. Each write
+    // takes it (a tensor moved into an op costs Fusion no drop later) and sets the one it returns.
+    status: Option<Status<B>>,
     // The store scratch's slot words after this check, and its first clock value: which new row
     // holds a slot, for `store_kv_and_attend`.
     claims: IntTensor<B>,
@@ -582,13 +583,13 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             k,
             v,
             loc: self.loc.clone(),
-            status: self.status.words().clone(),
+            status: self.take_status(),
             claims: self.claims.clone(),
         };
         let output = B::store_and_attend(
             q, k_pool, v_pool, rows, self.base, slots, starts, counts, checked, heads,
         );
-        self.status = Status::new(output.status, STORE_CONTEXT);
+        self.status = Some(Status::new(output.status, STORE_CONTEXT));
         Ok(Attended {
             out: output.out,
             k_pool: output.k_pool,
@@ -605,12 +606,26 @@ impl<B: KvPlanBackend> StoreSlots<B> {
     /// not (a launch the device cannot index): a store writes only while it is clear. Its count
     /// is the number of tokens. Check it once, after the last store.
     pub fn status(&self) -> &Status<B> {
-        &self.status
+        self.status
+            .as_ref()
+            .expect("a write gives back the status it takes")
     }
 
     /// The status, when no store follows (see [`status`](Self::status)).
-    pub fn into_status(self) -> Status<B> {
+    pub fn into_status(mut self) -> Status<B> {
+        self.take_status_record()
+    }
+
+    /// The status record, moved out until the write that takes it sets the next one.
+    fn take_status_record(&mut self) -> Status<B> {
         self.status
+            .take()
+            .expect("a write gives back the status it takes")
+    }
+
+    /// The status words, for an op that hands back the next ones.
+    fn take_status(&mut self) -> IntTensor<B> {
+        self.take_status_record().into_words()
     }
 
     /// The host rules of one cache's write at these slots.
@@ -624,13 +639,8 @@ impl<B: KvPlanBackend> StoreSlots<B> {
 
     /// The write, its host rules passed; the status moves on to the write's.
     fn write(&mut self, caches: StoreTargets<B>, values: StoreTargets<B>) -> StoreTargets<B> {
-        let output = B::store_rows(
-            caches,
-            values,
-            self.loc.clone(),
-            self.status.words().clone(),
-        );
-        self.status = Status::new(output.status, STORE_CONTEXT);
+        let output = B::store_rows(caches, values, self.loc.clone(), self.take_status());
+        self.status = Some(Status::new(output.status, STORE_CONTEXT));
         output.caches
     }
 }

@@ -523,7 +523,7 @@ impl Engine {
         self.rows.give_back(&[row]);
         let mut statuses = std::mem::take(&mut self.statuses);
         statuses.extend(self.cache.take_statuses());
-        kvplan::check_all(&statuses.iter().collect::<Vec<_>>())?;
+        kvplan::check_all(statuses)?;
         match targets?.pop() {
             Some(Target::Probs(mut rows)) => Ok(rows.pop().expect("one position")),
             _ => unreachable!("a sampling engine's verify gives distributions"),
@@ -924,9 +924,8 @@ impl Engine {
         let mut statuses = std::mem::take(&mut self.statuses);
         statuses.extend(self.cache.take_statuses());
         statuses.extend(canary_statuses);
-        let refs: Vec<&Status> = statuses.iter().collect();
         // One read-back: every status of the step, the canary's status and its violations.
-        let (_, violations) = self.canary.violations_after(&refs)?;
+        let (_, violations) = self.canary.violations_after(statuses)?;
         self.cache.clock.stop(span, OpKind::Bookkeeping);
         if violations.recorded > 0 {
             self.canary.clear();

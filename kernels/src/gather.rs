@@ -1,9 +1,9 @@
 //! Masked gather: one launch, or two for many tiles. Tiles of mask cells are compacted with a cube
 //! scan chained by a decoupled look-back (or, after a count launch, by summing the counts of the
-//! tiles before); every true cell is checked, then scattered to its row-major rank. The count and
-//! the status record are written by the last tile's cube of a chained launch (the look-back hands
-//! it the total and whether any tile reported an error), or by the last cube to finish a counted
-//! one (spec `gather.md` §3).
+//! tiles before); every true cell is checked, then scattered to its row-major rank. The status
+//! record, whose count word is the gather's count, is written by the last tile's cube of a
+//! chained launch (the look-back hands it the total and whether any tile reported an error), or
+//! by the last cube to finish a counted one (spec `gather.md` §3).
 
 use cubecl::prelude::*;
 
@@ -109,7 +109,6 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
     pos2d: &Tensor<Vector<P, N>>,
     mask: &Tensor<Vector<M, N>>,
     out: &mut Tensor<i64>,
-    count: &mut Tensor<i64>,
     status: &mut Tensor<i64>,
     scratch: &Tensor<Atomic<u64>>,
     counts: &Tensor<u64>,
@@ -325,7 +324,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
             false,
         );
     }
-    // The cube that writes the count and the status: the last to finish a counted launch, else the
+    // The cube that writes the status: the last to finish a counted launch, else the
     // last tile's (see `tile_reported`).
     let mut finisher = false.runtime();
     let mut total = 0u64.runtime();
@@ -357,16 +356,7 @@ pub fn masked_gather_kernel<T: Int, Q: Int, P: Int, M: Int, N: Size>(
     }
     if finisher {
         let key = first_error(scratch, SCRATCH_ERROR, any_reported);
-        finish_masked(
-            req_pool_indices,
-            pos2d,
-            count,
-            status,
-            shape,
-            total,
-            key,
-            lanes,
-        );
+        finish_masked(req_pool_indices, pos2d, status, shape, total, key, lanes);
     }
 }
 
@@ -606,13 +596,12 @@ fn at2(i: usize, j: usize, row_stride: u64, col_stride: u64) -> usize {
     i * row_stride as usize + j * col_stride as usize
 }
 
-/// The finishing cube: the count and the status record with the first offender's facts.
+/// The finishing cube: the status record, with the count or the first offender's facts.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn finish_masked<Q: Int, P: Int, N: Size>(
     req_pool_indices: &Tensor<Q>,
     pos2d: &Tensor<Vector<P, N>>,
-    count: &mut Tensor<i64>,
     status: &mut Tensor<i64>,
     shape: MaskedShape,
     total: u64,
@@ -628,13 +617,10 @@ fn finish_masked<Q: Int, P: Int, N: Size>(
             status[CODE] = GATHER_CAPACITY;
             status[FACTS] = total as i64;
             status[FACTS + 1] = shape.capacity as i64;
-            count[0] = 0;
         } else {
             status[COUNT] = total as i64;
-            count[0] = total as i64;
         }
     } else {
-        count[0] = 0;
         if key == KEY_EMPTY_TABLE {
             status[CODE] = GATHER_EMPTY_TABLE;
         } else if key < KEY_POSITION {
@@ -689,7 +675,7 @@ pub fn clear_status(status: &mut Tensor<i64>) {
 // One launch, shaped like the plan: segments are cut into tiles of up to a cube's width, each
 // served by `tile_cubes` cubes. A cube takes a ticket, scans its tile's lengths, chains the tile
 // prefixes with a decoupled look-back and copies its share of the tile's values; the tile's lead
-// cube checks its segments and publishes the tile. The last cube writes the count and the status.
+// cube checks its segments and publishes the tile. The last cube writes the status.
 // Wide tiles keep the look-back chain short (lengths are only known on the device, so a tile
 // cannot be sized by its values), and sharing a tile spreads long segments over the device. No
 // position or mask is ever built.
@@ -763,7 +749,6 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
     start: &Tensor<S>,
     lengths: &Tensor<L>,
     out: &mut Tensor<i64>,
-    count: &mut Tensor<i64>,
     status: &mut Tensor<i64>,
     scratch: &Tensor<Atomic<u64>>,
     shape: SegmentShape,
@@ -898,7 +883,6 @@ pub fn segment_gather_kernel<T: Int, Q: Int, S: Int, L: Int>(
             req_pool_indices,
             start,
             lengths,
-            count,
             status,
             shape,
             total,
@@ -923,13 +907,12 @@ fn segment_start<S: Int>(
     first
 }
 
-/// The last cube of a segment gather: count and status, rules in the spec's order.
+/// The last cube of a segment gather: the status (and count), rules in the spec's order.
 #[cube]
 fn finish_segments<Q: Int, S: Int, L: Int>(
     req_pool_indices: &Tensor<Q>,
     start: &Tensor<S>,
     lengths: &Tensor<L>,
-    count: &mut Tensor<i64>,
     status: &mut Tensor<i64>,
     shape: SegmentShape,
     total: u64,
@@ -995,7 +978,6 @@ fn finish_segments<Q: Int, S: Int, L: Int>(
     let fails = shape_fails || row_fails || position_fails || capacity_fails;
     let counted = select(fails, 0i64, total as i64);
     words[COUNT] = counted;
-    count[0] = counted;
     #[unroll]
     for word in 0..8usize {
         status[word] = words[word];

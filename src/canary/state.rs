@@ -569,22 +569,22 @@ impl<B: KvPlanBackend> Canary<B> {
     /// Reads the status and the counters back in one sync, and the ring only when it holds rows
     /// (a clean step costs one read), and decodes its rows.
     pub fn violations(&self) -> Result<Violations, Error> {
-        self.violations_after(&[]).map(|(_, violations)| violations)
+        self.violations_after([]).map(|(_, violations)| violations)
     }
 
     /// [`violations`](Self::violations) and [`check_all`](crate::check_all) of a step's other
     /// statuses in the same read: their counts in order, or the first op's error (theirs first,
-    /// then the canary's).
+    /// then the canary's). The statuses move into the read, as in `check_all`.
     pub fn violations_after(
         &self,
-        statuses: &[&Status<B>],
+        statuses: impl IntoIterator<Item = Status<B>>,
     ) -> Result<(Vec<usize>, Violations), Error> {
         let state = self.primitive();
-        let mut parts: Vec<IntTensor<B>> = statuses.iter().map(|s| s.words().clone()).collect();
+        let (mut parts, contexts) = crate::deferred::split(statuses);
         parts.extend([state.status.clone(), state.counters.clone()]);
         let words = read_ints::<B>(B::int_cat(parts, 0))?;
-        let counts = crate::deferred::decode_all(statuses, &words)?;
-        let words = &words[(statuses.len() * STATUS_LEN).min(words.len())..];
+        let counts = crate::deferred::decode_all(&contexts, &words)?;
+        let words = &words[(contexts.len() * STATUS_LEN).min(words.len())..];
         let (status, counters) = words.split_at(STATUS_LEN.min(words.len()));
         let status: crate::status::StatusWords = status.try_into().unwrap_or_default();
         crate::status::decode(&status, "kv-canary")?;

@@ -6,7 +6,7 @@
 use burn_core::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn_core::backend::{Backend, TensorData, TensorMetadata, try_read_sync};
 use burn_core::tensor::{BoolStore, DType, Slice};
-use kvplan_kernels::status::{CODE, COUNT, OK, STATUS_LEN};
+use kvplan_kernels::status::{CODE, OK, STATUS_LEN};
 
 use super::{
     AssignPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes, KvRows,
@@ -62,7 +62,8 @@ pub(crate) fn upload_status<B: Backend>(words: StatusWords, device: &B::Device) 
     upload_i64::<B>(words.to_vec(), device)
 }
 
-/// Packs a reference outcome as the kernels would: `out` padded to `capacity`, `count` 0 on error.
+/// Packs a reference outcome as the kernels would: `out` padded to `capacity`, the count 0 on
+/// error.
 pub(crate) fn gather_output<B: Backend>(
     outcome: Result<Vec<i64>, Error>,
     capacity: usize,
@@ -78,7 +79,6 @@ pub(crate) fn gather_output<B: Backend>(
     out.resize(capacity, 0);
     GatherPrimitive {
         out: upload_i64::<B>(out, device),
-        count: upload_i64::<B>(vec![words[COUNT]], device),
         status: upload_status::<B>(words, device),
     }
 }

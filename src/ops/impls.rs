@@ -241,7 +241,7 @@ impl<B: Backend, C: CheckpointStrategy> Rebase<KvRows<Autodiff<B, C>>> for KvRow
     }
 }
 
-rebase_ints!(GatherPrimitive { out, count, status });
+rebase_ints!(GatherPrimitive { out, status });
 rebase_ints!(AssignPrimitive {
     req_to_token,
     status

@@ -57,9 +57,8 @@ impl<B: Backend> From<Option<IntTensor<B>>> for OptionalInt<B> {
 pub struct GatherPrimitive<B: Backend> {
     /// i64 `[capacity]`; the first `count` values are the gathered slots.
     pub out: IntTensor<B>,
-    /// i64 `[1]`: the number of gathered values (0 after a deferred error).
-    pub count: IntTensor<B>,
-    /// i64 status record (`kvplan_kernels::status`).
+    /// i64 status record (`kvplan_kernels::status`); its count word is the number of gathered
+    /// values (0 after a deferred error).
     pub status: IntTensor<B>,
 }
 
@@ -606,7 +605,6 @@ fn gather_outputs(capacity: usize) -> GatherPrimitiveMetadata {
     let i64s = |len: usize| TensorSpec::new([len].into(), DType::I64);
     GatherPrimitiveMetadata {
         out: i64s(capacity),
-        count: i64s(1),
         status: i64s(STATUS_LEN),
     }
 }

@@ -67,13 +67,9 @@ pub(crate) fn masked_gather(
     // group total) empty.
     let mut words = vec![0u64; SCRATCH_TILES + tiles];
     words[SCRATCH_ERROR] = NO_ERROR;
-    let [status, count, scratch] = upload_parts(
+    let [status, scratch] = upload_parts(
         &req_to_token,
-        [
-            (&[0; STATUS_LEN], DType::I64),
-            (&[0], DType::I64),
-            (&words, DType::U64),
-        ],
+        [(&[0; STATUS_LEN], DType::I64), (&words, DType::U64)],
     );
     let client = req_to_token.client.clone();
     let broadcast_prefix = faithful_shared(&req_to_token);
@@ -87,7 +83,7 @@ pub(crate) fn masked_gather(
     let counts = if counted {
         output_i64(&req_to_token, tiles)
     } else {
-        count.clone()
+        status.clone()
     };
     let (table, req_pool_indices, pos2d, mask) = (
         bindable(req_to_token),
@@ -154,7 +150,6 @@ pub(crate) fn masked_gather(
             pos2d.into_tensor_arg(),
             mask.into_tensor_arg(),
             out.clone().into_tensor_arg(),
-            count.clone().into_tensor_arg(),
             status.clone().into_tensor_arg(),
             scratch.into_tensor_arg(),
             counts.into_tensor_arg(),
@@ -166,7 +161,7 @@ pub(crate) fn masked_gather(
             dtypes,
         );
     }
-    GatherPrimitive { out, count, status }
+    GatherPrimitive { out, status }
 }
 
 /// Tiles of `TILE_CELLS` above which a masked gather counts first. On the H200 a count launch
@@ -252,13 +247,9 @@ pub(crate) fn segment_gather(
         Ok(address) => address,
         Err(error) => return gather_output::<CubeBackend>(Err(error), capacity, &client_device),
     };
-    let [status, count, scratch] = upload_parts(
+    let [status, scratch] = upload_parts(
         &req_to_token,
-        [
-            (&[0; STATUS_LEN], DType::I64),
-            (&[0], DType::I64),
-            (&words, DType::U64),
-        ],
+        [(&[0; STATUS_LEN], DType::I64), (&words, DType::U64)],
     );
     let client = req_to_token.client.clone();
     let broadcast_prefix = faithful_shared(&req_to_token);
@@ -307,7 +298,6 @@ pub(crate) fn segment_gather(
             start.into_tensor_arg(),
             lengths.into_tensor_arg(),
             out.clone().into_tensor_arg(),
-            count.clone().into_tensor_arg(),
             status.clone().into_tensor_arg(),
             scratch.into_tensor_arg(),
             shape,
@@ -317,5 +307,5 @@ pub(crate) fn segment_gather(
             dtypes,
         );
     }
-    GatherPrimitive { out, count, status }
+    GatherPrimitive { out, status }
 }

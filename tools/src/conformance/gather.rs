@@ -122,7 +122,7 @@ pub(super) fn check<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Res
             };
         }
     };
-    let count = values::<B>(mode, gathered.count.clone())?
+    let count = values::<B>(mode, gathered.count())?
         .first()
         .copied()
         .unwrap_or(-1);

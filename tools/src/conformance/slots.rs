@@ -211,7 +211,7 @@ fn assign_gather<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Result
         &GatherOptions::new(),
     )
     .map_err(failed)?;
-    let counts = kvplan::check_all(&[&assigned.status, &gathered.status]).map_err(failed)?;
+    let counts = kvplan::check_all([assigned.status, gathered.status]).map_err(failed)?;
     let loc = &case.inputs[3].0.data;
     expect_eq(mode, "slots assigned", loc.len(), counts[0])?;
     expect_eq(mode, "slots gathered", loc.len(), counts[1])?;

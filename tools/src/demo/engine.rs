@@ -264,14 +264,14 @@ impl<B: KvPlanBackend> Engine<B> {
         Ok(StepOutputs {
             draft_slots: host_values::<B>(draft_slots)?,
             draft_slots_capacity: read_capacity::<B>(
-                draft_capacity.out,
-                draft_capacity.count,
+                draft_capacity.out.clone(),
+                draft_capacity.count(),
                 draft_count,
             )?,
             accepted_slots: host_values::<B>(accepted_slots)?,
             accepted_slots_capacity: read_capacity::<B>(
-                accepted_capacity.out,
-                accepted_capacity.count,
+                accepted_capacity.out.clone(),
+                accepted_capacity.count(),
                 accepted_count,
             )?,
             full_plan: read_plans(full).map_err(op_error("read_plans [full]"))?,

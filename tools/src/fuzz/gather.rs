@@ -227,13 +227,14 @@ impl Family for Gather {
             .map(|gathered| {
                 let checked = gathered.status.check().map_err(Failure::from);
                 let capacity = gathered.out.shape().num_elements();
+                let count = read::<B>(gathered.count());
                 let out = match &checked {
                     Ok(count) => prim::read_prefix::<B>(gathered.out, *count).map_err(read_failure),
                     Err(_) => Ok(vec![]),
                 };
                 DeferredRun {
                     checked,
-                    count: read::<B>(gathered.count),
+                    count,
                     capacity,
                     out,
                 }

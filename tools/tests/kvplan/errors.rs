@@ -53,7 +53,7 @@ fn masked_error<B: KvPlanBackend>(
         });
         assert_eq!(got.status.check(), Err(want), "capacity mode, deferred");
         assert_eq!(
-            values::<B>(got.count),
+            values::<B>(got.count()),
             vec![0],
             "count after a deferred error"
         );
@@ -83,7 +83,7 @@ fn segment_error<B: KvPlanBackend>(
         });
         assert_eq!(got.status.check(), Err(want), "capacity mode, deferred");
         assert_eq!(
-            values::<B>(got.count),
+            values::<B>(got.count()),
             vec![0],
             "count after a deferred error"
         );

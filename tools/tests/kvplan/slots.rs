@@ -288,7 +288,7 @@ pub fn assign_then_gather<B: KvPlanBackend>(device: &B::Device) {
             &GatherOptions::new(),
         )
         .unwrap();
-        let counts = kvplan::check_all(&[&assigned.status, &gathered.status]).unwrap();
+        let counts = kvplan::check_all([assigned.status, gathered.status]).unwrap();
         assert_eq!(counts, vec![case.loc.len(); 2], "bs {bs}: counts");
         let out = read_prefix::<B>(gathered.out, case.loc.len()).unwrap();
         assert_eq!(out, case.loc, "bs {bs}: gathered");

@@ -581,7 +581,7 @@ pub fn slots(device: &Device) {
             let v_stored = store
                 .store_int_deferred(v_now, loc_tensor, int(&v_rows))
                 .unwrap();
-            let counts = kvplan::check_all(&[&k_stored.status, &v_stored.status]).unwrap();
+            let counts = kvplan::check_all([k_stored.status, v_stored.status]).unwrap();
             assert_eq!(counts, vec![loc.len(); 2], "call {call}: stored");
             (k_now, v_now) = (k_stored.cache, v_stored.cache);
         }
@@ -651,7 +651,10 @@ pub fn slots(device: &Device) {
         let v_rows = Rows::random(&mut rng, DType::I32, vec![loc.len(), 3]);
         kvplan::reference::store_kv(&mut v_int.data, [24, 3], &loc, &v_rows.data, "").unwrap();
         v_int_now = slots.store_int(v_int_now, int(&v_rows)).unwrap();
-        assert_eq!(kvplan::check_all(&[slots.status()]), Ok(vec![loc.len()]));
+        assert_eq!(
+            kvplan::check_all([slots.status().clone()]),
+            Ok(vec![loc.len()])
+        );
         for ([k, v], [k_pool, v_pool]) in layers.iter().zip(&pools) {
             assert_eq!(
                 k_pool.clone().into_data().bytes().to_vec(),
