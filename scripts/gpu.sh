@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|repeat|repeat-ab|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|repeat|repeat-ab|anchor|profile]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -234,6 +234,16 @@ PY
       for backend in cuda cuda-unfused; do
         echo "== host $backend"
         KVPLAN_NO_CUPTI=1 "$BIN" bench host --backend "$backend" --reps 400 2>&1 | tee "$OUT/bench-host-$backend.txt"
+      done
+      ;;
+    host-ab)
+      # The host bench of the baseline build and this one, alternating (HOST_ROUNDS, default 2).
+      for round in $(seq "${HOST_ROUNDS:-2}"); do
+        for build in old new; do
+          bin="$BIN"; [ "$build" = old ] && bin="$BINOLD"
+          echo "== host $build round $round"
+          KVPLAN_NO_CUPTI=1 "$bin" bench host --backend cuda --reps 400 2>&1 | tee "$OUT/bench-host-$build-$round.txt"
+        done
       done
       ;;
     ab)

@@ -712,7 +712,7 @@ impl Engine {
                 .collect();
             let ids = ints(current.iter().map(|&t| t as i64), &device);
             let input = self.step_input(&windows, ids)?;
-            let hidden = self.model.forward(&mut self.cache, &input, 0..layers)?;
+            let hidden = self.model.forward(&mut self.cache, input, 0..layers)?;
             let logits = self.model.logits(hidden);
             // Each drafted token and the draft's probability of it.
             let mut drafted = Vec::with_capacity(drafting.len());
@@ -768,7 +768,7 @@ impl Engine {
         let input = self.step_input(&windows, ids)?;
         self.lap("inputs, gathers");
         let layers = self.model.config().layers;
-        let hidden = self.model.forward(&mut self.cache, &input, 0..layers)?;
+        let hidden = self.model.forward(&mut self.cache, input, 0..layers)?;
         self.lap("target forward");
         // Only the positions whose next token is decided: the last input token and the drafts.
         let mut picked = Vec::new();
@@ -1062,7 +1062,7 @@ impl Engine {
             ints(runs.1.into_iter(), &device),
         );
         let span = self.cache.clock.start();
-        let mut step_keys = None;
+        let mut step = None;
         for _ in 0..self.bookkeeping_runs() {
             let window_slots = kvplan::masked_gather_deferred(
                 self.req_to_token.clone(),
@@ -1086,13 +1086,12 @@ impl Engine {
             )?;
             self.statuses.push(window_slots.status.clone());
             self.statuses.push(context_slots.status.clone());
+            // The window's slots, checked once for every layer's store; the keys through them,
+            // so that a layer's store and attention can be one launch.
+            let slots = self.cache.check_slots(window_slots.out_tensor())?;
             let attention = if self.options.paged_attention {
-                let keys = kvplan::KeyRuns::check_deferred(
-                    context_slots.out_tensor(),
-                    starts.clone(),
-                    counts.clone(),
-                    self.cache.slots(),
-                )?;
+                let keys =
+                    slots.check_keys(context_slots.out_tensor(), starts.clone(), counts.clone())?;
                 self.statuses.push(keys.status().clone());
                 Attention::Paged {
                     keys,
@@ -1106,14 +1105,17 @@ impl Engine {
                     &device,
                 ))
             };
-            step_keys = Some((window_slots.out_tensor(), attention));
+            // A repeat's first slots are only checked: their status joins the step's read.
+            if let Some((repeated, _)) = step.replace((slots, attention)) {
+                self.cache.keep_status(repeated);
+            }
         }
-        let (out_cache_loc, attention) = step_keys.expect("bookkeeping runs at least once");
+        let (slots, attention) = step.expect("bookkeeping runs at least once");
         self.cache.clock.stop(span, OpKind::Bookkeeping);
         Ok(StepInput {
             input_ids: ids,
             positions: ints(positions.into_iter(), &device),
-            out_cache_loc,
+            slots,
             attention,
         })
     }

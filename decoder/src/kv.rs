@@ -101,18 +101,9 @@ impl KvCache {
     }
 
     /// Checks a forward's slots `loc` (`[tokens]`) once for the stores of all its layers,
-    /// without a read-back.
+    /// without a read-back (part of a step's bookkeeping: its caller times it).
     pub fn check_slots(&mut self, loc: Tensor<1, Int>) -> Result<StoreSlots> {
-        let span = self.clock.start();
-        let mut slots = self.store.check_slots(loc.clone(), self.slots);
-        if self.repeat == Some(OpKind::Bookkeeping) {
-            slots = slots.and_then(|first| {
-                self.statuses.push(first.into_status());
-                self.store.check_slots(loc, self.slots)
-            });
-        }
-        self.clock.stop(span, OpKind::Stores);
-        Ok(slots?)
+        Ok(self.store.check_slots(loc, self.slots)?)
     }
 
     /// Stores `k` and `v` (`[tokens, kv_dim]`) of `layer` at `slots`, in one launch.
