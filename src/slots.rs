@@ -625,6 +625,13 @@ impl<B: KvPlanBackend> StoreSlots<B> {
 
     /// [`check_keys`](StoreSlots::check_keys) on primitives.
     pub fn check_key_primitives(&self, runs: [IntTensor<B>; 3]) -> Result<KeyRuns<B>, Error> {
+        let [slots, starts, counts] = &runs;
+        validate::store_key_runs(
+            &arg("slots", slots),
+            &arg("starts", starts),
+            &arg("counts", counts),
+            &arg("loc", &self.loc),
+        )?;
         let store = StoreClaims {
             claims: self.claims.clone(),
             stored: self.status().words().clone(),

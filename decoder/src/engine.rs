@@ -9,7 +9,9 @@
 //! 3. self-speculative only: `draft_tokens` forwards of the first layers draft on the device;
 //! 4. the target forward over every row's window: each layer's new K/V stored at the slots that
 //!    `masked_gather` reads back out of the table and its attention over the slots
-//!    `segment_gather` returns for each row's whole context, one `store_kv_and_attend` launch;
+//!    `segment_gather` returns for each row's whole context, one `store_kv_and_attend` launch
+//!    (the window's slots checked once, the context's key runs checked through them, which
+//!    resolves each key's row for every layer);
 //! 5. one read-back of the target's tokens; host acceptance; rejected slots back to the free list;
 //! 6. the canary: the accepted suffix's slots through `segment_gather`, `plan_deferred` (prefix =
 //!    the committed length before the step, extend = the tokens committed now), a write of their
