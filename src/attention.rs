@@ -38,22 +38,6 @@ pub struct KeyRuns<B: Backend = Dispatch> {
     pool_rows: usize,
     // Private: the attention trusts it, so only the check may set it.
     status: Status<B>,
-    // Checked for a store's slots (`StoreSlots::check_keys`): each entry's source after that
-    // store, and the slots' id.
-    sources: Option<(IntTensor<B>, u64)>,
-}
-
-/// What resolving the keys' sources takes of a store's checked slots.
-pub(crate) struct StoreClaims<B: Backend> {
-    /// The store scratch's u32 words as the slots' check left them.
-    pub claims: IntTensor<B>,
-    /// The slots' status.
-    pub stored: IntTensor<B>,
-    /// The check's first claim and its rows: it claimed `[base, base + new_rows)`.
-    pub base: u32,
-    pub new_rows: usize,
-    /// The slots' id.
-    pub slots_id: u64,
 }
 
 impl KeyRuns {
@@ -95,57 +79,19 @@ impl<B: KvPlanBackend> KeyRuns<B> {
         [slots, starts, counts]: [IntTensor<B>; 3],
         pool_rows: usize,
     ) -> Result<Self, Error> {
-        Self::checked([slots, starts, counts], pool_rows, None)
-    }
-
-    /// The host rules, then the runs' check; for a store's slots, each key's source too.
-    pub(crate) fn checked(
-        [slots, starts, counts]: [IntTensor<B>; 3],
-        pool_rows: usize,
-        store: Option<StoreClaims<B>>,
-    ) -> Result<Self, Error> {
         validate::key_runs(
             &arg("slots", &slots),
             &arg("starts", &starts),
             &arg("counts", &counts),
         )?;
-        let (status, sources) = match store {
-            None => {
-                let status =
-                    B::check_key_runs(slots.clone(), starts.clone(), counts.clone(), pool_rows);
-                (status, None)
-            }
-            Some(store) => {
-                let checked = B::check_key_sources(
-                    slots.clone(),
-                    starts.clone(),
-                    counts.clone(),
-                    store.claims,
-                    store.stored,
-                    pool_rows,
-                    store.base,
-                    store.new_rows,
-                );
-                (checked.status, Some((checked.sources, store.slots_id)))
-            }
-        };
+        let status = B::check_key_runs(slots.clone(), starts.clone(), counts.clone(), pool_rows);
         Ok(Self {
             slots,
             starts,
             counts,
             pool_rows,
             status: Status::new(status, ATTENTION_CONTEXT),
-            sources,
         })
-    }
-
-    /// Each slot-list entry's source after the store of the slots with id `slots_id`, if the
-    /// runs were checked for it.
-    pub(crate) fn sources_for(&self, slots_id: u64) -> Option<IntTensor<B>> {
-        match &self.sources {
-            Some((sources, id)) if *id == slots_id => Some(sources.clone()),
-            _ => None,
-        }
     }
 
     /// Rows of the pools the runs were checked against.

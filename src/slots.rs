@@ -35,15 +35,11 @@ use burn_core::tensor::kind::Basic;
 use burn_core::tensor::{Device, Float, Int, IntDType, Shape, Tensor};
 use kvplan_kernels::slots::{STORE_CLOCK_LIMIT, fresh_store_control};
 
-use core::sync::atomic::{AtomicU64, Ordering};
-
-use crate::attention::{KeyRuns, StoreClaims};
+use crate::attention::KeyRuns;
 use crate::deferred::Status;
 use crate::error::{ASSIGN_CONTEXT, Error, STORE_CONTEXT};
 use crate::gather::arg;
-use crate::ops::{
-    KvPlanBackend, KvRows, NewRowsPrimitive, OptionalInt, StoreScratchPrimitive, StoreTargets,
-};
+use crate::ops::{KvPlanBackend, KvRows, NewRowsPrimitive, StoreScratchPrimitive, StoreTargets};
 use crate::room::{self, Buffer};
 use crate::validate;
 
@@ -418,7 +414,6 @@ impl<B: KvPlanBackend> KvStore<B> {
             status: Some(Status::new(output.status, STORE_CONTEXT)),
             claims,
             base,
-            id: NEXT_SLOTS_ID.fetch_add(1, Ordering::Relaxed),
         }
     }
 }
@@ -434,15 +429,10 @@ pub struct StoreSlots<B: Backend = Dispatch> {
     // takes it (a tensor moved into an op costs Fusion no drop later) and sets the one it returns.
     status: Option<Status<B>>,
     // The store scratch's slot words after this check, and its first clock value: which new row
-    // holds a slot, for `check_keys`.
+    // holds a slot, for `store_kv_and_attend`.
     claims: IntTensor<B>,
     base: u32,
-    // Which check this is, for the key runs checked through it (unique in the process).
-    id: u64,
 }
-
-/// The next `StoreSlots`' id.
-static NEXT_SLOTS_ID: AtomicU64 = AtomicU64::new(1);
 
 impl StoreSlots {
     /// Stores `values [N, D]` at the slots into a float `cache [rows, D]`: one launch, nothing
@@ -492,28 +482,12 @@ impl StoreSlots {
         Ok((cache_tensor(k_cache), cache_tensor(v_cache)))
     }
 
-    /// The key runs of [`KeyRuns::check_deferred`], checked against pools of the rows these slots
-    /// were checked for, with each key's row resolved once for the stores through these slots
-    /// (its pool slot, or the new row a store writes there): every layer's
-    /// [`store_kv_and_attend`](Self::store_kv_and_attend) through them is then one launch that
-    /// loads one word per key. While these slots live a later check of the same store writes a
-    /// copy of its scratch words (this check reads these).
-    pub fn check_keys(
-        &self,
-        slots: Tensor<1, Int>,
-        starts: Tensor<1, Int>,
-        counts: Tensor<1, Int>,
-    ) -> Result<KeyRuns, Error> {
-        self.check_key_primitives([slots, starts, counts].map(Tensor::into_dispatch))
-    }
-
     /// [`store_kv`](Self::store_kv) of a layer's K and V rows into its pools, then
     /// [`paged_attention`](crate::paged_attention) of `q` over those pools through `keys`: the
-    /// same pools and the same output bits, nothing read back. With `keys` from
-    /// [`check_keys`](Self::check_keys) of these slots it is one launch on the Cube backend (a
-    /// key this store writes is read from the new rows); with any other runs, the store's launch
-    /// and then the attention's. The store's status stays in [`status`](Self::status), the runs'
-    /// in `keys`.
+    /// same pools and the same output bits, in one launch on the Cube backend (a key this store
+    /// writes is read from the new rows), nothing read back. The store's status stays in
+    /// [`status`](Self::status), the runs' in `keys`. While these slots live a later check of
+    /// the same store writes a copy of its scratch words (the op reads these).
     #[allow(clippy::too_many_arguments)]
     pub fn store_kv_and_attend(
         &mut self,
@@ -610,10 +584,10 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             v,
             loc: self.loc.clone(),
             status: self.take_status(),
-            sources: OptionalInt::from(keys.sources_for(self.id)),
+            claims: self.claims.clone(),
         };
         let output = B::store_and_attend(
-            q, k_pool, v_pool, rows, slots, starts, counts, checked, heads,
+            q, k_pool, v_pool, rows, self.base, slots, starts, counts, checked, heads,
         );
         self.status = Some(Status::new(output.status, STORE_CONTEXT));
         Ok(Attended {
@@ -621,25 +595,6 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             k_pool: output.k_pool,
             v_pool: output.v_pool,
         })
-    }
-
-    /// [`check_keys`](StoreSlots::check_keys) on primitives.
-    pub fn check_key_primitives(&self, runs: [IntTensor<B>; 3]) -> Result<KeyRuns<B>, Error> {
-        let [slots, starts, counts] = &runs;
-        validate::store_key_runs(
-            &arg("slots", slots),
-            &arg("starts", starts),
-            &arg("counts", counts),
-            &arg("loc", &self.loc),
-        )?;
-        let store = StoreClaims {
-            claims: self.claims.clone(),
-            stored: self.status().words().clone(),
-            base: self.base,
-            new_rows: self.loc.shape()[0],
-            slots_id: self.id,
-        };
-        KeyRuns::checked(runs, self.cache_rows, Some(store))
     }
 
     /// Rows of the caches the slots were checked against.

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 /// Time in kvplan's calls, by kind.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct OpTimes {
-    /// Bookkeeping: gathers, `segment_assign`, the forward's slots check and the key runs' check
-    /// through them, the canary's plan, write and verify, the step's one status and violation
-    /// read.
+    /// Bookkeeping: gathers, `segment_assign`, the key runs' check, the canary's plan, write and
+    /// verify, the step's one status and violation read.
     pub bookkeeping: Duration,
-    /// The forwards' separate K/V stores (none where a layer's attention launch makes its store).
+    /// The forwards' K/V stores: with paged attention only their slots' check (each layer's
+    /// store is made by its attention's launch).
     pub stores: Duration,
     /// Paged attention, with each layer's store.
     pub attention: Duration,

@@ -9,9 +9,7 @@
 //! 3. self-speculative only: `draft_tokens` forwards of the first layers draft on the device;
 //! 4. the target forward over every row's window: each layer's new K/V stored at the slots that
 //!    `masked_gather` reads back out of the table and its attention over the slots
-//!    `segment_gather` returns for each row's whole context, one `store_kv_and_attend` launch
-//!    (the window's slots checked once, the context's key runs checked through them, which
-//!    resolves each key's row for every layer);
+//!    `segment_gather` returns for each row's whole context, one `store_kv_and_attend` launch;
 //! 5. one read-back of the target's tokens; host acceptance; rejected slots back to the free list;
 //! 6. the canary: the accepted suffix's slots through `segment_gather`, `plan_deferred` (prefix =
 //!    the committed length before the step, extend = the tokens committed now), a write of their
@@ -714,7 +712,7 @@ impl Engine {
                 .collect();
             let ids = ints(current.iter().map(|&t| t as i64), &device);
             let input = self.step_input(&windows, ids)?;
-            let hidden = self.model.forward(&mut self.cache, input, 0..layers)?;
+            let hidden = self.model.forward(&mut self.cache, &input, 0..layers)?;
             let logits = self.model.logits(hidden);
             // Each drafted token and the draft's probability of it.
             let mut drafted = Vec::with_capacity(drafting.len());
@@ -770,7 +768,7 @@ impl Engine {
         let input = self.step_input(&windows, ids)?;
         self.lap("inputs, gathers");
         let layers = self.model.config().layers;
-        let hidden = self.model.forward(&mut self.cache, input, 0..layers)?;
+        let hidden = self.model.forward(&mut self.cache, &input, 0..layers)?;
         self.lap("target forward");
         // Only the positions whose next token is decided: the last input token and the drafts.
         let mut picked = Vec::new();
@@ -1064,7 +1062,7 @@ impl Engine {
             ints(runs.1.into_iter(), &device),
         );
         let span = self.cache.clock.start();
-        let mut step = None;
+        let mut step_keys = None;
         for _ in 0..self.bookkeeping_runs() {
             let window_slots = kvplan::masked_gather_deferred(
                 self.req_to_token.clone(),
@@ -1088,12 +1086,13 @@ impl Engine {
             )?;
             self.statuses.push(window_slots.status.clone());
             self.statuses.push(context_slots.status.clone());
-            // The window's slots, checked once for every layer's store; the keys through them,
-            // so that a layer's store and attention can be one launch.
-            let slots = self.cache.check_slots(window_slots.out_tensor())?;
             let attention = if self.options.paged_attention {
-                let keys =
-                    slots.check_keys(context_slots.out_tensor(), starts.clone(), counts.clone())?;
+                let keys = kvplan::KeyRuns::check_deferred(
+                    context_slots.out_tensor(),
+                    starts.clone(),
+                    counts.clone(),
+                    self.cache.slots(),
+                )?;
                 self.statuses.push(keys.status().clone());
                 Attention::Paged {
                     keys,
@@ -1107,17 +1106,14 @@ impl Engine {
                     &device,
                 ))
             };
-            // A repeat's first slots are only checked: their status joins the step's read.
-            if let Some((repeated, _)) = step.replace((slots, attention)) {
-                self.cache.keep_status(repeated);
-            }
+            step_keys = Some((window_slots.out_tensor(), attention));
         }
-        let (slots, attention) = step.expect("bookkeeping runs at least once");
+        let (out_cache_loc, attention) = step_keys.expect("bookkeeping runs at least once");
         self.cache.clock.stop(span, OpKind::Bookkeeping);
         Ok(StepInput {
             input_ids: ids,
             positions: ints(positions.into_iter(), &device),
-            slots,
+            out_cache_loc,
             attention,
         })
     }

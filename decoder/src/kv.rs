@@ -101,9 +101,18 @@ impl KvCache {
     }
 
     /// Checks a forward's slots `loc` (`[tokens]`) once for the stores of all its layers,
-    /// without a read-back (part of a step's bookkeeping: its caller times it).
+    /// without a read-back.
     pub fn check_slots(&mut self, loc: Tensor<1, Int>) -> Result<StoreSlots> {
-        Ok(self.store.check_slots(loc, self.slots)?)
+        let span = self.clock.start();
+        let mut slots = self.store.check_slots(loc.clone(), self.slots);
+        if self.repeat == Some(OpKind::Bookkeeping) {
+            slots = slots.and_then(|first| {
+                self.statuses.push(first.into_status());
+                self.store.check_slots(loc, self.slots)
+            });
+        }
+        self.clock.stop(span, OpKind::Stores);
+        Ok(slots?)
     }
 
     /// Stores `k` and `v` (`[tokens, kv_dim]`) of `layer` at `slots`, in one launch.

@@ -7,7 +7,7 @@ use std::ops::Range;
 use burn_core::tensor::activation::{silu, softmax};
 use burn_core::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
-use kvplan::{KeyRuns, StoreSlots};
+use kvplan::KeyRuns;
 
 use crate::gguf::Gguf;
 use crate::kv::KvCache;
@@ -145,8 +145,8 @@ pub struct StepInput {
     pub input_ids: Tensor<1, Int>,
     /// Positions in their sequences (RoPE).
     pub positions: Tensor<1, Int>,
-    /// The KV slot each token's K/V row is stored at, checked for the stores of every layer.
-    pub slots: StoreSlots,
+    /// The KV slot each token's K/V row is stored at.
+    pub out_cache_loc: Tensor<1, Int>,
     /// Where the tokens attend.
     pub attention: Attention,
 }
@@ -280,29 +280,24 @@ impl Llama {
     }
 
     /// Runs blocks `layers` over the step's tokens, storing every block's new K/V rows in `cache`
-    /// at the input's slots first, and returns the hidden states `[tokens, hidden]` after the last
+    /// at `out_cache_loc` first, and returns the hidden states `[tokens, hidden]` after the last
     /// block run. (`0..config.layers` is the target; a prefix of it is the self-speculative draft.)
     pub fn forward(
         &self,
         cache: &mut KvCache,
-        input: StepInput,
+        input: &StepInput,
         layers: Range<usize>,
     ) -> Result<Tensor<2>> {
-        let StepInput {
-            input_ids,
-            positions,
-            mut slots,
-            attention,
-        } = input;
         let c = &self.config;
-        let tokens = input_ids.dims()[0];
-        let mut x = self.embed.clone().select(0, input_ids);
+        let tokens = input.input_ids.dims()[0];
+        let mut x = self.embed.clone().select(0, input.input_ids.clone());
         let hd = c.head_dim;
-        let cos = self.rope_cos.clone().select(0, positions.clone());
-        let sin = self.rope_sin.clone().select(0, positions);
+        let cos = self.rope_cos.clone().select(0, input.positions.clone());
+        let sin = self.rope_sin.clone().select(0, input.positions.clone());
         let cos = cos.reshape([tokens, 1, hd]);
         let sin = sin.reshape([tokens, 1, hd]);
         let (qk, kv) = (c.hidden + c.kv_dim(), c.kv_dim());
+        let mut slots = cache.check_slots(input.out_cache_loc.clone())?;
         for layer in layers {
             let block = &self.blocks[layer];
             let h = rms_norm(x.clone(), c.rms_eps);
@@ -315,7 +310,7 @@ impl Llama {
             let rotated = (plain * cos.clone() + swapped * sin.clone()).reshape([tokens, qk]);
             let q = rotated.clone().narrow(1, 0, c.hidden);
             let k = rotated.narrow(1, c.hidden, kv);
-            let attended = match &attention {
+            let attended = match &input.attention {
                 Attention::Paged {
                     keys,
                     fused_store: true,

@@ -2,9 +2,7 @@
 //!
 //! A one-cube check of every run and slot writes a status once for a step's runs; each layer's
 //! attention launch reads it and runs only on a clear status (on an error its output is NaN, so
-//! nothing reads a row it was not given). Checked for a step's store, the check also resolves
-//! where each key's K/V row is (its pool slot, or the step's new row that a store writes there),
-//! so that every layer's store-and-attention launch loads one word per key. A cube per (token, head) walks the token's keys in
+//! nothing reads a row it was not given). A cube per (token, head) walks the token's keys in
 //! chunks, in their order, with a running max: the same token over the same keys
 //! gives the same bits whatever else is in the launch (a verify window and a plain step agree).
 
@@ -64,16 +62,10 @@ pub struct NewRowsShape {
     pub v_stride: u64,
     /// Stride of `loc`.
     pub loc_stride: u64,
-}
-
-/// The claims of a store's slots check: it claimed `[base, newest]`, and a slot's word `w` in it
-/// names new row `newest - w` (`crate::slots`).
-#[derive(CubeType, CubeLaunch, Clone, Copy)]
-#[expand(derive(Clone, Copy))]
-pub struct ClaimsShape {
-    /// The check's first claim.
+    /// The slots' check claimed `[base, newest]`: a slot's word `w` in it names row `newest - w`
+    /// (`crate::slots`).
     pub base: u64,
-    /// Its newest claim (below `base` when it stored no rows).
+    /// The newest claim of the check.
     pub newest: u64,
 }
 
@@ -120,64 +112,6 @@ pub fn attention_check_kernel<S: Int, A: Int, C: Int>(
     status: &mut Tensor<i64>,
     shape: AttentionShape,
     #[define(S, A, C)] _dtypes: [ElemType; 3],
-) {
-    check_runs::<S, A, C>(slots, starts, counts, status, shape);
-}
-
-/// The check of `attention_check_kernel` in cube 0, and in cube `1 + c` the sources of entries
-/// `c * CUBE_SIZE ..` of the slot list, for a store whose slots' check left `claims` and
-/// `stored`: `sources[i]` is `-1 - row` where that store writes new row `row` at slot
-/// `slots[i]`, else the slot itself (a slot outside the pools too: no clear check lets a run
-/// read it).
-#[cube(launch_unchecked, address_type = "dynamic")]
-#[allow(clippy::too_many_arguments)]
-pub fn attention_check_sources_kernel<S: Int, A: Int, C: Int>(
-    slots: &Tensor<S>,
-    starts: &Tensor<A>,
-    counts: &Tensor<C>,
-    claims: &Tensor<u32>,
-    stored: &Tensor<i64>,
-    status: &mut Tensor<i64>,
-    sources: &mut Tensor<i64>,
-    shape: AttentionShape,
-    claimed: ClaimsShape,
-    #[define(S, A, C)] _dtypes: [ElemType; 3],
-) {
-    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
-    if cube == 0 {
-        check_runs::<S, A, C>(slots, starts, counts, status, shape);
-    } else {
-        let i = (cube - 1) * CUBE_SIZE as u64 + UNIT_POS as u64;
-        if i < shape.slots_len {
-            let slot = i64::cast_from(slots[(i * shape.slots_stride) as usize]);
-            let mut source: i64 = slot;
-            if slot >= 0 && (slot as u64) < shape.pool_rows && stored[CODE] == OK {
-                if slot == 0 {
-                    // Of the rows naming slot 0 (never claimed) the store writes the last,
-                    // `FACTS - 1`.
-                    if stored[FACTS] > 0 {
-                        source = 0i64 - stored[FACTS];
-                    }
-                } else {
-                    let claim = u64::cast_from(claims[slot as usize]);
-                    if claim >= claimed.base && claim <= claimed.newest {
-                        source = -1i64 - (claimed.newest - claim) as i64;
-                    }
-                }
-            }
-            sources[i as usize] = source;
-        }
-    }
-}
-
-/// Each unit walks its tokens' runs; unit 0 writes the status of the lowest faulty token.
-#[cube]
-fn check_runs<S: Int, A: Int, C: Int>(
-    slots: &Tensor<S>,
-    starts: &Tensor<A>,
-    counts: &Tensor<C>,
-    status: &mut Tensor<i64>,
-    shape: AttentionShape,
 ) {
     let mut first = Shared::<[u64]>::new_slice(CUBE_SIZE as usize);
     // `tokens` stands for "no faulty token".
@@ -249,17 +183,18 @@ pub fn attention_kernel<F: Float, S: Int, A: Int, C: Int>(
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     if cube < shape.tokens * shape.heads {
-        // No new rows: the pools and the status stand in for them and the sources, never read
-        // (`with_new_rows` is false).
+        // No new rows: the pools stand in for them, never read (`with_new_rows` is false).
         let none = NewRowsShape {
             rows: 0,
             k_stride: 0,
             v_stride: 0,
             loc_stride: 0,
+            base: 1,
+            newest: 0,
         };
-        attend::<F, S, A, C>(
-            q, k_pool, v_pool, k_pool, v_pool, slots, status, false, starts, counts, status, out,
-            shape, none, cube, head_dim, units, false,
+        attend::<F, S, A, C, S>(
+            q, k_pool, v_pool, k_pool, v_pool, slots, slots, starts, counts, status, out, shape,
+            none, NEW_ROW, cube, head_dim, units, false,
         );
     }
 }
@@ -267,10 +202,9 @@ pub fn attention_kernel<F: Float, S: Int, A: Int, C: Int>(
 /// The store and the attention in one launch: cube `(t, h)` stores the columns of K/V head
 /// `h / groups` of new row `t` at `loc[t]` when `h` is its group's first query head and the slots'
 /// status is clear (of the rows naming slot 0 only the last, as the store does), then attends as
-/// `attention_kernel` does. A key whose source (resolved by the runs' check for this store,
-/// `attention_check_sources_kernel`) is a new row reads it instead of the pools (whose rows other
-/// cubes are writing), so the output is the attention over the pools after the store, bit for
-/// bit.
+/// `attention_kernel` does. A key whose slot this store claims
+/// reads the new row instead of the pools (whose rows other cubes are writing), so the output is
+/// the attention over the pools after the store, bit for bit.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn store_attention_kernel<F: Float, S: Int, A: Int, C: Int, L: Int>(
@@ -280,7 +214,7 @@ pub fn store_attention_kernel<F: Float, S: Int, A: Int, C: Int, L: Int>(
     k: &Tensor<F>,
     v: &Tensor<F>,
     loc: &Tensor<L>,
-    sources: &Tensor<i64>,
+    claims: &Tensor<u32>,
     stored: &Tensor<i64>,
     slots: &Tensor<S>,
     starts: &Tensor<A>,
@@ -297,15 +231,17 @@ pub fn store_attention_kernel<F: Float, S: Int, A: Int, C: Int, L: Int>(
     let t = cube / shape.heads;
     let h = cube % shape.heads;
     let u = UNIT_POS as usize;
-    let rows = new_rows;
     // An unclear store writes nothing, and every key is read from the pools as they are.
-    let store_clear = stored[CODE] == OK;
+    let mut rows = new_rows;
     // Of the rows naming slot 0 (the padding sink) only the last is stored (`FACTS` names it).
     let mut zero_row = NEW_ROW.runtime();
-    if stored[FACTS] > 0 {
+    if stored[CODE] != OK {
+        rows.base = 1;
+        rows.newest = 0;
+    } else if stored[FACTS] > 0 {
         zero_row = (stored[FACTS] - 1) as u64;
     }
-    if store_clear && t < rows.rows && h % shape.groups == 0 && u < head_dim {
+    if rows.base <= rows.newest && t < rows.rows && h % shape.groups == 0 && u < head_dim {
         let slot = i64::cast_from(loc[(t * rows.loc_stride) as usize]) as u64;
         if slot != 0 || t == zero_row {
             let column = (h / shape.groups) * head_dim as u64 + u as u64;
@@ -316,27 +252,26 @@ pub fn store_attention_kernel<F: Float, S: Int, A: Int, C: Int, L: Int>(
         }
     }
     if t < shape.tokens {
-        attend::<F, S, A, C>(
-            q,
-            &*k_pool,
-            &*v_pool,
-            k,
-            v,
-            slots,
-            sources,
-            store_clear,
-            starts,
-            counts,
-            status,
-            out,
-            shape,
-            rows,
-            cube,
-            head_dim,
-            units,
-            true,
+        attend::<F, S, A, C, u32>(
+            q, &*k_pool, &*v_pool, k, v, slots, claims, starts, counts, status, out, shape, rows,
+            zero_row, cube, head_dim, units, true,
         );
     }
+}
+
+/// The new row that holds slot `slot`'s K/V (`NEW_ROW` when the pools do): the one whose token
+/// claimed the slot in the check, or for slot 0 (never claimed) `zero_row`.
+#[cube]
+fn new_row<W: Int>(claims: &Tensor<W>, slot: u64, rows: NewRowsShape, zero_row: u64) -> u64 {
+    let mut row = zero_row;
+    if slot != 0 {
+        row = NEW_ROW;
+        let claim = u64::cast_from(claims[slot as usize]);
+        if claim >= rows.base && claim <= rows.newest {
+            row = rows.newest - claim;
+        }
+    }
+    row
 }
 
 /// `q_row . keys[at .. at + head_dim]`, in the dimensions' order.
@@ -354,25 +289,23 @@ fn dot<F: Float>(
     sum
 }
 
-/// Cube `cube`'s attention. With new rows, a key is read from the new rows where its source
-/// (`sources`, read only while the store is clear: `from_sources`) says so.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn attend<F: Float, S: Int, A: Int, C: Int>(
+fn attend<F: Float, S: Int, A: Int, C: Int, W: Int>(
     q: &Tensor<F>,
     k_pool: &Tensor<F>,
     v_pool: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
     slots: &Tensor<S>,
-    sources: &Tensor<i64>,
-    from_sources: bool,
+    claims: &Tensor<W>,
     starts: &Tensor<A>,
     counts: &Tensor<C>,
     status: &Tensor<i64>,
     out: &mut Tensor<F>,
     shape: AttentionShape,
     rows: NewRowsShape,
+    zero_row: u64,
     cube: u64,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
@@ -408,21 +341,18 @@ fn attend<F: Float, S: Int, A: Int, C: Int>(
     while first < count {
         let keys = select(count - first < chunk, count - first, chunk) as u32;
         if (u as u32) < keys {
-            let entry = start + first + u as u64;
-            // A slot (>= 0) or new row `-1 - source`.
-            let mut source = i64::cast_from(slots[(entry * shape.slots_stride) as usize]);
+            let slot =
+                i64::cast_from(slots[((start + first + u as u64) * shape.slots_stride) as usize])
+                    as u64;
+            let mut row = NEW_ROW.runtime();
             if comptime![with_new_rows] {
-                if from_sources {
-                    source = sources[entry as usize];
-                }
+                row = new_row::<W>(claims, slot, rows, zero_row);
             }
-            if source >= 0 {
-                let slot = source as u64;
+            if row == NEW_ROW {
                 let at = (slot * shape.k_stride + kv_column) as usize;
                 scores[u] = dot::<F>(&q_row, k_pool, at, head_dim) * scale;
                 key_rows[u] = slot * shape.v_stride + kv_column;
             } else {
-                let row = (-1i64 - source) as u64;
                 let at = (row * rows.k_stride + kv_column) as usize;
                 scores[u] = dot::<F>(&q_row, k, at, head_dim) * scale;
                 key_rows[u] = NEW_ROW | (row * rows.v_stride + kv_column);

@@ -11,9 +11,9 @@ use burn_core::backend::{Autodiff, AutodiffBackend, Backend};
 
 use super::{
     AssignPrimitive, AttendedPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive,
-    KeyCheckPrimitive, KvBytes, KvPlanBackend, KvRows, NewRowsPrimitive, OptionalInt,
-    PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets,
-    StoreWritePrimitive, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
+    KvBytes, KvPlanBackend, KvRows, NewRowsPrimitive, OptionalInt, PlanInputsPrimitive, PlanOutput,
+    StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets, StoreWritePrimitive,
+    VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
 };
 
 impl KvPlanBackend for Flex {}
@@ -122,27 +122,6 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn check_key_sources(
-        slots: burn_cubecl::tensor::CubeTensor,
-        starts: burn_cubecl::tensor::CubeTensor,
-        counts: burn_cubecl::tensor::CubeTensor,
-        claims: burn_cubecl::tensor::CubeTensor,
-        stored: burn_cubecl::tensor::CubeTensor,
-        pool_rows: usize,
-        base: u32,
-        new_rows: usize,
-    ) -> KeyCheckPrimitive<Self> {
-        super::cube::check_key_sources(
-            [slots, starts, counts],
-            claims,
-            stored,
-            pool_rows,
-            base,
-            new_rows,
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
     fn paged_attention(
         q: burn_cubecl::tensor::CubeTensor,
         k_pool: burn_cubecl::tensor::CubeTensor,
@@ -162,6 +141,7 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         k_pool: burn_cubecl::tensor::CubeTensor,
         v_pool: burn_cubecl::tensor::CubeTensor,
         rows: NewRowsPrimitive<Self>,
+        base: u32,
         slots: burn_cubecl::tensor::CubeTensor,
         starts: burn_cubecl::tensor::CubeTensor,
         counts: burn_cubecl::tensor::CubeTensor,
@@ -171,6 +151,7 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         super::cube::store_and_attend(
             [q, k_pool, v_pool],
             rows,
+            base,
             [slots, starts, counts, checked],
             heads,
         )
@@ -261,7 +242,6 @@ impl<B: Backend, C: CheckpointStrategy> Rebase<KvRows<Autodiff<B, C>>> for KvRow
 }
 
 rebase_ints!(GatherPrimitive { out, status });
-rebase_ints!(KeyCheckPrimitive { status, sources });
 rebase_ints!(AssignPrimitive {
     req_to_token,
     status
@@ -458,23 +438,6 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn check_key_sources(
-        slots: B::IntTensorPrimitive,
-        starts: B::IntTensorPrimitive,
-        counts: B::IntTensorPrimitive,
-        claims: B::IntTensorPrimitive,
-        stored: B::IntTensorPrimitive,
-        pool_rows: usize,
-        base: u32,
-        new_rows: usize,
-    ) -> KeyCheckPrimitive<Self> {
-        B::check_key_sources(
-            slots, starts, counts, claims, stored, pool_rows, base, new_rows,
-        )
-        .rebase()
-    }
-
-    #[allow(clippy::too_many_arguments)]
     fn paged_attention(
         q: FloatTensor<Self>,
         k_pool: FloatTensor<Self>,
@@ -504,6 +467,7 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         k_pool: FloatTensor<Self>,
         v_pool: FloatTensor<Self>,
         rows: NewRowsPrimitive<Self>,
+        base: u32,
         slots: B::IntTensorPrimitive,
         starts: B::IntTensorPrimitive,
         counts: B::IntTensorPrimitive,
@@ -516,13 +480,14 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
             v: rows.v.into_primitive(),
             loc: rows.loc,
             status: rows.status,
-            sources: rows.sources.rebase(),
+            claims: rows.claims,
         };
         let inner = B::store_and_attend(
             q.into_primitive(),
             k_pool.into_primitive(),
             v_pool.into_primitive(),
             rows,
+            base,
             slots,
             starts,
             counts,

@@ -326,21 +326,9 @@ pub struct NewRowsPrimitive<B: Backend> {
     pub loc: IntTensor<B>,
     /// The slots' i64 status record: their check's, or an earlier write's.
     pub status: IntTensor<B>,
-    /// i64, one per entry of the key runs' slot list: where its K/V row is after this store
-    /// (`check_key_sources`), when the runs were checked for it. Unused by the host reference.
-    #[extension_type]
-    pub sources: OptionalInt<B>,
-}
-
-/// The device-side result of the key runs' check for a store.
-#[derive(ExtensionType, Debug, Clone)]
-#[extension_type(fusion: cfg(feature = "fusion"))]
-pub struct KeyCheckPrimitive<B: Backend> {
-    /// i64 status record of the runs (as `check_key_runs` writes it).
-    pub status: IntTensor<B>,
-    /// i64 `[slots_len]`: each slot-list entry's source, `-1 - row` where the store writes new
-    /// row `row` at its slot, else the slot.
-    pub sources: IntTensor<B>,
+    /// The store scratch's u32 slot words as the slots' check left them: which row claims a slot
+    /// (`kvplan_kernels::slots`). Unused by the host reference.
+    pub claims: IntTensor<B>,
 }
 
 /// The device-side result of a store followed by the attention over the pools it wrote.
@@ -495,33 +483,6 @@ pub trait KvPlanBackend: Backend {
         host::check_key_runs::<Self>(slots, starts, counts, pool_rows)
     }
 
-    /// `check_key_runs`, and each slot-list entry's source for the store whose slots' check left
-    /// `claims` (its scratch's u32 words) and `stored` (its status), having claimed
-    /// `[base, base + new_rows)`: `-1 - row` where that store writes new row `row` at the entry's
-    /// slot, else the slot. The host reference stores before it attends: its sources are the
-    /// slots themselves.
-    #[fusion(meta = |slots, _starts, _counts, _claims, _stored, _pool_rows, _base, _new_rows| KeyCheckPrimitiveMetadata {
-        status: status_spec(),
-        sources: TensorSpec::new(slots.shape.clone(), burn_core::tensor::DType::I64),
-    })]
-    #[allow(clippy::too_many_arguments)]
-    fn check_key_sources(
-        slots: IntTensor<Self>,
-        starts: IntTensor<Self>,
-        counts: IntTensor<Self>,
-        claims: IntTensor<Self>,
-        stored: IntTensor<Self>,
-        pool_rows: usize,
-        base: u32,
-        new_rows: usize,
-    ) -> KeyCheckPrimitive<Self> {
-        let _ = (claims, stored, base, new_rows);
-        KeyCheckPrimitive {
-            status: host::check_key_runs::<Self>(slots.clone(), starts, counts, pool_rows),
-            sources: Self::int_cast(slots, burn_core::tensor::IntDType::I64),
-        }
-    }
-
     /// Paged attention: each row `t` of `q` (`heads` query heads) attends over the K/V pools' rows
     /// at `slots[starts[t] .. starts[t] + counts[t]]`, scaled by `1 / sqrt(head_dim)`; query heads
     /// share K/V heads in groups. `status` is the runs' check (`check_key_runs`): on an error it
@@ -543,10 +504,10 @@ pub trait KvPlanBackend: Backend {
 
     /// A layer's new K and V rows stored at their slots (`store_rows` with the pair), then the
     /// paged attention of `q` over the pools they were stored in (`paged_attention`), as one op.
-    /// The Cube backend reads the keys this store writes from the new rows, where the rows'
-    /// sources say, and makes both in one launch (without sources, the two launches). The host
-    /// rules of both have been checked by the caller.
-    #[fusion(meta = |q, k_pool, v_pool, _rows, _slots, _starts, _counts, _checked, _heads| AttendedPrimitiveMetadata {
+    /// `base` is the slots' check's first clock value: the Cube backend reads the keys this store
+    /// writes from the new rows, through the claims, and makes both in one launch. The host rules
+    /// of both have been checked by the caller.
+    #[fusion(meta = |q, k_pool, v_pool, _rows, _base, _slots, _starts, _counts, _checked, _heads| AttendedPrimitiveMetadata {
         out: q.clone(),
         k_pool: k_pool.clone(),
         v_pool: v_pool.clone(),
@@ -558,12 +519,14 @@ pub trait KvPlanBackend: Backend {
         k_pool: FloatTensor<Self>,
         v_pool: FloatTensor<Self>,
         #[extension_type] rows: NewRowsPrimitive<Self>,
+        base: u32,
         slots: IntTensor<Self>,
         starts: IntTensor<Self>,
         counts: IntTensor<Self>,
         checked: IntTensor<Self>,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
+        let _ = base; // the host has no claims to read: it stores, then attends
         let written = Self::store_rows(
             StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)),
             StoreTargets::Pair(KvRows::Float(rows.k), KvRows::Float(rows.v)),

@@ -34,17 +34,6 @@ pub fn key_runs<D: PartialEq + Debug>(
     Ok(())
 }
 
-/// `key_runs`, checked through a store's slots: the runs on the store's device (`loc`'s).
-pub fn store_key_runs<D: PartialEq + Debug>(
-    slots: &Arg<D>,
-    starts: &Arg<D>,
-    counts: &Arg<D>,
-    loc: &Arg<D>,
-) -> Result<(), Error> {
-    key_runs(slots, starts, counts)?;
-    require_device(slots, &loc.device, ATTENTION_CONTEXT)
-}
-
 /// `q` `[tokens, heads * head_dim]` and the pools `[pool_rows, kv_heads * head_dim]` alike (the
 /// rows the runs were checked against), one float dtype; one run per token; one device.
 /// Returns the heads.

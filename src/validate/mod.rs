@@ -10,7 +10,7 @@ mod gather;
 mod plan;
 mod slots;
 
-pub use attention::{key_runs, paged_attention, store_key_runs};
+pub use attention::{key_runs, paged_attention};
 pub use gather::{masked_gather, segment_gather};
 pub use plan::{PlanArgs, allocation, plan};
 pub use slots::{segment_assign, store_kv, store_slots, store_write};

@@ -8,8 +8,8 @@ use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, full_device_dtype
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use kvplan_kernels::attention::{
-    AttentionShapeLaunch, ClaimsShapeLaunch, NewRowsShapeLaunch, attention_check_kernel,
-    attention_check_sources_kernel, attention_kernel, attention_units, store_attention_kernel,
+    AttentionShapeLaunch, NewRowsShapeLaunch, attention_check_kernel, attention_kernel,
+    attention_units, store_attention_kernel,
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::STATUS_LEN;
@@ -19,7 +19,7 @@ use super::{
     address_type, bindable, contiguous, grid, output_i64, storage, store_rows, stride, upload_i64,
     widened,
 };
-use crate::ops::{AttendedPrimitive, KeyCheckPrimitive, KvRows, NewRowsPrimitive, StoreTargets};
+use crate::ops::{AttendedPrimitive, KvRows, NewRowsPrimitive, StoreTargets};
 
 /// The launch scalars; `pool_rows` and `slots_len` are what the check holds the runs to.
 fn attention_shape(
@@ -79,72 +79,6 @@ pub(crate) fn check_key_runs(
         );
     }
     status
-}
-
-/// The runs' check in one cube, and each slot-list entry's source for a store in one more cube per
-/// `CUBE_SIZE` entries (`attention_check_sources_kernel`). Where the device cannot index the
-/// list, the status says so and the sources are the slots: no attention reads them then.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn check_key_sources(
-    [slots, starts, counts]: [CubeTensor; 3],
-    claims: CubeTensor,
-    stored: CubeTensor,
-    pool_rows: usize,
-    base: u32,
-    new_rows: usize,
-) -> KeyCheckPrimitive<CubeBackend> {
-    let tokens = starts.shape()[0];
-    let entries = slots.shape()[0];
-    let status = output_i64(&slots, STATUS_LEN);
-    let sources = output_i64(&slots, entries.max(1));
-    let address = match address_type(
-        [&slots, &starts, &counts, &claims, &sources],
-        &[entries + CUBE_SIZE as usize],
-    ) {
-        Ok(address) => address,
-        Err(error) => {
-            return KeyCheckPrimitive {
-                status: upload_i64(&slots, &crate::status::encode(&Err(error))),
-                sources,
-            };
-        }
-    };
-    let [slots, starts, counts] = [slots, starts, counts].map(|ints| bindable(widened(ints)));
-    let shape = attention_shape(
-        [&slots, &starts, &counts],
-        [tokens, 0, 1, pool_rows],
-        [None, None, None],
-    );
-    // The store claimed `[base, base + new_rows)`; without new rows an empty range.
-    let base = u64::from(base);
-    let claimed = match new_rows {
-        0 => ClaimsShapeLaunch::new(1, 0),
-        rows => ClaimsShapeLaunch::new(base, base + rows as u64 - 1),
-    };
-    let dtypes = [storage(&slots), storage(&starts), storage(&counts)];
-    let (cubes, _) = grid(1 + entries.div_ceil(CUBE_SIZE as usize));
-    let client = slots.client.clone();
-    // SAFETY: every index the kernel forms is bounds-checked against the shape passed here; a
-    // claim is read only at a slot inside the pools, whose rows the claims span.
-    unsafe {
-        attention_check_sources_kernel::launch_unchecked(
-            &client,
-            cubes,
-            CubeDim::new_1d(CUBE_SIZE),
-            address,
-            slots.into_tensor_arg(),
-            starts.into_tensor_arg(),
-            counts.into_tensor_arg(),
-            bindable(claims).into_tensor_arg(),
-            bindable(stored).into_tensor_arg(),
-            status.clone().into_tensor_arg(),
-            sources.clone().into_tensor_arg(),
-            shape,
-            claimed,
-            dtypes,
-        );
-    }
-    KeyCheckPrimitive { status, sources }
 }
 
 /// f64 through SPIR-V, whose exp is 32-bit only (GLSL.std.450): the attention is NaN there.
@@ -232,12 +166,12 @@ pub(crate) fn paged_attention(
 }
 
 /// A layer's store and attention in one launch (`store_attention_kernel`). Where that launch
-/// cannot run (no sources: runs not checked for this store; an index past the device's width;
-/// f64 through SPIR-V), the store's and the attention's own launchers, which report or mark it
-/// as each does alone.
+/// cannot run (an index past the device's width, f64 through SPIR-V), the store's and the
+/// attention's own launchers, which report or mark it as each does alone.
 pub(crate) fn store_and_attend(
     [q, k_pool, v_pool]: [CubeTensor; 3],
     rows: NewRowsPrimitive<CubeBackend>,
+    base: u32,
     [slots, starts, counts, checked]: [CubeTensor; 4],
     heads: usize,
 ) -> AttendedPrimitive<CubeBackend> {
@@ -248,16 +182,22 @@ pub(crate) fn store_and_attend(
     let head_dim = q_cols / heads;
     let groups = heads / (k_pool.shape()[1] / head_dim);
     let cubes = tokens.max(new) * heads;
-    let sources = rows.sources.into_option();
     let address = address_type(
         [
-            &q, &k_pool, &v_pool, &k, &v, &rows.loc, &slots, &starts, &counts,
-        ]
-        .into_iter()
-        .chain(sources.as_ref()),
+            &q,
+            &k_pool,
+            &v_pool,
+            &k,
+            &v,
+            &rows.loc,
+            &rows.claims,
+            &slots,
+            &starts,
+            &counts,
+        ],
         &[cubes, tokens * q_cols],
     );
-    let (Ok(address), false, Some(sources)) = (address, f64_on_spirv(&q), sources) else {
+    let (Ok(address), false) = (address, f64_on_spirv(&q)) else {
         let written = store_rows(
             StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)),
             StoreTargets::Pair(KvRows::Float(k), KvRows::Float(v)),
@@ -297,8 +237,19 @@ pub(crate) fn store_and_attend(
         [tokens, heads, groups, k_pool.shape()[0]],
         [Some(&q), Some(&k_pool), Some(&v_pool)],
     );
-    let new_rows =
-        NewRowsShapeLaunch::new(new as u64, stride(&k, 0), stride(&v, 0), stride(&loc, 0));
+    // The check claimed `[base, base + new - 1]`; without new rows, an empty range.
+    let (base, newest) = match new {
+        0 => (1, 0),
+        new => (u64::from(base), u64::from(base) + new as u64 - 1),
+    };
+    let new_rows = NewRowsShapeLaunch::new(
+        new as u64,
+        stride(&k, 0),
+        stride(&v, 0),
+        stride(&loc, 0),
+        base,
+        newest,
+    );
     let dtypes = [
         storage(&q),
         storage(&slots),
@@ -311,8 +262,7 @@ pub(crate) fn store_and_attend(
     let client = q.client.clone();
     // SAFETY: the kernel stores only on the slots' clear status (every slot inside pools of
     // these rows, none but 0 twice) and attends only on the runs' (every run inside the slot
-    // list, every slot inside the pools); a key's source (read only on both clear statuses) is
-    // its slot or one of these new rows.
+    // list, every slot inside the pools); the claims span the pools' rows.
     unsafe {
         store_attention_kernel::launch_unchecked(
             &client,
@@ -325,7 +275,7 @@ pub(crate) fn store_and_attend(
             bindable(k).into_tensor_arg(),
             bindable(v).into_tensor_arg(),
             loc.into_tensor_arg(),
-            bindable(sources).into_tensor_arg(),
+            bindable(rows.claims).into_tensor_arg(),
             rows.status.clone().into_tensor_arg(),
             slots.into_tensor_arg(),
             starts.into_tensor_arg(),

@@ -452,13 +452,11 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
 }
 
 /// `store_kv_and_attend`: the pools hold what a separate `store_kv` leaves, exactly, and the
-/// output is the bits of a separate attention over them (the reference's values), with the key
-/// runs checked through the slots (`check_keys`: one launch) or on their own (two); a duplicate
+/// output is the bits of a separate attention over them (the reference's values); a duplicate
 /// store slot leaves the pools unchanged and reports the store's error; every host rule of the
 /// store and of the attention fails as in the separate op. Case 6 runs in f64: NaN out where
 /// exp is 32-bit only (`exp_64` false), the pools stored all the same.
 pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
-    let bits = |values: &[f64]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     let mut rng = Rng::new(0x5707E);
     let shapes = [(9, 3, 64), (4, 2, 80), (1, 1, 8), (2, 2, 128)];
     for (case_index, &(heads, kv_heads, head_dim)) in shapes.iter().cycle().take(8).enumerate() {
@@ -520,50 +518,34 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
             let pool = |values: &[f64]| floats::<B>(values, [pool_rows, cols], float, device);
             let rows = |values: &[f64]| floats::<B>(values, [new, cols], float, device);
             let q = floats::<B>(&case.q, [tokens, case.q_cols()], float, device);
-            let runs = [&case.slots, &case.starts, &case.counts].map(|v| list::<B>(v, int, device));
+            let keys = KeyRuns::<B>::check_primitives(
+                [&case.slots, &case.starts, &case.counts].map(|v| list::<B>(v, int, device)),
+                pool_rows,
+            )
+            .expect("host rules hold");
             let store = KvStore::<B>::allocate_on(pool_rows, device).unwrap();
             let parts = [pool(&case.k), pool(&case.v), rows(&k_new), rows(&v_new), q];
-            (parts, runs, store)
+            (parts, keys, store)
         };
-        let on_their_own =
-            |runs| KeyRuns::<B>::check_primitives(runs, pool_rows).expect("host rules hold");
-        // Together, the keys checked through the slots or on their own; a later check of other
-        // slots through the same store sits between.
-        let together = |through_slots: bool| {
-            let ([k_pool, v_pool, k, v, q], runs, mut store) = inputs();
-            let mut slots = store
-                .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
-                .unwrap();
-            let keys = if through_slots {
-                slots.check_key_primitives(runs).expect("host rules hold")
-            } else {
-                on_their_own(runs)
-            };
-            let later: Vec<i64> = free[free.len() - 3..].iter().chain(&loc).copied().collect();
-            let later = store.check_slot_primitives(list::<B>(&later, int, device), pool_rows);
-            let attended = slots
-                .store_kv_and_attend_primitives([k_pool, v_pool, k, v, q], &keys, heads)
-                .expect("host rules hold");
-            let status = slots.status().check();
-            drop(later);
-            let values = [attended.out, attended.k_pool, attended.v_pool].map(float_values::<B>);
-            (status, values)
-        };
-        let (status, [out, k_got, v_got]) = together(true);
-        assert_eq!(
-            (
-                status.clone(),
-                [out.clone(), k_got.clone(), v_got.clone()].map(|v| bits(&v))
-            ),
-            {
-                let (status, values) = together(false);
-                (status, values.map(|v| bits(&v)))
-            },
-            "{what}: the keys checked on their own"
+        // Together; a later check of other slots through the same store sits between.
+        let ([k_pool, v_pool, k, v, q], keys, mut store) = inputs();
+        let mut slots = store
+            .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
+            .unwrap();
+        let later: Vec<i64> = free[free.len() - 3..].iter().chain(&loc).copied().collect();
+        let later = store.check_slot_primitives(list::<B>(&later, int, device), pool_rows);
+        let attended = slots
+            .store_kv_and_attend_primitives([k_pool, v_pool, k, v, q], &keys, heads)
+            .expect("host rules hold");
+        let status = slots.status().check();
+        drop(later);
+        let (out, k_got, v_got) = (
+            float_values::<B>(attended.out),
+            float_values::<B>(attended.k_pool),
+            float_values::<B>(attended.v_pool),
         );
         // Apart.
-        let ([k_pool, v_pool, k, v, q], runs, mut store) = inputs();
-        let keys = on_their_own(runs);
+        let ([k_pool, v_pool, k, v, q], keys, mut store) = inputs();
         let mut slots = store
             .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
             .unwrap();
@@ -576,6 +558,7 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         };
         let apart = paged_attention::<B>(q, k_pool.clone(), v_pool.clone(), &keys, heads).unwrap();
         assert_eq!(status, slots.status().check(), "{what}: status");
+        let bits = |values: &[f64]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         assert_eq!(
             bits(&out),
             bits(&float_values::<B>(apart)),
@@ -660,48 +643,43 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         });
         assert_eq!(together, apart, "{shapes:?}");
     }
-    // A key outside the pools: the runs' error, NaN out, and the rows stored all the same,
-    // whether the runs were checked on their own or through the slots.
-    for through_slots in [false, true] {
-        let runs = [&[1, 9][..], &[0, 0], &[1, 2]].map(|v| list::<B>(v, DType::I64, device));
-        let mut slots = store
-            .check_slot_primitives(list::<B>(&[3, 4], DType::I64, device), 5)
-            .unwrap();
-        let keys = if through_slots {
-            slots.check_key_primitives(runs).unwrap()
-        } else {
-            KeyRuns::<B>::check_primitives(runs, 5).unwrap()
-        };
-        let rows: Vec<f64> = (0..32).map(f64::from).collect();
-        let attended = slots
-            .store_kv_and_attend_primitives(
-                [
-                    zeros([5, 16]),
-                    zeros([5, 16]),
-                    floats::<B>(&rows, [2, 16], DType::F32, device),
-                    floats::<B>(&rows, [2, 16], DType::F32, device),
-                    zeros([2, 32]),
-                ],
-                &keys,
-                4,
-            )
-            .unwrap();
-        assert_eq!(
-            keys.status().check(),
-            Err(Error::KeySlotOutOfRange {
-                context: "paged_attention:".into(),
-                token: 1,
-                key: 1,
-                slot: 9,
-                pool_rows: 5,
-            }),
-            "through the slots: {through_slots}"
-        );
-        assert_eq!(slots.status().check(), Ok(2));
-        assert!(float_values::<B>(attended.out).iter().all(|v| v.is_nan()));
-        let mut stored = vec![0.0; 3 * 16];
-        stored.extend(&rows);
-        assert_eq!(float_values::<B>(attended.k_pool), stored);
-        assert_eq!(float_values::<B>(attended.v_pool), stored);
-    }
+    // A key outside the pools: the runs' error, NaN out, and the rows stored all the same.
+    let keys = KeyRuns::<B>::check_primitives(
+        [&[1, 9][..], &[0, 0], &[1, 2]].map(|v| list::<B>(v, DType::I64, device)),
+        5,
+    )
+    .unwrap();
+    let mut slots = store
+        .check_slot_primitives(list::<B>(&[3, 4], DType::I64, device), 5)
+        .unwrap();
+    let rows: Vec<f64> = (0..32).map(f64::from).collect();
+    let attended = slots
+        .store_kv_and_attend_primitives(
+            [
+                zeros([5, 16]),
+                zeros([5, 16]),
+                floats::<B>(&rows, [2, 16], DType::F32, device),
+                floats::<B>(&rows, [2, 16], DType::F32, device),
+                zeros([2, 32]),
+            ],
+            &keys,
+            4,
+        )
+        .unwrap();
+    assert_eq!(
+        keys.status().check(),
+        Err(Error::KeySlotOutOfRange {
+            context: "paged_attention:".into(),
+            token: 1,
+            key: 1,
+            slot: 9,
+            pool_rows: 5,
+        })
+    );
+    assert_eq!(slots.status().check(), Ok(2));
+    assert!(float_values::<B>(attended.out).iter().all(|v| v.is_nan()));
+    let mut stored = vec![0.0; 3 * 16];
+    stored.extend(&rows);
+    assert_eq!(float_values::<B>(attended.k_pool), stored);
+    assert_eq!(float_values::<B>(attended.v_pool), stored);
 }
