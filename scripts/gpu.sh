@@ -153,7 +153,8 @@ PY
       # Tokens/s, 128 new tokens, batch 1 (4 prompts one at a time), 8 and 32; spec off, n-gram
       # (k = 4 and 10: transformers' prompt lookup drafts 10), self (26 blocks, k = 4, stopping
       # under 0.4; self0: never stopping, as transformers' early exit; self14: 14 blocks).
-      # BATCHES and SPECS pick rows. decode-ab runs the baseline build before this one for each row.
+      # BATCHES and SPECS pick rows. decode-ab runs both builds for each row, the baseline first in
+      # every other row (the host drifts between runs: an order kept for every row biases it).
       # CubeCL keeps compiled kernels between the runs (its autotune results it keeps by default).
       [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
       builds=new; [ "$part" = decode-ab ] && builds="old new"
@@ -166,7 +167,8 @@ PY
             self0) mode=self; extra=(--draft-confidence 0) ;;
             self14) mode=self; extra=(--draft-layers 14) ;;
           esac
-          for build in $builds; do
+          order=$builds; pairs=$((${pairs:-0} + 1)); [ $((pairs % 2)) = 0 ] && [ "$builds" != new ] && order="new old"
+          for build in $order; do
             bin="$BIN"; tag=kvplan; [ "$build" = old ] && bin="$BINOLD" && tag=kvplan-old
             log="$OUT/decode-$build-$spec-$bs"
             "$bin" generate --backend cuda --spec "$mode" --draft-tokens "$k" "${extra[@]}" --batch "$bs" --limit "$limit" --max-new-tokens 128 \
@@ -180,13 +182,14 @@ PY
     repeat|repeat-ab)
       # What kvplan's stores and attention cost a pipelined step: each such call runs twice on
       # every other step (--repeat-ops); the difference of the two medians, spec off. repeat-ab
-      # runs the baseline build before this one for each row.
+      # runs both builds for each row, the baseline first in every other row.
       [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
       builds=new; [ "$part" = repeat-ab ] && builds="old new"
       for bs in ${BATCHES:-1 8 32}; do
         limit=$bs; [ "$bs" = 1 ] && limit=4
         for kind in ${KINDS:-stores attention}; do
-          for build in $builds; do
+          order=$builds; pairs=$((${pairs:-0} + 1)); [ $((pairs % 2)) = 0 ] && [ "$builds" != new ] && order="new old"
+          for build in $order; do
             bin="$BIN"; tag=kvplan; [ "$build" = old ] && bin="$BINOLD" && tag=kvplan-old
             log="$OUT/repeat-$build-$kind-$bs.err"
             "$bin" generate --backend cuda --spec off --batch "$bs" --limit "$limit" --max-new-tokens 128 \
