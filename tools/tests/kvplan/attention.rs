@@ -454,7 +454,8 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
 /// `store_kv_and_attend`: the pools hold what a separate `store_kv` leaves, exactly, and the
 /// output is the bits of a separate attention over them (the reference's values); a duplicate
 /// store slot leaves the pools unchanged and reports the store's error; every host rule of the
-/// store and of the attention fails as in the separate op. Case 6 runs in f64: NaN out where
+/// store and of the attention fails as in the separate op; no new rows leave the attention over
+/// the pools as they are. Case 6 runs in f64: NaN out where
 /// exp is 32-bit only (`exp_64` false), the pools stored all the same.
 pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
     let mut rng = Rng::new(0x5707E);
@@ -681,5 +682,49 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
     let mut stored = vec![0.0; 3 * 16];
     stored.extend(&rows);
     assert_eq!(float_values::<B>(attended.k_pool), stored);
-    assert_eq!(float_values::<B>(attended.v_pool), stored);
+    assert_eq!(float_values::<B>(attended.v_pool), stored); // No new rows (an empty slot list): the attention over the pools as they are, bit for bit.
+    let pool: Vec<f64> = (0..5 * 16).map(|i| f64::from(i % 7) / 8.0).collect();
+    let keys = KeyRuns::<B>::check_primitives(
+        [&[1, 2, 3][..], &[0, 1], &[2, 2]].map(|v| list::<B>(v, DType::I64, device)),
+        5,
+    )
+    .unwrap();
+    let mut slots = store
+        .check_slot_primitives(list::<B>(&[], DType::I64, device), 5)
+        .unwrap();
+    let q: Vec<f64> = (0..2 * 32).map(|i| f64::from(i % 5) / 4.0).collect();
+    let attended = slots
+        .store_kv_and_attend_primitives(
+            [
+                floats::<B>(&pool, [5, 16], DType::F32, device),
+                floats::<B>(&pool, [5, 16], DType::F32, device),
+                zeros([0, 16]),
+                zeros([0, 16]),
+                floats::<B>(&q, [2, 32], DType::F32, device),
+            ],
+            &keys,
+            4,
+        )
+        .unwrap();
+    let alone = paged_attention::<B>(
+        floats::<B>(&q, [2, 32], DType::F32, device),
+        floats::<B>(&pool, [5, 16], DType::F32, device),
+        floats::<B>(&pool, [5, 16], DType::F32, device),
+        &keys,
+        4,
+    )
+    .unwrap();
+    let bits = |values: &[f64]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(slots.status().check(), Ok(0));
+    assert_eq!(keys.status().check(), Ok(2));
+    assert_eq!(
+        bits(&float_values::<B>(attended.out)),
+        bits(&float_values::<B>(alone)),
+        "no new rows: output"
+    );
+    assert_eq!(
+        float_values::<B>(attended.k_pool),
+        pool,
+        "no new rows: K pool"
+    );
 }
