@@ -583,7 +583,7 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             k,
             v,
             loc: self.loc.clone(),
-            status: self.take_status(),
+            status: self.take_status().into_words(),
             claims: self.claims.clone(),
         };
         let output = B::store_and_attend(
@@ -613,19 +613,14 @@ impl<B: KvPlanBackend> StoreSlots<B> {
 
     /// The status, when no store follows (see [`status`](Self::status)).
     pub fn into_status(mut self) -> Status<B> {
-        self.take_status_record()
+        self.take_status()
     }
 
-    /// The status record, moved out until the write that takes it sets the next one.
-    fn take_status_record(&mut self) -> Status<B> {
+    /// The status, moved out for a write, which sets the one it hands back.
+    fn take_status(&mut self) -> Status<B> {
         self.status
             .take()
             .expect("a write gives back the status it takes")
-    }
-
-    /// The status words, for an op that hands back the next ones.
-    fn take_status(&mut self) -> IntTensor<B> {
-        self.take_status_record().into_words()
     }
 
     /// The host rules of one cache's write at these slots.
@@ -639,7 +634,12 @@ impl<B: KvPlanBackend> StoreSlots<B> {
 
     /// The write, its host rules passed; the status moves on to the write's.
     fn write(&mut self, caches: StoreTargets<B>, values: StoreTargets<B>) -> StoreTargets<B> {
-        let output = B::store_rows(caches, values, self.loc.clone(), self.take_status());
+        let output = B::store_rows(
+            caches,
+            values,
+            self.loc.clone(),
+            self.take_status().into_words(),
+        );
         self.status = Some(Status::new(output.status, STORE_CONTEXT));
         output.caches
     }

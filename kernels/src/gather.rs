@@ -907,7 +907,7 @@ fn segment_start<S: Int>(
     first
 }
 
-/// The last cube of a segment gather: the status (and count), rules in the spec's order.
+/// The last cube of a segment gather: the status record, rules in the spec's order.
 #[cube]
 fn finish_segments<Q: Int, S: Int, L: Int>(
     req_pool_indices: &Tensor<Q>,

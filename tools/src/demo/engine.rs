@@ -9,8 +9,8 @@ use kvplan::canary::{Violations, WritePlan, read_plans};
 use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
 use kvplan::reference::PlanBuffers;
 use kvplan::{
-    Canary, CanaryLaunch, Error, GatherOptions, KernelKind, KvPlanBackend, PlanInputs, StepPlan,
-    WriteInputs, plan, plan_deferred,
+    Canary, CanaryLaunch, DeferredGather, Error, GatherOptions, KernelKind, KvPlanBackend,
+    PlanInputs, StepPlan, WriteInputs, plan, plan_deferred,
 };
 
 use super::timing::{Op, Timings};
@@ -263,17 +263,9 @@ impl<B: KvPlanBackend> Engine<B> {
 
         Ok(StepOutputs {
             draft_slots: host_values::<B>(draft_slots)?,
-            draft_slots_capacity: read_capacity::<B>(
-                draft_capacity.out.clone(),
-                draft_capacity.count(),
-                draft_count,
-            )?,
+            draft_slots_capacity: read_capacity::<B>(draft_capacity, draft_count)?,
             accepted_slots: host_values::<B>(accepted_slots)?,
-            accepted_slots_capacity: read_capacity::<B>(
-                accepted_capacity.out.clone(),
-                accepted_capacity.count(),
-                accepted_count,
-            )?,
+            accepted_slots_capacity: read_capacity::<B>(accepted_capacity, accepted_count)?,
             full_plan: read_plans(full).map_err(op_error("read_plans [full]"))?,
             swa_plan: read_plans(swa).map_err(op_error("read_plans [swa]"))?,
         })
@@ -342,13 +334,15 @@ fn host_values<B: KvPlanBackend>(tensor: IntTensor<B>) -> Result<Vec<i64>, Strin
 }
 
 fn read_capacity<B: KvPlanBackend>(
-    out: IntTensor<B>,
-    count: IntTensor<B>,
+    gathered: DeferredGather<B>,
     checked_count: usize,
 ) -> Result<CapacityResult, String> {
-    let mut values = host_values::<B>(out)?;
+    let count_tensor = host_values::<B>(gathered.count())?
+        .first()
+        .copied()
+        .unwrap_or(-1);
+    let mut values = host_values::<B>(gathered.out)?;
     values.truncate(checked_count);
-    let count_tensor = host_values::<B>(count)?.first().copied().unwrap_or(-1);
     Ok(CapacityResult {
         values,
         checked_count,
