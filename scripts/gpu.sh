@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|repeat|repeat-ab|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|repeat|repeat-ab|anchor|profile]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -237,6 +237,16 @@ PY
       for backend in cuda cuda-unfused; do
         echo "== host $backend"
         KVPLAN_NO_CUPTI=1 "$BIN" bench host --backend "$backend" --reps 400 2>&1 | tee "$OUT/bench-host-$backend.txt"
+      done
+      ;;
+    extension)
+      # What a backend extension op costs before kvplan's work (probe ops beside a plain launch),
+      # fused and unfused, alternating (HOST_ROUNDS, default 2).
+      for round in $(seq "${HOST_ROUNDS:-2}"); do
+        for backend in cuda cuda-unfused; do
+          echo "== extension $backend round $round"
+          KVPLAN_NO_CUPTI=1 "$BIN" bench extension --backend "$backend" --reps 400 2>&1 | tee "$OUT/bench-extension-$backend-$round.txt"
+        done
       done
       ;;
     host-ab)

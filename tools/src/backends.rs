@@ -8,6 +8,8 @@ use burn_core::backend::Dispatch;
 use burn_core::tensor::Device;
 use kvplan::KvPlanBackend;
 
+use crate::bench::extension::HostProbe;
+
 /// A backend the CLI can select.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendName {
@@ -65,8 +67,9 @@ pub trait OnBackend {
     /// What the job returns.
     type Output;
 
-    /// Runs the job on backend `B`, device `device`.
-    fn run<B: KvPlanBackend>(self, device: B::Device) -> Self::Output;
+    /// Runs the job on backend `B`, device `device` (every backend here also has the host
+    /// bench's probe ops).
+    fn run<B: KvPlanBackend + HostProbe>(self, device: B::Device) -> Self::Output;
 }
 
 /// The unfused Cube backend (no `Fusion`, no `Dispatch`).

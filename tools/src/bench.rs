@@ -22,6 +22,8 @@ use kvplan::{
 
 use crate::prim;
 
+pub mod extension;
+
 /// Deterministic inputs (splitmix64).
 struct Rng(u64);
 
@@ -610,6 +612,26 @@ pub fn canary<B: KvPlanBackend>(
     Ok(())
 }
 
+/// A plain Burn launch, per op: `y = x + 1; m = max(y); x = y - m` (a chain fusion cannot merge,
+/// as `shared/probes/burn-dispatch` times it), its timing divided by its three ops.
+fn plain_launch<B: KvPlanBackend>(
+    device: &B::Device,
+    reps: usize,
+) -> Result<Timing, kvplan::Error> {
+    let mut x = int::<B, 1>((0..1024).collect(), [1024], DType::I64, device);
+    let chain = timed::<B>(device, reps, || {
+        let y = B::int_add_scalar(x.clone(), Scalar::new(1i64, &DType::I64));
+        let top = B::int_max(y.clone());
+        x = B::int_sub(y, top);
+        Ok(())
+    })?;
+    Ok(Timing {
+        host_us: chain.host_us / 3.0,
+        pipelined_us: chain.pipelined_us / 3.0,
+        gpu: None,
+    })
+}
+
 /// The host cost of every op against a plain Burn launch, by one harness (issue 23's gate), at
 /// a decode step's size (bs 64): each deferred form queued N times with one sync (`pipelined`),
 /// against a launch fusion cannot merge (`y = x + 1; m = max(y); x = y - m`, per op, as
@@ -641,15 +663,7 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     let ones = int::<B, 1>(vec![1; bs], [bs], DType::I32, device);
 
     // The baselines: a launch that cannot fuse, and a plain op with its read-back.
-    let mut x = int::<B, 1>((0..1024).collect(), [1024], DType::I64, device);
-    let chain = timed::<B>(device, reps, || {
-        let y = B::int_add_scalar(x.clone(), Scalar::new(1i64, &DType::I64));
-        let top = B::int_max(y.clone());
-        x = B::int_sub(y, top);
-        Ok(())
-    })
-    .map_err(e)?;
-    let launch_us = chain.pipelined_us / 3.0;
+    let launch_us = plain_launch::<B>(device, reps).map_err(e)?.pipelined_us;
     let small = int::<B, 1>(vec![0; 4], [4], DType::I64, device);
     let (read_us, _) = time::<B>(device, reps, || {
         let y = B::int_add_scalar(small.clone(), Scalar::new(1i64, &DType::I64));

@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use kvplan::KvPlanBackend;
+use kvplan_tools::bench::extension::HostProbe;
 use kvplan_tools::conformance::{Report, check_file};
 use kvplan_tools::{BackendName, OnBackend, bench, demo, with_backend};
 
@@ -19,7 +20,7 @@ const USAGE: &str = "usage:
                                              reference; prints a conformance record that
                                              reproduces the first disagreement
   kvplan chart TABLE.csv OUT.png              draw the README's bar chart (op,sglang_us,kvplan_us)
-  kvplan bench gather|plan|canary|canary-small|host|cuda-client [--backend NAME] [--reps N]   time the anchor grids
+  kvplan bench gather|plan|canary|canary-small|host|extension|cuda-client [--backend NAME] [--reps N]   time the anchor grids
 backends: reference, flex, vulkan, vulkan-unfused, cuda, cuda-unfused";
 
 /// Why the binary stopped: a usage mistake (usage is printed) or a failure while running.
@@ -242,7 +243,7 @@ struct Bench {
 impl OnBackend for Bench {
     type Output = Result<(), String>;
 
-    fn run<B: KvPlanBackend>(self, device: B::Device) -> Self::Output {
+    fn run<B: KvPlanBackend + HostProbe>(self, device: B::Device) -> Self::Output {
         let reps = self.reps;
         match self.which.as_str() {
             "gather" => bench::gather::<B>(&device, reps),
@@ -250,10 +251,11 @@ impl OnBackend for Bench {
             "canary" => bench::canary::<B>(&device, reps, true),
             "canary-small" => bench::canary::<B>(&device, reps, false),
             "host" => bench::host::<B>(&device, reps),
+            "extension" => bench::extension::run::<B>(&device, reps),
             #[cfg(feature = "cuda")]
             "cuda-client" => bench::cuda_client(reps),
             other => Err(format!(
-                "unknown bench {other:?} (gather, plan, canary, canary-small, host, cuda-client)"
+                "unknown bench {other:?} (gather, plan, canary, canary-small, host, extension, cuda-client)"
             )),
         }
     }
