@@ -11,6 +11,8 @@
 
 #[path = "kvplan/attention.rs"]
 mod attention;
+#[path = "kvplan/bench_probe.rs"]
+mod bench_probe;
 #[path = "kvplan/canary.rs"]
 mod canary;
 #[path = "kvplan/common.rs"]
@@ -389,6 +391,11 @@ macro_rules! suite {
             #[test]
             fn fuzz_slots() {
                 crate::fuzz::family::<B>(kvplan_tools::fuzz::Op::Slots, &device());
+            }
+
+            #[test]
+            fn bench_probe_values() {
+                crate::bench_probe::computed::<B>(&device());
             }
 
             #[test]

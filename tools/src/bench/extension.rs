@@ -40,8 +40,8 @@ pub trait HostProbe: Backend {
         Self::int_add_scalar(x, Scalar::new(1i64, &DType::I64))
     }
 
-    /// A gather's shape: four inputs, `out = a + 1` and a zero status by one launch that binds
-    /// all six; `launch` false hands `a` and `b` back instead (no launch); with `upload`, the
+    /// A gather's shape: four inputs, `out = a + 1` and a zero `[4]` status (`a` of at least 4
+    /// values) by one launch that binds all six; `launch` false hands `a` and `b` (`[4]`, as Fusion's metadata says) back instead, with no launch; with `upload`, the
     /// status starts as uploaded words (as a gather's scratch does).
     #[fusion(meta = |a, _b, _c, _d, _launch, _upload| ProbePairMetadata {
         out: a.clone(),
@@ -55,9 +55,11 @@ pub trait HostProbe: Backend {
         launch: bool,
         upload: bool,
     ) -> ProbePair<Self> {
-        let _ = (c, d, launch, upload);
+        let _ = (c, d, upload);
+        if !launch {
+            return ProbePair { out: a, status: b };
+        }
         let device = a.device();
-        let _ = b;
         ProbePair {
             out: Self::int_add_scalar(a, Scalar::new(1i64, &DType::I64)),
             status: Self::int_zeros([4].into(), &device, DType::I64.into()),
@@ -108,8 +110,8 @@ mod cube {
         if ABSOLUTE_POS < out.len() {
             out[ABSOLUTE_POS] = a[ABSOLUTE_POS] + 1;
         }
-        if ABSOLUTE_POS == 0 {
-            status[0] = b[0] * 0 + c[0] * 0 + d[0] * 0;
+        if ABSOLUTE_POS < status.len() {
+            status[ABSOLUTE_POS] = (b[0] + c[0] + d[0]) * 0;
         }
     }
 
@@ -233,8 +235,9 @@ mod cube {
 /// Times the probes beside the host bench's plain launch: pipelined us per call.
 pub fn run<B: KvPlanBackend + HostProbe>(device: &B::Device, reps: usize) -> Result<(), String> {
     let e = |error: kvplan::Error| error.to_string();
-    let ones = || int::<B, 1>(vec![1; 1024], [1024], DType::I64, device);
-    let (a, b, c, d) = (ones(), ones(), ones(), ones());
+    let ones = |len: usize| int::<B, 1>(vec![1; len], [len], DType::I64, device);
+    // `b` is `[4]`: the no-launch probe hands it back as the status.
+    let (a, b, c, d) = (ones(1024), ones(4), ones(4), ones(4));
     let plain = plain_launch::<B>(device, reps).map_err(e)?;
     println!("| probe | pipelined us/call | x plain launch | host us/call (enqueue) |");
     println!("|---|---:|---:|---:|");
