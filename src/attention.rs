@@ -19,7 +19,7 @@
 //! ```
 
 use burn_core::backend::tensor::{FloatTensor, IntTensor};
-use burn_core::backend::{Backend, Dispatch};
+use burn_core::backend::{Backend, Dispatch, TensorMetadata};
 use burn_core::tensor::{Int, Tensor};
 
 use crate::deferred::Status;
@@ -33,10 +33,11 @@ use crate::validate;
 #[derive(Debug, Clone)]
 pub struct KeyRuns<B: Backend = Dispatch> {
     slots: IntTensor<B>,
-    starts: IntTensor<B>,
-    counts: IntTensor<B>,
+    // Private, as the status: the attention trusts them, so only the check may set them. The
+    // check's status, the starts and the counts in one buffer: one tensor a layer binds.
+    runs: IntTensor<B>,
+    tokens: usize,
     pool_rows: usize,
-    // Private: the attention trusts it, so only the check may set it.
     status: Status<B>,
 }
 
@@ -84,13 +85,14 @@ impl<B: KvPlanBackend> KeyRuns<B> {
             &arg("starts", &starts),
             &arg("counts", &counts),
         )?;
-        let status = B::check_key_runs(slots.clone(), starts.clone(), counts.clone(), pool_rows);
+        let tokens = starts.shape()[0];
+        let checked = B::check_key_runs(slots.clone(), starts, counts, pool_rows);
         Ok(Self {
             slots,
-            starts,
-            counts,
+            runs: checked.runs,
+            tokens,
             pool_rows,
-            status: Status::new(status, ATTENTION_CONTEXT),
+            status: Status::new(checked.status, ATTENTION_CONTEXT),
         })
     }
 
@@ -100,32 +102,23 @@ impl<B: KvPlanBackend> KeyRuns<B> {
     }
 
     /// The host rules of an attention of `q` over the pools through these runs, then what its
-    /// launch takes of them: the slots, starts, counts and the check's status.
+    /// launch takes of them: the slots and the runs record.
     pub(crate) fn launch_args(
         &self,
         q: &FloatTensor<B>,
         k_pool: &FloatTensor<B>,
         v_pool: &FloatTensor<B>,
         heads: usize,
-    ) -> Result<[IntTensor<B>; 4], Error> {
+    ) -> Result<[IntTensor<B>; 2], Error> {
         validate::paged_attention(
             &arg("q", q),
             &arg("k_pool", k_pool),
             &arg("v_pool", v_pool),
-            [
-                &arg("slots", &self.slots),
-                &arg("starts", &self.starts),
-                &arg("counts", &self.counts),
-            ],
+            [&arg("slots", &self.slots), &arg("runs", &self.runs)],
             heads,
-            self.pool_rows,
+            [self.tokens, self.pool_rows],
         )?;
-        Ok([
-            self.slots.clone(),
-            self.starts.clone(),
-            self.counts.clone(),
-            self.status.words().clone(),
-        ])
+        Ok([self.slots.clone(), self.runs.clone()])
     }
 
     /// The runs' check on the device: a run outside the slot list or a slot outside the pools
@@ -147,10 +140,8 @@ pub mod backend {
         keys: &KeyRuns<B>,
         heads: usize,
     ) -> Result<FloatTensor<B>, Error> {
-        let [slots, starts, counts, checked] = keys.launch_args(&q, &k_pool, &v_pool, heads)?;
-        Ok(B::paged_attention(
-            q, k_pool, v_pool, slots, starts, counts, checked, heads,
-        ))
+        let [slots, runs] = keys.launch_args(&q, &k_pool, &v_pool, heads)?;
+        Ok(B::paged_attention(q, k_pool, v_pool, slots, runs, heads))
     }
 }
 

@@ -41,9 +41,10 @@ pub use gather::{
 pub use layout::SourceLayout;
 pub use ops::{
     AssignPrimitive, AttendedPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive,
-    KvBytes, KvPlanBackend, KvRows, LaunchMeta, NewRowsPrimitive, OptionalInt, PlanInputsPrimitive,
-    PlanOutput, StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets, StoreWritePrimitive,
-    VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive, data_to_i64,
+    KeyRunsPrimitive, KvBytes, KvPlanBackend, KvRows, LaunchMeta, NewRowsPrimitive, OptionalInt,
+    PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets,
+    StoreWritePrimitive, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
+    data_to_i64,
 };
 pub use slots::{
     Assigned, Attended, KvStore, StoreSlots, Stored, segment_assign, segment_assign_deferred,

@@ -578,7 +578,7 @@ impl<B: KvPlanBackend> StoreSlots<B> {
         {
             self.check_write(arg(cache_name, cache), arg(values_name, values))?;
         }
-        let [slots, starts, counts, checked] = keys.launch_args(&q, &k_pool, &v_pool, heads)?;
+        let [slots, runs] = keys.launch_args(&q, &k_pool, &v_pool, heads)?;
         let rows = NewRowsPrimitive {
             k,
             v,
@@ -586,9 +586,7 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             status: self.take_status().into_words(),
             claims: self.claims.clone(),
         };
-        let output = B::store_and_attend(
-            q, k_pool, v_pool, rows, self.base, slots, starts, counts, checked, heads,
-        );
+        let output = B::store_and_attend(q, k_pool, v_pool, rows, self.base, slots, runs, heads);
         self.status = Some(Status::new(output.status, STORE_CONTEXT));
         Ok(Attended {
             out: output.out,

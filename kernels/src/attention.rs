@@ -1,7 +1,9 @@
 //! Paged attention: every token's query heads attend over the K/V rows at its run of a slot list.
 //!
-//! A one-cube check of every run and slot writes a status once for a step's runs; each layer's
-//! attention launch reads it and runs only on a clear status (on an error its output is NaN, so
+//! A one-cube check of every run and slot writes a status once for a step's runs, and the runs
+//! record: that status, then each token's start, then each token's count, as i64, one buffer a
+//! layer's launch binds instead of three. Each layer's attention launch reads it and runs only on
+//! a clear status (on an error its output is NaN, so
 //! nothing reads a row it was not given). A cube per (token, head) walks the token's keys in
 //! chunks, in their order, with a running max: the same token over the same keys
 //! gives the same bits whatever else is in the launch (a verify window and a plain step agree).
@@ -72,6 +74,11 @@ pub struct NewRowsShape {
 /// A key read from the step's new rows, not the pools (a flag above every row offset).
 const NEW_ROW: u64 = 1 << 63;
 
+/// Length of the runs record of `tokens` tokens: the status, the starts, the counts.
+pub fn runs_len(tokens: usize) -> usize {
+    STATUS_LEN + 2 * tokens
+}
+
 /// The first fault of token `t`'s run: `0` none, `1` the run leaves the slot list, `2 + j` key
 /// `j`'s slot is outside the pools.
 #[cube]
@@ -103,13 +110,15 @@ fn run_fault<S: Int, A: Int, C: Int>(
 }
 
 /// The check: each unit walks its tokens' runs; the lowest faulty token is reported
-/// (`KEY_RUN` [token, start, count, slots_len] or `KEY_SLOT` [token, key, slot, pool_rows]).
+/// (`KEY_RUN` [token, start, count, slots_len] or `KEY_SLOT` [token, key, slot, pool_rows]) in
+/// `status` and at the head of `runs`, whose body is every token's start, then every count.
 #[cube(launch_unchecked, address_type = "dynamic")]
 pub fn attention_check_kernel<S: Int, A: Int, C: Int>(
     slots: &Tensor<S>,
     starts: &Tensor<A>,
     counts: &Tensor<C>,
     status: &mut Tensor<i64>,
+    runs: &mut Tensor<i64>,
     shape: AttentionShape,
     #[define(S, A, C)] _dtypes: [ElemType; 3],
 ) {
@@ -118,12 +127,14 @@ pub fn attention_check_kernel<S: Int, A: Int, C: Int>(
     let mut lowest = shape.tokens;
     let mut t = UNIT_POS as u64;
     while t < shape.tokens {
-        if run_fault::<S, A, C>(slots, starts, counts, t, shape) != 0 {
+        let start = i64::cast_from(starts[(t * shape.starts_stride) as usize]);
+        let count = i64::cast_from(counts[(t * shape.counts_stride) as usize]);
+        runs[STATUS_LEN + t as usize] = start;
+        runs[STATUS_LEN + (shape.tokens + t) as usize] = count;
+        if lowest == shape.tokens && run_fault::<S, A, C>(slots, starts, counts, t, shape) != 0 {
             lowest = t;
-            t = shape.tokens;
-        } else {
-            t += CUBE_SIZE as u64;
         }
+        t += CUBE_SIZE as u64;
     }
     first[UNIT_POS as usize] = lowest;
     sync_cube();
@@ -160,6 +171,10 @@ pub fn attention_check_kernel<S: Int, A: Int, C: Int>(
                 status[FACTS + 3] = shape.pool_rows as i64;
             }
         }
+        #[unroll]
+        for word in 0..STATUS_LEN {
+            runs[word] = status[word];
+        }
     }
 }
 
@@ -167,19 +182,17 @@ pub fn attention_check_kernel<S: Int, A: Int, C: Int>(
 /// `q[t, h] . K[slot] / sqrt(head_dim)` over the token's keys, applied to their V rows. Unit `u`
 /// scores key `u` of each chunk of `units` keys and accumulates dimension `u` of the output.
 #[cube(launch_unchecked, address_type = "dynamic")]
-pub fn attention_kernel<F: Float, S: Int, A: Int, C: Int>(
+pub fn attention_kernel<F: Float, S: Int>(
     q: &Tensor<F>,
     k_pool: &Tensor<F>,
     v_pool: &Tensor<F>,
     slots: &Tensor<S>,
-    starts: &Tensor<A>,
-    counts: &Tensor<C>,
-    status: &Tensor<i64>,
+    runs: &Tensor<i64>,
     out: &mut Tensor<F>,
     shape: AttentionShape,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
-    #[define(F, S, A, C)] _dtypes: [ElemType; 4],
+    #[define(F, S)] _dtypes: [ElemType; 2],
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     if cube < shape.tokens * shape.heads {
@@ -192,9 +205,9 @@ pub fn attention_kernel<F: Float, S: Int, A: Int, C: Int>(
             base: 1,
             newest: 0,
         };
-        attend::<F, S, A, C, S>(
-            q, k_pool, v_pool, k_pool, v_pool, slots, slots, starts, counts, status, out, shape,
-            none, NEW_ROW, cube, head_dim, units, false,
+        attend::<F, S, S>(
+            q, k_pool, v_pool, k_pool, v_pool, slots, slots, runs, out, shape, none, NEW_ROW, cube,
+            head_dim, units, false,
         );
     }
 }
@@ -207,7 +220,7 @@ pub fn attention_kernel<F: Float, S: Int, A: Int, C: Int>(
 /// the attention over the pools after the store, bit for bit.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn store_attention_kernel<F: Float, S: Int, A: Int, C: Int, L: Int>(
+pub fn store_attention_kernel<F: Float, S: Int, L: Int>(
     q: &Tensor<F>,
     k_pool: &mut Tensor<F>,
     v_pool: &mut Tensor<F>,
@@ -217,15 +230,13 @@ pub fn store_attention_kernel<F: Float, S: Int, A: Int, C: Int, L: Int>(
     claims: &Tensor<u32>,
     stored: &Tensor<i64>,
     slots: &Tensor<S>,
-    starts: &Tensor<A>,
-    counts: &Tensor<C>,
-    status: &Tensor<i64>,
+    runs: &Tensor<i64>,
     out: &mut Tensor<F>,
     shape: AttentionShape,
     new_rows: NewRowsShape,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
-    #[define(F, S, A, C, L)] _dtypes: [ElemType; 5],
+    #[define(F, S, L)] _dtypes: [ElemType; 3],
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     let t = cube / shape.heads;
@@ -252,9 +263,9 @@ pub fn store_attention_kernel<F: Float, S: Int, A: Int, C: Int, L: Int>(
         }
     }
     if t < shape.tokens {
-        attend::<F, S, A, C, u32>(
-            q, &*k_pool, &*v_pool, k, v, slots, claims, starts, counts, status, out, shape, rows,
-            zero_row, cube, head_dim, units, true,
+        attend::<F, S, u32>(
+            q, &*k_pool, &*v_pool, k, v, slots, claims, runs, out, shape, rows, zero_row, cube,
+            head_dim, units, true,
         );
     }
 }
@@ -291,7 +302,7 @@ fn dot<F: Float>(
 
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn attend<F: Float, S: Int, A: Int, C: Int, W: Int>(
+fn attend<F: Float, S: Int, W: Int>(
     q: &Tensor<F>,
     k_pool: &Tensor<F>,
     v_pool: &Tensor<F>,
@@ -299,9 +310,7 @@ fn attend<F: Float, S: Int, A: Int, C: Int, W: Int>(
     v: &Tensor<F>,
     slots: &Tensor<S>,
     claims: &Tensor<W>,
-    starts: &Tensor<A>,
-    counts: &Tensor<C>,
-    status: &Tensor<i64>,
+    runs: &Tensor<i64>,
     out: &mut Tensor<F>,
     shape: AttentionShape,
     rows: NewRowsShape,
@@ -316,7 +325,7 @@ fn attend<F: Float, S: Int, A: Int, C: Int, W: Int>(
     let chunk = units as u64;
     let u = UNIT_POS as usize;
     // On the runs' failed check no key is read (no run is walked) and the output is NaN.
-    let clear = status[CODE] == OK;
+    let clear = runs[CODE] == OK;
     let mut q_row = Shared::<[F]>::new_slice(head_dim);
     let mut scores = Shared::<[F]>::new_slice(units);
     let mut key_rows = Shared::<[u64]>::new_slice(units);
@@ -324,10 +333,10 @@ fn attend<F: Float, S: Int, A: Int, C: Int, W: Int>(
     if u < head_dim {
         q_row[u] = q[q_base + u];
     }
-    let start = i64::cast_from(starts[(t * shape.starts_stride) as usize]) as u64;
+    let start = runs[STATUS_LEN + t as usize] as u64;
     let count = select(
         clear,
-        i64::cast_from(counts[(t * shape.counts_stride) as usize]) as u64,
+        runs[STATUS_LEN + (shape.tokens + t) as usize] as u64,
         0u64,
     );
     let kv_column = (h / shape.groups) * head_dim as u64;

@@ -9,10 +9,10 @@ use burn_core::tensor::{BoolStore, DType, Slice};
 use kvplan_kernels::status::{CODE, OK, STATUS_LEN};
 
 use super::{
-    AssignPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KvBytes, KvRows,
-    OptionalInt, PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive, StoreScratchPrimitive,
-    StoreTargets, StoreWritePrimitive, VerifyPlanPrimitive, WriteInputsPrimitive,
-    WritePlanPrimitive,
+    AssignPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive, KeyRunsPrimitive,
+    KvBytes, KvRows, OptionalInt, PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive,
+    StoreScratchPrimitive, StoreTargets, StoreWritePrimitive, VerifyPlanPrimitive,
+    WriteInputsPrimitive, WritePlanPrimitive,
 };
 use crate::error::Error;
 use crate::layout::{COUNTERS, KERNEL_RUN, ROW_WORDS, SLOT_RUN, SourceLayout, WRITE_INDEX};
@@ -274,29 +274,47 @@ pub(super) fn check_key_runs<B: Backend>(
     starts: IntTensor<B>,
     counts: IntTensor<B>,
     pool_rows: usize,
-) -> IntTensor<B> {
+) -> KeyRunsPrimitive<B> {
     let device = slots.device();
-    let run = || -> Result<usize, Error> {
-        let (_, slots) = read_int::<B>(slots)?;
-        let (_, starts) = read_int::<B>(starts)?;
-        let (_, counts) = read_int::<B>(counts)?;
-        // The context is re-attached when the status is decoded.
-        reference::key_runs(&slots, &starts, &counts, pool_rows, "").map(|runs| runs.len())
+    let tokens = starts.shape()[0];
+    let read = || -> Result<[Vec<i64>; 3], Error> {
+        Ok([
+            read_int::<B>(slots)?.1,
+            read_int::<B>(starts)?.1,
+            read_int::<B>(counts)?.1,
+        ])
     };
-    upload_status::<B>(status::encode(&run()), &device)
+    // The record holds the starts and counts as given, as the kernel's does (no attention reads
+    // them after an error); after a failed read, zeros.
+    let (words, body) = match read() {
+        Ok([slots, starts, counts]) => {
+            // The context is re-attached when the status is decoded.
+            let checked = reference::key_runs(&slots, &starts, &counts, pool_rows, "");
+            let words = status::encode(&checked.map(|_| tokens));
+            (words, [starts, counts].concat())
+        }
+        Err(error) => (status::encode(&Err(error)), vec![0; 2 * tokens]),
+    };
+    KeyRunsPrimitive {
+        status: upload_status::<B>(words, &device),
+        runs: upload_i64::<B>([&words[..], &body].concat(), &device),
+    }
 }
 
 pub(super) fn paged_attention<B: Backend>(
     q: FloatTensor<B>,
     k_pool: FloatTensor<B>,
     v_pool: FloatTensor<B>,
-    [slots, starts, counts, checked]: [IntTensor<B>; 4],
+    [slots, runs]: [IntTensor<B>; 2],
     heads: usize,
 ) -> FloatTensor<B> {
     let device = q.device();
     let (shape, dtype) = (q.shape(), q.dtype());
     let run = || -> Result<Vec<f64>, Error> {
-        status::decode(&read_status::<B>(checked)?, "")?;
+        let (_, runs) = read_int::<B>(runs)?;
+        let (record, body) = runs.split_at(STATUS_LEN);
+        status::decode(&record.try_into().unwrap_or_default(), "")?;
+        let (starts, counts) = body.split_at(body.len() / 2);
         let floats = |tensor: FloatTensor<B>| -> Result<(Vec<usize>, Vec<f64>), Error> {
             let shape = tensor.shape().to_vec();
             let data = read(B::float_into_data(tensor))?.convert::<f64>();
@@ -308,15 +326,13 @@ pub(super) fn paged_attention<B: Backend>(
         let ((q_shape, q), (pool_shape, k), (_, v)) =
             (floats(q)?, floats(k_pool)?, floats(v_pool)?);
         let (_, slots) = read_int::<B>(slots)?;
-        let (_, starts) = read_int::<B>(starts)?;
-        let (_, counts) = read_int::<B>(counts)?;
         let head_dim = q_shape[1] / heads.max(1);
         let layout = reference::Heads {
             heads,
             kv_heads: pool_shape[1] / head_dim.max(1),
             head_dim,
         };
-        reference::paged_attention(&q, &k, &v, layout, &slots, &starts, &counts, "")
+        reference::paged_attention(&q, &k, &v, layout, &slots, starts, counts, "")
     };
     // An error is the status's to report; the output is NaN, as the kernel's.
     let values = run().unwrap_or_else(|_| vec![f64::NAN; shape.num_elements()]);

@@ -11,9 +11,9 @@ use burn_core::backend::{Autodiff, AutodiffBackend, Backend};
 
 use super::{
     AssignPrimitive, AttendedPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive,
-    KvBytes, KvPlanBackend, KvRows, NewRowsPrimitive, OptionalInt, PlanInputsPrimitive, PlanOutput,
-    StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets, StoreWritePrimitive,
-    VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
+    KeyRunsPrimitive, KvBytes, KvPlanBackend, KvRows, NewRowsPrimitive, OptionalInt,
+    PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets,
+    StoreWritePrimitive, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
 };
 
 impl KvPlanBackend for Flex {}
@@ -117,22 +117,19 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         starts: burn_cubecl::tensor::CubeTensor,
         counts: burn_cubecl::tensor::CubeTensor,
         pool_rows: usize,
-    ) -> burn_cubecl::tensor::CubeTensor {
+    ) -> KeyRunsPrimitive<Self> {
         super::cube::check_key_runs(slots, starts, counts, pool_rows)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn paged_attention(
         q: burn_cubecl::tensor::CubeTensor,
         k_pool: burn_cubecl::tensor::CubeTensor,
         v_pool: burn_cubecl::tensor::CubeTensor,
         slots: burn_cubecl::tensor::CubeTensor,
-        starts: burn_cubecl::tensor::CubeTensor,
-        counts: burn_cubecl::tensor::CubeTensor,
-        status: burn_cubecl::tensor::CubeTensor,
+        runs: burn_cubecl::tensor::CubeTensor,
         heads: usize,
     ) -> burn_cubecl::tensor::CubeTensor {
-        super::cube::paged_attention(q, k_pool, v_pool, [slots, starts, counts, status], heads)
+        super::cube::paged_attention(q, k_pool, v_pool, [slots, runs], heads)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -143,18 +140,10 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         rows: NewRowsPrimitive<Self>,
         base: u32,
         slots: burn_cubecl::tensor::CubeTensor,
-        starts: burn_cubecl::tensor::CubeTensor,
-        counts: burn_cubecl::tensor::CubeTensor,
-        checked: burn_cubecl::tensor::CubeTensor,
+        runs: burn_cubecl::tensor::CubeTensor,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
-        super::cube::store_and_attend(
-            [q, k_pool, v_pool],
-            rows,
-            base,
-            [slots, starts, counts, checked],
-            heads,
-        )
+        super::cube::store_and_attend([q, k_pool, v_pool], rows, base, [slots, runs], heads)
     }
 }
 
@@ -433,19 +422,17 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         starts: B::IntTensorPrimitive,
         counts: B::IntTensorPrimitive,
         pool_rows: usize,
-    ) -> B::IntTensorPrimitive {
-        B::check_key_runs(slots, starts, counts, pool_rows)
+    ) -> KeyRunsPrimitive<Self> {
+        let KeyRunsPrimitive { status, runs } = B::check_key_runs(slots, starts, counts, pool_rows);
+        KeyRunsPrimitive { status, runs }
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn paged_attention(
         q: FloatTensor<Self>,
         k_pool: FloatTensor<Self>,
         v_pool: FloatTensor<Self>,
         slots: B::IntTensorPrimitive,
-        starts: B::IntTensorPrimitive,
-        counts: B::IntTensorPrimitive,
-        status: B::IntTensorPrimitive,
+        runs: B::IntTensorPrimitive,
         heads: usize,
     ) -> FloatTensor<Self> {
         // The pools are constants; no gradient flows through the attention (inference only).
@@ -454,9 +441,7 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
             k_pool.into_primitive(),
             v_pool.into_primitive(),
             slots,
-            starts,
-            counts,
-            status,
+            runs,
             heads,
         ))
     }
@@ -469,9 +454,7 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         rows: NewRowsPrimitive<Self>,
         base: u32,
         slots: B::IntTensorPrimitive,
-        starts: B::IntTensorPrimitive,
-        counts: B::IntTensorPrimitive,
-        checked: B::IntTensorPrimitive,
+        runs: B::IntTensorPrimitive,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
         // As the store and the attention alone: constants, no gradient (inference only).
@@ -489,9 +472,7 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
             rows,
             base,
             slots,
-            starts,
-            counts,
-            checked,
+            runs,
             heads,
         );
         AttendedPrimitive {

@@ -62,6 +62,17 @@ pub struct GatherPrimitive<B: Backend> {
     pub status: IntTensor<B>,
 }
 
+/// The key runs' check: its status record, and the runs record each layer's attention binds.
+#[derive(ExtensionType, Debug, Clone)]
+#[extension_type(fusion: cfg(feature = "fusion"))]
+pub struct KeyRunsPrimitive<B: Backend> {
+    /// i64 status record (`kvplan_kernels::status`); its count word is the number of tokens.
+    pub status: IntTensor<B>,
+    /// i64 `[STATUS_LEN + 2 * tokens]` (`kvplan_kernels::attention::runs_len`): the status, then
+    /// every token's start, then every token's count.
+    pub runs: IntTensor<B>,
+}
+
 /// A `VerifyPlan`'s tensors, in the spec's field order.
 #[derive(ExtensionType, Debug, Clone)]
 #[extension_type(fusion: cfg(feature = "fusion"))]
@@ -472,34 +483,39 @@ pub trait KvPlanBackend: Backend {
     }
 
     /// The value rules of a paged attention's key runs (`KEY_RUN`, `KEY_SLOT`) for pools of
-    /// `pool_rows` rows, into a status record whose count is the number of tokens.
-    #[fusion(meta = |_slots, _starts, _counts, _pool_rows| status_spec())]
+    /// `pool_rows` rows, into a status record whose count is the number of tokens, and the runs
+    /// record of the status, the starts and the counts (one input of each layer's attention).
+    #[fusion(meta = |_slots, starts, _counts, _pool_rows| KeyRunsPrimitiveMetadata {
+        status: status_spec(),
+        runs: TensorSpec::new(
+            [kvplan_kernels::attention::runs_len(starts.shape[0])].into(),
+            burn_core::tensor::DType::I64,
+        ),
+    })]
     fn check_key_runs(
         slots: IntTensor<Self>,
         starts: IntTensor<Self>,
         counts: IntTensor<Self>,
         pool_rows: usize,
-    ) -> IntTensor<Self> {
+    ) -> KeyRunsPrimitive<Self> {
         host::check_key_runs::<Self>(slots, starts, counts, pool_rows)
     }
 
     /// Paged attention: each row `t` of `q` (`heads` query heads) attends over the K/V pools' rows
-    /// at `slots[starts[t] .. starts[t] + counts[t]]`, scaled by `1 / sqrt(head_dim)`; query heads
-    /// share K/V heads in groups. `status` is the runs' check (`check_key_runs`): on an error it
-    /// holds, the output is NaN. The host rules have been checked by the caller.
-    #[fusion(meta = |q, _k, _v, _slots, _starts, _counts, _status, _heads| q.clone())]
-    #[allow(clippy::too_many_arguments)]
+    /// at `slots[start_t .. start_t + count_t]`, the start and count of `runs` (the runs' check,
+    /// `check_key_runs`), scaled by `1 / sqrt(head_dim)`; query heads share K/V heads in groups.
+    /// On an error the runs' status holds, the output is NaN. The host rules have been checked by
+    /// the caller.
+    #[fusion(meta = |q, _k, _v, _slots, _runs, _heads| q.clone())]
     fn paged_attention(
         q: FloatTensor<Self>,
         k_pool: FloatTensor<Self>,
         v_pool: FloatTensor<Self>,
         slots: IntTensor<Self>,
-        starts: IntTensor<Self>,
-        counts: IntTensor<Self>,
-        status: IntTensor<Self>,
+        runs: IntTensor<Self>,
         heads: usize,
     ) -> FloatTensor<Self> {
-        host::paged_attention::<Self>(q, k_pool, v_pool, [slots, starts, counts, status], heads)
+        host::paged_attention::<Self>(q, k_pool, v_pool, [slots, runs], heads)
     }
 
     /// A layer's new K and V rows stored at their slots (`store_rows` with the pair), then the
@@ -507,7 +523,7 @@ pub trait KvPlanBackend: Backend {
     /// `base` is the slots' check's first clock value: the Cube backend reads the keys this store
     /// writes from the new rows, through the claims, and makes both in one launch. The host rules
     /// of both have been checked by the caller.
-    #[fusion(meta = |q, k_pool, v_pool, _rows, _base, _slots, _starts, _counts, _checked, _heads| AttendedPrimitiveMetadata {
+    #[fusion(meta = |q, k_pool, v_pool, _rows, _base, _slots, _runs, _heads| AttendedPrimitiveMetadata {
         out: q.clone(),
         k_pool: k_pool.clone(),
         v_pool: v_pool.clone(),
@@ -521,9 +537,7 @@ pub trait KvPlanBackend: Backend {
         #[extension_type] rows: NewRowsPrimitive<Self>,
         base: u32,
         slots: IntTensor<Self>,
-        starts: IntTensor<Self>,
-        counts: IntTensor<Self>,
-        checked: IntTensor<Self>,
+        runs: IntTensor<Self>,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
         let _ = base; // the host has no claims to read: it stores, then attends
@@ -537,16 +551,7 @@ pub trait KvPlanBackend: Backend {
         else {
             unreachable!("a write hands back the targets it was given");
         };
-        let out = Self::paged_attention(
-            q,
-            k_pool.clone(),
-            v_pool.clone(),
-            slots,
-            starts,
-            counts,
-            checked,
-            heads,
-        );
+        let out = Self::paged_attention(q, k_pool.clone(), v_pool.clone(), slots, runs, heads);
         AttendedPrimitive {
             out,
             k_pool,

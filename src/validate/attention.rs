@@ -35,15 +35,15 @@ pub fn key_runs<D: PartialEq + Debug>(
 }
 
 /// `q` `[tokens, heads * head_dim]` and the pools `[pool_rows, kv_heads * head_dim]` alike (the
-/// rows the runs were checked against), one float dtype; one run per token; one device.
-/// Returns the heads.
+/// rows the runs were checked against), one float dtype; one run per token (`runs` holds
+/// `tokens`); one device. Returns the heads.
 pub fn paged_attention<D: PartialEq + Debug>(
     q: &Arg<D>,
     k_pool: &Arg<D>,
     v_pool: &Arg<D>,
-    [slots, starts, counts]: [&Arg<D>; 3],
+    [slots, runs]: [&Arg<D>; 2],
     heads: usize,
-    pool_rows: usize,
+    [tokens, pool_rows]: [usize; 2],
 ) -> Result<Heads, Error> {
     let context = ATTENTION_CONTEXT;
     for arg in [q, k_pool, v_pool] {
@@ -59,7 +59,7 @@ pub fn paged_attention<D: PartialEq + Debug>(
             });
         }
     }
-    for arg in [k_pool, v_pool, slots, starts, counts] {
+    for arg in [k_pool, v_pool, slots, runs] {
         require_device(arg, &q.device, context)?;
     }
     let head_dim = q.dim(1).checked_div(heads).unwrap_or(0);
@@ -89,11 +89,11 @@ pub fn paged_attention<D: PartialEq + Debug>(
             max_head_dim: MAX_HEAD_DIM,
         });
     }
-    if starts.dim(0) != q.dim(0) {
+    if tokens != q.dim(0) {
         return Err(Error::RunCountMismatch {
             context: context.into(),
-            name: starts.name,
-            len: starts.dim(0),
+            name: "starts",
+            len: tokens,
             tokens: q.dim(0),
         });
     }

@@ -1,5 +1,6 @@
-//! Launchers of the paged attention: the key runs' check (one cube), and the attention, which
-//! runs only on the check's clear status.
+//! Launchers of the paged attention: the key runs' check (one cube), which also writes the runs
+//! record each layer's launch binds, and the attention, which runs only on the check's clear
+//! status.
 
 use burn_core::backend::TensorMetadata;
 use burn_core::tensor::{DType, Shape};
@@ -9,21 +10,23 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use kvplan_kernels::attention::{
     AttentionShapeLaunch, NewRowsShapeLaunch, attention_check_kernel, attention_kernel,
-    attention_units, store_attention_kernel,
+    attention_units, runs_len, store_attention_kernel,
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::STATUS_LEN;
 
 use super::slots::owned;
 use super::{
-    address_type, bindable, contiguous, grid, output_i64, storage, store_rows, stride, upload_i64,
-    widened,
+    address_type, bindable, contiguous, grid, output_i64, storage, store_rows, stride,
+    upload_parts, widened,
 };
-use crate::ops::{AttendedPrimitive, KvRows, NewRowsPrimitive, StoreTargets};
+use crate::ops::{AttendedPrimitive, KeyRunsPrimitive, KvRows, NewRowsPrimitive, StoreTargets};
 
-/// The launch scalars; `pool_rows` and `slots_len` are what the check holds the runs to.
+/// The launch scalars; `pool_rows` and `slots_len` are what the check holds the runs to. The
+/// starts' and counts' strides are the check's (the attention reads the runs record).
 fn attention_shape(
-    [slots, starts, counts]: [&CubeTensor; 3],
+    slots: &CubeTensor,
+    [starts_stride, counts_stride]: [u64; 2],
     [tokens, heads, groups, pool_rows]: [usize; 4],
     [q, k_pool, v_pool]: [Option<&CubeTensor>; 3],
 ) -> AttentionShapeLaunch {
@@ -38,8 +41,8 @@ fn attention_shape(
         row_stride(k_pool),
         row_stride(v_pool),
         stride(slots, 0),
-        stride(starts, 0),
-        stride(counts, 0),
+        starts_stride,
+        counts_stride,
     )
 }
 
@@ -48,16 +51,30 @@ pub(crate) fn check_key_runs(
     starts: CubeTensor,
     counts: CubeTensor,
     pool_rows: usize,
-) -> CubeTensor {
+) -> KeyRunsPrimitive<CubeBackend> {
     let tokens = starts.shape()[0];
     let status = output_i64(&slots, STATUS_LEN);
-    let address = match address_type([&slots, &starts, &counts], &[]) {
+    let runs = output_i64(&slots, runs_len(tokens));
+    let address = match address_type([&slots, &starts, &counts, &runs], &[]) {
         Ok(address) => address,
-        Err(error) => return upload_i64(&slots, &crate::status::encode(&Err(error))),
+        Err(error) => {
+            // Nothing runs: the record is the error, and every start and count 0.
+            let words = crate::status::encode(&Err(error)).map(|word| word as u64);
+            let body = vec![0; 2 * tokens];
+            let [status, runs] = upload_parts(
+                &slots,
+                [
+                    (&words, DType::I64),
+                    (&[&words[..], &body].concat(), DType::I64),
+                ],
+            );
+            return KeyRunsPrimitive { status, runs };
+        }
     };
     let [slots, starts, counts] = [slots, starts, counts].map(|ints| bindable(widened(ints)));
     let shape = attention_shape(
-        [&slots, &starts, &counts],
+        &slots,
+        [stride(&starts, 0), stride(&counts, 0)],
         [tokens, 0, 1, pool_rows],
         [None, None, None],
     );
@@ -74,11 +91,12 @@ pub(crate) fn check_key_runs(
             starts.into_tensor_arg(),
             counts.into_tensor_arg(),
             status.clone().into_tensor_arg(),
+            runs.clone().into_tensor_arg(),
             shape,
             dtypes,
         );
     }
-    status
+    KeyRunsPrimitive { status, runs }
 }
 
 /// f64 through SPIR-V, whose exp is 32-bit only (GLSL.std.450): the attention is NaN there.
@@ -99,7 +117,7 @@ pub(crate) fn paged_attention(
     q: CubeTensor,
     k_pool: CubeTensor,
     v_pool: CubeTensor,
-    [slots, starts, counts, status]: [CubeTensor; 4],
+    [slots, runs]: [CubeTensor; 2],
     heads: usize,
 ) -> CubeTensor {
     let (q, k_pool, v_pool) = (unit_rows(q), unit_rows(k_pool), unit_rows(v_pool));
@@ -118,25 +136,21 @@ pub(crate) fn paged_attention(
     // Pools past what the device indexes: NaN, as after an error (a launch never wraps an index).
     // So is f64 through SPIR-V, whose exp is 32-bit only (GLSL.std.450): never silently wrong.
     let address = address_type(
-        [&q, &k_pool, &v_pool, &slots, &starts, &counts, &out],
+        [&q, &k_pool, &v_pool, &slots, &runs, &out],
         &[tokens * heads],
     );
     let (Ok(address), false) = (address, f64_on_spirv(&q)) else {
         let nan = InputScalar::new(f32::NAN, storage(&q));
         return full_device_dtype(q.client, out.shape(), q.device, nan, q.dtype);
     };
-    let [slots, starts, counts] = [slots, starts, counts].map(|ints| bindable(widened(ints)));
+    let slots = bindable(widened(slots));
     let shape = attention_shape(
-        [&slots, &starts, &counts],
+        &slots,
+        [1, 1],
         [tokens, heads, groups, k_pool.shape()[0]],
         [Some(&q), Some(&k_pool), Some(&v_pool)],
     );
-    let dtypes = [
-        storage(&q),
-        storage(&slots),
-        storage(&starts),
-        storage(&counts),
-    ];
+    let dtypes = [storage(&q), storage(&slots)];
     let units = attention_units(head_dim);
     let (cubes, _) = grid(tokens * heads);
     let client = q.client.clone();
@@ -152,9 +166,7 @@ pub(crate) fn paged_attention(
             bindable(k_pool).into_tensor_arg(),
             bindable(v_pool).into_tensor_arg(),
             slots.into_tensor_arg(),
-            starts.into_tensor_arg(),
-            counts.into_tensor_arg(),
-            status.into_tensor_arg(),
+            runs.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             shape,
             head_dim,
@@ -172,7 +184,7 @@ pub(crate) fn store_and_attend(
     [q, k_pool, v_pool]: [CubeTensor; 3],
     rows: NewRowsPrimitive<CubeBackend>,
     base: u32,
-    [slots, starts, counts, checked]: [CubeTensor; 4],
+    [slots, runs]: [CubeTensor; 2],
     heads: usize,
 ) -> AttendedPrimitive<CubeBackend> {
     let (q, k, v) = (unit_rows(q), unit_rows(rows.k), unit_rows(rows.v));
@@ -192,8 +204,7 @@ pub(crate) fn store_and_attend(
             &rows.loc,
             &rows.claims,
             &slots,
-            &starts,
-            &counts,
+            &runs,
         ],
         &[cubes, tokens * q_cols],
     );
@@ -208,9 +219,8 @@ pub(crate) fn store_and_attend(
         else {
             unreachable!("a write hands back the targets it was given");
         };
-        let runs = [slots, starts, counts, checked];
         return AttendedPrimitive {
-            out: paged_attention(q, k_pool.clone(), v_pool.clone(), runs, heads),
+            out: paged_attention(q, k_pool.clone(), v_pool.clone(), [slots, runs], heads),
             k_pool,
             v_pool,
             status: written.status,
@@ -231,9 +241,10 @@ pub(crate) fn store_and_attend(
         };
     }
     let loc = bindable(widened(rows.loc));
-    let [slots, starts, counts] = [slots, starts, counts].map(|ints| bindable(widened(ints)));
+    let slots = bindable(widened(slots));
     let shape = attention_shape(
-        [&slots, &starts, &counts],
+        &slots,
+        [1, 1],
         [tokens, heads, groups, k_pool.shape()[0]],
         [Some(&q), Some(&k_pool), Some(&v_pool)],
     );
@@ -250,13 +261,7 @@ pub(crate) fn store_and_attend(
         base,
         newest,
     );
-    let dtypes = [
-        storage(&q),
-        storage(&slots),
-        storage(&starts),
-        storage(&counts),
-        storage(&loc),
-    ];
+    let dtypes = [storage(&q), storage(&slots), storage(&loc)];
     let units = attention_units(head_dim);
     let (grid, _) = grid(cubes);
     let client = q.client.clone();
@@ -278,9 +283,7 @@ pub(crate) fn store_and_attend(
             bindable(rows.claims).into_tensor_arg(),
             rows.status.clone().into_tensor_arg(),
             slots.into_tensor_arg(),
-            starts.into_tensor_arg(),
-            counts.into_tensor_arg(),
-            checked.into_tensor_arg(),
+            runs.into_tensor_arg(),
             bindable(out.clone()).into_tensor_arg(),
             shape,
             new_rows,
