@@ -682,7 +682,9 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
     let mut stored = vec![0.0; 3 * 16];
     stored.extend(&rows);
     assert_eq!(float_values::<B>(attended.k_pool), stored);
-    assert_eq!(float_values::<B>(attended.v_pool), stored); // No new rows (an empty slot list): the attention over the pools as they are, bit for bit.
+    assert_eq!(float_values::<B>(attended.v_pool), stored);
+
+    // No new rows (no store slots): the attention over the pools as they are, bit for bit.
     let pool: Vec<f64> = (0..5 * 16).map(|i| f64::from(i % 7) / 8.0).collect();
     let keys = KeyRuns::<B>::check_primitives(
         [&[1, 2, 3][..], &[0, 1], &[2, 2]].map(|v| list::<B>(v, DType::I64, device)),
@@ -726,5 +728,37 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         float_values::<B>(attended.k_pool),
         pool,
         "no new rows: K pool"
+    );
+}
+
+/// On a device whose 32-bit indexes reach `span` elements (`crate::narrow`): a key runs' check
+/// over a slot list past the span is refused with `index_range` in its status, and an attention
+/// through those runs (which binds that list too) is NaN; runs within the span over pools past it pass their check,
+/// and the attention, which cannot index the pools, is NaN (as after an error, never wrapped).
+pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
+    let l = |values: &[i64]| list::<B>(values, DType::I64, device);
+    let q = || floats::<B>(&[0.5; 2 * 16], [2, 16], DType::F32, device);
+    let pool = |rows: usize| floats::<B>(&vec![0.25; rows * 16], [rows, 16], DType::F32, device);
+    let slots = list::<B>(&vec![1; span + 1], DType::I64, device);
+    let keys = KeyRuns::<B>::check_primitives([slots, l(&[0, 1]), l(&[1, 2])], 4).unwrap();
+    match keys.status().check() {
+        Err(Error::IndexRange { elements, limit }) => {
+            assert_eq!(limit, span as u64, "runs' check: limit");
+            assert!(elements > span as u64, "runs' check: {elements} elements");
+        }
+        other => panic!("runs' check: expected index_range, got {other:?}"),
+    }
+    let out = paged_attention::<B>(q(), pool(4), pool(4), &keys, 1).unwrap();
+    assert!(
+        float_values::<B>(out).iter().all(|v| v.is_nan()),
+        "attention through refused runs"
+    );
+    let rows = span / 16 + 1;
+    let keys = KeyRuns::<B>::check_primitives([l(&[1, 2]), l(&[0, 1]), l(&[1, 1])], rows).unwrap();
+    assert_eq!(keys.status().check(), Ok(2), "runs within the span");
+    let out = paged_attention::<B>(q(), pool(rows), pool(rows), &keys, 1).unwrap();
+    assert!(
+        float_values::<B>(out).iter().all(|v| v.is_nan()),
+        "attention over pools past the span"
     );
 }

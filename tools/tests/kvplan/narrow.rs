@@ -115,6 +115,7 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
     assert_eq!(values::<B>(plans.verify.num_valid()), vec![6]);
     canary_checks::<B>(&plans.verify, &plans.write, device);
     crate::slots::narrow_checks::<B>(device, SPAN);
+    crate::attention::narrow_checks::<B>(device, SPAN);
 }
 
 /// A canary whose records span more than 32-bit indexes reach: its write and verify are accepted
