@@ -53,9 +53,7 @@ pub(crate) fn check_key_runs(
     pool_rows: usize,
 ) -> KeyRunsPrimitive<CubeBackend> {
     let tokens = starts.shape()[0];
-    let status = output_i64(&slots, STATUS_LEN);
-    let runs = output_i64(&slots, runs_len(tokens));
-    let address = match address_type([&slots, &starts, &counts, &runs], &[]) {
+    let address = match address_type([&slots, &starts, &counts], &[runs_len(tokens)]) {
         Ok(address) => address,
         Err(error) => {
             // Nothing runs: the record is the error, and every start and count 0.
@@ -71,6 +69,8 @@ pub(crate) fn check_key_runs(
             return KeyRunsPrimitive { status, runs };
         }
     };
+    let status = output_i64(&slots, STATUS_LEN);
+    let runs = output_i64(&slots, runs_len(tokens));
     let [slots, starts, counts] = [slots, starts, counts].map(|ints| bindable(widened(ints)));
     let shape = attention_shape(
         &slots,
