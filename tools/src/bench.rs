@@ -632,6 +632,20 @@ fn plain_launch<B: KvPlanBackend>(
     })
 }
 
+/// Host us per call of `call` and the read-back of the int tensor it returns (median).
+fn read_back_us<B: KvPlanBackend>(
+    device: &B::Device,
+    reps: usize,
+    mut call: impl FnMut() -> IntTensor<B>,
+) -> Result<f64, kvplan::Error> {
+    let (host_us, _) = time::<B>(device, reps, || {
+        read::<B>(call())
+            .map(drop)
+            .map_err(|detail| kvplan::Error::Execution { detail })
+    })?;
+    Ok(host_us)
+}
+
 /// The host cost of every op against a plain Burn launch, by one harness (issue 23's gate), at
 /// a decode step's size (bs 64): each deferred form queued N times with one sync (`pipelined`),
 /// against a launch fusion cannot merge (`y = x + 1; m = max(y); x = y - m`, per op, as
@@ -665,11 +679,8 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     // The baselines: a launch that cannot fuse, and a plain op with its read-back.
     let launch_us = plain_launch::<B>(device, reps).map_err(e)?.pipelined_us;
     let small = int::<B, 1>(vec![0; 4], [4], DType::I64, device);
-    let (read_us, _) = time::<B>(device, reps, || {
-        let y = B::int_add_scalar(small.clone(), Scalar::new(1i64, &DType::I64));
-        read::<B>(y)
-            .map(drop)
-            .map_err(|detail| kvplan::Error::Execution { detail })
+    let read_us = read_back_us::<B>(device, reps, || {
+        B::int_add_scalar(small.clone(), Scalar::new(1i64, &DType::I64))
     })
     .map_err(e)?;
 

@@ -13,7 +13,7 @@ use burn_core::backend::{Backend, ExtensionType, Scalar, TensorMetadata, backend
 use burn_core::tensor::DType;
 use kvplan::KvPlanBackend;
 
-use super::{int, plain_launch, read, timed};
+use super::{int, plain_launch, read_back_us, timed};
 
 /// A gather's outputs: values and a status record.
 #[derive(ExtensionType, Debug, Clone)]
@@ -260,18 +260,14 @@ pub fn run<B: KvPlanBackend + HostProbe>(device: &B::Device, reps: usize) -> Res
         );
         Ok(())
     };
+    let wide = |launch: bool, upload: bool| {
+        B::probe_wide(a.clone(), b.clone(), c.clone(), d.clone(), launch, upload)
+    };
     row("extension, no launch (1 in, 1 out)", &mut || {
         drop(B::probe_pass(a.clone()))
     })?;
     row("extension, no launch (4 in, 2 out)", &mut || {
-        drop(B::probe_wide(
-            a.clone(),
-            b.clone(),
-            c.clone(),
-            d.clone(),
-            false,
-            false,
-        ))
+        drop(wide(false, false))
     })?;
     row("extension, one launch (1 in, 1 out)", &mut || {
         drop(B::probe_add(a.clone()))
@@ -280,41 +276,17 @@ pub fn run<B: KvPlanBackend + HostProbe>(device: &B::Device, reps: usize) -> Res
         drop(B::probe_narrow(a.clone(), b.clone(), c.clone(), d.clone()))
     })?;
     row("extension, one launch (4 in, 2 out)", &mut || {
-        drop(B::probe_wide(
-            a.clone(),
-            b.clone(),
-            c.clone(),
-            d.clone(),
-            true,
-            false,
-        ))
+        drop(wide(true, false))
     })?;
     row(
         "extension, one launch and an upload (4 in, 2 out)",
-        &mut || {
-            drop(B::probe_wide(
-                a.clone(),
-                b.clone(),
-                c.clone(),
-                d.clone(),
-                true,
-                true,
-            ))
-        },
+        &mut || drop(wide(true, true)),
     )?;
     // Exact forms: one call and the read-back of a [4] result, host time per call.
     let small = int::<B, 1>(vec![0; 4], [4], DType::I64, device);
     let exact = |label: &str, call: &mut dyn FnMut() -> IntTensor<B>| -> Result<(), String> {
-        let timing = timed::<B>(device, reps, || {
-            read::<B>(call())
-                .map(drop)
-                .map_err(|detail| kvplan::Error::Execution { detail })
-        })
-        .map_err(e)?;
-        println!(
-            "| {label}, its [4] read back (host us/call) | {:.1} | | |",
-            timing.host_us
-        );
+        let host_us = read_back_us::<B>(device, reps, call).map_err(e)?;
+        println!("| {label}, its [4] read back (host us/call) | {host_us:.1} | | |");
         Ok(())
     };
     exact("plain add_scalar", &mut || {
@@ -325,7 +297,7 @@ pub fn run<B: KvPlanBackend + HostProbe>(device: &B::Device, reps: usize) -> Res
     })?;
     exact(
         "extension, one launch and an upload (4 in, 2 out), status",
-        &mut || B::probe_wide(a.clone(), b.clone(), c.clone(), d.clone(), true, true).status,
+        &mut || wide(true, true).status,
     )?;
     Ok(())
 }
