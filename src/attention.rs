@@ -105,13 +105,13 @@ impl<B: KvPlanBackend> KeyRuns<B> {
     /// launch takes of them: the slots and the runs record.
     pub(crate) fn launch_args(
         &self,
-        q: &FloatTensor<B>,
+        q: &validate::Arg<B::Device>,
         k_pool: &FloatTensor<B>,
         v_pool: &FloatTensor<B>,
         heads: usize,
     ) -> Result<[IntTensor<B>; 2], Error> {
         validate::paged_attention(
-            &arg("q", q),
+            q,
             &arg("k_pool", k_pool),
             &arg("v_pool", v_pool),
             [&arg("slots", &self.slots), &arg("runs", &self.runs)],
@@ -140,7 +140,7 @@ pub mod backend {
         keys: &KeyRuns<B>,
         heads: usize,
     ) -> Result<FloatTensor<B>, Error> {
-        let [slots, runs] = keys.launch_args(&q, &k_pool, &v_pool, heads)?;
+        let [slots, runs] = keys.launch_args(&arg("q", &q), &k_pool, &v_pool, heads)?;
         Ok(B::paged_attention(q, k_pool, v_pool, slots, runs, heads))
     }
 }

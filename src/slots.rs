@@ -39,7 +39,9 @@ use crate::attention::KeyRuns;
 use crate::deferred::Status;
 use crate::error::{ASSIGN_CONTEXT, Error, STORE_CONTEXT};
 use crate::gather::arg;
-use crate::ops::{KvPlanBackend, KvRows, NewRowsPrimitive, StoreScratchPrimitive, StoreTargets};
+use crate::ops::{
+    AttendedPrimitive, KvPlanBackend, KvRows, NewRowsPrimitive, StoreScratchPrimitive, StoreTargets,
+};
 use crate::room::{self, Buffer};
 use crate::validate;
 
@@ -505,6 +507,28 @@ impl StoreSlots {
             heads,
         )
     }
+
+    /// [`store_kv_and_attend`](Self::store_kv_and_attend) with a layer's queries and new K rows
+    /// side by side in one tensor, `qk` `[N, heads * head_dim + K pool columns]` (what one fused
+    /// projection gives after RoPE): the same pools and output bits, one tensor fewer for the op
+    /// to bind, and none of the model's slices to take them apart. A `qk` of another rank is
+    /// refused by name; its parts' errors are the other form's (the key columns as the store's
+    /// values, the rest as `q`).
+    pub fn store_qk_and_attend(
+        &mut self,
+        k_pool: Tensor<2>,
+        v_pool: Tensor<2>,
+        qk: Tensor<2>,
+        v: Tensor<2>,
+        keys: &KeyRuns,
+        heads: usize,
+    ) -> Result<Attended, Error> {
+        self.store_qk_and_attend_primitives(
+            [k_pool, v_pool, qk, v].map(Tensor::into_dispatch),
+            keys,
+            heads,
+        )
+    }
 }
 
 /// What [`StoreSlots::store_kv_and_attend`] hands back.
@@ -573,26 +597,75 @@ impl<B: KvPlanBackend> StoreSlots<B> {
         keys: &KeyRuns<B>,
         heads: usize,
     ) -> Result<Attended<B>, Error> {
-        for (cache_name, cache, values_name, values) in
-            [("k_pool", &k_pool, "k", &k), ("v_pool", &v_pool, "v", &v)]
-        {
-            self.check_write(arg(cache_name, cache), arg(values_name, values))?;
-        }
-        let [slots, runs] = keys.launch_args(&q, &k_pool, &v_pool, heads)?;
-        let rows = NewRowsPrimitive {
-            k,
+        let [slots, runs] = self.check_store_and_attend(
+            [&arg("q", &q), &arg("k", &k)],
+            [&k_pool, &v_pool],
+            &v,
+            keys,
+            heads,
+        )?;
+        let rows = self.new_rows(v);
+        let output = B::store_and_attend(q, k_pool, v_pool, k, rows, self.base, slots, runs, heads);
+        Ok(self.attended(output))
+    }
+
+    /// [`store_qk_and_attend`](StoreSlots::store_qk_and_attend) on primitives.
+    pub fn store_qk_and_attend_primitives(
+        &mut self,
+        [k_pool, v_pool, qk, v]: [FloatTensor<B>; 4],
+        keys: &KeyRuns<B>,
+        heads: usize,
+    ) -> Result<Attended<B>, Error> {
+        let qk_arg = arg("qk", &qk);
+        validate::require_rank(&qk_arg, 2, STORE_CONTEXT)?;
+        // The K rows are the last K pool's width of columns; the queries the rest.
+        let k_cols = k_pool.shape().get(1).copied().unwrap_or(0);
+        let part = |cols| validate::Arg {
+            shape: vec![qk_arg.dim(0), cols],
+            ..qk_arg.clone()
+        };
+        let (q, k) = (part(qk_arg.dim(1).saturating_sub(k_cols)), part(k_cols));
+        let [slots, runs] =
+            self.check_store_and_attend([&q, &k], [&k_pool, &v_pool], &v, keys, heads)?;
+        let rows = self.new_rows(v);
+        let output =
+            B::store_qk_and_attend(qk, k_pool, v_pool, rows, self.base, slots, runs, heads);
+        Ok(self.attended(output))
+    }
+
+    /// The host rules of a store of `k` and `v` into the pools and of the attention of `q` over
+    /// them, then the attention's launch arguments.
+    fn check_store_and_attend(
+        &self,
+        [q, k]: [&validate::Arg<B::Device>; 2],
+        [k_pool, v_pool]: [&FloatTensor<B>; 2],
+        v: &FloatTensor<B>,
+        keys: &KeyRuns<B>,
+        heads: usize,
+    ) -> Result<[IntTensor<B>; 2], Error> {
+        self.check_write(arg("k_pool", k_pool), k.clone())?;
+        self.check_write(arg("v_pool", v_pool), arg("v", v))?;
+        keys.launch_args(q, k_pool, v_pool, heads)
+    }
+
+    /// The new V rows and these slots, for one store-and-attend; the status moves into it.
+    fn new_rows(&mut self, v: FloatTensor<B>) -> NewRowsPrimitive<B> {
+        NewRowsPrimitive {
             v,
             loc: self.loc.clone(),
             status: self.take_status().into_words(),
             claims: self.claims.clone(),
-        };
-        let output = B::store_and_attend(q, k_pool, v_pool, rows, self.base, slots, runs, heads);
+        }
+    }
+
+    /// A store-and-attend's result; the status moves on to the one it hands back.
+    fn attended(&mut self, output: AttendedPrimitive<B>) -> Attended<B> {
         self.status = Some(Status::new(output.status, STORE_CONTEXT));
-        Ok(Attended {
+        Attended {
             out: output.out,
             k_pool: output.k_pool,
             v_pool: output.v_pool,
-        })
+        }
     }
 
     /// Rows of the caches the slots were checked against.

@@ -9,7 +9,7 @@
 //! 3. self-speculative only: `draft_tokens` forwards of the first layers draft on the device;
 //! 4. the target forward over every row's window: each layer's new K/V stored at the slots that
 //!    `masked_gather` reads back out of the table and its attention over the slots
-//!    `segment_gather` returns for each row's whole context, one `store_kv_and_attend` launch;
+//!    `segment_gather` returns for each row's whole context, one `store_qk_and_attend` launch;
 //! 5. one read-back of the target's tokens; host acceptance; rejected slots back to the free list;
 //! 6. the canary: the accepted suffix's slots through `segment_gather`, `plan_deferred` (prefix =
 //!    the committed length before the step, extend = the tokens committed now), a write of their
@@ -91,7 +91,7 @@ pub struct EngineOptions {
     /// is the host reference, which reads every pool back each layer).
     pub paged_attention: bool,
     /// With paged attention, steps of at most this many tokens store each layer's K/V and attend
-    /// in one launch (`store_kv_and_attend`); larger ones store, then attend. The one launch
+    /// in one launch (`store_qk_and_attend`); larger ones store, then attend. The one launch
     /// saves host time per layer and costs GPU time per token (`benches/RESULTS.md`, session 26).
     pub fused_store_tokens: usize,
     /// Wait for the device at the end of each step phase and record where the time went

@@ -139,17 +139,15 @@ impl KvCache {
         Ok(())
     }
 
-    /// Stores `k` and `v` of `layer` at `slots`, then attends `q` (`heads` query heads) over the
-    /// layer's pools through `keys`: one launch on the GPU (kvplan's `store_kv_and_attend`).
-    /// Charged to the attention.
-    #[allow(clippy::too_many_arguments)]
+    /// Stores the K rows of `qk` (queries and keys side by side) and `v` of `layer` at `slots`,
+    /// then attends its queries (`heads` query heads) over the layer's pools through `keys`: one
+    /// launch on the GPU (kvplan's `store_qk_and_attend`). Charged to the attention.
     pub fn store_and_attend(
         &mut self,
         layer: usize,
         slots: &mut StoreSlots,
-        k: Tensor<2>,
+        qk: Tensor<2>,
         v: Tensor<2>,
-        q: Tensor<2>,
         keys: &KeyRuns,
         heads: usize,
     ) -> Result<Tensor<2>> {
@@ -157,17 +155,16 @@ impl KvCache {
         let k_pool = std::mem::replace(&mut self.k[layer], self.placeholder.clone());
         let v_pool = std::mem::replace(&mut self.v[layer], self.placeholder.clone());
         // Clones only for a repeat: a kept tensor is one the op may not reuse.
-        let again =
-            (self.repeat == Some(OpKind::Stores)).then(|| (k.clone(), v.clone(), q.clone()));
+        let again = (self.repeat == Some(OpKind::Stores)).then(|| (qk.clone(), v.clone()));
         let mut attended = slots
-            .store_kv_and_attend(k_pool, v_pool, k, v, q, keys, heads)
+            .store_qk_and_attend(k_pool, v_pool, qk, v, keys, heads)
             .map(Attended::into_tensors);
         match (self.repeat, again) {
             // The same rows stored again with the same queries: the same pools and output.
-            (Some(OpKind::Stores), Some((k, v, q))) => {
+            (Some(OpKind::Stores), Some((qk, v))) => {
                 attended = attended.and_then(|(_, k_pool, v_pool)| {
                     slots
-                        .store_kv_and_attend(k_pool, v_pool, k, v, q, keys, heads)
+                        .store_qk_and_attend(k_pool, v_pool, qk, v, keys, heads)
                         .map(Attended::into_tensors)
                 });
             }

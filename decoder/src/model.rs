@@ -109,7 +109,7 @@ pub struct Llama {
 pub enum Attention {
     /// kvplan's paged attention: each token over the K/V rows at its run of the step's slot list
     /// (the backends with kvplan kernels); with `fused_store`, each layer's store and attention
-    /// in one launch (`StoreSlots::store_kv_and_attend`), else the store, then the attention.
+    /// in one launch (`StoreSlots::store_qk_and_attend`), else the store, then the attention.
     Paged {
         /// The step's key runs, checked.
         keys: KeyRuns,
@@ -308,21 +308,26 @@ impl Llama {
             let plain = qkv.clone().narrow(1, 0, qk).reshape([tokens, heads, hd]);
             let swapped = qkv.narrow(1, qk + kv, qk).reshape([tokens, heads, hd]);
             let rotated = (plain * cos.clone() + swapped * sin.clone()).reshape([tokens, qk]);
-            let q = rotated.clone().narrow(1, 0, c.hidden);
-            let k = rotated.narrow(1, c.hidden, kv);
+            let split = |rotated: Tensor<2>| {
+                let q = rotated.clone().narrow(1, 0, c.hidden);
+                (q, rotated.narrow(1, c.hidden, kv))
+            };
             let attended = match &input.attention {
+                // Queries and keys go in as the one tensor they are: no slices to register.
                 Attention::Paged {
                     keys,
                     fused_store: true,
-                } => cache.store_and_attend(layer, &mut slots, k, v, q, keys, c.heads)?,
+                } => cache.store_and_attend(layer, &mut slots, rotated, v, keys, c.heads)?,
                 Attention::Paged {
                     keys,
                     fused_store: false,
                 } => {
+                    let (q, k) = split(rotated);
                     cache.store(layer, &mut slots, k, v)?;
                     cache.attend(layer, q, keys, c.heads)?
                 }
                 Attention::Padded(padded) => {
+                    let (q, k) = split(rotated);
                     cache.store(layer, &mut slots, k, v)?;
                     self.attend_padded(cache, layer, q, padded)
                 }

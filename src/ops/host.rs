@@ -466,6 +466,20 @@ pub(crate) fn int_prefix<B: Backend>(tensor: IntTensor<B>, len: usize) -> IntTen
     B::int_slice(tensor, &[Slice::from(0..len)])
 }
 
+/// `qk`'s queries and K rows: its columns before the last `k_pool`'s width, and those.
+pub(crate) fn split_qk<B: Backend>(
+    qk: FloatTensor<B>,
+    k_pool: &FloatTensor<B>,
+) -> [FloatTensor<B>; 2] {
+    let [tokens, cols] = [qk.shape()[0], qk.shape()[1]];
+    let q_cols = cols - k_pool.shape()[1];
+    let part = |columns| [Slice::from(0..tokens), Slice::from(columns)];
+    [
+        B::float_slice(qk.clone(), &part(0..q_cols)),
+        B::float_slice(qk, &part(q_cols..cols)),
+    ]
+}
+
 /// Reads a status record back: the single transfer of a checked call.
 pub(crate) fn read_status<B: Backend>(status: IntTensor<B>) -> Result<StatusWords, Error> {
     let (_, words) = read_int::<B>(status)?;

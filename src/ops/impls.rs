@@ -137,13 +137,14 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         q: burn_cubecl::tensor::CubeTensor,
         k_pool: burn_cubecl::tensor::CubeTensor,
         v_pool: burn_cubecl::tensor::CubeTensor,
+        k: burn_cubecl::tensor::CubeTensor,
         rows: NewRowsPrimitive<Self>,
         base: u32,
         slots: burn_cubecl::tensor::CubeTensor,
         runs: burn_cubecl::tensor::CubeTensor,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
-        super::cube::store_and_attend([q, k_pool, v_pool], rows, base, [slots, runs], heads)
+        super::cube::store_and_attend([q, k_pool, v_pool, k], rows, base, [slots, runs], heads)
     }
 }
 
@@ -451,6 +452,7 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         q: FloatTensor<Self>,
         k_pool: FloatTensor<Self>,
         v_pool: FloatTensor<Self>,
+        k: FloatTensor<Self>,
         rows: NewRowsPrimitive<Self>,
         base: u32,
         slots: B::IntTensorPrimitive,
@@ -458,28 +460,65 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         heads: usize,
     ) -> AttendedPrimitive<Self> {
         // As the store and the attention alone: constants, no gradient (inference only).
-        let rows = NewRowsPrimitive {
-            k: rows.k.into_primitive(),
-            v: rows.v.into_primitive(),
-            loc: rows.loc,
-            status: rows.status,
-            claims: rows.claims,
-        };
         let inner = B::store_and_attend(
             q.into_primitive(),
             k_pool.into_primitive(),
             v_pool.into_primitive(),
-            rows,
+            k.into_primitive(),
+            inner_rows(rows),
             base,
             slots,
             runs,
             heads,
         );
-        AttendedPrimitive {
-            out: Autodiff::<B, C>::from_inner(inner.out),
-            k_pool: Autodiff::<B, C>::from_inner(inner.k_pool),
-            v_pool: Autodiff::<B, C>::from_inner(inner.v_pool),
-            status: inner.status,
-        }
+        outer_attended(inner)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store_qk_and_attend(
+        qk: FloatTensor<Self>,
+        k_pool: FloatTensor<Self>,
+        v_pool: FloatTensor<Self>,
+        rows: NewRowsPrimitive<Self>,
+        base: u32,
+        slots: B::IntTensorPrimitive,
+        runs: B::IntTensorPrimitive,
+        heads: usize,
+    ) -> AttendedPrimitive<Self> {
+        let inner = B::store_qk_and_attend(
+            qk.into_primitive(),
+            k_pool.into_primitive(),
+            v_pool.into_primitive(),
+            inner_rows(rows),
+            base,
+            slots,
+            runs,
+            heads,
+        );
+        outer_attended(inner)
+    }
+}
+
+/// A store's new rows as the inner backend's: constants, no gradient (inference only).
+fn inner_rows<B: Backend, C: CheckpointStrategy>(
+    rows: NewRowsPrimitive<Autodiff<B, C>>,
+) -> NewRowsPrimitive<B> {
+    NewRowsPrimitive {
+        v: rows.v.into_primitive(),
+        loc: rows.loc,
+        status: rows.status,
+        claims: rows.claims,
+    }
+}
+
+/// The inner backend's store-and-attend result under Autodiff.
+fn outer_attended<B: Backend, C: CheckpointStrategy>(
+    inner: AttendedPrimitive<B>,
+) -> AttendedPrimitive<Autodiff<B, C>> {
+    AttendedPrimitive {
+        out: Autodiff::<B, C>::from_inner(inner.out),
+        k_pool: Autodiff::<B, C>::from_inner(inner.k_pool),
+        v_pool: Autodiff::<B, C>::from_inner(inner.v_pool),
+        status: inner.status,
     }
 }

@@ -325,12 +325,11 @@ pub struct StoreWritePrimitive<B: Backend> {
     pub status: IntTensor<B>,
 }
 
-/// A layer's new K/V rows and the checked slots they are stored at, for `store_and_attend`.
+/// A layer's new V rows and the checked slots they and its K rows are stored at, for
+/// `store_and_attend` (which takes the K rows apart: alone, or beside the queries).
 #[derive(ExtensionType, Debug, Clone)]
 #[extension_type(fusion: cfg(feature = "fusion"))]
 pub struct NewRowsPrimitive<B: Backend> {
-    /// The new K rows, `[N, K pool columns]`.
-    pub k: FloatTensor<B>,
     /// The new V rows, `[N, V pool columns]`.
     pub v: FloatTensor<B>,
     /// The slots, `[N]`.
@@ -523,7 +522,7 @@ pub trait KvPlanBackend: Backend {
     /// `base` is the slots' check's first clock value: the Cube backend reads the keys this store
     /// writes from the new rows, through the claims, and makes both in one launch. The host rules
     /// of both have been checked by the caller.
-    #[fusion(meta = |q, k_pool, v_pool, _rows, _base, _slots, _runs, _heads| AttendedPrimitiveMetadata {
+    #[fusion(meta = |q, k_pool, v_pool, _k, _rows, _base, _slots, _runs, _heads| AttendedPrimitiveMetadata {
         out: q.clone(),
         k_pool: k_pool.clone(),
         v_pool: v_pool.clone(),
@@ -534,6 +533,7 @@ pub trait KvPlanBackend: Backend {
         q: FloatTensor<Self>,
         k_pool: FloatTensor<Self>,
         v_pool: FloatTensor<Self>,
+        k: FloatTensor<Self>,
         #[extension_type] rows: NewRowsPrimitive<Self>,
         base: u32,
         slots: IntTensor<Self>,
@@ -543,7 +543,7 @@ pub trait KvPlanBackend: Backend {
         let _ = base; // the host has no claims to read: it stores, then attends
         let written = Self::store_rows(
             StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)),
-            StoreTargets::Pair(KvRows::Float(rows.k), KvRows::Float(rows.v)),
+            StoreTargets::Pair(KvRows::Float(k), KvRows::Float(rows.v)),
             rows.loc,
             rows.status,
         );
@@ -558,6 +558,33 @@ pub trait KvPlanBackend: Backend {
             v_pool,
             status: written.status,
         }
+    }
+
+    /// `store_and_attend` with the queries and the new K rows side by side in one tensor, `qk`
+    /// `[N, heads * head_dim + K pool columns]`, as one fused projection makes them: one tensor
+    /// fewer for the op to bind. Both are views of `qk` where the backend makes views.
+    #[fusion(meta = |qk, k_pool, v_pool, _rows, _base, _slots, _runs, _heads| AttendedPrimitiveMetadata {
+        out: TensorSpec::new(
+            [qk.shape[0], qk.shape[1] - k_pool.shape[1]].into(),
+            qk.dtype,
+        ),
+        k_pool: k_pool.clone(),
+        v_pool: v_pool.clone(),
+        status: status_spec(),
+    })]
+    #[allow(clippy::too_many_arguments)]
+    fn store_qk_and_attend(
+        qk: FloatTensor<Self>,
+        k_pool: FloatTensor<Self>,
+        v_pool: FloatTensor<Self>,
+        #[extension_type] rows: NewRowsPrimitive<Self>,
+        base: u32,
+        slots: IntTensor<Self>,
+        runs: IntTensor<Self>,
+        heads: usize,
+    ) -> AttendedPrimitive<Self> {
+        let [q, k] = host::split_qk::<Self>(qk, &k_pool);
+        Self::store_and_attend(q, k_pool, v_pool, k, rows, base, slots, runs, heads)
     }
 
     /// The first `len` values of a gather's 1-D output: a view where the backend can make one.

@@ -63,7 +63,7 @@ pub fn dtype_name(dtype: DType) -> String {
     }
 }
 
-fn require_rank<D>(arg: &Arg<D>, rank: usize, context: &str) -> Result<(), Error> {
+pub(crate) fn require_rank<D>(arg: &Arg<D>, rank: usize, context: &str) -> Result<(), Error> {
     if arg.shape.len() == rank {
         return Ok(());
     }

@@ -181,13 +181,13 @@ pub(crate) fn paged_attention(
 /// cannot run (an index past the device's width, f64 through SPIR-V), the store's and the
 /// attention's own launchers, which report or mark it as each does alone.
 pub(crate) fn store_and_attend(
-    [q, k_pool, v_pool]: [CubeTensor; 3],
+    [q, k_pool, v_pool, k]: [CubeTensor; 4],
     rows: NewRowsPrimitive<CubeBackend>,
     base: u32,
     [slots, runs]: [CubeTensor; 2],
     heads: usize,
 ) -> AttendedPrimitive<CubeBackend> {
-    let (q, k, v) = (unit_rows(q), unit_rows(rows.k), unit_rows(rows.v));
+    let (q, k, v) = (unit_rows(q), unit_rows(k), unit_rows(rows.v));
     let (k_pool, v_pool) = (owned(unit_rows(k_pool)), owned(unit_rows(v_pool)));
     let (tokens, q_cols) = (q.shape()[0], q.shape()[1]);
     let new = k.shape()[0];

@@ -545,6 +545,38 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
             float_values::<B>(attended.k_pool),
             float_values::<B>(attended.v_pool),
         );
+        let bits = |values: &[f64]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        // The queries and keys as one tensor, where there is a key row per query: the same.
+        if new == tokens {
+            let ([k_pool, v_pool, _, v, _], keys, mut store) = inputs();
+            let q_cols = case.q_cols();
+            let qk: Vec<f64> = (0..tokens)
+                .flat_map(|t| {
+                    let key = &k_new[t * cols..][..cols];
+                    case.q[t * q_cols..][..q_cols].iter().chain(key).copied()
+                })
+                .collect();
+            let qk = floats::<B>(&qk, [tokens, q_cols + cols], float, device);
+            let mut slots = store
+                .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
+                .unwrap();
+            let attended = slots
+                .store_qk_and_attend_primitives([k_pool, v_pool, qk, v], &keys, heads)
+                .expect("host rules hold");
+            assert_eq!(slots.status().check(), status, "{what}: qk status");
+            let got = float_values::<B>(attended.out);
+            assert_eq!(bits(&got), bits(&out), "{what}: qk output");
+            assert_eq!(
+                float_values::<B>(attended.k_pool),
+                k_got,
+                "{what}: qk K pool"
+            );
+            assert_eq!(
+                float_values::<B>(attended.v_pool),
+                v_got,
+                "{what}: qk V pool"
+            );
+        }
         // Apart.
         let ([k_pool, v_pool, k, v, q], keys, mut store) = inputs();
         let mut slots = store
@@ -559,7 +591,6 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         };
         let apart = paged_attention::<B>(q, k_pool.clone(), v_pool.clone(), &keys, heads).unwrap();
         assert_eq!(status, slots.status().check(), "{what}: status");
-        let bits = |values: &[f64]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         assert_eq!(
             bits(&out),
             bits(&float_values::<B>(apart)),
@@ -644,6 +675,82 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         });
         assert_eq!(together, apart, "{shapes:?}");
     }
+    // The one-tensor form's rules: its rank (named `qk`), then its parts' as the other form
+    // reports them (the key columns as the store's values, the rest as `q`); the slots' status
+    // stays theirs.
+    let mut slots = store
+        .check_slot_primitives(list::<B>(&[3, 4], DType::I64, device), 5)
+        .unwrap();
+    let (store_kv, attention) = ("store_kv:".to_string(), "paged_attention:".to_string());
+    let head_shape = |q: Vec<usize>| Error::HeadShape {
+        context: attention.clone(),
+        q: Dims(q),
+        k_pool: Dims(vec![5, 16]),
+        v_pool: Dims(vec![5, 16]),
+        heads: 4,
+        max_head_dim: 256,
+    };
+    for (qk, expected) in [
+        (
+            B::float_from_data(TensorData::new(vec![0f32; 4], [4]), device),
+            Error::Not2d {
+                context: store_kv.clone(),
+                name: "qk",
+                shape: Dims(vec![4]),
+            },
+        ),
+        (
+            zeros([3, 48]), // three K rows for two slots
+            Error::ValueShapeMismatch {
+                context: store_kv.clone(),
+                values: Dims(vec![3, 16]),
+                expected: Dims(vec![2, 16]),
+                cache: Dims(vec![5, 16]),
+            },
+        ),
+        (zeros([2, 16]), head_shape(vec![2, 0])), // no query columns
+        (zeros([2, 46]), head_shape(vec![2, 30])), // queries not whole heads
+        (
+            floats::<B>(&[0.0; 96], [2, 48], DType::F64, device),
+            Error::ValueDtypeMismatch {
+                context: store_kv.clone(),
+                values: "f64".into(),
+                cache: "f32".into(),
+            },
+        ),
+    ] {
+        let error = slots
+            .store_qk_and_attend_primitives(
+                [zeros([5, 16]), zeros([5, 16]), qk, zeros([2, 16])],
+                &keys,
+                4,
+            )
+            .map(drop);
+        assert_eq!(error, Err(expected.clone()));
+        assert_eq!(
+            slots.status().check(),
+            Ok(2),
+            "{expected}: the status stays"
+        );
+    }
+    let attended = slots
+        .store_qk_and_attend_primitives(
+            [
+                zeros([5, 16]),
+                zeros([5, 16]),
+                zeros([2, 48]),
+                zeros([2, 16]),
+            ],
+            &keys,
+            4,
+        )
+        .unwrap();
+    assert_eq!(
+        float_values::<B>(attended.out),
+        vec![0.0; 2 * 32],
+        "zeros attend to zeros"
+    );
+
     // A key outside the pools: the runs' error, NaN out, and the rows stored all the same.
     let keys = KeyRuns::<B>::check_primitives(
         [&[1, 9][..], &[0, 0], &[1, 2]].map(|v| list::<B>(v, DType::I64, device)),
