@@ -60,6 +60,9 @@ pub struct NewRowsShape {
     pub rows: u64,
     /// Row stride of the new K rows.
     pub k_stride: u64,
+    /// Where the K rows' first column is in their tensor: past the queries' columns when the
+    /// queries and keys are one tensor, else 0.
+    pub k_offset: u64,
     /// Row stride of the new V rows.
     pub v_stride: u64,
     /// Stride of `loc`.
@@ -200,6 +203,7 @@ pub fn attention_kernel<F: Float, S: Int>(
         let none = NewRowsShape {
             rows: 0,
             k_stride: 0,
+            k_offset: 0,
             v_stride: 0,
             loc_stride: 0,
             base: 1,
@@ -257,7 +261,7 @@ pub fn store_attention_kernel<F: Float, S: Int, L: Int>(
         if slot != 0 || t == zero_row {
             let column = (h / shape.groups) * head_dim as u64 + u as u64;
             k_pool[(slot * shape.k_stride + column) as usize] =
-                k[(t * rows.k_stride + column) as usize];
+                k[(rows.k_offset + t * rows.k_stride + column) as usize];
             v_pool[(slot * shape.v_stride + column) as usize] =
                 v[(t * rows.v_stride + column) as usize];
         }
@@ -362,7 +366,7 @@ fn attend<F: Float, S: Int, W: Int>(
                 scores[u] = dot::<F>(&q_row, k_pool, at, head_dim) * scale;
                 key_rows[u] = slot * shape.v_stride + kv_column;
             } else {
-                let at = (row * rows.k_stride + kv_column) as usize;
+                let at = (rows.k_offset + row * rows.k_stride + kv_column) as usize;
                 scores[u] = dot::<F>(&q_row, k, at, head_dim) * scale;
                 key_rows[u] = NEW_ROW | (row * rows.v_stride + kv_column);
             }

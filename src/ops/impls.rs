@@ -146,6 +146,20 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
     ) -> AttendedPrimitive<Self> {
         super::cube::store_and_attend([q, k_pool, v_pool, k], rows, base, [slots, runs], heads)
     }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store_qk_and_attend(
+        qk: burn_cubecl::tensor::CubeTensor,
+        k_pool: burn_cubecl::tensor::CubeTensor,
+        v_pool: burn_cubecl::tensor::CubeTensor,
+        rows: NewRowsPrimitive<Self>,
+        base: u32,
+        slots: burn_cubecl::tensor::CubeTensor,
+        runs: burn_cubecl::tensor::CubeTensor,
+        heads: usize,
+    ) -> AttendedPrimitive<Self> {
+        super::cube::store_qk_and_attend([qk, k_pool, v_pool], rows, base, [slots, runs], heads)
+    }
 }
 
 /// Moves a value between `Autodiff<B>` and `B`: their int primitives are one type.

@@ -184,10 +184,41 @@ pub(crate) fn store_and_attend(
     [q, k_pool, v_pool, k]: [CubeTensor; 4],
     rows: NewRowsPrimitive<CubeBackend>,
     base: u32,
+    keys: [CubeTensor; 2],
+    heads: usize,
+) -> AttendedPrimitive<CubeBackend> {
+    let (q, k) = (unit_rows(q), unit_rows(k));
+    one_launch([q, k_pool, v_pool], (k, 0), rows, base, keys, heads)
+}
+
+/// `store_and_attend` with the queries and the K rows side by side in `qk`: the queries a view of
+/// its first columns (the same buffer from its start: never a copy), the K rows read from it past
+/// them. (Burn's slice copies a part that does not start and end on the allocator's alignment,
+/// as the keys of a 576 + 192 column row do not.)
+pub(crate) fn store_qk_and_attend(
+    [qk, k_pool, v_pool]: [CubeTensor; 3],
+    rows: NewRowsPrimitive<CubeBackend>,
+    base: u32,
+    keys: [CubeTensor; 2],
+    heads: usize,
+) -> AttendedPrimitive<CubeBackend> {
+    let qk = unit_rows(qk);
+    let q_cols = qk.shape()[1] - k_pool.shape()[1];
+    let mut q = qk.clone();
+    q.meta.shape = Shape::new([qk.shape()[0], q_cols]);
+    one_launch([q, k_pool, v_pool], (qk, q_cols), rows, base, keys, heads)
+}
+
+/// The one launch; the K rows are `k`'s columns from `k_offset` on, as many as the K pool's.
+fn one_launch(
+    [q, k_pool, v_pool]: [CubeTensor; 3],
+    (k, k_offset): (CubeTensor, usize),
+    rows: NewRowsPrimitive<CubeBackend>,
+    base: u32,
     [slots, runs]: [CubeTensor; 2],
     heads: usize,
 ) -> AttendedPrimitive<CubeBackend> {
-    let (q, k, v) = (unit_rows(q), unit_rows(k), unit_rows(rows.v));
+    let v = unit_rows(rows.v);
     let (k_pool, v_pool) = (owned(unit_rows(k_pool)), owned(unit_rows(v_pool)));
     let (tokens, q_cols) = (q.shape()[0], q.shape()[1]);
     let new = k.shape()[0];
@@ -209,6 +240,11 @@ pub(crate) fn store_and_attend(
         &[cubes, tokens * q_cols],
     );
     let (Ok(address), false) = (address, f64_on_spirv(&q)) else {
+        let k_cols = k_pool.shape()[1];
+        let k = match k_offset {
+            0 => k,
+            _ => burn_cubecl::kernel::slice(k, &[0..new, k_offset..k_offset + k_cols]),
+        };
         let written = store_rows(
             StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)),
             StoreTargets::Pair(KvRows::Float(k), KvRows::Float(v)),
@@ -256,6 +292,7 @@ pub(crate) fn store_and_attend(
     let new_rows = NewRowsShapeLaunch::new(
         new as u64,
         stride(&k, 0),
+        k_offset as u64,
         stride(&v, 0),
         stride(&loc, 0),
         base,

@@ -15,7 +15,9 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
-pub(crate) use attention::{check_key_runs, paged_attention, store_and_attend};
+pub(crate) use attention::{
+    check_key_runs, paged_attention, store_and_attend, store_qk_and_attend,
+};
 pub(crate) use canary::{canary_verify, canary_write};
 pub(crate) use gather::{masked_gather, segment_gather};
 pub(crate) use plan::canary_plan;

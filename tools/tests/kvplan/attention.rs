@@ -842,6 +842,9 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
 /// over a slot list past the span is refused with `index_range` in its status, and an attention
 /// through those runs (which binds that list too) is NaN; runs within the span over pools past it pass their check,
 /// and the attention, which cannot index the pools, is NaN (as after an error, never wrapped).
+/// A store and attention in one launch over such pools falls back to the two launchers: the
+/// store's refusal in the slots' status, the pools unchanged, the attention NaN; so does the form
+/// with the queries and keys in one tensor (the keys then a copy of their columns).
 pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
     let l = |values: &[i64]| list::<B>(values, DType::I64, device);
     let q = || floats::<B>(&[0.5; 2 * 16], [2, 16], DType::F32, device);
@@ -868,4 +871,36 @@ pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
         float_values::<B>(out).iter().all(|v| v.is_nan()),
         "attention over pools past the span"
     );
+    let mut store = KvStore::<B>::allocate_on(rows, device).unwrap();
+    for one_tensor in [false, true] {
+        let what = if one_tensor { "qk" } else { "q, k" };
+        let mut slots = store.check_slot_primitives(l(&[1, 2]), rows).unwrap();
+        let new = || floats::<B>(&[0.75; 2 * 16], [2, 16], DType::F32, device);
+        let attended = if one_tensor {
+            let qk = floats::<B>(&[0.5; 2 * 32], [2, 32], DType::F32, device);
+            slots.store_qk_and_attend_primitives([pool(rows), pool(rows), qk, new()], &keys, 1)
+        } else {
+            slots.store_kv_and_attend_primitives(
+                [pool(rows), pool(rows), new(), new(), q()],
+                &keys,
+                1,
+            )
+        }
+        .unwrap();
+        match slots.status().check() {
+            Err(Error::IndexRange { limit, .. }) => assert_eq!(limit, span as u64, "{what}"),
+            other => panic!("{what}: expected index_range, got {other:?}"),
+        }
+        assert!(
+            float_values::<B>(attended.out).iter().all(|v| v.is_nan()),
+            "{what}: attention over pools past the span"
+        );
+        for pool in [attended.k_pool, attended.v_pool] {
+            assert_eq!(
+                float_values::<B>(pool),
+                vec![0.25; rows * 16],
+                "{what}: unchanged"
+            );
+        }
+    }
 }
