@@ -173,7 +173,7 @@ PY
             log="$OUT/decode-$build-$spec-$bs"
             "$bin" generate --backend cuda --spec "$mode" --draft-tokens "$k" "${extra[@]}" --batch "$bs" --limit "$limit" --max-new-tokens 128 \
               --ignore-eos --json --file benches/prompts.txt > "$log.jsonl" 2> "$log.err"
-            echo "$tag,$spec,$bs,$(grep -h '^generate: .* requests' "$log.err")"
+            echo "$tag,$spec,$bs,$(grep -h '^generate: [0-9]* requests' "$log.err")"
             grep -h '^generate: warm-up\|^generate: step' "$log.err"
           done
         done
