@@ -99,24 +99,20 @@ pub(crate) fn on_host(buffers: &[Buffer]) -> Result<(), Error> {
 
 /// `max_page_size` of a CubeCL device (fused or not, under autodiff or not); `None` elsewhere.
 fn page_limit<D: 'static>(device: &D) -> Option<u64> {
+    cube_device(device).map(|cube| cube.client().properties().memory.max_page_size)
+}
+
+/// The CubeCL device `device` names (fused or not, under autodiff or not); `None` elsewhere.
+pub(crate) fn cube_device<D: 'static>(device: &D) -> Option<burn_cubecl::CubeDevice> {
     let device = device as &dyn Any;
     if let Some(dispatch) = device.downcast_ref::<DispatchDevice>() {
         return match dispatch.clone().inner() {
             #[cfg(any(feature = "vulkan", feature = "cuda"))]
-            DispatchDevice::Cube(cube) => Some(cube_page_limit(&cube)),
+            DispatchDevice::Cube(cube) => Some(cube),
             _ => None,
         };
     }
-    #[cfg(any(feature = "vulkan", feature = "cuda"))]
-    if let Some(cube) = device.downcast_ref::<burn_cubecl::CubeDevice>() {
-        return Some(cube_page_limit(cube));
-    }
-    None
-}
-
-#[cfg(any(feature = "vulkan", feature = "cuda"))]
-fn cube_page_limit(device: &burn_cubecl::CubeDevice) -> u64 {
-    device.client().properties().memory.max_page_size
+    device.downcast_ref::<burn_cubecl::CubeDevice>().cloned()
 }
 
 #[cfg(test)]

@@ -40,7 +40,8 @@ use crate::deferred::Status;
 use crate::error::{ASSIGN_CONTEXT, Error, STORE_CONTEXT};
 use crate::gather::arg;
 use crate::ops::{
-    AttendedPrimitive, KvPlanBackend, KvRows, NewRowsPrimitive, StoreScratchPrimitive, StoreTargets,
+    self, AttendedPrimitive, KvPlanBackend, KvRows, NewRowsPrimitive, OneLaunch,
+    StoreScratchPrimitive, StoreTargets,
 };
 use crate::room::{self, Buffer};
 use crate::validate;
@@ -225,6 +226,7 @@ pub struct KvStore<B: KvPlanBackend = Dispatch> {
     // The next call's first clock value.
     clock: u64,
     device: B::Device,
+    one_launch: OneLaunch,
 }
 
 impl KvStore {
@@ -328,6 +330,7 @@ impl<B: KvPlanBackend> KvStore<B> {
             num_slots,
             clock: 1,
             device: device.clone(),
+            one_launch: OneLaunch::on(device),
         })
     }
 
@@ -416,6 +419,7 @@ impl<B: KvPlanBackend> KvStore<B> {
             status: Some(Status::new(output.status, STORE_CONTEXT)),
             claims,
             base,
+            one_launch: self.one_launch,
         }
     }
 }
@@ -434,6 +438,7 @@ pub struct StoreSlots<B: Backend = Dispatch> {
     // holds a slot, for `store_kv_and_attend`.
     claims: IntTensor<B>,
     base: u32,
+    one_launch: OneLaunch,
 }
 
 impl StoreSlots {
@@ -553,6 +558,16 @@ impl Attended {
     }
 }
 
+impl<B: Backend> From<AttendedPrimitive<B>> for Attended<B> {
+    fn from(output: AttendedPrimitive<B>) -> Self {
+        Self {
+            out: output.out,
+            k_pool: output.k_pool,
+            v_pool: output.v_pool,
+        }
+    }
+}
+
 /// The cache of a one-cache write.
 fn one(caches: StoreTargets<Dispatch>) -> KvRows<Dispatch> {
     match caches {
@@ -604,9 +619,12 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             keys,
             heads,
         )?;
+        if !self.one_launch.runs(q.dtype()) {
+            return Ok(self.apart([k_pool, v_pool, k, v, q], [slots, runs], heads));
+        }
         let rows = self.new_rows(v);
         let output = B::store_and_attend(q, k_pool, v_pool, k, rows, self.base, slots, runs, heads);
-        Ok(self.attended(output))
+        Ok(Attended::from(output))
     }
 
     /// [`store_qk_and_attend`](StoreSlots::store_qk_and_attend) on primitives.
@@ -627,10 +645,14 @@ impl<B: KvPlanBackend> StoreSlots<B> {
         let (q, k) = (part(qk_arg.dim(1).saturating_sub(k_cols)), part(k_cols));
         let [slots, runs] =
             self.check_store_and_attend([&q, &k], [&k_pool, &v_pool], &v, keys, heads)?;
+        if !self.one_launch.runs(qk.dtype()) {
+            let [q, k] = ops::split_qk::<B>(qk, &k_pool);
+            return Ok(self.apart([k_pool, v_pool, k, v, q], [slots, runs], heads));
+        }
         let rows = self.new_rows(v);
         let output =
             B::store_qk_and_attend(qk, k_pool, v_pool, rows, self.base, slots, runs, heads);
-        Ok(self.attended(output))
+        Ok(Attended::from(output))
     }
 
     /// The host rules of a store of `k` and `v` into the pools and of the attention of `q` over
@@ -648,23 +670,35 @@ impl<B: KvPlanBackend> StoreSlots<B> {
         keys.launch_args(q, k_pool, v_pool, heads)
     }
 
-    /// The new V rows and these slots, for one store-and-attend; the status moves into it.
-    fn new_rows(&mut self, v: FloatTensor<B>) -> NewRowsPrimitive<B> {
+    /// The new V rows and these slots, for one store-and-attend, which reads their status.
+    fn new_rows(&self, v: FloatTensor<B>) -> NewRowsPrimitive<B> {
         NewRowsPrimitive {
             v,
             loc: self.loc.clone(),
-            status: self.take_status().into_words(),
+            status: self.status().words().clone(),
             claims: self.claims.clone(),
         }
     }
 
-    /// A store-and-attend's result; the status moves on to the one it hands back.
-    fn attended(&mut self, output: AttendedPrimitive<B>) -> Attended<B> {
-        self.status = Some(Status::new(output.status, STORE_CONTEXT));
+    /// A store-and-attend as the store, then the attention: where the one launch could be
+    /// refused (`OneLaunch`), the store reports a refusal in the status.
+    fn apart(
+        &mut self,
+        [k_pool, v_pool, k, v, q]: [FloatTensor<B>; 5],
+        [slots, runs]: [IntTensor<B>; 2],
+        heads: usize,
+    ) -> Attended<B> {
+        let pair = |a, b| StoreTargets::Pair(KvRows::Float(a), KvRows::Float(b));
+        let StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)) =
+            self.write(pair(k_pool, v_pool), pair(k, v))
+        else {
+            unreachable!("a write hands back the targets it was given");
+        };
+        let out = B::paged_attention(q, k_pool.clone(), v_pool.clone(), slots, runs, heads);
         Attended {
-            out: output.out,
-            k_pool: output.k_pool,
-            v_pool: output.v_pool,
+            out,
+            k_pool,
+            v_pool,
         }
     }
 

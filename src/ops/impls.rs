@@ -533,6 +533,5 @@ fn outer_attended<B: Backend, C: CheckpointStrategy>(
         out: Autodiff::<B, C>::from_inner(inner.out),
         k_pool: Autodiff::<B, C>::from_inner(inner.k_pool),
         v_pool: Autodiff::<B, C>::from_inner(inner.v_pool),
-        status: inner.status,
     }
 }

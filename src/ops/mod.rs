@@ -11,6 +11,7 @@
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
 mod cube;
 mod host;
+pub(crate) use host::split_qk;
 mod impls;
 
 pub use host::data_to_i64;
@@ -326,7 +327,8 @@ pub struct StoreWritePrimitive<B: Backend> {
 }
 
 /// A layer's new V rows and the checked slots they and its K rows are stored at, for
-/// `store_and_attend` (which takes the K rows apart: alone, or beside the queries).
+/// `store_and_attend` (which takes the K rows apart: alone, or beside the queries). The status is
+/// read, never written: the op runs only where it cannot be refused.
 #[derive(ExtensionType, Debug, Clone)]
 #[extension_type(fusion: cfg(feature = "fusion"))]
 pub struct NewRowsPrimitive<B: Backend> {
@@ -351,8 +353,6 @@ pub struct AttendedPrimitive<B: Backend> {
     pub k_pool: FloatTensor<B>,
     /// The V pool, likewise.
     pub v_pool: FloatTensor<B>,
-    /// The store's i64 status record (`kvplan_kernels::status`), as `store_rows` hands it back.
-    pub status: IntTensor<B>,
 }
 
 impl<B: Backend> StoreTargets<B> {
@@ -362,6 +362,27 @@ impl<B: Backend> StoreTargets<B> {
             Self::One(first) => vec![first],
             Self::Pair(first, second) => vec![first, second],
         }
+    }
+}
+
+/// Where `store_and_attend` runs as one launch whatever its sizes, on one device: the Cube
+/// backend's rule (64-bit indexes, and no f64 through SPIR-V) on a CubeCL device, everywhere
+/// elsewhere. Read once, when a store is allocated: it asks the device.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OneLaunch {
+    wide: bool,
+    spirv: bool,
+}
+
+impl OneLaunch {
+    pub(crate) fn on<D: 'static>(device: &D) -> Self {
+        let (wide, spirv) = crate::room::cube_device(device)
+            .map_or((true, false), |cube| cube::launch_traits(&cube));
+        Self { wide, spirv }
+    }
+
+    pub(crate) fn runs(self, dtype: burn_core::tensor::DType) -> bool {
+        self.wide && !(self.spirv && dtype == burn_core::tensor::DType::F64)
     }
 }
 
@@ -521,12 +542,12 @@ pub trait KvPlanBackend: Backend {
     /// paged attention of `q` over the pools they were stored in (`paged_attention`), as one op.
     /// `base` is the slots' check's first clock value: the Cube backend reads the keys this store
     /// writes from the new rows, through the claims, and makes both in one launch. The host rules
-    /// of both have been checked by the caller.
+    /// of both have been checked by the caller, and it calls the op only where its launch cannot
+    /// be refused (`OneLaunch`): the slots' status is read, not handed back.
     #[fusion(meta = |q, k_pool, v_pool, _k, _rows, _base, _slots, _runs, _heads| AttendedPrimitiveMetadata {
         out: q.clone(),
         k_pool: k_pool.clone(),
         v_pool: v_pool.clone(),
-        status: status_spec(),
     })]
     #[allow(clippy::too_many_arguments)]
     fn store_and_attend(
@@ -556,7 +577,6 @@ pub trait KvPlanBackend: Backend {
             out,
             k_pool,
             v_pool,
-            status: written.status,
         }
     }
 
@@ -570,7 +590,6 @@ pub trait KvPlanBackend: Backend {
         ),
         k_pool: k_pool.clone(),
         v_pool: v_pool.clone(),
-        status: status_spec(),
     })]
     #[allow(clippy::too_many_arguments)]
     fn store_qk_and_attend(

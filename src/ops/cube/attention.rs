@@ -16,11 +16,12 @@ use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::STATUS_LEN;
 
 use super::slots::owned;
+use super::wide_capable;
 use super::{
-    address_type, bindable, contiguous, grid, output_i64, storage, store_rows, stride,
-    upload_parts, widened,
+    address_type, bindable, contiguous, grid, output_i64, storage, stride, upload_parts, widened,
 };
-use crate::ops::{AttendedPrimitive, KeyRunsPrimitive, KvRows, NewRowsPrimitive, StoreTargets};
+use crate::ops::{AttendedPrimitive, KeyRunsPrimitive, NewRowsPrimitive};
+use cubecl::client::Client;
 
 /// The launch scalars; `pool_rows` and `slots_len` are what the check holds the runs to. The
 /// starts' and counts' strides are the check's (the attention reads the runs record).
@@ -101,7 +102,27 @@ pub(crate) fn check_key_runs(
 
 /// f64 through SPIR-V, whose exp is 32-bit only (GLSL.std.450): the attention is NaN there.
 fn f64_on_spirv(q: &CubeTensor) -> bool {
-    q.dtype == DType::F64 && (q.client.properties().identity.fingerprint).starts_with("spirv_")
+    f64_through_spirv(&q.client, q.dtype)
+}
+
+fn f64_through_spirv(client: &Client, dtype: DType) -> bool {
+    dtype == DType::F64 && spirv(client)
+}
+
+fn spirv(client: &Client) -> bool {
+    client
+        .properties()
+        .identity
+        .fingerprint
+        .starts_with("spirv_")
+}
+
+/// Whether `device`'s launches may index with 64 bits, and whether it compiles through SPIR-V
+/// (f64 attention is NaN there): where either rules out the one launch of a store and attention,
+/// the caller makes them apart, and the store reports a refusal in its status.
+pub(crate) fn launch_traits(device: &burn_cubecl::CubeDevice) -> (bool, bool) {
+    let client = device.client();
+    (wide_capable(&client), spirv(&client))
 }
 
 /// Rows whose last dim is contiguous: the tensor itself, or a contiguous copy.
@@ -240,26 +261,20 @@ fn one_launch(
         &[cubes, tokens * q_cols],
     );
     let (Ok(address), false) = (address, f64_on_spirv(&q)) else {
-        let k_cols = k_pool.shape()[1];
-        let k = match k_offset {
-            0 => k,
-            _ => burn_cubecl::kernel::slice(k, &[0..new, k_offset..k_offset + k_cols]),
-        };
-        let written = store_rows(
-            StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)),
-            StoreTargets::Pair(KvRows::Float(k), KvRows::Float(v)),
-            rows.loc,
-            rows.status,
+        // Callers make these apart (`OneLaunch`): reached only if the device's properties
+        // changed under them. Refused as an attention is: NaN out, the pools as they were.
+        let nan = InputScalar::new(f32::NAN, storage(&q));
+        let out = full_device_dtype(
+            q.client,
+            Shape::new([tokens, q_cols]),
+            q.device,
+            nan,
+            q.dtype,
         );
-        let StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)) = written.caches
-        else {
-            unreachable!("a write hands back the targets it was given");
-        };
         return AttendedPrimitive {
-            out: paged_attention(q, k_pool.clone(), v_pool.clone(), [slots, runs], heads),
+            out,
             k_pool,
             v_pool,
-            status: written.status,
         };
     };
     let out = empty_device_contiguous_dtype(
@@ -273,7 +288,6 @@ fn one_launch(
             out,
             k_pool,
             v_pool,
-            status: rows.status,
         };
     }
     let loc = bindable(widened(rows.loc));
@@ -318,7 +332,7 @@ fn one_launch(
             bindable(v).into_tensor_arg(),
             loc.into_tensor_arg(),
             bindable(rows.claims).into_tensor_arg(),
-            rows.status.clone().into_tensor_arg(),
+            rows.status.into_tensor_arg(),
             slots.into_tensor_arg(),
             runs.into_tensor_arg(),
             bindable(out.clone()).into_tensor_arg(),
@@ -333,6 +347,5 @@ fn one_launch(
         out,
         k_pool,
         v_pool,
-        status: rows.status,
     }
 }

@@ -12,11 +12,12 @@ use burn_core::backend::TensorMetadata;
 use burn_core::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::client::Client;
 use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
 pub(crate) use attention::{
-    check_key_runs, paged_attention, store_and_attend, store_qk_and_attend,
+    check_key_runs, launch_traits, paged_attention, store_and_attend, store_qk_and_attend,
 };
 pub(crate) use canary::{canary_verify, canary_write};
 pub(crate) use gather::{masked_gather, segment_gather};
@@ -268,14 +269,23 @@ fn address_type<'a>(
     }
     let forced = *FORCE_WIDE_INDEX
         .get_or_init(|| std::env::var("KVPLAN_WIDE_INDEX").is_ok_and(|value| value == "1"));
-    let narrow_device = *NARROW_DEVICE.get_or_init(|| {
+    let wide_capable = client.is_some_and(|client| wide_capable(&client));
+    index_width(widest, narrow_span(narrow_device()), forced, wide_capable)
+}
+
+/// Whether launches on `client`'s device may index with 64 bits (never under
+/// `KVPLAN_NARROW_DEVICE`): then no launch is refused for its size.
+fn wide_capable(client: &Client) -> bool {
+    narrow_device().is_none() && client.properties().supports_address(AddressType::U64)
+}
+
+/// `KVPLAN_NARROW_DEVICE`'s span, when set.
+fn narrow_device() -> Option<usize> {
+    *NARROW_DEVICE.get_or_init(|| {
         std::env::var("KVPLAN_NARROW_DEVICE")
             .ok()
             .and_then(|value| value.parse().ok())
-    });
-    let wide_capable = narrow_device.is_none()
-        && client.is_some_and(|client| client.properties().supports_address(AddressType::U64));
-    index_width(widest, narrow_span(narrow_device), forced, wide_capable)
+    })
 }
 
 /// The span of a 32-bit launch: `NARROW_SPAN`, or less where `KVPLAN_NARROW_DEVICE` asks for
