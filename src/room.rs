@@ -7,8 +7,10 @@
 //! failed host `Vec` allocation aborts the process. So every op that sizes a buffer from its
 //! caller's numbers asks here first.
 
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
 use core::any::Any;
 
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
 use burn_core::backend::DispatchDevice;
 
 use crate::error::Error;
@@ -99,15 +101,21 @@ pub(crate) fn on_host(buffers: &[Buffer]) -> Result<(), Error> {
 
 /// `max_page_size` of a CubeCL device (fused or not, under autodiff or not); `None` elsewhere.
 fn page_limit<D: 'static>(device: &D) -> Option<u64> {
-    cube_device(device).map(|cube| cube.client().properties().memory.max_page_size)
+    #[cfg(any(feature = "vulkan", feature = "cuda"))]
+    return cube_device(device).map(|cube| cube.client().properties().memory.max_page_size);
+    #[cfg(not(any(feature = "vulkan", feature = "cuda")))]
+    {
+        let _ = device;
+        None
+    }
 }
 
 /// The CubeCL device `device` names (fused or not, under autodiff or not); `None` elsewhere.
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
 pub(crate) fn cube_device<D: 'static>(device: &D) -> Option<burn_cubecl::CubeDevice> {
     let device = device as &dyn Any;
     if let Some(dispatch) = device.downcast_ref::<DispatchDevice>() {
         return match dispatch.clone().inner() {
-            #[cfg(any(feature = "vulkan", feature = "cuda"))]
             DispatchDevice::Cube(cube) => Some(cube),
             _ => None,
         };

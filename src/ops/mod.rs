@@ -376,9 +376,16 @@ pub(crate) struct OneLaunch {
 
 impl OneLaunch {
     pub(crate) fn on<D: 'static>(device: &D) -> Self {
-        let (wide, spirv) = crate::room::cube_device(device)
-            .map_or((true, false), |cube| cube::launch_traits(&cube));
-        Self { wide, spirv }
+        #[cfg(any(feature = "vulkan", feature = "cuda"))]
+        if let Some(cube) = crate::room::cube_device(device) {
+            let (wide, spirv) = cube::launch_traits(&cube);
+            return Self { wide, spirv };
+        }
+        let _ = device;
+        Self {
+            wide: true,
+            spirv: false,
+        }
     }
 
     pub(crate) fn runs(self, dtype: burn_core::tensor::DType) -> bool {

@@ -874,32 +874,27 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     let KvRows::Float(k_rows) = k_rows else {
         unreachable!("float rows")
     };
-    let deferred = timed::<B>(device, reps, || {
-        let (k_pool, v_pool) = pools.take().expect("the pools are handed back");
-        let attended = slots.store_kv_and_attend_primitives(
-            [k_pool, v_pool, k_rows.clone(), k_rows.clone(), q.clone()],
-            &keys,
-            9,
-        )?;
-        pools = Some((attended.k_pool, attended.v_pool));
-        Ok(())
-    })
-    .map_err(e)?;
-    report("store K and V + attention, one launch", deferred, None);
-    // The same with the queries and keys as one tensor, as the decoder passes them.
+    // The second row passes the queries and keys as one tensor, as the decoder does.
     let qk = B::float_cat(vec![q.clone(), k_rows.clone()], 1);
-    let deferred = timed::<B>(device, reps, || {
-        let (k_pool, v_pool) = pools.take().expect("the pools are handed back");
-        let attended = slots.store_qk_and_attend_primitives(
-            [k_pool, v_pool, qk.clone(), k_rows.clone()],
-            &keys,
-            9,
-        )?;
-        pools = Some((attended.k_pool, attended.v_pool));
-        Ok(())
-    })
-    .map_err(e)?;
-    report("the same, queries and keys as one tensor", deferred, None);
+    for (row, one_tensor) in [
+        ("store K and V + attention, one launch", false),
+        ("the same, queries and keys as one tensor", true),
+    ] {
+        let deferred = timed::<B>(device, reps, || {
+            let (k_pool, v_pool) = pools.take().expect("the pools are handed back");
+            let attended = if one_tensor {
+                let parts = [k_pool, v_pool, qk.clone(), k_rows.clone()];
+                slots.store_qk_and_attend_primitives(parts, &keys, 9)
+            } else {
+                let parts = [k_pool, v_pool, k_rows.clone(), k_rows.clone(), q.clone()];
+                slots.store_kv_and_attend_primitives(parts, &keys, 9)
+            }?;
+            pools = Some((attended.k_pool, attended.v_pool));
+            Ok(())
+        })
+        .map_err(e)?;
+        report(row, deferred, None);
+    }
     slots.status().check().map_err(e)?;
     keys.status().check().map_err(e)?;
 

@@ -102,11 +102,13 @@ pub(crate) fn check_key_runs(
 
 /// f64 through SPIR-V, whose exp is 32-bit only (GLSL.std.450): the attention is NaN there.
 fn f64_on_spirv(q: &CubeTensor) -> bool {
-    f64_through_spirv(&q.client, q.dtype)
+    q.dtype == DType::F64 && spirv(&q.client)
 }
 
-fn f64_through_spirv(client: &Client, dtype: DType) -> bool {
-    dtype == DType::F64 && spirv(client)
+/// NaN of `q`'s dtype in `shape`: the output of an attention that cannot run.
+fn nan_output(q: CubeTensor, shape: Shape) -> CubeTensor {
+    let nan = InputScalar::new(f32::NAN, storage(&q));
+    full_device_dtype(q.client, shape, q.device, nan, q.dtype)
 }
 
 fn spirv(client: &Client) -> bool {
@@ -161,8 +163,7 @@ pub(crate) fn paged_attention(
         &[tokens * heads],
     );
     let (Ok(address), false) = (address, f64_on_spirv(&q)) else {
-        let nan = InputScalar::new(f32::NAN, storage(&q));
-        return full_device_dtype(q.client, out.shape(), q.device, nan, q.dtype);
+        return nan_output(q, out.shape());
     };
     let slots = bindable(widened(slots));
     let shape = attention_shape(
@@ -198,9 +199,8 @@ pub(crate) fn paged_attention(
     out
 }
 
-/// A layer's store and attention in one launch (`store_attention_kernel`). Where that launch
-/// cannot run (an index past the device's width, f64 through SPIR-V), the store's and the
-/// attention's own launchers, which report or mark it as each does alone.
+/// A layer's store and attention in one launch (`store_attention_kernel`), on a device where
+/// that launch cannot be refused (`OneLaunch`: the store makes the two apart elsewhere).
 pub(crate) fn store_and_attend(
     [q, k_pool, v_pool, k]: [CubeTensor; 4],
     rows: NewRowsPrimitive<CubeBackend>,
@@ -263,14 +263,7 @@ fn one_launch(
     let (Ok(address), false) = (address, f64_on_spirv(&q)) else {
         // Callers make these apart (`OneLaunch`): reached only if the device's properties
         // changed under them. Refused as an attention is: NaN out, the pools as they were.
-        let nan = InputScalar::new(f32::NAN, storage(&q));
-        let out = full_device_dtype(
-            q.client,
-            Shape::new([tokens, q_cols]),
-            q.device,
-            nan,
-            q.dtype,
-        );
+        let out = nan_output(q, Shape::new([tokens, q_cols]));
         return AttendedPrimitive {
             out,
             k_pool,
