@@ -121,6 +121,28 @@ impl<B: KvPlanBackend> KeyRuns<B> {
         Ok([self.slots.clone(), self.runs.clone()])
     }
 
+    /// [`launch_args`](Self::launch_args) over a joined pool, whose halves are held to the K and
+    /// V pools' rules (an odd width is a `HeadShape` error naming both halves).
+    pub(crate) fn launch_args_kv(
+        &self,
+        q: &validate::Arg<B::Device>,
+        kv_pool: &FloatTensor<B>,
+        heads: usize,
+    ) -> Result<[IntTensor<B>; 2], Error> {
+        let kv_pool = arg("kv_pool", kv_pool);
+        validate::require_rank(&kv_pool, 2, ATTENTION_CONTEXT)?;
+        let k_cols = kv_pool.dim(1) / 2;
+        validate::paged_attention(
+            q,
+            &kv_pool.columns(k_cols),
+            &kv_pool.columns(kv_pool.dim(1) - k_cols),
+            [&arg("slots", &self.slots), &arg("runs", &self.runs)],
+            heads,
+            [self.tokens, self.pool_rows],
+        )?;
+        Ok([self.slots.clone(), self.runs.clone()])
+    }
+
     /// The runs' check on the device: a run outside the slot list or a slot outside the pools
     /// (every attention over these runs is NaN then); its count is the number of tokens.
     pub fn status(&self) -> &Status<B> {
@@ -142,6 +164,17 @@ pub mod backend {
     ) -> Result<FloatTensor<B>, Error> {
         let [slots, runs] = keys.launch_args(&arg("q", &q), &k_pool, &v_pool, heads)?;
         Ok(B::paged_attention(q, k_pool, v_pool, slots, runs, heads))
+    }
+
+    /// [`paged_attention_kv`](super::paged_attention_kv) on primitives.
+    pub fn paged_attention_kv<B: KvPlanBackend>(
+        q: FloatTensor<B>,
+        kv_pool: FloatTensor<B>,
+        keys: &KeyRuns<B>,
+        heads: usize,
+    ) -> Result<FloatTensor<B>, Error> {
+        let [slots, runs] = keys.launch_args_kv(&arg("q", &q), &kv_pool, heads)?;
+        Ok(B::paged_attention_kv(q, kv_pool, slots, runs, heads))
     }
 }
 
@@ -167,4 +200,18 @@ pub fn paged_attention(
         heads,
     )
     .map(Tensor::from_dispatch)
+}
+
+/// [`paged_attention`] over a joined pool `kv_pool` `[pool_rows, 2 * kv_heads * head_dim]`, each
+/// row a slot's K, then its V (a page of FlashInfer's layout at one token a page): the same
+/// output bits as over its halves as the K and V pools, one tensor fewer for the op to bind.
+/// The halves are held to the pools' rules.
+pub fn paged_attention_kv(
+    q: Tensor<2>,
+    kv_pool: Tensor<2>,
+    keys: &KeyRuns,
+    heads: usize,
+) -> Result<Tensor<2>, Error> {
+    backend::paged_attention_kv::<Dispatch>(q.into_dispatch(), kv_pool.into_dispatch(), keys, heads)
+        .map(Tensor::from_dispatch)
 }

@@ -27,7 +27,7 @@ pub mod slots;
 mod status;
 mod validate;
 
-pub use attention::{KeyRuns, paged_attention};
+pub use attention::{KeyRuns, paged_attention, paged_attention_kv};
 pub use canary::{
     Canary, CanaryLaunch, KernelKind, PlanInputs, RealKvSource, SourceBytes, StepPlan, WriteInputs,
     plan, plan_deferred,
@@ -40,12 +40,13 @@ pub use gather::{
 };
 pub use layout::SourceLayout;
 pub use ops::{
-    AssignPrimitive, AttendedPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive,
-    KeyRunsPrimitive, KvBytes, KvPlanBackend, KvRows, LaunchMeta, NewRowsPrimitive, OptionalInt,
-    PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets,
-    StoreWritePrimitive, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
-    data_to_i64,
+    AssignPrimitive, AttendedKvPrimitive, AttendedPrimitive, CanaryLaunchPrimitive,
+    CanaryPrimitive, GatherPrimitive, KeyRunsPrimitive, KvBytes, KvPlanBackend, KvRows, LaunchMeta,
+    NewRowsPrimitive, OptionalInt, PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive,
+    StoreScratchPrimitive, StoreTargets, StoreWritePrimitive, VerifyPlanPrimitive,
+    WriteInputsPrimitive, WritePlanPrimitive, data_to_i64,
 };
 pub use slots::{
-    Assigned, Attended, KvStore, StoreSlots, Stored, segment_assign, segment_assign_deferred,
+    Assigned, Attended, AttendedKv, KvStore, StoreSlots, Stored, segment_assign,
+    segment_assign_deferred,
 };

@@ -40,8 +40,8 @@ use crate::deferred::Status;
 use crate::error::{ASSIGN_CONTEXT, Error, STORE_CONTEXT};
 use crate::gather::arg;
 use crate::ops::{
-    self, AttendedPrimitive, KvPlanBackend, KvRows, NewRowsPrimitive, OneLaunch,
-    StoreScratchPrimitive, StoreTargets,
+    self, AttendedKvPrimitive, AttendedPrimitive, KvPlanBackend, KvRows, NewRowsPrimitive,
+    OneLaunch, StoreScratchPrimitive, StoreTargets,
 };
 use crate::room::{self, Buffer};
 use crate::validate;
@@ -534,6 +534,28 @@ impl StoreSlots {
             heads,
         )
     }
+
+    /// The store and the attention over a layer's joined pool `kv_pool` `[rows, 2 * kv_heads *
+    /// head_dim]` (each row a slot's K, then its V, as
+    /// [`paged_attention_kv`](crate::paged_attention_kv) reads it), with the queries, new K rows
+    /// and new V rows side by side in `qkv` `[N, heads * head_dim + kv_pool columns]`: each new
+    /// row's last `kv_pool` columns are stored whole at its slot. The same output bits as the split forms (its halves as the K and V pools), two
+    /// tensors for the op to bind where [`store_qk_and_attend`](Self::store_qk_and_attend)
+    /// binds four. Errors: the store's, with `qkv`'s last columns as its values; the attention's,
+    /// with the rest as `q` and the halves as the pools.
+    pub fn store_qkv_and_attend(
+        &mut self,
+        kv_pool: Tensor<2>,
+        qkv: Tensor<2>,
+        keys: &KeyRuns,
+        heads: usize,
+    ) -> Result<AttendedKv, Error> {
+        self.store_qkv_and_attend_primitives(
+            [kv_pool.into_dispatch(), qkv.into_dispatch()],
+            keys,
+            heads,
+        )
+    }
 }
 
 /// What [`StoreSlots::store_kv_and_attend`] hands back.
@@ -564,6 +586,35 @@ impl<B: Backend> From<AttendedPrimitive<B>> for Attended<B> {
             out: output.out,
             k_pool: output.k_pool,
             v_pool: output.v_pool,
+        }
+    }
+}
+
+/// What [`StoreSlots::store_qkv_and_attend`] hands back.
+#[derive(Debug, Clone)]
+pub struct AttendedKv<B: Backend = Dispatch> {
+    /// The attention's output, `[tokens, heads * head_dim]`.
+    pub out: FloatTensor<B>,
+    /// The joined pool, with the layer's K and V rows stored (unchanged after an error the
+    /// slots' status holds).
+    pub kv_pool: FloatTensor<B>,
+}
+
+impl AttendedKv {
+    /// The output and the pool as `Tensor`s: `(out, kv_pool)`.
+    pub fn into_tensors(self) -> (Tensor<2>, Tensor<2>) {
+        (
+            Tensor::from_dispatch(self.out),
+            Tensor::from_dispatch(self.kv_pool),
+        )
+    }
+}
+
+impl<B: Backend> From<AttendedKvPrimitive<B>> for AttendedKv<B> {
+    fn from(output: AttendedKvPrimitive<B>) -> Self {
+        Self {
+            out: output.out,
+            kv_pool: output.kv_pool,
         }
     }
 }
@@ -622,8 +673,9 @@ impl<B: KvPlanBackend> StoreSlots<B> {
         if !self.one_launch.runs(q.dtype()) {
             return Ok(self.apart([k_pool, v_pool, k, v, q], [slots, runs], heads));
         }
-        let rows = self.new_rows(v);
-        let output = B::store_and_attend(q, k_pool, v_pool, k, rows, self.base, slots, runs, heads);
+        let rows = self.new_rows();
+        let output =
+            B::store_and_attend(q, k_pool, v_pool, k, v, rows, self.base, slots, runs, heads);
         Ok(Attended::from(output))
     }
 
@@ -638,21 +690,47 @@ impl<B: KvPlanBackend> StoreSlots<B> {
         validate::require_rank(&qk_arg, 2, STORE_CONTEXT)?;
         // The K rows are the last K pool's width of columns; the queries the rest.
         let k_cols = k_pool.shape().get(1).copied().unwrap_or(0);
-        let part = |cols| validate::Arg {
-            shape: vec![qk_arg.dim(0), cols],
-            ..qk_arg.clone()
-        };
-        let (q, k) = (part(qk_arg.dim(1).saturating_sub(k_cols)), part(k_cols));
+        let q_cols = qk_arg.dim(1).saturating_sub(k_cols);
+        let (q, k) = (qk_arg.columns(q_cols), qk_arg.columns(k_cols));
         let [slots, runs] =
             self.check_store_and_attend([&q, &k], [&k_pool, &v_pool], &v, keys, heads)?;
         if !self.one_launch.runs(qk.dtype()) {
-            let [q, k] = ops::split_qk::<B>(qk, &k_pool);
+            let [q, k] = ops::split_columns::<B>(qk, q_cols);
             return Ok(self.apart([k_pool, v_pool, k, v, q], [slots, runs], heads));
         }
-        let rows = self.new_rows(v);
+        let rows = self.new_rows();
         let output =
-            B::store_qk_and_attend(qk, k_pool, v_pool, rows, self.base, slots, runs, heads);
+            B::store_qk_and_attend(qk, k_pool, v_pool, v, rows, self.base, slots, runs, heads);
         Ok(Attended::from(output))
+    }
+
+    /// [`store_qkv_and_attend`](StoreSlots::store_qkv_and_attend) on primitives.
+    pub fn store_qkv_and_attend_primitives(
+        &mut self,
+        [kv_pool, qkv]: [FloatTensor<B>; 2],
+        keys: &KeyRuns<B>,
+        heads: usize,
+    ) -> Result<AttendedKv<B>, Error> {
+        let qkv_arg = arg("qkv", &qkv);
+        validate::require_rank(&qkv_arg, 2, STORE_CONTEXT)?;
+        // The new rows are the last pool's width of columns; the queries the rest.
+        let kv_cols = kv_pool.shape().get(1).copied().unwrap_or(0);
+        let q_cols = qkv_arg.dim(1).saturating_sub(kv_cols);
+        self.check_write(arg("kv_pool", &kv_pool), qkv_arg.columns(kv_cols))?;
+        let [slots, runs] = keys.launch_args_kv(&qkv_arg.columns(q_cols), &kv_pool, heads)?;
+        if !self.one_launch.runs(qkv.dtype()) {
+            let [q, kv] = ops::split_columns::<B>(qkv, q_cols);
+            let one = |rows| StoreTargets::One(KvRows::Float(rows));
+            let StoreTargets::One(KvRows::Float(kv_pool)) = self.write(one(kv_pool), one(kv))
+            else {
+                unreachable!("a write hands back the targets it was given");
+            };
+            let out = B::paged_attention_kv(q, kv_pool.clone(), slots, runs, heads);
+            return Ok(AttendedKv { out, kv_pool });
+        }
+        let rows = self.new_rows();
+        let output = B::store_qkv_and_attend(qkv, kv_pool, rows, self.base, slots, runs, heads);
+        Ok(AttendedKv::from(output))
     }
 
     /// The host rules of a store of `k` and `v` into the pools and of the attention of `q` over
@@ -670,10 +748,9 @@ impl<B: KvPlanBackend> StoreSlots<B> {
         keys.launch_args(q, k_pool, v_pool, heads)
     }
 
-    /// The new V rows and these slots, for one store-and-attend, which reads their status.
-    fn new_rows(&self, v: FloatTensor<B>) -> NewRowsPrimitive<B> {
+    /// These slots, for one store-and-attend, which reads their status.
+    fn new_rows(&self) -> NewRowsPrimitive<B> {
         NewRowsPrimitive {
-            v,
             loc: self.loc.clone(),
             status: self.status().words().clone(),
             claims: self.claims.clone(),

@@ -9,11 +9,11 @@
 //! 3. self-speculative only: `draft_tokens` forwards of the first layers draft on the device;
 //! 4. the target forward over every row's window: each layer's new K/V stored at the slots that
 //!    `masked_gather` reads back out of the table and its attention over the slots
-//!    `segment_gather` returns for each row's whole context, one `store_qk_and_attend` launch;
+//!    `segment_gather` returns for each row's whole context, one `store_qkv_and_attend` launch;
 //! 5. one read-back of the target's tokens; host acceptance; rejected slots back to the free list;
 //! 6. the canary: the accepted suffix's slots through `segment_gather`, `plan_deferred` (prefix =
 //!    the committed length before the step, extend = the tokens committed now), a write of their
-//!    records fingerprinting layer 0's K rows, a verify of every committed prefix; one status
+//!    records fingerprinting layer 0's K and V rows, a verify of every committed prefix; one status
 //!    check for all of the step's kvplan ops, one read of the violation ring.
 
 use std::collections::VecDeque;
@@ -91,7 +91,7 @@ pub struct EngineOptions {
     /// is the host reference, which reads every pool back each layer).
     pub paged_attention: bool,
     /// With paged attention, steps of at most this many tokens store each layer's K/V and attend
-    /// in one launch (`store_qk_and_attend`); larger ones store, then attend. The one launch
+    /// in one launch (`store_qkv_and_attend`); larger ones store, then attend. The one launch
     /// saves host time per layer and costs GPU time per token (`benches/RESULTS.md`, session 26).
     pub fused_store_tokens: usize,
     /// Wait for the device at the end of each step phase and record where the time went
@@ -302,7 +302,7 @@ const VERIFY_KIND: KernelKind = KernelKind::HEAD_K_FULL;
 const RING_ROWS: usize = 256;
 /// Keys per row are padded to a multiple of this.
 const KV_BLOCK: usize = 64;
-/// The K pool whose bytes the canary fingerprints.
+/// The layer whose K/V pool the canary fingerprints (each slot's K and V bytes).
 const CANARY_LAYER: usize = 0;
 
 /// A model, its paged KV cache, and the requests being served.
@@ -902,9 +902,9 @@ impl Engine {
                 ),
             )?;
             let launch = |kind| {
-                let k_pool = self.cache.k_pool(CANARY_LAYER);
-                let row_bytes = (self.cache.kv_dim() * self.model.dtype().size()) as i64;
-                RealKvSource::float(k_pool, SourceBytes::per_slot(row_bytes)).map(|source| {
+                let pool = self.cache.kv_pool(CANARY_LAYER);
+                let row_bytes = (2 * self.cache.kv_dim() * self.model.dtype().size()) as i64;
+                RealKvSource::float(pool, SourceBytes::per_slot(row_bytes)).map(|source| {
                     CanaryLaunch::new(kind).real_kv(RealKvHashMode::All, vec![source])
                 })
             };
@@ -1128,8 +1128,8 @@ impl Engine {
         let device = self.model.device().clone();
         let slot = match kind {
             Corruption::KvByte => {
-                let pool = self.cache.k_pool(CANARY_LAYER);
-                let kv_dim = self.cache.kv_dim();
+                let pool = self.cache.kv_pool(CANARY_LAYER);
+                let cols = 2 * self.cache.kv_dim();
                 let row = pool.clone().narrow(0, own_slot as usize, 1).into_data();
                 let (shape, dtype) = (row.shape().clone(), row.dtype());
                 let mut bytes = row.as_bytes().to_vec();
@@ -1141,7 +1141,7 @@ impl Engine {
                 );
                 let s = own_slot as usize;
                 self.cache
-                    .set_k_pool(CANARY_LAYER, pool.slice_assign([s..s + 1, 0..kv_dim], row));
+                    .set_kv_pool(CANARY_LAYER, pool.slice_assign([s..s + 1, 0..cols], row));
                 own_slot
             }
             Corruption::StaleRow => {

@@ -1,8 +1,10 @@
 //! The paged KV cache: per layer a K and a V pool of `[slots, kv_heads * head_dim]` on the device,
-//! stored into and read through kvplan, and the host allocators of its slots and table rows.
+//! joined as one tensor `[slots, 2 * kv_heads * head_dim]` (each row a slot's K, then its V: one
+//! tensor for each layer's op to bind), stored into and read through kvplan, and the host
+//! allocators of its slots and table rows.
 
 use burn_core::tensor::{DType, Device, Int, Tensor};
-use kvplan::{Attended, KeyRuns, KvStore, Status, StoreSlots};
+use kvplan::{AttendedKv, KeyRuns, KvStore, Status, StoreSlots};
 
 use crate::clock::{OpClock, OpKind};
 use crate::{DecoderError, Result};
@@ -59,11 +61,10 @@ impl FreeList {
     }
 }
 
-/// K and V pools of every layer, with the statuses of the stores enqueued since the last
+/// The joined K/V pools of every layer, with the statuses of the stores enqueued since the last
 /// [`KvCache::take_statuses`].
 pub struct KvCache {
-    k: Vec<Tensor<2>>,
-    v: Vec<Tensor<2>>,
+    kv: Vec<Tensor<2>>,
     store: KvStore,
     statuses: Vec<Status>,
     /// Times kvplan's calls: the forward's stores and attention here, the engine's bookkeeping.
@@ -78,7 +79,7 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Zeroed pools of `slots` rows of `kv_dim` values for `layers` layers.
+    /// Zeroed pools of `slots` rows of `kv_dim` K values and as many V values for `layers` layers.
     pub fn new(
         layers: usize,
         slots: usize,
@@ -86,15 +87,15 @@ impl KvCache {
         device: &Device,
         dtype: DType,
     ) -> Result<Self> {
-        let pool = || Tensor::<2>::zeros([slots, kv_dim], (device, dtype));
         Ok(Self {
-            k: (0..layers).map(|_| pool()).collect(),
-            v: (0..layers).map(|_| pool()).collect(),
+            kv: (0..layers)
+                .map(|_| Tensor::<2>::zeros([slots, 2 * kv_dim], (device, dtype)))
+                .collect(),
             store: KvStore::allocate(slots, device)?,
             statuses: Vec::new(),
             clock: OpClock::default(),
             repeat: None,
-            placeholder: Tensor::<2>::zeros([1, kv_dim], (device, dtype)),
+            placeholder: Tensor::<2>::zeros([1, 2 * kv_dim], (device, dtype)),
             slots,
             kv_dim,
         })
@@ -115,77 +116,68 @@ impl KvCache {
         Ok(slots?)
     }
 
-    /// Stores `k` and `v` (`[tokens, kv_dim]`) of `layer` at `slots`, in one launch.
-    pub fn store(
-        &mut self,
-        layer: usize,
-        slots: &mut StoreSlots,
-        k: Tensor<2>,
-        v: Tensor<2>,
-    ) -> Result<()> {
+    /// Stores `kv` (`[tokens, 2 * kv_dim]`: each token's K, then its V) of `layer` at `slots`,
+    /// in one launch.
+    pub fn store(&mut self, layer: usize, slots: &mut StoreSlots, kv: Tensor<2>) -> Result<()> {
         let span = self.clock.start();
-        // The pools move into the store (a kept clone would make it copy the whole pool).
-        let k_pool = std::mem::replace(&mut self.k[layer], self.placeholder.clone());
-        let v_pool = std::mem::replace(&mut self.v[layer], self.placeholder.clone());
+        // The pool moves into the store (a kept clone would make it copy the whole pool).
+        let pool = std::mem::replace(&mut self.kv[layer], self.placeholder.clone());
         let stored = if self.repeat == Some(OpKind::Stores) {
             slots
-                .store_kv(k_pool, v_pool, k.clone(), v.clone())
-                .and_then(|(k_pool, v_pool)| slots.store_kv(k_pool, v_pool, k, v))
+                .store(pool, kv.clone())
+                .and_then(|pool| slots.store(pool, kv))
         } else {
-            slots.store_kv(k_pool, v_pool, k, v)
+            slots.store(pool, kv)
         };
         self.clock.stop(span, OpKind::Stores);
-        (self.k[layer], self.v[layer]) = stored?;
+        self.kv[layer] = stored?;
         Ok(())
     }
 
-    /// Stores the K rows of `qk` (queries and keys side by side) and `v` of `layer` at `slots`,
-    /// then attends its queries (`heads` query heads) over the layer's pools through `keys`: one
-    /// launch on the GPU (kvplan's `store_qk_and_attend`). Charged to the attention.
+    /// Stores the K and V rows of `qkv` (queries, keys and values side by side) of `layer` at
+    /// `slots`, then attends its queries (`heads` query heads) over the layer's pool through
+    /// `keys`: one launch on the GPU (kvplan's `store_qkv_and_attend`). Charged to the attention.
     pub fn store_and_attend(
         &mut self,
         layer: usize,
         slots: &mut StoreSlots,
-        qk: Tensor<2>,
-        v: Tensor<2>,
+        qkv: Tensor<2>,
         keys: &KeyRuns,
         heads: usize,
     ) -> Result<Tensor<2>> {
         let span = self.clock.start();
-        let k_pool = std::mem::replace(&mut self.k[layer], self.placeholder.clone());
-        let v_pool = std::mem::replace(&mut self.v[layer], self.placeholder.clone());
-        // Clones only for a repeat: a kept tensor is one the op may not reuse.
-        let again = (self.repeat == Some(OpKind::Stores)).then(|| (qk.clone(), v.clone()));
+        let pool = std::mem::replace(&mut self.kv[layer], self.placeholder.clone());
+        // A clone only for a repeat: a kept tensor is one the op may not reuse.
+        let again = (self.repeat == Some(OpKind::Stores)).then(|| qkv.clone());
         let mut attended = slots
-            .store_qk_and_attend(k_pool, v_pool, qk, v, keys, heads)
-            .map(Attended::into_tensors);
+            .store_qkv_and_attend(pool, qkv, keys, heads)
+            .map(AttendedKv::into_tensors);
         match (self.repeat, again) {
-            // The same rows stored again with the same queries: the same pools and output.
-            (Some(OpKind::Stores), Some((qk, v))) => {
-                attended = attended.and_then(|(_, k_pool, v_pool)| {
+            // The same rows stored again with the same queries: the same pool and output.
+            (Some(OpKind::Stores), Some(qkv)) => {
+                attended = attended.and_then(|(_, pool)| {
                     slots
-                        .store_qk_and_attend(k_pool, v_pool, qk, v, keys, heads)
-                        .map(Attended::into_tensors)
+                        .store_qkv_and_attend(pool, qkv, keys, heads)
+                        .map(AttendedKv::into_tensors)
                 });
             }
             // The attention alone again, its first output as queries (other tokens).
             (Some(OpKind::Attention), _) => {
-                attended = attended.and_then(|(out, k_pool, v_pool)| {
-                    let out =
-                        kvplan::paged_attention(out, k_pool.clone(), v_pool.clone(), keys, heads)?;
-                    Ok((out, k_pool, v_pool))
+                attended = attended.and_then(|(out, pool)| {
+                    let out = kvplan::paged_attention_kv(out, pool.clone(), keys, heads)?;
+                    Ok((out, pool))
                 });
             }
             _ => {}
         }
         self.clock.stop(span, OpKind::Attention);
-        let (out, k_pool, v_pool) = attended?;
-        (self.k[layer], self.v[layer]) = (k_pool, v_pool);
+        let (out, pool) = attended?;
+        self.kv[layer] = pool;
         Ok(out)
     }
 
-    /// Attends `q` (`heads` query heads) over `layer`'s pools through `keys`: one launch
-    /// (kvplan's `paged_attention`).
+    /// Attends `q` (`heads` query heads) over `layer`'s pool through `keys`: one launch
+    /// (kvplan's `paged_attention_kv`).
     pub fn attend(
         &mut self,
         layer: usize,
@@ -193,11 +185,11 @@ impl KvCache {
         keys: &KeyRuns,
         heads: usize,
     ) -> Result<Tensor<2>> {
-        let (k_pool, v_pool) = self.pools(layer);
+        let pool = self.kv_pool(layer);
         let span = self.clock.start();
-        let mut out = kvplan::paged_attention(q, k_pool.clone(), v_pool.clone(), keys, heads);
+        let mut out = kvplan::paged_attention_kv(q, pool.clone(), keys, heads);
         if self.repeat == Some(OpKind::Attention) {
-            out = out.and_then(|q| kvplan::paged_attention(q, k_pool, v_pool, keys, heads));
+            out = out.and_then(|q| kvplan::paged_attention_kv(q, pool, keys, heads));
         }
         self.clock.stop(span, OpKind::Attention);
         Ok(out?)
@@ -211,25 +203,21 @@ impl KvCache {
 
     /// The K and V rows (`[n, kv_dim]` each) of `layer` at `slots` (`[n]`).
     pub fn read(&self, layer: usize, slots: Tensor<1, Int>) -> (Tensor<2>, Tensor<2>) {
+        let rows = self.kv[layer].clone().select(0, slots);
         (
-            self.k[layer].clone().select(0, slots.clone()),
-            self.v[layer].clone().select(0, slots),
+            rows.clone().narrow(1, 0, self.kv_dim),
+            rows.narrow(1, self.kv_dim, self.kv_dim),
         )
     }
 
-    /// The K and V pools of `layer`.
-    pub fn pools(&self, layer: usize) -> (Tensor<2>, Tensor<2>) {
-        (self.k[layer].clone(), self.v[layer].clone())
+    /// The joined K/V pool of `layer` (the canary fingerprints its bytes).
+    pub fn kv_pool(&self, layer: usize) -> Tensor<2> {
+        self.kv[layer].clone()
     }
 
-    /// The K pool of `layer` (the canary fingerprints its bytes).
-    pub fn k_pool(&self, layer: usize) -> Tensor<2> {
-        self.k[layer].clone()
-    }
-
-    /// Replaces the K pool of `layer` (fault injection writes a corrupted pool back).
-    pub fn set_k_pool(&mut self, layer: usize, pool: Tensor<2>) {
-        self.k[layer] = pool;
+    /// Replaces the pool of `layer` (fault injection writes a corrupted pool back).
+    pub fn set_kv_pool(&mut self, layer: usize, pool: Tensor<2>) {
+        self.kv[layer] = pool;
     }
 
     /// The statuses of the stores since the last call.
@@ -245,23 +233,5 @@ impl KvCache {
     /// Values per K (or V) row.
     pub fn kv_dim(&self) -> usize {
         self.kv_dim
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn free_list_hands_out_low_ids_first_and_never_zero() {
-        let mut list = FreeList::new("KV slots", 5);
-        assert_eq!(list.take(2).unwrap(), vec![1, 2]);
-        assert_eq!(list.free(), 2);
-        let error = list.take(3).unwrap_err().to_string();
-        assert_eq!(error, "out of KV slots: 3 needed, 2 free");
-        assert_eq!(list.free(), 2);
-        list.give_back(&[2, 1]);
-        assert_eq!(list.take(4).unwrap(), vec![2, 1, 3, 4]);
-        assert_eq!(list.free(), 0);
     }
 }

@@ -109,7 +109,7 @@ pub struct Llama {
 pub enum Attention {
     /// kvplan's paged attention: each token over the K/V rows at its run of the step's slot list
     /// (the backends with kvplan kernels); with `fused_store`, each layer's store and attention
-    /// in one launch (`StoreSlots::store_qk_and_attend`), else the store, then the attention.
+    /// in one launch (`StoreSlots::store_qkv_and_attend`), else the store, then the attention.
     Paged {
         /// The step's key runs, checked.
         keys: KeyRuns,
@@ -223,12 +223,16 @@ impl Llama {
                         ],
                         &name("attn_norm"),
                     )?;
-                    let swapped: Vec<_> = parts[..2]
+                    // [swapped q | swapped k | q | k | v]: RoPE of the last `hidden + 2 *
+                    // kv_dim` columns with the first as their pair-swapped values leaves the
+                    // queries, keys and values side by side (V's cos 1, sin 0: the columns
+                    // facing it, q's first, count for nothing).
+                    let mut swapped: Vec<_> = parts[..2]
                         .iter()
                         .map(|(rows, out)| (swap_pair_rows(rows, hidden), *out))
                         .collect();
-                    parts.extend(swapped);
-                    side_by_side(&parts, hidden)
+                    swapped.append(&mut parts);
+                    side_by_side(&swapped, hidden)
                 },
                 wo: matrices(&[(name("attn_output"), hidden)], hidden)?,
                 w_gate_up: side_by_side(
@@ -292,43 +296,56 @@ impl Llama {
         let tokens = input.input_ids.dims()[0];
         let mut x = self.embed.clone().select(0, input.input_ids.clone());
         let hd = c.head_dim;
-        let cos = self.rope_cos.clone().select(0, input.positions.clone());
-        let sin = self.rope_sin.clone().select(0, input.positions.clone());
-        let cos = cos.reshape([tokens, 1, hd]);
-        let sin = sin.reshape([tokens, 1, hd]);
-        let (qk, kv) = (c.hidden + c.kv_dim(), c.kv_dim());
+        // Per head of `[q | k | v]`: the rotation of Q and K, V's identity (cos 1, sin 0).
+        let rotated_heads = c.heads + c.kv_heads;
+        let per_head = |table: &Tensor<2>, v_value: f64| {
+            let rows = table.clone().select(0, input.positions.clone());
+            let rows = rows
+                .reshape([tokens, 1, hd])
+                .expand([tokens, rotated_heads, hd]);
+            let v = Tensor::<3>::full(
+                [tokens, c.kv_heads, hd],
+                v_value,
+                (&self.device, self.dtype),
+            );
+            Tensor::cat(vec![rows, v], 1)
+        };
+        let (cos, sin) = (per_head(&self.rope_cos, 1.0), per_head(&self.rope_sin, 0.0));
+        let (q_cols, kv_cols) = (c.hidden, 2 * c.kv_dim());
+        let width = q_cols + kv_cols;
         let mut slots = cache.check_slots(input.out_cache_loc.clone())?;
         for layer in layers {
             let block = &self.blocks[layer];
             let h = rms_norm(x.clone(), c.rms_eps);
             let qkv = h.matmul(block.wqkv.clone());
-            let v = qkv.clone().narrow(1, qk, kv);
-            // RoPE on Q and K at once: `x * cos + swapped(x) * sin` per head.
-            let heads = c.heads + c.kv_heads;
-            let plain = qkv.clone().narrow(1, 0, qk).reshape([tokens, heads, hd]);
-            let swapped = qkv.narrow(1, qk + kv, qk).reshape([tokens, heads, hd]);
-            let rotated = (plain * cos.clone() + swapped * sin.clone()).reshape([tokens, qk]);
-            let split = |rotated: Tensor<2>| {
-                let q = rotated.clone().narrow(1, 0, c.hidden);
-                (q, rotated.narrow(1, c.hidden, kv))
+            // RoPE on Q and K at once: `x * cos + swapped(x) * sin` per head; the swapped
+            // values of Q and K come first, the plain ones after them.
+            let heads = rotated_heads + c.kv_heads;
+            let plain = qkv.clone().narrow(1, rotated_heads * hd, width);
+            let plain = plain.reshape([tokens, heads, hd]);
+            let swapped = qkv.narrow(1, 0, width).reshape([tokens, heads, hd]);
+            let qkv = (plain * cos.clone() + swapped * sin.clone()).reshape([tokens, width]);
+            let split = |qkv: Tensor<2>| {
+                let q = qkv.clone().narrow(1, 0, q_cols);
+                (q, qkv.narrow(1, q_cols, kv_cols))
             };
             let attended = match &input.attention {
-                // Queries and keys go in as the one tensor they are: no slices to register.
+                // Queries, keys and values go in as the one tensor they are: no slices.
                 Attention::Paged {
                     keys,
                     fused_store: true,
-                } => cache.store_and_attend(layer, &mut slots, rotated, v, keys, c.heads)?,
+                } => cache.store_and_attend(layer, &mut slots, qkv, keys, c.heads)?,
                 Attention::Paged {
                     keys,
                     fused_store: false,
                 } => {
-                    let (q, k) = split(rotated);
-                    cache.store(layer, &mut slots, k, v)?;
+                    let (q, kv) = split(qkv);
+                    cache.store(layer, &mut slots, kv)?;
                     cache.attend(layer, q, keys, c.heads)?
                 }
                 Attention::Padded(padded) => {
-                    let (q, k) = split(rotated);
-                    cache.store(layer, &mut slots, k, v)?;
+                    let (q, kv) = split(qkv);
+                    cache.store(layer, &mut slots, kv)?;
                     self.attend_padded(cache, layer, q, padded)
                 }
             };

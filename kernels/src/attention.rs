@@ -44,6 +44,9 @@ pub struct AttentionShape {
     pub k_stride: u64,
     /// Row stride of the V pool.
     pub v_stride: u64,
+    /// Where the V rows' first column is in their pool's rows: past the K columns in a joined
+    /// pool (each row K, then V), else 0.
+    pub v_offset: u64,
     /// Stride of the slot list.
     pub slots_stride: u64,
     /// Stride of `starts`.
@@ -65,6 +68,9 @@ pub struct NewRowsShape {
     pub k_offset: u64,
     /// Row stride of the new V rows.
     pub v_stride: u64,
+    /// Where the V rows' first column is in their tensor: past the keys' columns when the
+    /// queries, keys and values are one tensor, else 0.
+    pub v_offset: u64,
     /// Stride of `loc`.
     pub loc_stride: u64,
     /// The slots' check claimed `[base, newest]`: a slot's word `w` in it names row `newest - w`
@@ -197,6 +203,41 @@ pub fn attention_kernel<F: Float, S: Int>(
     #[comptime] units: usize,
     #[define(F, S)] _dtypes: [ElemType; 2],
 ) {
+    attend_pools::<F, S>(q, k_pool, v_pool, slots, runs, out, shape, head_dim, units);
+}
+
+/// `attention_kernel` over a joined pool: each row a slot's K, then its V (`shape.v_offset`).
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn attention_kv_kernel<F: Float, S: Int>(
+    q: &Tensor<F>,
+    kv_pool: &Tensor<F>,
+    slots: &Tensor<S>,
+    runs: &Tensor<i64>,
+    out: &mut Tensor<F>,
+    shape: AttentionShape,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+    #[define(F, S)] _dtypes: [ElemType; 2],
+) {
+    attend_pools::<F, S>(
+        q, kv_pool, kv_pool, slots, runs, out, shape, head_dim, units,
+    );
+}
+
+/// The attention of cube `(t, h)` over the pools alone (no new rows).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend_pools<F: Float, S: Int>(
+    q: &Tensor<F>,
+    k_pool: &Tensor<F>,
+    v_pool: &Tensor<F>,
+    slots: &Tensor<S>,
+    runs: &Tensor<i64>,
+    out: &mut Tensor<F>,
+    shape: AttentionShape,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     if cube < shape.tokens * shape.heads {
         // No new rows: the pools stand in for them, never read (`with_new_rows` is false).
@@ -205,6 +246,7 @@ pub fn attention_kernel<F: Float, S: Int>(
             k_stride: 0,
             k_offset: 0,
             v_stride: 0,
+            v_offset: 0,
             loc_stride: 0,
             base: 1,
             newest: 0,
@@ -244,27 +286,15 @@ pub fn store_attention_kernel<F: Float, S: Int, L: Int>(
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     let t = cube / shape.heads;
-    let h = cube % shape.heads;
-    let u = UNIT_POS as usize;
-    // An unclear store writes nothing, and every key is read from the pools as they are.
-    let mut rows = new_rows;
-    // Of the rows naming slot 0 (the padding sink) only the last is stored (`FACTS` names it).
-    let mut zero_row = NEW_ROW.runtime();
-    if stored[CODE] != OK {
-        rows.base = 1;
-        rows.newest = 0;
-    } else if stored[FACTS] > 0 {
-        zero_row = (stored[FACTS] - 1) as u64;
-    }
-    if rows.base <= rows.newest && t < rows.rows && h % shape.groups == 0 && u < head_dim {
-        let slot = i64::cast_from(loc[(t * rows.loc_stride) as usize]) as u64;
-        if slot != 0 || t == zero_row {
-            let column = (h / shape.groups) * head_dim as u64 + u as u64;
-            k_pool[(slot * shape.k_stride + column) as usize] =
-                k[(rows.k_offset + t * rows.k_stride + column) as usize];
-            v_pool[(slot * shape.v_stride + column) as usize] =
-                v[(t * rows.v_stride + column) as usize];
-        }
+    let rows = stored_rows(stored, new_rows);
+    let zero_row = stored_zero_row(stored);
+    let slot = store_slot::<L>(loc, rows, shape, zero_row, cube, head_dim);
+    if slot != NEW_ROW {
+        let column = ((cube % shape.heads) / shape.groups) * head_dim as u64 + UNIT_POS as u64;
+        k_pool[(slot * shape.k_stride + column) as usize] =
+            k[(rows.k_offset + t * rows.k_stride + column) as usize];
+        v_pool[(slot * shape.v_stride + shape.v_offset + column) as usize] =
+            v[(rows.v_offset + t * rows.v_stride + column) as usize];
     }
     if t < shape.tokens {
         attend::<F, S, u32>(
@@ -272,6 +302,98 @@ pub fn store_attention_kernel<F: Float, S: Int, L: Int>(
             head_dim, units, true,
         );
     }
+}
+
+/// `store_attention_kernel` over a joined pool (each row a slot's K, then its V), the queries,
+/// the new K rows and the new V rows side by side in `qkv` (at `new_rows`' offsets).
+#[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::too_many_arguments)]
+pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
+    qkv: &Tensor<F>,
+    kv_pool: &mut Tensor<F>,
+    loc: &Tensor<L>,
+    claims: &Tensor<u32>,
+    stored: &Tensor<i64>,
+    slots: &Tensor<S>,
+    runs: &Tensor<i64>,
+    out: &mut Tensor<F>,
+    shape: AttentionShape,
+    new_rows: NewRowsShape,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+    #[define(F, S, L)] _dtypes: [ElemType; 3],
+) {
+    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    let t = cube / shape.heads;
+    let rows = stored_rows(stored, new_rows);
+    let zero_row = stored_zero_row(stored);
+    let slot = store_slot::<L>(loc, rows, shape, zero_row, cube, head_dim);
+    if slot != NEW_ROW {
+        let column = ((cube % shape.heads) / shape.groups) * head_dim as u64 + UNIT_POS as u64;
+        let row = t * rows.k_stride;
+        kv_pool[(slot * shape.k_stride + column) as usize] =
+            qkv[(rows.k_offset + row + column) as usize];
+        kv_pool[(slot * shape.k_stride + shape.v_offset + column) as usize] =
+            qkv[(rows.v_offset + row + column) as usize];
+    }
+    if t < shape.tokens {
+        attend::<F, S, u32>(
+            qkv, &*kv_pool, &*kv_pool, qkv, qkv, slots, claims, runs, out, shape, rows, zero_row,
+            cube, head_dim, units, true,
+        );
+    }
+}
+
+/// The new rows as the store sees them: an unclear slots' status stores nothing, and every key
+/// is read from the pools as they are.
+#[cube]
+fn stored_rows(stored: &Tensor<i64>, new_rows: NewRowsShape) -> NewRowsShape {
+    let mut rows = new_rows;
+    if stored[CODE] != OK {
+        rows.base = 1;
+        rows.newest = 0;
+    }
+    rows
+}
+
+/// Of the rows naming slot 0 (the padding sink) only the last is stored (`FACTS` names it):
+/// that row, or `NEW_ROW` for none.
+#[cube]
+fn stored_zero_row(stored: &Tensor<i64>) -> u64 {
+    let mut row = NEW_ROW.runtime();
+    if stored[CODE] == OK && stored[FACTS] > 0 {
+        row = (stored[FACTS] - 1) as u64;
+    }
+    row
+}
+
+/// The slot unit `UNIT_POS` of cube `(t, h)` stores new row `t`'s column at: one unit per
+/// column of K/V head `h / groups`, in the group's first query head, on a clear status; else
+/// `NEW_ROW`.
+#[cube]
+#[allow(clippy::manual_is_multiple_of)] // CubeCL expands `%`, not `is_multiple_of`
+fn store_slot<L: Int>(
+    loc: &Tensor<L>,
+    rows: NewRowsShape,
+    shape: AttentionShape,
+    zero_row: u64,
+    cube: u64,
+    #[comptime] head_dim: usize,
+) -> u64 {
+    let t = cube / shape.heads;
+    let h = cube % shape.heads;
+    let mut slot = NEW_ROW.runtime();
+    if rows.base <= rows.newest
+        && t < rows.rows
+        && h % shape.groups == 0
+        && (UNIT_POS as usize) < head_dim
+    {
+        let named = i64::cast_from(loc[(t * rows.loc_stride) as usize]) as u64;
+        if named != 0 || t == zero_row {
+            slot = named;
+        }
+    }
+    slot
 }
 
 /// The new row that holds slot `slot`'s K/V (`NEW_ROW` when the pools do): the one whose token
@@ -364,11 +486,11 @@ fn attend<F: Float, S: Int, W: Int>(
             if row == NEW_ROW {
                 let at = (slot * shape.k_stride + kv_column) as usize;
                 scores[u] = dot::<F>(&q_row, k_pool, at, head_dim) * scale;
-                key_rows[u] = slot * shape.v_stride + kv_column;
+                key_rows[u] = slot * shape.v_stride + shape.v_offset + kv_column;
             } else {
                 let at = (rows.k_offset + row * rows.k_stride + kv_column) as usize;
                 scores[u] = dot::<F>(&q_row, k, at, head_dim) * scale;
-                key_rows[u] = NEW_ROW | (row * rows.v_stride + kv_column);
+                key_rows[u] = NEW_ROW | (rows.v_offset + row * rows.v_stride + kv_column);
             }
         }
         sync_cube();

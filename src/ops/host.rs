@@ -466,17 +466,14 @@ pub(crate) fn int_prefix<B: Backend>(tensor: IntTensor<B>, len: usize) -> IntTen
     B::int_slice(tensor, &[Slice::from(0..len)])
 }
 
-/// `qk`'s queries and K rows: its columns before the last `k_pool`'s width, and those.
-pub(crate) fn split_qk<B: Backend>(
-    qk: FloatTensor<B>,
-    k_pool: &FloatTensor<B>,
-) -> [FloatTensor<B>; 2] {
-    let [tokens, cols] = [qk.shape()[0], qk.shape()[1]];
-    let q_cols = cols - k_pool.shape()[1];
-    let part = |columns| [Slice::from(0..tokens), Slice::from(columns)];
+/// `tensor`'s columns before `at`, and the rest: a joined pool's K and V, or the queries of a
+/// fused projection and the rows stored beside them.
+pub(crate) fn split_columns<B: Backend>(tensor: FloatTensor<B>, at: usize) -> [FloatTensor<B>; 2] {
+    let [rows, cols] = [tensor.shape()[0], tensor.shape()[1]];
+    let part = |columns| [Slice::from(0..rows), Slice::from(columns)];
     [
-        B::float_slice(qk.clone(), &part(0..q_cols)),
-        B::float_slice(qk, &part(q_cols..cols)),
+        B::float_slice(tensor.clone(), &part(0..at)),
+        B::float_slice(tensor, &part(at..cols)),
     ]
 }
 

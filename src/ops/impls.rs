@@ -10,10 +10,11 @@ use burn_core::backend::tensor::FloatTensor;
 use burn_core::backend::{Autodiff, AutodiffBackend, Backend};
 
 use super::{
-    AssignPrimitive, AttendedPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive,
-    KeyRunsPrimitive, KvBytes, KvPlanBackend, KvRows, NewRowsPrimitive, OptionalInt,
-    PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets,
-    StoreWritePrimitive, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
+    AssignPrimitive, AttendedKvPrimitive, AttendedPrimitive, CanaryLaunchPrimitive,
+    CanaryPrimitive, GatherPrimitive, KeyRunsPrimitive, KvBytes, KvPlanBackend, KvRows,
+    NewRowsPrimitive, OptionalInt, PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive,
+    StoreScratchPrimitive, StoreTargets, StoreWritePrimitive, VerifyPlanPrimitive,
+    WriteInputsPrimitive, WritePlanPrimitive,
 };
 
 impl KvPlanBackend for Flex {}
@@ -132,19 +133,31 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         super::cube::paged_attention(q, k_pool, v_pool, [slots, runs], heads)
     }
 
+    fn paged_attention_kv(
+        q: burn_cubecl::tensor::CubeTensor,
+        kv_pool: burn_cubecl::tensor::CubeTensor,
+        slots: burn_cubecl::tensor::CubeTensor,
+        runs: burn_cubecl::tensor::CubeTensor,
+        heads: usize,
+    ) -> burn_cubecl::tensor::CubeTensor {
+        super::cube::paged_attention_kv(q, kv_pool, [slots, runs], heads)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn store_and_attend(
         q: burn_cubecl::tensor::CubeTensor,
         k_pool: burn_cubecl::tensor::CubeTensor,
         v_pool: burn_cubecl::tensor::CubeTensor,
         k: burn_cubecl::tensor::CubeTensor,
+        v: burn_cubecl::tensor::CubeTensor,
         rows: NewRowsPrimitive<Self>,
         base: u32,
         slots: burn_cubecl::tensor::CubeTensor,
         runs: burn_cubecl::tensor::CubeTensor,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
-        super::cube::store_and_attend([q, k_pool, v_pool, k], rows, base, [slots, runs], heads)
+        let tensors = [q, k_pool, v_pool, k, v];
+        super::cube::store_and_attend(tensors, rows, base, [slots, runs], heads)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -152,13 +165,27 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         qk: burn_cubecl::tensor::CubeTensor,
         k_pool: burn_cubecl::tensor::CubeTensor,
         v_pool: burn_cubecl::tensor::CubeTensor,
+        v: burn_cubecl::tensor::CubeTensor,
         rows: NewRowsPrimitive<Self>,
         base: u32,
         slots: burn_cubecl::tensor::CubeTensor,
         runs: burn_cubecl::tensor::CubeTensor,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
-        super::cube::store_qk_and_attend([qk, k_pool, v_pool], rows, base, [slots, runs], heads)
+        let tensors = [qk, k_pool, v_pool, v];
+        super::cube::store_qk_and_attend(tensors, rows, base, [slots, runs], heads)
+    }
+
+    fn store_qkv_and_attend(
+        qkv: burn_cubecl::tensor::CubeTensor,
+        kv_pool: burn_cubecl::tensor::CubeTensor,
+        rows: NewRowsPrimitive<Self>,
+        base: u32,
+        slots: burn_cubecl::tensor::CubeTensor,
+        runs: burn_cubecl::tensor::CubeTensor,
+        heads: usize,
+    ) -> AttendedKvPrimitive<Self> {
+        super::cube::store_qkv_and_attend([qkv, kv_pool], rows, base, [slots, runs], heads)
     }
 }
 
@@ -461,12 +488,29 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         ))
     }
 
+    fn paged_attention_kv(
+        q: FloatTensor<Self>,
+        kv_pool: FloatTensor<Self>,
+        slots: B::IntTensorPrimitive,
+        runs: B::IntTensorPrimitive,
+        heads: usize,
+    ) -> FloatTensor<Self> {
+        Autodiff::<B, C>::from_inner(B::paged_attention_kv(
+            q.into_primitive(),
+            kv_pool.into_primitive(),
+            slots,
+            runs,
+            heads,
+        ))
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn store_and_attend(
         q: FloatTensor<Self>,
         k_pool: FloatTensor<Self>,
         v_pool: FloatTensor<Self>,
         k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
         rows: NewRowsPrimitive<Self>,
         base: u32,
         slots: B::IntTensorPrimitive,
@@ -479,6 +523,7 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
             k_pool.into_primitive(),
             v_pool.into_primitive(),
             k.into_primitive(),
+            v.into_primitive(),
             inner_rows(rows),
             base,
             slots,
@@ -493,6 +538,7 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         qk: FloatTensor<Self>,
         k_pool: FloatTensor<Self>,
         v_pool: FloatTensor<Self>,
+        v: FloatTensor<Self>,
         rows: NewRowsPrimitive<Self>,
         base: u32,
         slots: B::IntTensorPrimitive,
@@ -503,6 +549,7 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
             qk.into_primitive(),
             k_pool.into_primitive(),
             v_pool.into_primitive(),
+            v.into_primitive(),
             inner_rows(rows),
             base,
             slots,
@@ -511,14 +558,37 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         );
         outer_attended(inner)
     }
+
+    fn store_qkv_and_attend(
+        qkv: FloatTensor<Self>,
+        kv_pool: FloatTensor<Self>,
+        rows: NewRowsPrimitive<Self>,
+        base: u32,
+        slots: B::IntTensorPrimitive,
+        runs: B::IntTensorPrimitive,
+        heads: usize,
+    ) -> AttendedKvPrimitive<Self> {
+        let inner = B::store_qkv_and_attend(
+            qkv.into_primitive(),
+            kv_pool.into_primitive(),
+            inner_rows(rows),
+            base,
+            slots,
+            runs,
+            heads,
+        );
+        AttendedKvPrimitive {
+            out: Autodiff::<B, C>::from_inner(inner.out),
+            kv_pool: Autodiff::<B, C>::from_inner(inner.kv_pool),
+        }
+    }
 }
 
-/// A store's new rows as the inner backend's: constants, no gradient (inference only).
+/// A store's slots as the inner backend's (int tensors: the same type).
 fn inner_rows<B: Backend, C: CheckpointStrategy>(
     rows: NewRowsPrimitive<Autodiff<B, C>>,
 ) -> NewRowsPrimitive<B> {
     NewRowsPrimitive {
-        v: rows.v.into_primitive(),
         loc: rows.loc,
         status: rows.status,
         claims: rows.claims,

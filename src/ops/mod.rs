@@ -11,7 +11,7 @@
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
 mod cube;
 mod host;
-pub(crate) use host::split_qk;
+pub(crate) use host::split_columns;
 mod impls;
 
 pub use host::data_to_i64;
@@ -21,7 +21,7 @@ pub(crate) use host::{
 
 use burn_core as burn; // the paths `#[backend_extension]` generates
 use burn_core::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
-use burn_core::backend::{Backend, ExtensionType, backend_extension};
+use burn_core::backend::{Backend, ExtensionType, TensorMetadata, backend_extension};
 
 use crate::layout::SourceLayout;
 use crate::reference::RealKvHashMode;
@@ -273,7 +273,6 @@ pub enum KvRows<B: Backend> {
 impl<B: Backend> KvRows<B> {
     /// The tensor's shape.
     pub fn shape(&self) -> burn_core::tensor::Shape {
-        use burn_core::backend::TensorMetadata;
         match self {
             Self::Float(tensor) => tensor.shape(),
             Self::Int(tensor) => tensor.shape(),
@@ -326,14 +325,11 @@ pub struct StoreWritePrimitive<B: Backend> {
     pub status: IntTensor<B>,
 }
 
-/// A layer's new V rows and the checked slots they and its K rows are stored at, for
-/// `store_and_attend` (which takes the K rows apart: alone, or beside the queries). The status is
-/// read, never written: the op runs only where it cannot be refused.
+/// The checked slots a layer's new K and V rows are stored at, for `store_and_attend` and its
+/// forms. The status is read, never written: the op runs only where it cannot be refused.
 #[derive(ExtensionType, Debug, Clone)]
 #[extension_type(fusion: cfg(feature = "fusion"))]
 pub struct NewRowsPrimitive<B: Backend> {
-    /// The new V rows, `[N, V pool columns]`.
-    pub v: FloatTensor<B>,
     /// The slots, `[N]`.
     pub loc: IntTensor<B>,
     /// The slots' i64 status record: their check's, or an earlier write's.
@@ -353,6 +349,16 @@ pub struct AttendedPrimitive<B: Backend> {
     pub k_pool: FloatTensor<B>,
     /// The V pool, likewise.
     pub v_pool: FloatTensor<B>,
+}
+
+/// The device-side result of a store into a joined pool followed by the attention over it.
+#[derive(ExtensionType, Debug, Clone)]
+#[extension_type(fusion: cfg(feature = "fusion"))]
+pub struct AttendedKvPrimitive<B: Backend> {
+    /// The attention's output, `[tokens, heads * head_dim]`.
+    pub out: FloatTensor<B>,
+    /// The joined pool: written in place where its buffer was unique; as it was after an error.
+    pub kv_pool: FloatTensor<B>,
 }
 
 impl<B: Backend> StoreTargets<B> {
@@ -545,13 +551,29 @@ pub trait KvPlanBackend: Backend {
         host::paged_attention::<Self>(q, k_pool, v_pool, [slots, runs], heads)
     }
 
+    /// `paged_attention` over a joined pool `kv_pool` `[pool_rows, 2 * kv_heads * head_dim]`:
+    /// each row a slot's K, then its V (one tensor for the op to bind where a layer's K and V
+    /// pools are two). The host rules have been checked by the caller.
+    #[fusion(meta = |q, _kv_pool, _slots, _runs, _heads| q.clone())]
+    fn paged_attention_kv(
+        q: FloatTensor<Self>,
+        kv_pool: FloatTensor<Self>,
+        slots: IntTensor<Self>,
+        runs: IntTensor<Self>,
+        heads: usize,
+    ) -> FloatTensor<Self> {
+        let kv_cols = kv_pool.shape()[1] / 2;
+        let [k_pool, v_pool] = host::split_columns::<Self>(kv_pool, kv_cols);
+        Self::paged_attention(q, k_pool, v_pool, slots, runs, heads)
+    }
+
     /// A layer's new K and V rows stored at their slots (`store_rows` with the pair), then the
     /// paged attention of `q` over the pools they were stored in (`paged_attention`), as one op.
     /// `base` is the slots' check's first clock value: the Cube backend reads the keys this store
     /// writes from the new rows, through the claims, and makes both in one launch. The host rules
     /// of both have been checked by the caller, and it calls the op only where its launch cannot
     /// be refused (`OneLaunch`): the slots' status is read, not handed back.
-    #[fusion(meta = |q, k_pool, v_pool, _k, _rows, _base, _slots, _runs, _heads| AttendedPrimitiveMetadata {
+    #[fusion(meta = |q, k_pool, v_pool, _k, _v, _rows, _base, _slots, _runs, _heads| AttendedPrimitiveMetadata {
         out: q.clone(),
         k_pool: k_pool.clone(),
         v_pool: v_pool.clone(),
@@ -562,6 +584,7 @@ pub trait KvPlanBackend: Backend {
         k_pool: FloatTensor<Self>,
         v_pool: FloatTensor<Self>,
         k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
         #[extension_type] rows: NewRowsPrimitive<Self>,
         base: u32,
         slots: IntTensor<Self>,
@@ -571,7 +594,7 @@ pub trait KvPlanBackend: Backend {
         let _ = base; // the host has no claims to read: it stores, then attends
         let written = Self::store_rows(
             StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)),
-            StoreTargets::Pair(KvRows::Float(k), KvRows::Float(rows.v)),
+            StoreTargets::Pair(KvRows::Float(k), KvRows::Float(v)),
             rows.loc,
             rows.status,
         );
@@ -590,7 +613,7 @@ pub trait KvPlanBackend: Backend {
     /// `store_and_attend` with the queries and the new K rows side by side in one tensor, `qk`
     /// `[N, heads * head_dim + K pool columns]`, as one fused projection makes them: one tensor
     /// fewer for the op to bind. Both are views of `qk` where the backend makes views.
-    #[fusion(meta = |qk, k_pool, v_pool, _rows, _base, _slots, _runs, _heads| AttendedPrimitiveMetadata {
+    #[fusion(meta = |qk, k_pool, v_pool, _v, _rows, _base, _slots, _runs, _heads| AttendedPrimitiveMetadata {
         out: TensorSpec::new(
             [qk.shape[0], qk.shape[1] - k_pool.shape[1]].into(),
             qk.dtype,
@@ -603,14 +626,54 @@ pub trait KvPlanBackend: Backend {
         qk: FloatTensor<Self>,
         k_pool: FloatTensor<Self>,
         v_pool: FloatTensor<Self>,
+        v: FloatTensor<Self>,
         #[extension_type] rows: NewRowsPrimitive<Self>,
         base: u32,
         slots: IntTensor<Self>,
         runs: IntTensor<Self>,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
-        let [q, k] = host::split_qk::<Self>(qk, &k_pool);
-        Self::store_and_attend(q, k_pool, v_pool, k, rows, base, slots, runs, heads)
+        let q_cols = qk.shape()[1] - k_pool.shape()[1];
+        let [q, k] = host::split_columns::<Self>(qk, q_cols);
+        Self::store_and_attend(q, k_pool, v_pool, k, v, rows, base, slots, runs, heads)
+    }
+
+    /// The store and the attention over a joined pool `kv_pool` `[rows, 2 * kv_heads * head_dim]`
+    /// (each row a slot's K, then its V), the queries, new K rows and new V rows side by side in
+    /// `qkv` `[N, heads * head_dim + kv_pool columns]`: each new row's K and V are the last
+    /// columns of `qkv`, stored whole at its slot. Two tensors for the op to bind where the split
+    /// form binds five.
+    #[fusion(meta = |qkv, kv_pool, _rows, _base, _slots, _runs, _heads| AttendedKvPrimitiveMetadata {
+        out: TensorSpec::new(
+            [qkv.shape[0], qkv.shape[1] - kv_pool.shape[1]].into(),
+            qkv.dtype,
+        ),
+        kv_pool: kv_pool.clone(),
+    })]
+    #[allow(clippy::too_many_arguments)]
+    fn store_qkv_and_attend(
+        qkv: FloatTensor<Self>,
+        kv_pool: FloatTensor<Self>,
+        #[extension_type] rows: NewRowsPrimitive<Self>,
+        base: u32,
+        slots: IntTensor<Self>,
+        runs: IntTensor<Self>,
+        heads: usize,
+    ) -> AttendedKvPrimitive<Self> {
+        let _ = base; // the host has no claims to read: it stores, then attends
+        let q_cols = qkv.shape()[1] - kv_pool.shape()[1];
+        let [q, kv] = host::split_columns::<Self>(qkv, q_cols);
+        let written = Self::store_rows(
+            StoreTargets::One(KvRows::Float(kv_pool)),
+            StoreTargets::One(KvRows::Float(kv)),
+            rows.loc,
+            rows.status,
+        );
+        let StoreTargets::One(KvRows::Float(kv_pool)) = written.caches else {
+            unreachable!("a write hands back the targets it was given");
+        };
+        let out = Self::paged_attention_kv(q, kv_pool.clone(), slots, runs, heads);
+        AttendedKvPrimitive { out, kv_pool }
     }
 
     /// The first `len` values of a gather's 1-D output: a view where the backend can make one.

@@ -46,6 +46,19 @@ impl<D> Arg<D> {
     pub fn dim(&self, axis: usize) -> usize {
         self.shape.get(axis).copied().unwrap_or(0)
     }
+
+    /// `cols` of a matrix's columns, as one argument of its name: a part a joined tensor holds.
+    pub fn columns(&self, cols: usize) -> Self
+    where
+        D: Clone,
+    {
+        Self {
+            name: self.name,
+            shape: vec![self.dim(0), cols],
+            dtype: self.dtype,
+            device: self.device.clone(),
+        }
+    }
 }
 
 /// A dtype's name as the conformance files spell it.

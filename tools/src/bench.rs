@@ -11,7 +11,7 @@ use std::time::Instant;
 use burn_core::backend::tensor::IntTensor;
 use burn_core::backend::{Scalar, TensorData};
 use burn_core::tensor::DType;
-use kvplan::attention::backend::paged_attention;
+use kvplan::attention::backend::{paged_attention, paged_attention_kv};
 use kvplan::canary::{RealKvHashMode, VerifyPlan, WritePlan, read_plans};
 use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
 use kvplan::reference::{self, PlanArgs, PlanBuffers, Table};
@@ -895,6 +895,25 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
         .map_err(e)?;
         report(row, deferred, None);
     }
+    // The decoder's form: a layer's K and V in one joined pool, its queries, keys and values in
+    // one tensor.
+    let (k_pool, v_pool) = pools.take().expect("the pools are handed back");
+    let mut kv_pool = Some(B::float_cat(vec![k_pool, v_pool], 1));
+    let qkv = B::float_cat(vec![q.clone(), k_rows.clone(), k_rows.clone()], 1);
+    let deferred = timed::<B>(device, reps, || {
+        let pool = kv_pool.clone().expect("the pool is handed back");
+        paged_attention_kv::<B>(q.clone(), pool, &keys, 9).map(drop)
+    })
+    .map_err(e)?;
+    report("paged attention, joined K/V pool", deferred, None);
+    let deferred = timed::<B>(device, reps, || {
+        let pool = kv_pool.take().expect("the pool is handed back");
+        let attended = slots.store_qkv_and_attend_primitives([pool, qkv.clone()], &keys, 9)?;
+        kv_pool = Some(attended.kv_pool);
+        Ok(())
+    })
+    .map_err(e)?;
+    report("the one launch, joined pool and qkv", deferred, None);
     slots.status().check().map_err(e)?;
     keys.status().check().map_err(e)?;
 

@@ -10,7 +10,8 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use kvplan_kernels::attention::{
     AttentionShapeLaunch, NewRowsShapeLaunch, attention_check_kernel, attention_kernel,
-    attention_units, runs_len, store_attention_kernel,
+    attention_kv_kernel, attention_units, runs_len, store_attention_kernel,
+    store_attention_kv_kernel,
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::STATUS_LEN;
@@ -20,8 +21,49 @@ use super::wide_capable;
 use super::{
     address_type, bindable, contiguous, grid, output_i64, storage, stride, upload_parts, widened,
 };
-use crate::ops::{AttendedPrimitive, KeyRunsPrimitive, NewRowsPrimitive};
+use crate::ops::{AttendedKvPrimitive, AttendedPrimitive, KeyRunsPrimitive, NewRowsPrimitive};
 use cubecl::client::Client;
+
+/// A layer's pools as the kernels bind them: a K and a V pool, or one joined pool whose rows
+/// are a slot's K, then its V.
+#[allow(clippy::large_enum_variant)] // one a launch, on the stack
+enum Pools {
+    Split(CubeTensor, CubeTensor),
+    Joined(CubeTensor),
+}
+
+impl Pools {
+    fn map(self, f: impl Fn(CubeTensor) -> CubeTensor) -> Self {
+        match self {
+            Self::Split(k_pool, v_pool) => Self::Split(f(k_pool), f(v_pool)),
+            Self::Joined(kv_pool) => Self::Joined(f(kv_pool)),
+        }
+    }
+
+    /// The tensors the K rows and the V rows are in (a joined pool twice).
+    fn parts(&self) -> [&CubeTensor; 2] {
+        match self {
+            Self::Split(k_pool, v_pool) => [k_pool, v_pool],
+            Self::Joined(kv_pool) => [kv_pool, kv_pool],
+        }
+    }
+
+    /// Columns of a K row.
+    fn k_cols(&self) -> usize {
+        match self {
+            Self::Split(k_pool, _) => k_pool.shape()[1],
+            Self::Joined(kv_pool) => kv_pool.shape()[1] / 2,
+        }
+    }
+
+    /// Where a V row starts in its pool's row.
+    fn v_offset(&self) -> usize {
+        match self {
+            Self::Split(..) => 0,
+            Self::Joined(_) => self.k_cols(),
+        }
+    }
+}
 
 /// The launch scalars; `pool_rows` and `slots_len` are what the check holds the runs to. The
 /// starts' and counts' strides are the check's (the attention reads the runs record).
@@ -29,9 +71,10 @@ fn attention_shape(
     slots: &CubeTensor,
     [starts_stride, counts_stride]: [u64; 2],
     [tokens, heads, groups, pool_rows]: [usize; 4],
-    [q, k_pool, v_pool]: [Option<&CubeTensor>; 3],
+    (q, pools): (Option<&CubeTensor>, Option<&Pools>),
 ) -> AttentionShapeLaunch {
     let row_stride = |tensor: Option<&CubeTensor>| tensor.map_or(0, |tensor| stride(tensor, 0));
+    let [k_pool, v_pool] = pools.map_or([None, None], |pools| pools.parts().map(Some));
     AttentionShapeLaunch::new(
         tokens as u64,
         heads as u64,
@@ -41,6 +84,7 @@ fn attention_shape(
         row_stride(q),
         row_stride(k_pool),
         row_stride(v_pool),
+        pools.map_or(0, Pools::v_offset) as u64,
         stride(slots, 0),
         starts_stride,
         counts_stride,
@@ -77,7 +121,7 @@ pub(crate) fn check_key_runs(
         &slots,
         [stride(&starts, 0), stride(&counts, 0)],
         [tokens, 0, 1, pool_rows],
-        [None, None, None],
+        (None, None),
     );
     let dtypes = [storage(&slots), storage(&starts), storage(&counts)];
     let client = slots.client.clone();
@@ -140,13 +184,32 @@ pub(crate) fn paged_attention(
     q: CubeTensor,
     k_pool: CubeTensor,
     v_pool: CubeTensor,
+    keys: [CubeTensor; 2],
+    heads: usize,
+) -> CubeTensor {
+    attention(q, Pools::Split(k_pool, v_pool), keys, heads)
+}
+
+pub(crate) fn paged_attention_kv(
+    q: CubeTensor,
+    kv_pool: CubeTensor,
+    keys: [CubeTensor; 2],
+    heads: usize,
+) -> CubeTensor {
+    attention(q, Pools::Joined(kv_pool), keys, heads)
+}
+
+fn attention(
+    q: CubeTensor,
+    pools: Pools,
     [slots, runs]: [CubeTensor; 2],
     heads: usize,
 ) -> CubeTensor {
-    let (q, k_pool, v_pool) = (unit_rows(q), unit_rows(k_pool), unit_rows(v_pool));
+    let (q, pools) = (unit_rows(q), pools.map(unit_rows));
     let (tokens, q_cols) = (q.shape()[0], q.shape()[1]);
     let head_dim = q_cols / heads;
-    let groups = heads / (k_pool.shape()[1] / head_dim);
+    let groups = heads / (pools.k_cols() / head_dim);
+    let pool_rows = pools.parts()[0].shape()[0];
     let out = empty_device_contiguous_dtype(
         q.client.clone(),
         q.device.clone(),
@@ -158,10 +221,8 @@ pub(crate) fn paged_attention(
     }
     // Pools past what the device indexes: NaN, as after an error (a launch never wraps an index).
     // So is f64 through SPIR-V, whose exp is 32-bit only (GLSL.std.450): never silently wrong.
-    let address = address_type(
-        [&q, &k_pool, &v_pool, &slots, &runs, &out],
-        &[tokens * heads],
-    );
+    let [k_part, v_part] = pools.parts();
+    let address = address_type([&q, k_part, v_part, &slots, &runs, &out], &[tokens * heads]);
     let (Ok(address), false) = (address, f64_on_spirv(&q)) else {
         return nan_output(q, out.shape());
     };
@@ -169,47 +230,83 @@ pub(crate) fn paged_attention(
     let shape = attention_shape(
         &slots,
         [1, 1],
-        [tokens, heads, groups, k_pool.shape()[0]],
-        [Some(&q), Some(&k_pool), Some(&v_pool)],
+        [tokens, heads, groups, pool_rows],
+        (Some(&q), Some(&pools)),
     );
     let dtypes = [storage(&q), storage(&slots)];
     let units = attention_units(head_dim);
     let (cubes, _) = grid(tokens * heads);
     let client = q.client.clone();
+    let dim = CubeDim::new_1d(units as u32);
     // SAFETY: the kernel runs only on the check's clear status: every run inside the slot list
     // and every slot inside the pools, whose rows and strides are the shape's.
     unsafe {
-        attention_kernel::launch_unchecked(
-            &client,
-            cubes,
-            CubeDim::new_1d(units as u32),
-            address,
-            bindable(q).into_tensor_arg(),
-            bindable(k_pool).into_tensor_arg(),
-            bindable(v_pool).into_tensor_arg(),
-            slots.into_tensor_arg(),
-            runs.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            shape,
-            head_dim,
-            units,
-            dtypes,
-        );
+        match pools {
+            Pools::Split(k_pool, v_pool) => attention_kernel::launch_unchecked(
+                &client,
+                cubes,
+                dim,
+                address,
+                bindable(q).into_tensor_arg(),
+                bindable(k_pool).into_tensor_arg(),
+                bindable(v_pool).into_tensor_arg(),
+                slots.into_tensor_arg(),
+                runs.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                shape,
+                head_dim,
+                units,
+                dtypes,
+            ),
+            Pools::Joined(kv_pool) => attention_kv_kernel::launch_unchecked(
+                &client,
+                cubes,
+                dim,
+                address,
+                bindable(q).into_tensor_arg(),
+                bindable(kv_pool).into_tensor_arg(),
+                slots.into_tensor_arg(),
+                runs.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                shape,
+                head_dim,
+                units,
+                dtypes,
+            ),
+        }
     }
     out
+}
+
+/// A layer's new K and V rows: the tensors they are columns of, from these offsets on.
+struct NewKv {
+    k: (CubeTensor, usize),
+    v: (CubeTensor, usize),
 }
 
 /// A layer's store and attention in one launch (`store_attention_kernel`), on a device where
 /// that launch cannot be refused (`OneLaunch`: the store makes the two apart elsewhere).
 pub(crate) fn store_and_attend(
-    [q, k_pool, v_pool, k]: [CubeTensor; 4],
+    [q, k_pool, v_pool, k, v]: [CubeTensor; 5],
     rows: NewRowsPrimitive<CubeBackend>,
     base: u32,
     keys: [CubeTensor; 2],
     heads: usize,
 ) -> AttendedPrimitive<CubeBackend> {
-    let (q, k) = (unit_rows(q), unit_rows(k));
-    one_launch([q, k_pool, v_pool], (k, 0), rows, base, keys, heads)
+    let new = NewKv {
+        k: (unit_rows(k), 0),
+        v: (unit_rows(v), 0),
+    };
+    let pools = Pools::Split(k_pool, v_pool);
+    attended(one_launch(
+        unit_rows(q),
+        pools,
+        new,
+        rows,
+        base,
+        keys,
+        heads,
+    ))
 }
 
 /// `store_and_attend` with the queries and the K rows side by side in `qk`: the queries a view of
@@ -217,7 +314,7 @@ pub(crate) fn store_and_attend(
 /// them. (Burn's slice copies a part that does not start and end on the allocator's alignment,
 /// as the keys of a 576 + 192 column row do not.)
 pub(crate) fn store_qk_and_attend(
-    [qk, k_pool, v_pool]: [CubeTensor; 3],
+    [qk, k_pool, v_pool, v]: [CubeTensor; 4],
     rows: NewRowsPrimitive<CubeBackend>,
     base: u32,
     keys: [CubeTensor; 2],
@@ -225,32 +322,98 @@ pub(crate) fn store_qk_and_attend(
 ) -> AttendedPrimitive<CubeBackend> {
     let qk = unit_rows(qk);
     let q_cols = qk.shape()[1] - k_pool.shape()[1];
-    let mut q = qk.clone();
-    q.meta.shape = Shape::new([qk.shape()[0], q_cols]);
-    one_launch([q, k_pool, v_pool], (qk, q_cols), rows, base, keys, heads)
+    let new = NewKv {
+        k: (qk.clone(), q_cols),
+        v: (unit_rows(v), 0),
+    };
+    let pools = Pools::Split(k_pool, v_pool);
+    attended(one_launch(
+        columns(qk, q_cols),
+        pools,
+        new,
+        rows,
+        base,
+        keys,
+        heads,
+    ))
 }
 
-/// The one launch; the K rows are `k`'s columns from `k_offset` on, as many as the K pool's.
+/// The store and the attention over a joined pool, the queries, K rows and V rows side by side
+/// in `qkv`: all three read from it (the queries a view of its first columns, as in
+/// `store_qk_and_attend`).
+pub(crate) fn store_qkv_and_attend(
+    [qkv, kv_pool]: [CubeTensor; 2],
+    rows: NewRowsPrimitive<CubeBackend>,
+    base: u32,
+    keys: [CubeTensor; 2],
+    heads: usize,
+) -> AttendedKvPrimitive<CubeBackend> {
+    let qkv = unit_rows(qkv);
+    let kv_cols = kv_pool.shape()[1];
+    let q_cols = qkv.shape()[1] - kv_cols;
+    let new = NewKv {
+        k: (qkv.clone(), q_cols),
+        v: (qkv.clone(), q_cols + kv_cols / 2),
+    };
+    let (out, pools) = one_launch(
+        columns(qkv, q_cols),
+        Pools::Joined(kv_pool),
+        new,
+        rows,
+        base,
+        keys,
+        heads,
+    );
+    let Pools::Joined(kv_pool) = pools else {
+        unreachable!("a launch hands back the pools it was given");
+    };
+    AttendedKvPrimitive { out, kv_pool }
+}
+
+/// The first `cols` columns of rows whose last dim is contiguous: a view of the same buffer.
+fn columns(mut rows: CubeTensor, cols: usize) -> CubeTensor {
+    rows.meta.shape = Shape::new([rows.shape()[0], cols]);
+    rows
+}
+
+fn attended((out, pools): (CubeTensor, Pools)) -> AttendedPrimitive<CubeBackend> {
+    let Pools::Split(k_pool, v_pool) = pools else {
+        unreachable!("a launch hands back the pools it was given");
+    };
+    AttendedPrimitive {
+        out,
+        k_pool,
+        v_pool,
+    }
+}
+
+/// The one launch: the output and the pools, written in place where unique.
 fn one_launch(
-    [q, k_pool, v_pool]: [CubeTensor; 3],
-    (k, k_offset): (CubeTensor, usize),
+    q: CubeTensor,
+    pools: Pools,
+    new: NewKv,
     rows: NewRowsPrimitive<CubeBackend>,
     base: u32,
     [slots, runs]: [CubeTensor; 2],
     heads: usize,
-) -> AttendedPrimitive<CubeBackend> {
-    let v = unit_rows(rows.v);
-    let (k_pool, v_pool) = (owned(unit_rows(k_pool)), owned(unit_rows(v_pool)));
+) -> (CubeTensor, Pools) {
+    let pools = pools.map(|pool| owned(unit_rows(pool)));
     let (tokens, q_cols) = (q.shape()[0], q.shape()[1]);
-    let new = k.shape()[0];
+    let NewKv {
+        k: (k, k_offset),
+        v: (v, v_offset),
+    } = new;
+    let new = rows.loc.shape()[0];
     let head_dim = q_cols / heads;
-    let groups = heads / (k_pool.shape()[1] / head_dim);
+    let groups = heads / (pools.k_cols() / head_dim);
+    let pool_rows = pools.parts()[0].shape()[0];
     let cubes = tokens.max(new) * heads;
+    let [k_part, v_part] = pools.parts();
     let address = address_type(
         [
             &q,
-            &k_pool,
-            &v_pool,
+            k_part,
+            v_part,
             &k,
             &v,
             &rows.loc,
@@ -263,12 +426,7 @@ fn one_launch(
     let (Ok(address), false) = (address, f64_on_spirv(&q)) else {
         // Callers make these apart (`OneLaunch`): reached only if the device's properties
         // changed under them. Refused as an attention is: NaN out, the pools as they were.
-        let out = nan_output(q, Shape::new([tokens, q_cols]));
-        return AttendedPrimitive {
-            out,
-            k_pool,
-            v_pool,
-        };
+        return (nan_output(q, Shape::new([tokens, q_cols])), pools);
     };
     let out = empty_device_contiguous_dtype(
         q.client.clone(),
@@ -277,19 +435,15 @@ fn one_launch(
         q.dtype,
     );
     if cubes == 0 {
-        return AttendedPrimitive {
-            out,
-            k_pool,
-            v_pool,
-        };
+        return (out, pools);
     }
     let loc = bindable(widened(rows.loc));
     let slots = bindable(widened(slots));
     let shape = attention_shape(
         &slots,
         [1, 1],
-        [tokens, heads, groups, k_pool.shape()[0]],
-        [Some(&q), Some(&k_pool), Some(&v_pool)],
+        [tokens, heads, groups, pool_rows],
+        (Some(&q), Some(&pools)),
     );
     // The check claimed `[base, base + new - 1]`; without new rows, an empty range.
     let (base, newest) = match new {
@@ -301,6 +455,7 @@ fn one_launch(
         stride(&k, 0),
         k_offset as u64,
         stride(&v, 0),
+        v_offset as u64,
         stride(&loc, 0),
         base,
         newest,
@@ -309,36 +464,56 @@ fn one_launch(
     let units = attention_units(head_dim);
     let (grid, _) = grid(cubes);
     let client = q.client.clone();
+    let dim = CubeDim::new_1d(units as u32);
+    let claims = bindable(rows.claims);
     // SAFETY: the kernel stores only on the slots' clear status (every slot inside pools of
     // these rows, none but 0 twice) and attends only on the runs' (every run inside the slot
     // list, every slot inside the pools); the claims span the pools' rows.
     unsafe {
-        store_attention_kernel::launch_unchecked(
-            &client,
-            grid,
-            CubeDim::new_1d(units as u32),
-            address,
-            bindable(q).into_tensor_arg(),
-            bindable(k_pool.clone()).into_tensor_arg(),
-            bindable(v_pool.clone()).into_tensor_arg(),
-            bindable(k).into_tensor_arg(),
-            bindable(v).into_tensor_arg(),
-            loc.into_tensor_arg(),
-            bindable(rows.claims).into_tensor_arg(),
-            rows.status.into_tensor_arg(),
-            slots.into_tensor_arg(),
-            runs.into_tensor_arg(),
-            bindable(out.clone()).into_tensor_arg(),
-            shape,
-            new_rows,
-            head_dim,
-            units,
-            dtypes,
-        );
+        match &pools {
+            Pools::Split(k_pool, v_pool) => store_attention_kernel::launch_unchecked(
+                &client,
+                grid,
+                dim,
+                address,
+                bindable(q).into_tensor_arg(),
+                bindable(k_pool.clone()).into_tensor_arg(),
+                bindable(v_pool.clone()).into_tensor_arg(),
+                bindable(k).into_tensor_arg(),
+                bindable(v).into_tensor_arg(),
+                loc.into_tensor_arg(),
+                claims.into_tensor_arg(),
+                rows.status.into_tensor_arg(),
+                slots.into_tensor_arg(),
+                runs.into_tensor_arg(),
+                bindable(out.clone()).into_tensor_arg(),
+                shape,
+                new_rows,
+                head_dim,
+                units,
+                dtypes,
+            ),
+            // The queries, K rows and V rows are all `qkv`'s (`k`): one binding.
+            Pools::Joined(kv_pool) => store_attention_kv_kernel::launch_unchecked(
+                &client,
+                grid,
+                dim,
+                address,
+                bindable(k).into_tensor_arg(),
+                bindable(kv_pool.clone()).into_tensor_arg(),
+                loc.into_tensor_arg(),
+                claims.into_tensor_arg(),
+                rows.status.into_tensor_arg(),
+                slots.into_tensor_arg(),
+                runs.into_tensor_arg(),
+                bindable(out.clone()).into_tensor_arg(),
+                shape,
+                new_rows,
+                head_dim,
+                units,
+                dtypes,
+            ),
+        }
     }
-    AttendedPrimitive {
-        out,
-        k_pool,
-        v_pool,
-    }
+    (out, pools)
 }

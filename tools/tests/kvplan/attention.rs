@@ -4,7 +4,7 @@
 use burn_core::backend::tensor::FloatTensor;
 use burn_core::backend::{TensorData, read_sync};
 use burn_core::tensor::{DType, Shape, Slice};
-use kvplan::attention::backend::paged_attention;
+use kvplan::attention::backend::{paged_attention, paged_attention_kv};
 use kvplan::reference::{self, Heads};
 use kvplan::{Dims, Error, KeyRuns, KvPlanBackend, KvRows, KvStore, StoreTargets};
 
@@ -127,6 +127,14 @@ impl Case {
             .expect("host rules hold");
         (float_values::<B>(out), keys.status().check())
     }
+}
+
+/// Rows of `cols` K values and rows of as many V values side by side: each row K, then V.
+fn join(k: &[f64], v: &[f64], cols: usize) -> Vec<f64> {
+    k.chunks(cols)
+        .zip(v.chunks(cols))
+        .flat_map(|(k, v)| k.iter().chain(v).copied())
+        .collect()
 }
 
 fn floats<B: KvPlanBackend>(
@@ -452,7 +460,9 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
 }
 
 /// `store_kv_and_attend`: the pools hold what a separate `store_kv` leaves, exactly, and the
-/// output is the bits of a separate attention over them (the reference's values); a duplicate
+/// output is the bits of a separate attention over them (the reference's values), as do the
+/// one-tensor forms (`store_qk_and_attend`; `store_qkv_and_attend` over the joined pool, and
+/// `paged_attention_kv` over it); a duplicate
 /// store slot leaves the pools unchanged and reports the store's error; every host rule of the
 /// store and of the attention fails as in the separate op; no new rows leave the attention over
 /// the pools as they are. Case 6 runs in f64: NaN out where
@@ -577,6 +587,35 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
                 "{what}: qk V pool"
             );
         }
+        // One joined pool, the queries, keys and values as one tensor: the same.
+        if new == tokens {
+            let (_, keys, mut store) = inputs();
+            let q_cols = case.q_cols();
+            let qkv: Vec<f64> = (0..tokens)
+                .flat_map(|t| {
+                    let q = &case.q[t * q_cols..][..q_cols];
+                    let kv = join(&k_new[t * cols..][..cols], &v_new[t * cols..][..cols], cols);
+                    q.iter().copied().chain(kv).collect::<Vec<_>>()
+                })
+                .collect();
+            let qkv = floats::<B>(&qkv, [tokens, q_cols + 2 * cols], float, device);
+            let kv_pool = join(&case.k, &case.v, cols);
+            let kv_pool = floats::<B>(&kv_pool, [pool_rows, 2 * cols], float, device);
+            let mut slots = store
+                .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
+                .unwrap();
+            let attended = slots
+                .store_qkv_and_attend_primitives([kv_pool, qkv], &keys, heads)
+                .expect("host rules hold");
+            assert_eq!(slots.status().check(), status, "{what}: qkv status");
+            let got = float_values::<B>(attended.out);
+            assert_eq!(bits(&got), bits(&out), "{what}: qkv output");
+            assert_eq!(
+                float_values::<B>(attended.kv_pool),
+                join(&k_got, &v_got, cols),
+                "{what}: joined pool"
+            );
+        }
         // Apart.
         let ([k_pool, v_pool, k, v, q], keys, mut store) = inputs();
         let mut slots = store
@@ -589,12 +628,19 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         else {
             unreachable!("a pair comes back")
         };
+        let kv_pool = B::float_cat(vec![k_pool.clone(), v_pool.clone()], 1);
+        let joined = paged_attention_kv::<B>(q.clone(), kv_pool, &keys, heads).unwrap();
         let apart = paged_attention::<B>(q, k_pool.clone(), v_pool.clone(), &keys, heads).unwrap();
         assert_eq!(status, slots.status().check(), "{what}: status");
         assert_eq!(
             bits(&out),
             bits(&float_values::<B>(apart)),
             "{what}: output"
+        );
+        assert_eq!(
+            bits(&out),
+            bits(&float_values::<B>(joined)),
+            "{what}: over the joined pool"
         );
         assert_eq!(k_got, float_values::<B>(k_pool), "{what}: K pool");
         assert_eq!(v_got, float_values::<B>(v_pool), "{what}: V pool");
@@ -750,6 +796,84 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         vec![0.0; 2 * 32],
         "zeros attend to zeros"
     );
+    // The joined form's rules: `qkv`'s rank, then the store's (its last pool-width columns as
+    // the values, the pool as the cache), then the attention's (the rest as `q`, the pool's halves
+    // as the K and V pools); the slots' status stays theirs.
+    let halves = |cols: [usize; 2]| Error::HeadShape {
+        context: attention.clone(),
+        q: Dims(vec![2, 32]),
+        k_pool: Dims(vec![5, cols[0]]),
+        v_pool: Dims(vec![5, cols[1]]),
+        heads: 4,
+        max_head_dim: 256,
+    };
+    for (kv_pool, qkv, expected) in [
+        (
+            zeros([5, 32]),
+            B::float_from_data(TensorData::new(vec![0f32; 4], [4]), device),
+            Error::Not2d {
+                context: store_kv.clone(),
+                name: "qkv",
+                shape: Dims(vec![4]),
+            },
+        ),
+        (
+            zeros([5, 32]),
+            zeros([3, 64]), // three new rows for two slots
+            Error::ValueShapeMismatch {
+                context: store_kv.clone(),
+                values: Dims(vec![3, 32]),
+                expected: Dims(vec![2, 32]),
+                cache: Dims(vec![5, 32]),
+            },
+        ),
+        (
+            zeros([4, 32]), // a pool of fewer rows than the slots were checked for
+            zeros([2, 64]),
+            Error::CacheRowsMismatch {
+                context: store_kv.clone(),
+                name: "kv_pool",
+                cache: Dims(vec![4, 32]),
+                cache_rows: 5,
+            },
+        ),
+        (zeros([5, 33]), zeros([2, 65]), halves([16, 17])), // an odd width: unequal halves
+        (
+            zeros([5, 32]),
+            zeros([2, 62]), // queries not whole heads
+            Error::HeadShape {
+                context: attention.clone(),
+                q: Dims(vec![2, 30]),
+                k_pool: Dims(vec![5, 16]),
+                v_pool: Dims(vec![5, 16]),
+                heads: 4,
+                max_head_dim: 256,
+            },
+        ),
+    ] {
+        let error = slots
+            .store_qkv_and_attend_primitives([kv_pool, qkv], &keys, 4)
+            .map(drop);
+        assert_eq!(error, Err(expected.clone()));
+        assert_eq!(
+            slots.status().check(),
+            Ok(2),
+            "{expected}: the status stays"
+        );
+    }
+    assert_eq!(
+        paged_attention_kv::<B>(zeros([2, 32]), zeros([5, 33]), &keys, 4).unwrap_err(),
+        halves([16, 17]),
+        "the attention over an odd-width pool"
+    );
+    let attended = slots
+        .store_qkv_and_attend_primitives([zeros([5, 32]), zeros([2, 64])], &keys, 4)
+        .unwrap();
+    assert_eq!(
+        float_values::<B>(attended.out),
+        vec![0.0; 2 * 32],
+        "zeros attend to zeros (joined)"
+    );
 
     // A key outside the pools: the runs' error, NaN out, and the rows stored all the same.
     let keys = KeyRuns::<B>::check_primitives(
@@ -843,8 +967,9 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
 /// through those runs (which binds that list too) is NaN; runs within the span over pools past it pass their check,
 /// and the attention, which cannot index the pools, is NaN (as after an error, never wrapped).
 /// A store and attention in one launch over such pools falls back to the two launchers: the
-/// store's refusal in the slots' status, the pools unchanged, the attention NaN; so does the form
-/// with the queries and keys in one tensor (the keys then a copy of their columns).
+/// store's refusal in the slots' status, the pools unchanged, the attention NaN; so do the forms
+/// with the queries and keys in one tensor (the keys then a copy of their columns) and with a
+/// joined pool.
 pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
     let l = |values: &[i64]| list::<B>(values, DType::I64, device);
     let q = || floats::<B>(&[0.5; 2 * 16], [2, 16], DType::F32, device);
@@ -872,19 +997,27 @@ pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
         "attention over pools past the span"
     );
     let mut store = KvStore::<B>::allocate_on(rows, device).unwrap();
-    for one_tensor in [false, true] {
-        let what = if one_tensor { "qk" } else { "q, k" };
+    for what in ["q, k", "qk", "qkv"] {
         let mut slots = store.check_slot_primitives(l(&[1, 2]), rows).unwrap();
         let new = || floats::<B>(&[0.75; 2 * 16], [2, 16], DType::F32, device);
-        let attended = if one_tensor {
-            let qk = floats::<B>(&[0.5; 2 * 32], [2, 32], DType::F32, device);
-            slots.store_qk_and_attend_primitives([pool(rows), pool(rows), qk, new()], &keys, 1)
-        } else {
-            slots.store_kv_and_attend_primitives(
-                [pool(rows), pool(rows), new(), new(), q()],
-                &keys,
-                1,
-            )
+        let wide = |cols: usize| floats::<B>(&vec![0.5; 2 * cols], [2, cols], DType::F32, device);
+        // The output and the pools' values (a joined pool's as the K pool's and the V pool's).
+        let (out, pools) = match what {
+            "q, k" => {
+                let parts = [pool(rows), pool(rows), new(), new(), q()];
+                let attended = slots.store_kv_and_attend_primitives(parts, &keys, 1);
+                attended.map(|a| (a.out, vec![a.k_pool, a.v_pool]))
+            }
+            "qk" => {
+                let parts = [pool(rows), pool(rows), wide(32), new()];
+                let attended = slots.store_qk_and_attend_primitives(parts, &keys, 1);
+                attended.map(|a| (a.out, vec![a.k_pool, a.v_pool]))
+            }
+            _ => {
+                let kv_pool = floats::<B>(&vec![0.25; rows * 32], [rows, 32], DType::F32, device);
+                let attended = slots.store_qkv_and_attend_primitives([kv_pool, wide(48)], &keys, 1);
+                attended.map(|a| (a.out, vec![a.kv_pool]))
+            }
         }
         .unwrap();
         match slots.status().check() {
@@ -892,15 +1025,10 @@ pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
             other => panic!("{what}: expected index_range, got {other:?}"),
         }
         assert!(
-            float_values::<B>(attended.out).iter().all(|v| v.is_nan()),
+            float_values::<B>(out).iter().all(|v| v.is_nan()),
             "{what}: attention over pools past the span"
         );
-        for pool in [attended.k_pool, attended.v_pool] {
-            assert_eq!(
-                float_values::<B>(pool),
-                vec![0.25; rows * 16],
-                "{what}: unchanged"
-            );
-        }
+        let pool_values: Vec<f64> = pools.into_iter().flat_map(float_values::<B>).collect();
+        assert_eq!(pool_values, vec![0.25; 2 * rows * 16], "{what}: unchanged");
     }
 }
