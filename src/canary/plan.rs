@@ -127,12 +127,12 @@ impl<B: KvPlanBackend> VerifyPlan<B> {
         let device = slot_indices.device();
         Ok(Self {
             tensors: Some(VerifyPlanPrimitive {
-                slot_indices: slot_indices,
-                expected_tokens: expected_tokens,
-                expected_positions: expected_positions,
-                prev_slot_indices: prev_slot_indices,
-                num_valid: num_valid,
-                enable: enable,
+                slot_indices,
+                expected_tokens,
+                expected_positions,
+                prev_slot_indices,
+                num_valid,
+                enable,
             }),
             capacity,
             device,
