@@ -99,8 +99,9 @@ pub struct Llama {
     /// The LM head, `[hidden, vocab]` (the tied embedding, transposed once), the final norm's
     /// weight folded in.
     lm_head: Tensor<2>,
-    /// RoPE per position and head column: `[context_length, head_dim]`, `cos` of the pair's
-    /// angle in both columns, `sin` as `-sin, +sin` (applied to the pair-swapped values).
+    /// RoPE per position and column of `[q | k | v]`: `[context_length, (heads + 2 * kv_heads) *
+    /// head_dim]`; in each Q and K head `cos` of the pair's angle in both columns, `sin` as `-sin,
+    /// +sin` (applied to the pair-swapped values); in V's, cos 1 and sin 0 (V stays as it is).
     rope_cos: Tensor<2>,
     rope_sin: Tensor<2>,
 }
@@ -296,21 +297,13 @@ impl Llama {
         let tokens = input.input_ids.dims()[0];
         let mut x = self.embed.clone().select(0, input.input_ids.clone());
         let hd = c.head_dim;
-        // Per head of `[q | k | v]`: the rotation of Q and K, V's identity (cos 1, sin 0).
         let rotated_heads = c.heads + c.kv_heads;
-        let per_head = |table: &Tensor<2>, v_value: f64| {
+        let heads = rotated_heads + c.kv_heads;
+        let rope = |table: &Tensor<2>| {
             let rows = table.clone().select(0, input.positions.clone());
-            let rows = rows
-                .reshape([tokens, 1, hd])
-                .expand([tokens, rotated_heads, hd]);
-            let v = Tensor::<3>::full(
-                [tokens, c.kv_heads, hd],
-                v_value,
-                (&self.device, self.dtype),
-            );
-            Tensor::cat(vec![rows, v], 1)
+            rows.reshape([tokens, heads, hd])
         };
-        let (cos, sin) = (per_head(&self.rope_cos, 1.0), per_head(&self.rope_sin, 0.0));
+        let (cos, sin) = (rope(&self.rope_cos), rope(&self.rope_sin));
         let (q_cols, kv_cols) = (c.hidden, 2 * c.kv_dim());
         let width = q_cols + kv_cols;
         let mut slots = cache.check_slots(input.out_cache_loc.clone())?;
@@ -320,7 +313,6 @@ impl Llama {
             let qkv = h.matmul(block.wqkv.clone());
             // RoPE on Q and K at once: `x * cos + swapped(x) * sin` per head; the swapped
             // values of Q and K come first, the plain ones after them.
-            let heads = rotated_heads + c.kv_heads;
             let plain = qkv.clone().narrow(1, rotated_heads * hd, width);
             let plain = plain.reshape([tokens, heads, hd]);
             let swapped = qkv.narrow(1, 0, width).reshape([tokens, heads, hd]);
@@ -441,19 +433,28 @@ fn swap_pair_rows(rows: &[f32], inner: usize) -> Vec<f32> {
 /// `(x0 cos - x1 sin, x1 cos + x0 sin) = x * cos + swapped(x) * sin`.
 fn rope_tables(config: &LlamaConfig, device: &Device, dtype: DType) -> (Tensor<2>, Tensor<2>) {
     let hd = config.head_dim;
+    let (rotated, kept) = (config.heads + config.kv_heads, config.kv_heads);
+    let width = (rotated + kept) * hd;
     let positions = config.context_length;
-    let mut cos = Vec::with_capacity(positions * hd);
-    let mut sin = Vec::with_capacity(positions * hd);
+    let mut cos = Vec::with_capacity(positions * width);
+    let mut sin = Vec::with_capacity(positions * width);
     for position in 0..positions {
+        let (mut head_cos, mut head_sin) = (Vec::with_capacity(hd), Vec::with_capacity(hd));
         for i in 0..hd / 2 {
             let inv_freq = config.rope_base.powf(-2.0 * i as f64 / hd as f64);
             let angle = position as f64 * inv_freq;
-            cos.extend([angle.cos(), angle.cos()]);
-            sin.extend([-angle.sin(), angle.sin()]);
+            head_cos.extend([angle.cos(), angle.cos()]);
+            head_sin.extend([-angle.sin(), angle.sin()]);
         }
+        for _ in 0..rotated {
+            cos.extend(&head_cos);
+            sin.extend(&head_sin);
+        }
+        cos.extend(std::iter::repeat_n(1.0, kept * hd));
+        sin.extend(std::iter::repeat_n(0.0, kept * hd));
     }
     let table = |values: Vec<f64>| {
-        Tensor::from_data(TensorData::new(values, [positions, hd]), (device, dtype))
+        Tensor::from_data(TensorData::new(values, [positions, width]), (device, dtype))
     };
     (table(cos), table(sin))
 }

@@ -330,11 +330,10 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
     let slot = store_slot::<L>(loc, rows, shape, zero_row, cube, head_dim);
     if slot != NEW_ROW {
         let column = ((cube % shape.heads) / shape.groups) * head_dim as u64 + UNIT_POS as u64;
-        let row = t * rows.k_stride;
         kv_pool[(slot * shape.k_stride + column) as usize] =
-            qkv[(rows.k_offset + row + column) as usize];
-        kv_pool[(slot * shape.k_stride + shape.v_offset + column) as usize] =
-            qkv[(rows.v_offset + row + column) as usize];
+            qkv[(rows.k_offset + t * rows.k_stride + column) as usize];
+        kv_pool[(slot * shape.v_stride + shape.v_offset + column) as usize] =
+            qkv[(rows.v_offset + t * rows.v_stride + column) as usize];
     }
     if t < shape.tokens {
         attend::<F, S, u32>(

@@ -837,6 +837,25 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
                 cache_rows: 5,
             },
         ),
+        (
+            B::float_from_data(TensorData::new(vec![0f32; 160], [160]), device), // a pool of rank 1
+            zeros([2, 64]),
+            Error::ValueShapeMismatch {
+                context: store_kv.clone(),
+                values: Dims(vec![2, 0]),
+                expected: Dims(vec![2]),
+                cache: Dims(vec![160]),
+            },
+        ),
+        (
+            zeros([5, 32]),
+            floats::<B>(&[0.0; 128], [2, 64], DType::F64, device),
+            Error::ValueDtypeMismatch {
+                context: store_kv.clone(),
+                values: "f64".into(),
+                cache: "f32".into(),
+            },
+        ),
         (zeros([5, 33]), zeros([2, 65]), halves([16, 17])), // an odd width: unequal halves
         (
             zeros([5, 32]),
@@ -865,6 +884,26 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         paged_attention_kv::<B>(zeros([2, 32]), zeros([5, 33]), &keys, 4).unwrap_err(),
         halves([16, 17]),
         "the attention over an odd-width pool"
+    );
+    let pool_1d = B::float_from_data(TensorData::new(vec![0f32; 160], [160]), device);
+    assert_eq!(
+        paged_attention_kv::<B>(zeros([2, 32]), pool_1d, &keys, 4).unwrap_err(),
+        Error::Not2d {
+            context: attention.clone(),
+            name: "kv_pool",
+            shape: Dims(vec![160]),
+        },
+        "the attention over a pool of rank 1"
+    );
+    assert_eq!(
+        paged_attention_kv::<B>(zeros([2, 32]), zeros([4, 32]), &keys, 4).unwrap_err(),
+        Error::PoolRowsMismatch {
+            context: attention.clone(),
+            k_pool: Dims(vec![4, 16]),
+            v_pool: Dims(vec![4, 16]),
+            pool_rows: 5,
+        },
+        "the attention over a pool of fewer rows than the runs were checked against"
     );
     let attended = slots
         .store_qkv_and_attend_primitives([zeros([5, 32]), zeros([2, 64])], &keys, 4)
