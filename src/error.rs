@@ -50,6 +50,7 @@ impl fmt::Display for Dims {
 
 /// Every failure kvplan reports. Nothing in kvplan panics on bad input: it returns one of these.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     // ---- gather (spec gather.md §6) ----
     /// The table has no columns but the mask selects a cell.
@@ -668,6 +669,126 @@ pub enum Error {
         pool_rows: usize,
     },
 
+    // ---- the paged KV state (`PagedKv`) ----
+    /// A `PagedKvConfig` field that leaves nothing to serve with, or that does not fit.
+    #[error("paged KV config: {field} = {value}: {why}")]
+    Config {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: usize,
+        /// What it must be.
+        why: &'static str,
+    },
+    /// A step needs more KV slots than are free.
+    #[error("paged KV: {needed} KV slots needed, {free} free")]
+    OutOfSlots {
+        /// Slots asked for.
+        needed: usize,
+        /// Slots free.
+        free: usize,
+    },
+    /// Every `req_to_token` row is taken.
+    #[error("paged KV: all {max_requests} request rows are taken")]
+    OutOfRows {
+        /// Requests the state holds at once.
+        max_requests: usize,
+    },
+    /// A request id the state does not hold (never added, or removed).
+    #[error("paged KV: unknown request {request}")]
+    UnknownRequest {
+        /// The id.
+        request: u64,
+    },
+    /// A request named twice in one step.
+    #[error("paged KV: request {request} appears twice in one step")]
+    RequestTwiceInStep {
+        /// The id.
+        request: u64,
+    },
+    /// A window of no tokens.
+    #[error("paged KV: request {request} brings no new tokens to the step")]
+    EmptyWindow {
+        /// The id.
+        request: u64,
+    },
+    /// A request's context would pass the table's columns.
+    #[error(
+        "paged KV: request {request} would reach {len} tokens, past max context {max_context}"
+    )]
+    ContextFull {
+        /// The id.
+        request: u64,
+        /// Its length after the step (or the shared prefix asked for).
+        len: usize,
+        /// The table's columns.
+        max_context: usize,
+    },
+    /// A shared prefix longer than its source's committed tokens.
+    #[error(
+        "paged KV: request {request} has {len} committed tokens, a prefix of {prefix} cannot be shared"
+    )]
+    PrefixTooLong {
+        /// The source request.
+        request: u64,
+        /// Its committed tokens.
+        len: usize,
+        /// The prefix asked for.
+        prefix: usize,
+    },
+    /// A layer index past the model's layers.
+    #[error("paged KV: layer {layer} is out of range for {layers} layers")]
+    LayerOutOfRange {
+        /// The layer.
+        layer: usize,
+        /// Layers configured.
+        layers: usize,
+    },
+    /// A layer's `qkv` whose shape is not `[tokens, (heads + 2 * kv_heads) * head_dim]`.
+    #[error("paged KV: qkv has shape {got}, expected {expected}")]
+    QkvShape {
+        /// The shape given.
+        got: Dims,
+        /// The step's shape.
+        expected: Dims,
+    },
+    /// A layer's `qkv` of another dtype than the pools.
+    #[error("paged KV: qkv is {got:?}, the pools are {expected:?}")]
+    QkvDtype {
+        /// The dtype given.
+        got: burn_core::tensor::DType,
+        /// The pools' dtype.
+        expected: burn_core::tensor::DType,
+    },
+    /// A request keeps more tokens than its window brought (or the step ends with another count
+    /// of requests than it began with).
+    #[error("paged KV: request {request} keeps {keep} tokens of a window of {window}")]
+    KeepPastWindow {
+        /// The id.
+        request: u64,
+        /// Tokens kept.
+        keep: usize,
+        /// Tokens the window brought.
+        window: usize,
+    },
+    /// `end` was given another number of requests than `begin`.
+    #[error("paged KV: the step began with {began} requests, end names {ended}")]
+    StepRequests {
+        /// Requests at `begin`.
+        began: usize,
+        /// Requests at `end`.
+        ended: usize,
+    },
+    /// A call out of the step's order (`attend` or `end` with no step begun, `begin` or a request
+    /// change inside one).
+    #[error("paged KV: {call} {why}")]
+    StepOrder {
+        /// The call.
+        call: &'static str,
+        /// Why it cannot run now.
+        why: &'static str,
+    },
+
     /// A launch would index more elements than the device's kernels can address: it has no
     /// 64-bit indexing and a binding (or a count the kernel keeps) passes 2^31 elements.
     #[error(
@@ -779,6 +900,20 @@ impl Error {
             Error::IndexRange { .. } => "index_range",
             Error::AllocationTooLarge { .. } => "allocation_too_large",
             Error::Execution { .. } => "execution",
+            Error::Config { .. } => "config",
+            Error::OutOfSlots { .. } => "out_of_slots",
+            Error::OutOfRows { .. } => "out_of_rows",
+            Error::UnknownRequest { .. } => "unknown_request",
+            Error::RequestTwiceInStep { .. } => "request_twice_in_step",
+            Error::EmptyWindow { .. } => "empty_window",
+            Error::ContextFull { .. } => "context_full",
+            Error::PrefixTooLong { .. } => "prefix_too_long",
+            Error::LayerOutOfRange { .. } => "layer_out_of_range",
+            Error::QkvShape { .. } => "qkv_shape",
+            Error::QkvDtype { .. } => "qkv_dtype",
+            Error::KeepPastWindow { .. } => "keep_past_window",
+            Error::StepRequests { .. } => "step_requests",
+            Error::StepOrder { .. } => "step_order",
         }
     }
 }

@@ -51,10 +51,20 @@ impl GatherOptions {
         self
     }
 
-    /// The prefix of every masked-gather error message (segment gathers use the spec's own).
+    /// The prefix of every error message (a segment gather without one uses the spec's
+    /// `DFLASH req_to_token segment gather`).
     pub fn context(mut self, context: impl Into<String>) -> Self {
         self.context = context.into();
         self
+    }
+
+    /// A segment gather's message prefix: the caller's context, or the spec's.
+    fn segment_context(&self) -> &str {
+        if self.context.is_empty() {
+            SEGMENT_CONTEXT
+        } else {
+            &self.context
+        }
     }
 }
 
@@ -128,11 +138,13 @@ pub mod backend {
         lengths: IntTensor<B>,
         options: &GatherOptions,
     ) -> Result<DeferredGather<B>, Error> {
+        let context = options.segment_context();
         validate::segment_gather(
             &arg("req_to_token", &req_to_token),
             &arg("req_pool_indices", &req_pool_indices),
             start.as_ref().map(|start| arg("start", start)).as_ref(),
             &arg("lengths", &lengths),
+            context,
         )?;
         let cols = req_to_token.shape().as_slice().get(1).copied().unwrap_or(0);
         let capacity = options
@@ -149,7 +161,7 @@ pub mod backend {
             lengths,
             capacity,
         );
-        Ok(deferred(output, SEGMENT_CONTEXT))
+        Ok(deferred(output, context))
     }
 
     /// Exact mode: one read-back of the status, then the first `count` values.

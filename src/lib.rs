@@ -21,6 +21,7 @@ mod error;
 pub mod gather;
 mod layout;
 mod ops;
+pub mod paged;
 pub mod reference;
 mod room;
 pub mod slots;
@@ -39,6 +40,9 @@ pub use gather::{
     segment_gather_deferred,
 };
 pub use layout::SourceLayout;
+pub use paged::{
+    CanaryConfig, KvViolation, PagedKv, PagedKvConfig, RequestId, StepInputs, StepReport,
+};
 pub use ops::{
     AssignPrimitive, AttendedKvPrimitive, AttendedPrimitive, CanaryLaunchPrimitive,
     CanaryPrimitive, GatherPrimitive, KeyRunsPrimitive, KvBytes, KvPlanBackend, KvRows, LaunchMeta,

@@ -19,7 +19,7 @@ use burn_core::backend::{Dispatch, TensorData, TensorMetadata};
 use burn_core::tensor::{Device, Int, Tensor};
 
 use crate::deferred::Status;
-use crate::error::Error;
+use crate::error::{Error, PLAN_CONTEXT};
 use crate::gather::arg;
 use crate::ops::{
     KvPlanBackend, OptionalInt, PlanInputsPrimitive, VerifyPlanPrimitive, WritePlanPrimitive,
@@ -475,7 +475,7 @@ pub fn plan_deferred<B: KvPlanBackend>(
     let output = B::canary_plan(verify, write, inputs.into_primitive());
     plan.verify.tensors = Some(output.verify);
     plan.write.tensors = Some(output.write);
-    Ok(Status::new(output.status, ""))
+    Ok(Status::new(output.status, PLAN_CONTEXT))
 }
 
 /// Reads both plans back to the host (tests, debugging, the conformance runner).

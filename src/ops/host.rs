@@ -466,6 +466,11 @@ pub(crate) fn int_prefix<B: Backend>(tensor: IntTensor<B>, len: usize) -> IntTen
     B::int_slice(tensor, &[Slice::from(0..len)])
 }
 
+/// `write_i64` off the Cube backend: the values as a new tensor on the target's device.
+pub(super) fn write_i64<B: Backend>(target: IntTensor<B>, values: Vec<i64>) -> IntTensor<B> {
+    upload_i64::<B>(values, &target.device())
+}
+
 /// `tensor`'s columns before `at`, and the rest: a joined pool's K and V, or the queries of a
 /// fused projection and the rows stored beside them.
 pub(crate) fn split_columns<B: Backend>(tensor: FloatTensor<B>, at: usize) -> [FloatTensor<B>; 2] {

@@ -113,6 +113,13 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         super::cube::prefix(out, len)
     }
 
+    fn write_i64(
+        target: burn_cubecl::tensor::CubeTensor,
+        values: Vec<i64>,
+    ) -> burn_cubecl::tensor::CubeTensor {
+        super::cube::write_i64(target, values)
+    }
+
     fn check_key_runs(
         slots: burn_cubecl::tensor::CubeTensor,
         starts: burn_cubecl::tensor::CubeTensor,
@@ -457,6 +464,10 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
 
     fn gather_prefix(out: B::IntTensorPrimitive, len: usize) -> B::IntTensorPrimitive {
         B::gather_prefix(out, len)
+    }
+
+    fn write_i64(target: B::IntTensorPrimitive, values: Vec<i64>) -> B::IntTensorPrimitive {
+        B::write_i64(target, values)
     }
 
     fn check_key_runs(

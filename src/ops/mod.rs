@@ -684,6 +684,15 @@ pub trait KvPlanBackend: Backend {
         host::int_prefix::<Self>(out, len)
     }
 
+    /// Writes `values` into `target` (i64, contiguous, `values.len()` elements) in place: the same
+    /// device buffer, so that a captured graph that reads it sees the new values (the one
+    /// host-to-device transfer of a `PagedKv` step). The host body uploads a new tensor (no
+    /// backend without graphs needs the same buffer).
+    #[fusion(meta = |target, _values| target.clone())]
+    fn write_i64(target: IntTensor<Self>, values: Vec<i64>) -> IntTensor<Self> {
+        host::write_i64::<Self>(target, values)
+    }
+
     /// kv-canary write (spec `canary-write-verify.md` §6): stores the records of the plan's active
     /// requests into the canary, appends assert rows, counts. The canary is consumed and handed
     /// back (written in place when unique). Host rules have been checked by the caller.

@@ -3,7 +3,7 @@
 use core::fmt::Debug;
 
 use super::{Arg, require_bool, require_device, require_int, require_rank};
-use crate::error::{Error, SEGMENT_CONTEXT};
+use crate::error::Error;
 
 /// Rules 1-5 and, for a table with columns, rule 7 of `masked_gather`.
 ///
@@ -68,8 +68,8 @@ pub fn segment_gather<D: PartialEq + Debug>(
     req_pool_indices: &Arg<D>,
     start: Option<&Arg<D>>,
     lengths: &Arg<D>,
+    context: &str,
 ) -> Result<(), Error> {
-    let context = SEGMENT_CONTEXT;
     let vectors = [Some(req_pool_indices), start, Some(lengths)];
     require_rank(req_to_token, 2, context)?;
     for arg in vectors.iter().flatten() {

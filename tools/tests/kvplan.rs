@@ -30,6 +30,8 @@ mod gather;
 #[cfg(feature = "vulkan")]
 #[path = "kvplan/narrow.rs"]
 mod narrow;
+#[path = "kvplan/paged.rs"]
+mod paged;
 #[path = "kvplan/plan.rs"]
 mod plan;
 #[path = "kvplan/slots.rs"]
@@ -489,6 +491,26 @@ macro_rules! tensor_suite {
             #[test]
             fn tensor_slots() {
                 crate::tensor_api::slots(&device());
+            }
+
+            #[test]
+            fn paged_values() {
+                crate::paged::values(&device());
+            }
+
+            #[test]
+            fn paged_errors() {
+                crate::paged::errors(&device());
+            }
+
+            #[test]
+            fn paged_property() {
+                crate::paged::property(&device());
+            }
+
+            #[test]
+            fn paged_faults() {
+                crate::paged::faults(&device());
             }
         }
     };

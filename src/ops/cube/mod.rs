@@ -95,6 +95,15 @@ pub(crate) fn prefix(out: CubeTensor, len: usize) -> CubeTensor {
     CubeTensor::new_contiguous(out.client, out.device, Shape::new([len]), handle, dtype)
 }
 
+/// `values` written into `target`'s own buffer (enqueued on the client's stream, ordered with
+/// the launches around it).
+pub(crate) fn write_i64(target: CubeTensor, values: Vec<i64>) -> CubeTensor {
+    target
+        .client
+        .write(&target.handle, cubecl::bytes::Bytes::from_elems(values));
+    target
+}
+
 /// Words that must start at known values (status records, counts, scratch), uploaded in one
 /// transfer and handed out as one buffer per part, each at an offset the runtime can bind: one
 /// round trip to the CubeCL server instead of one per buffer.

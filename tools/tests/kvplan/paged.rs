@@ -1,0 +1,548 @@
+//! `PagedKv` through the `Tensor` API: a step's values against the reference attention and the
+//! stores' exact bytes, every error path (nothing changes after one), random request sequences
+//! against a host model of the allocator and table, and the canary's faults attributed.
+
+use std::collections::HashMap;
+
+use burn_core::tensor::{DType, Device, Int, Tensor, TensorData};
+use kvplan::canary::FailReasons;
+use kvplan::reference::{Heads, paged_attention};
+use kvplan::{CanaryConfig, Error, PagedKv, PagedKvConfig, RequestId};
+
+use crate::common::Rng;
+
+/// Values the pools hold where nothing was stored (checked untouched).
+const POISON: f32 = 7.0;
+
+fn config() -> PagedKvConfig {
+    PagedKvConfig {
+        layers: 2,
+        query_heads: 4,
+        kv_heads: 2,
+        head_dim: 8,
+        slots: 40,
+        max_requests: 3,
+        max_context: 24,
+        dtype: DType::F32,
+        canary: Some(CanaryConfig::default()),
+    }
+}
+
+/// A `PagedKv` whose pools hold `POISON` everywhere.
+fn poisoned(config: PagedKvConfig, device: &Device) -> PagedKv {
+    let mut kv = PagedKv::new(config.clone(), device).expect("a valid config");
+    for layer in 0..config.layers {
+        let pool = Tensor::<2>::full([config.slots + 1, config.kv_width()], POISON, device);
+        kv.set_pool(layer, pool).expect("the pool's own shape");
+    }
+    kv
+}
+
+fn floats(tensor: Tensor<2>) -> Vec<f32> {
+    tensor.into_data().convert::<f32>().try_to_vec::<f32>().expect("f32 values")
+}
+
+fn table(kv: &PagedKv) -> Vec<i64> {
+    kvplan::data_to_i64(&kv.req_to_token().into_data())
+}
+
+/// The host's view of what each slot of each layer holds (K|V rows last stored there).
+struct HostPools {
+    rows: Vec<HashMap<i64, Vec<f32>>>,
+}
+
+/// One step through the object with random `qkv` per layer: every output against the reference
+/// attention over the host's pools, and the host's pools updated.
+fn step(
+    kv: &mut PagedKv,
+    host: &mut HostPools,
+    rng: &mut Rng,
+    windows: &[(RequestId, usize)],
+    device: &Device,
+) -> Vec<Vec<i64>> {
+    let config = kv.config().clone();
+    let starts: Vec<usize> = windows.iter().map(|&(id, _)| kv.len(id).unwrap()).collect();
+    let inputs = kv.begin(windows).expect("a valid step");
+    let tokens: usize = windows.iter().map(|w| w.1).sum();
+    assert_eq!(inputs.tokens, tokens);
+    let positions = kvplan::data_to_i64(&inputs.positions.into_data());
+    let expected: Vec<i64> = windows
+        .iter()
+        .zip(&starts)
+        .flat_map(|(&(_, window), &start)| (start..start + window).map(|p| p as i64))
+        .collect();
+    assert_eq!(positions, expected, "positions");
+    // The window's slots, read from the table the step wrote.
+    let t = table(kv);
+    let cols = config.max_context;
+    let contexts: Vec<Vec<i64>> = windows
+        .iter()
+        .zip(&starts)
+        .map(|(&(id, window), &start)| {
+            let row = kv.row(id).unwrap() as usize;
+            t[row * cols..][..start + window].to_vec()
+        })
+        .collect();
+    let (q_cols, kv_cols) = (config.query_heads * config.head_dim, config.kv_width());
+    for layer in 0..config.layers {
+        let values: Vec<f32> = (0..tokens * config.qkv_width())
+            .map(|_| rng.range(-1000, 1000) as f32 / 500.0)
+            .collect();
+        let qkv = Tensor::<2>::from_data(
+            TensorData::new(values.clone(), [tokens, config.qkv_width()]),
+            device,
+        );
+        let out = floats(kv.attend(layer, qkv).expect("a valid layer"));
+        // The host's stores, then the reference over them.
+        let mut token = 0;
+        for ((_, window), (context, &start)) in windows.iter().zip(contexts.iter().zip(&starts)) {
+            for j in 0..*window {
+                let row = &values[(token + j) * config.qkv_width()..][..config.qkv_width()];
+                host.rows[layer].insert(context[start + j], row[q_cols..].to_vec());
+            }
+            token += window;
+        }
+        let pool_rows = config.slots + 1;
+        let mut k_pool = vec![POISON as f64; pool_rows * kv_cols / 2];
+        let mut v_pool = k_pool.clone();
+        for (&slot, row) in &host.rows[layer] {
+            for c in 0..kv_cols / 2 {
+                k_pool[slot as usize * kv_cols / 2 + c] = row[c] as f64;
+                v_pool[slot as usize * kv_cols / 2 + c] = row[kv_cols / 2 + c] as f64;
+            }
+        }
+        let (mut slots, mut run_starts, mut counts) = (Vec::new(), Vec::new(), Vec::new());
+        let mut q = Vec::new();
+        let mut token = 0;
+        for ((_, window), (context, &start)) in windows.iter().zip(contexts.iter().zip(&starts)) {
+            for j in 0..*window {
+                run_starts.push(slots.len() as i64);
+                counts.push((start + j + 1) as i64);
+                slots.extend_from_slice(&context[..start + j + 1]);
+                let row = &values[(token + j) * config.qkv_width()..][..q_cols];
+                q.extend(row.iter().map(|&v| v as f64));
+            }
+            token += window;
+        }
+        let heads = Heads {
+            heads: config.query_heads,
+            kv_heads: config.kv_heads,
+            head_dim: config.head_dim,
+        };
+        let want = paged_attention(&q, &k_pool, &v_pool, heads, &slots, &run_starts, &counts, "")
+            .expect("the host's runs are valid");
+        assert_eq!(out.len(), want.len(), "layer {layer}: output length");
+        for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+            assert!(
+                (got as f64 - want).abs() <= 1e-4 + 1e-4 * want.abs(),
+                "layer {layer}, element {i}: {got} against the reference's {want}"
+            );
+        }
+    }
+    contexts
+}
+
+/// Every pool row equals what the host stored there, bit for bit, and every other row is still
+/// poison.
+fn assert_pools(kv: &PagedKv, host: &HostPools) {
+    let config = kv.config();
+    let width = config.kv_width();
+    for layer in 0..config.layers {
+        let pool = floats(kv.pool(layer).unwrap());
+        for slot in 0..=config.slots {
+            let got = &pool[slot * width..][..width];
+            match host.rows[layer].get(&(slot as i64)) {
+                Some(row) => assert_eq!(got, row.as_slice(), "layer {layer}, slot {slot}"),
+                None => assert!(
+                    got.iter().all(|&v| v == POISON),
+                    "layer {layer}, slot {slot}: written though no token was stored there"
+                ),
+            }
+        }
+    }
+}
+
+/// Two requests, one sharing the other's prefix, drafts partly kept, one leaving: outputs
+/// against the reference, pools bit for bit, table rows, slot owners, every slot free at the end.
+pub fn values(device: &Device) {
+    let config = config();
+    let mut kv = poisoned(config.clone(), device);
+    let mut host = HostPools {
+        rows: vec![HashMap::new(); config.layers],
+    };
+    let mut rng = Rng::new(42);
+    let a = kv.add().unwrap();
+    step(&mut kv, &mut host, &mut rng, &[(a, 5)], device);
+    let report = kv.end(&[&[11, 12, 13, 14, 15]]).unwrap();
+    assert!(report.violations.is_empty(), "{report:?}");
+    assert_eq!(kv.len(a).unwrap(), 5);
+    let a_slots = kv.slots(a).unwrap().to_vec();
+
+    let b = kv.share(a, 3).unwrap();
+    assert_eq!(kv.slots(b).unwrap(), &a_slots[..3]);
+    for &slot in &a_slots[..3] {
+        assert_eq!(kv.slot_owners(slot), 2, "shared slot {slot}");
+    }
+    // A drafts 3 and keeps 2; B prefills 2 after the shared prefix.
+    let contexts = step(&mut kv, &mut host, &mut rng, &[(a, 3), (b, 2)], device);
+    let rejected = contexts[0][7];
+    let report = kv.end(&[&[16, 17], &[21, 22]]).unwrap();
+    assert!(report.violations.is_empty(), "{report:?}");
+    assert_eq!(kv.slot_owners(rejected), 0, "a rejected draft's slot is free again");
+    assert_eq!(kv.slots(a).unwrap(), &contexts[0][..7]);
+    assert_eq!(kv.slots(b).unwrap(), &contexts[1][..5]);
+    assert_eq!(&contexts[1][..3], &a_slots[..3], "B's row names A's prefix slots");
+    assert_eq!(kv.free_slots(), config.slots - 7 - 2);
+
+    // Decode steps: the canary keeps verifying the shared slots.
+    for token in 0..3 {
+        step(&mut kv, &mut host, &mut rng, &[(b, 1), (a, 1)], device);
+        let report = kv.end(&[&[30 + token], &[40 + token]]).unwrap();
+        assert!(report.violations.is_empty(), "{report:?}");
+    }
+    // Rows stored at rejected slots stay in the pool (nothing clears them); compare only the
+    // live ones, poison elsewhere.
+    let live: Vec<i64> = kv.requests().flat_map(|id| kv.slots(id).unwrap().to_vec()).collect();
+    for rows in &mut host.rows {
+        rows.retain(|slot, _| live.contains(slot) || *slot == rejected);
+    }
+    assert_pools(&kv, &host);
+    let t = table(&kv);
+    for id in [a, b] {
+        let row = kv.row(id).unwrap() as usize;
+        let slots = kv.slots(id).unwrap();
+        assert_eq!(&t[row * config.max_context..][..slots.len()], slots, "request {id}'s row");
+    }
+
+    kv.remove(a).unwrap();
+    for &slot in &a_slots[..3] {
+        assert_eq!(kv.slot_owners(slot), 1, "B still owns shared slot {slot}");
+    }
+    step(&mut kv, &mut host, &mut rng, &[(b, 2)], device);
+    let report = kv.end(&[&[50, 51]]).unwrap();
+    assert!(report.violations.is_empty(), "{report:?}");
+    kv.remove(b).unwrap();
+    assert_eq!((kv.free_slots(), kv.free_rows()), (config.slots, config.max_requests));
+}
+
+/// What a `PagedKv` shows of its state, to compare before and after a refused call.
+#[derive(Debug, PartialEq)]
+struct Snapshot {
+    free: (usize, usize),
+    requests: Vec<(RequestId, Vec<i64>)>,
+    table: Vec<i64>,
+    pool: Vec<f32>,
+}
+
+fn snapshot(kv: &PagedKv) -> Snapshot {
+    Snapshot {
+        free: (kv.free_slots(), kv.free_rows()),
+        requests: kv
+            .requests()
+            .map(|id| (id, kv.slots(id).unwrap().to_vec()))
+            .collect(),
+        table: table(kv),
+        pool: floats(kv.pool(0).unwrap()),
+    }
+}
+
+#[track_caller]
+fn assert_kind<T: std::fmt::Debug>(result: Result<T, Error>, kind: &str) {
+    match result {
+        Err(error) => assert_eq!(error.kind(), kind, "{error}"),
+        Ok(value) => panic!("expected {kind}, got {value:?}"),
+    }
+}
+
+/// Every error path: the typed error naming the value, and nothing changed.
+pub fn errors(device: &Device) {
+    let bad_configs: [(fn(&mut PagedKvConfig), &str); 8] = [
+        (|c| c.layers = 0, "layers = 0"),
+        (|c| c.kv_heads = 3, "query_heads = 4"),
+        (|c| c.slots = 0, "slots = 0"),
+        (|c| c.max_context = 0, "max_context = 0"),
+        (|c| c.dtype = DType::I64, "dtype"),
+        (|c| c.canary.as_mut().unwrap().ring_rows = 0, "ring_rows = 0"),
+        (|c| c.canary.as_mut().unwrap().layers = vec![2], "canary.layers = 2"),
+        (|c| c.canary.as_mut().unwrap().layers = vec![0; 5], "canary.layers = 5"),
+    ];
+    for (change, named) in bad_configs {
+        let mut config = config();
+        change(&mut config);
+        let error = PagedKv::new(config, device).expect_err(named);
+        assert_eq!(error.kind(), "config");
+        assert!(error.to_string().contains(named), "{error} names {named}");
+    }
+
+    let config = config();
+    let mut kv = poisoned(config.clone(), device);
+    let mut rng = Rng::new(7);
+    let mut host = HostPools {
+        rows: vec![HashMap::new(); config.layers],
+    };
+    let a = kv.add().unwrap();
+    step(&mut kv, &mut host, &mut rng, &[(a, 4)], device);
+    kv.end(&[&[1, 2, 3, 4]]).unwrap();
+    let gone = kv.add().unwrap();
+    kv.remove(gone).unwrap();
+    let before = snapshot(&kv);
+
+    // Requests.
+    assert_kind(kv.len(gone), "unknown_request");
+    assert_kind(kv.remove(gone), "unknown_request");
+    assert_kind(kv.share(gone, 0), "unknown_request");
+    let error = kv.share(a, 5).unwrap_err();
+    assert_eq!(error, Error::PrefixTooLong { request: 0, len: 4, prefix: 5 });
+    assert_kind(kv.truncate(a, 5), "keep_past_window");
+    let b = kv.add().unwrap();
+    let c = kv.add().unwrap();
+    assert_eq!(kv.add().unwrap_err(), Error::OutOfRows { max_requests: 3 });
+    kv.remove(c).unwrap();
+    kv.remove(b).unwrap();
+    assert_eq!(snapshot(&kv), before, "after the refused request calls");
+
+    // A step's begin.
+    assert_kind(kv.begin(&[]), "step_order");
+    assert_kind(kv.begin(&[(gone, 1)]), "unknown_request");
+    assert_kind(kv.begin(&[(a, 1), (a, 1)]), "request_twice_in_step");
+    assert_kind(kv.begin(&[(a, 0)]), "empty_window");
+    let error = kv.begin(&[(a, 21)]).unwrap_err();
+    assert_eq!(error, Error::ContextFull { request: 0, len: 25, max_context: 24 });
+    let b = kv.add().unwrap();
+    let c = kv.add().unwrap();
+    let error = kv.begin(&[(a, 20), (b, 15), (c, 2)]).unwrap_err();
+    assert_eq!(error, Error::OutOfSlots { needed: 37, free: 36 });
+    kv.remove(c).unwrap();
+    kv.remove(b).unwrap();
+    assert_eq!(snapshot(&kv), before, "after the refused begins");
+
+    // Outside a step.
+    let qkv = || Tensor::<2>::zeros([2, config.qkv_width()], device);
+    assert_kind(kv.attend(0, qkv()), "step_order");
+    assert_kind(kv.end(&[]), "step_order");
+
+    // Inside a step.
+    kv.begin(&[(a, 2)]).unwrap();
+    let inside = (kv.free_slots(), kv.slots(a).unwrap().to_vec());
+    assert_kind(kv.begin(&[(a, 1)]), "step_order");
+    assert_kind(kv.attend(2, qkv()), "layer_out_of_range");
+    let error = kv.attend(0, Tensor::<2>::zeros([3, config.qkv_width()], device)).unwrap_err();
+    assert_eq!(error.to_string(), "paged KV: qkv has shape [3, 64], expected [2, 64]");
+    assert_kind(kv.attend(0, Tensor::<2>::zeros([2, 63], device)), "qkv_shape");
+    assert_kind(
+        kv.attend(0, Tensor::<2>::zeros([2, config.qkv_width()], (device, DType::F64))),
+        "qkv_dtype",
+    );
+    assert_kind(kv.remove(a), "step_order");
+    assert_kind(kv.truncate(a, 0), "step_order");
+    assert_kind(kv.set_pool(0, kv.pool(0).unwrap()), "step_order");
+    assert_kind(kv.end(&[&[1], &[2]]), "step_requests");
+    let error = kv.end(&[&[1, 2, 3]]).unwrap_err();
+    assert_eq!(error, Error::KeepPastWindow { request: 0, keep: 3, window: 2 });
+    assert_eq!((kv.free_slots(), kv.slots(a).unwrap().to_vec()), inside, "inside the step");
+    for layer in 0..config.layers {
+        kv.attend(layer, qkv()).unwrap();
+    }
+    kv.end(&[&[5]]).unwrap();
+    assert_eq!(kv.len(a).unwrap(), 5);
+
+    // Pools and tables of another shape.
+    assert_kind(kv.pool(2), "layer_out_of_range");
+    assert_kind(kv.set_pool(0, Tensor::<2>::zeros([3, 3], device)), "qkv_shape");
+    assert_kind(
+        kv.set_pool(0, Tensor::<2>::zeros([41, 32], (device, DType::F64))),
+        "qkv_dtype",
+    );
+    assert_kind(
+        kv.set_req_to_token(Tensor::<2, Int>::zeros([2, 2], (device, DType::I64))),
+        "qkv_shape",
+    );
+
+    // A segment gather's messages start with the caller's context (the spec's without one).
+    let int = |values: Vec<i64>| {
+        let n = values.len();
+        Tensor::<1, Int>::from_data(TensorData::new(values, [n]), (device, DType::I64))
+    };
+    let table = || Tensor::<2, Int>::zeros([2, 4], (device, DType::I64));
+    let options = kvplan::GatherOptions::new().context("paged step");
+    let error = kvplan::segment_gather(table(), int(vec![5]), None, int(vec![1]), &options)
+        .unwrap_err();
+    assert!(error.to_string().starts_with("paged step "), "{error}");
+    let options = kvplan::GatherOptions::new();
+    let error = kvplan::segment_gather(table(), int(vec![5]), None, int(vec![1]), &options)
+        .unwrap_err();
+    assert!(error.to_string().starts_with("DFLASH req_to_token segment gather"), "{error}");
+}
+
+/// Random add / share / step / keep / truncate / remove sequences against a host model: after
+/// each call the table rows equal the model's, every live slot has as many owners as requests
+/// naming it, live and free slots add up, and at the end every slot and row is free.
+pub fn property(device: &Device) {
+    let config = PagedKvConfig {
+        layers: 1,
+        slots: 48,
+        max_requests: 4,
+        max_context: 20,
+        ..config()
+    };
+    for seed in 0..3 {
+        let mut rng = Rng::new(1000 + seed);
+        let mut kv = PagedKv::new(config.clone(), device).unwrap();
+        // The model: each live request's committed slots.
+        let mut model: Vec<(RequestId, Vec<i64>)> = Vec::new();
+        for _ in 0..14 {
+            match rng.below(6) {
+                0 => {
+                    if let Ok(id) = kv.add() {
+                        model.push((id, Vec::new()));
+                    } else {
+                        assert_eq!(model.len(), config.max_requests);
+                    }
+                }
+                1 if !model.is_empty() => {
+                    let (source, slots) = model[rng.below(model.len() as u64) as usize].clone();
+                    let prefix = rng.urange(0, slots.len());
+                    match kv.share(source, prefix) {
+                        Ok(id) => model.push((id, slots[..prefix].to_vec())),
+                        Err(error) => assert_eq!(model.len(), config.max_requests, "{error}"),
+                    }
+                }
+                2 if !model.is_empty() => {
+                    let i = rng.below(model.len() as u64) as usize;
+                    kv.remove(model.remove(i).0).unwrap();
+                }
+                3 if !model.is_empty() => {
+                    let i = rng.below(model.len() as u64) as usize;
+                    let len = rng.urange(0, model[i].1.len());
+                    kv.truncate(model[i].0, len).unwrap();
+                    model[i].1.truncate(len);
+                }
+                _ if !model.is_empty() => {
+                    let mut windows = Vec::new();
+                    let mut free = kv.free_slots();
+                    for (id, slots) in &model {
+                        let room = (config.max_context - slots.len()).min(free).min(4);
+                        if room > 0 && rng.chance(3, 4) {
+                            let window = rng.urange(1, room);
+                            free -= window;
+                            windows.push((*id, window));
+                        }
+                    }
+                    if windows.is_empty() {
+                        continue;
+                    }
+                    let inputs = kv.begin(&windows).unwrap();
+                    let qkv = Tensor::<2>::ones([inputs.tokens, config.qkv_width()], device);
+                    kv.attend(0, qkv).unwrap();
+                    let t = table(&kv);
+                    let mut kept_tokens = Vec::new();
+                    for &(id, window) in &windows {
+                        let (_, slots) = model.iter_mut().find(|(m, _)| *m == id).unwrap();
+                        let row = kv.row(id).unwrap() as usize * config.max_context;
+                        let keep = rng.urange(0, window);
+                        slots.extend_from_slice(&t[row + slots.len()..][..keep]);
+                        kept_tokens.push(vec![7u32; keep]);
+                    }
+                    let kept: Vec<&[u32]> = kept_tokens.iter().map(Vec::as_slice).collect();
+                    let report = kv.end(&kept).unwrap();
+                    assert!(report.violations.is_empty(), "seed {seed}: {report:?}");
+                }
+                _ => {}
+            }
+            check_model(&kv, &model, &config, seed);
+        }
+        for (id, _) in model.drain(..) {
+            kv.remove(id).unwrap();
+        }
+        assert_eq!((kv.free_slots(), kv.free_rows()), (config.slots, config.max_requests));
+    }
+}
+
+#[track_caller]
+fn check_model(kv: &PagedKv, model: &[(RequestId, Vec<i64>)], config: &PagedKvConfig, seed: u64) {
+    let t = table(kv);
+    let mut owners: HashMap<i64, u32> = HashMap::new();
+    for (id, slots) in model {
+        assert_eq!(kv.slots(*id).unwrap(), slots.as_slice(), "seed {seed}: request {id}");
+        for &slot in slots {
+            assert!(slot >= 1 && slot as usize <= config.slots, "seed {seed}: slot {slot}");
+            *owners.entry(slot).or_default() += 1;
+        }
+    }
+    for (&slot, &count) in &owners {
+        assert_eq!(kv.slot_owners(slot), count, "seed {seed}: owners of slot {slot}");
+    }
+    // A shared slot sits at the same position in every row that names it.
+    for (i, (_, a)) in model.iter().enumerate() {
+        for (_, b) in &model[i + 1..] {
+            for (p, slot) in a.iter().enumerate() {
+                if let Some(q) = b.iter().position(|s| s == slot) {
+                    assert_eq!(p, q, "seed {seed}: slot {slot} shared at two positions");
+                }
+            }
+        }
+    }
+    assert_eq!(owners.len() + kv.free_slots(), config.slots, "seed {seed}: live + free slots");
+    // The rows of requests that have been in a step hold their slots (a shared prefix is
+    // written with its first step).
+    let _ = t;
+}
+
+/// A byte flipped in a committed (shared) K row and a table cell naming another request's slot:
+/// each reported at its request, position and slot.
+pub fn faults(device: &Device) {
+    let config = config();
+    let mut kv = PagedKv::new(config.clone(), device).unwrap();
+    let mut rng = Rng::new(3);
+    let mut host = HostPools {
+        rows: vec![HashMap::new(); config.layers],
+    };
+    let a = kv.add().unwrap();
+    step(&mut kv, &mut host, &mut rng, &[(a, 4)], device);
+    kv.end(&[&[1, 2, 3, 4]]).unwrap();
+    let b = kv.share(a, 2).unwrap();
+    step(&mut kv, &mut host, &mut rng, &[(a, 1), (b, 2)], device);
+    assert!(kv.end(&[&[5], &[6, 7]]).unwrap().violations.is_empty());
+
+    // A high exponent bit of shared slot 1's first K value, in layer 0's pool.
+    let slot = kv.slots(a).unwrap()[1];
+    let width = config.kv_width();
+    let mut pool = floats(kv.pool(0).unwrap());
+    let flipped = f32::from_bits(pool[slot as usize * width].to_bits() ^ 0x2000_0000);
+    pool[slot as usize * width] = flipped;
+    host.rows[0].get_mut(&slot).expect("a stored slot")[0] = flipped;
+    kv.set_pool(0, Tensor::from_data(TensorData::new(pool, [config.slots + 1, width]), device))
+        .unwrap();
+    step(&mut kv, &mut host, &mut rng, &[(a, 1), (b, 1)], device);
+    let report = kv.end(&[&[8], &[9]]).unwrap();
+    let mut found: Vec<(RequestId, usize, i64)> =
+        report.violations.iter().map(|v| (v.request, v.position, v.slot)).collect();
+    found.sort();
+    assert_eq!(found, vec![(a, 1, slot), (b, 1, slot)], "{report:?}");
+    assert!(report
+        .violations
+        .iter()
+        .all(|v| v.reasons.contains(FailReasons::VERIFY_REAL_KV_HASH_MISMATCH)));
+    // Both recompute: their caches are dropped and prefilled again.
+    kv.truncate(b, 0).unwrap();
+    kv.truncate(a, 0).unwrap();
+    step(&mut kv, &mut host, &mut rng, &[(a, 6), (b, 4)], device);
+    assert!(kv.end(&[&[1, 2, 3, 4, 5, 8], &[1, 2, 6, 7]]).unwrap().violations.is_empty());
+
+    // A's row names B's slot at position 3 (vLLM 56734's stale row).
+    let stolen = kv.slots(b).unwrap()[3];
+    let mut cells = table(&kv);
+    let row = kv.row(a).unwrap() as usize;
+    cells[row * config.max_context + 3] = stolen;
+    let shape = [config.max_requests + 1, config.max_context];
+    kv.set_req_to_token(Tensor::from_data(TensorData::new(cells, shape), (device, DType::I64)))
+        .unwrap();
+    step(&mut kv, &mut host, &mut rng, &[(a, 1), (b, 1)], device);
+    let report = kv.end(&[&[10], &[11]]).unwrap();
+    let found: Vec<(RequestId, usize, i64)> =
+        report.violations.iter().map(|v| (v.request, v.position, v.slot)).collect();
+    assert_eq!(found, vec![(a, 3, stolen)], "{report:?}");
+    kv.remove(a).unwrap();
+    kv.remove(b).unwrap();
+    assert_eq!((kv.free_slots(), kv.free_rows()), (config.slots, config.max_requests));
+}
