@@ -4,8 +4,13 @@
 //! write and verify, with CubeCL kernels on the Cube backend (CUDA, wgpu/Vulkan) and the host
 //! reference elsewhere.
 //!
-//! Data flows one way: public API ([`gather`], [`slots`], [`attention`], [`canary`]) -> host rules ->
-//! [`KvPlanBackend`] -> (kernels | [`reference`](mod@reference)).
+//! Most users touch one object, [`PagedKv`]: every layer's K|V pool, `req_to_token`, the slot
+//! and row allocators (shared prefixes), the store's scratch and the canary, with a begin /
+//! per-layer attend / end step ([`paged`], `examples/paged_kv.rs`). The ops it composes stay
+//! public for engines that keep their own state.
+//!
+//! Data flows one way: public API ([`paged`] over [`gather`], [`slots`], [`attention`],
+//! [`canary`]) -> host rules -> [`KvPlanBackend`] -> (kernels | [`reference`](mod@reference)).
 
 #![warn(missing_docs)]
 

@@ -199,13 +199,20 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
     // One request streams its text; a batch shows a progress line and prints texts at the end.
     let streaming = requests.len() == 1 && !args.json;
     let mut stream = tokenizer.detokenizer();
+    let mut turn_ended = false;
     let mut generated = 0usize;
     let started = Instant::now();
     let outcomes = engine
         .run(requests.clone(), |_, tokens| {
             generated += tokens.len();
             if streaming {
-                for &token in tokens.iter().filter(|&&t| !tokenizer.is_eos(t)) {
+                // The text ends at the end of the turn (tokens after it, under --ignore-eos,
+                // are counted, not shown).
+                for &token in tokens {
+                    turn_ended |= tokenizer.is_eos(token);
+                    if turn_ended {
+                        break;
+                    }
                     if let Ok(Some(text)) = stream.step(&tokenizer, token) {
                         print!("{text}");
                     }
@@ -272,6 +279,12 @@ fn best_backend() -> BackendName {
     BackendName::Flex
 }
 
+/// A request's tokens up to the end of its turn (the first end-of-generation token, not shown).
+fn turn<'a>(tokenizer: &Tokenizer, tokens: &'a [u32]) -> &'a [u32] {
+    let end = tokens.iter().position(|&t| tokenizer.is_eos(t));
+    &tokens[..end.unwrap_or(tokens.len())]
+}
+
 fn report(
     args: &Args,
     tokenizer: &Tokenizer,
@@ -280,7 +293,7 @@ fn report(
     streamed: bool,
 ) -> Result<(), String> {
     let text = tokenizer
-        .decode(&outcome.tokens)
+        .decode(turn(tokenizer, &outcome.tokens))
         .map_err(|e| e.to_string())?;
     let prompt = &args.prompts[outcome.id].text;
     if args.json {
