@@ -10,25 +10,22 @@ use std::time::{Duration, Instant};
 /// Time in kvplan's calls, by kind.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct OpTimes {
-    /// Bookkeeping: gathers, `segment_assign`, the key runs' check, the canary's plan, write and
-    /// verify, the step's one status and violation read.
+    /// Bookkeeping: a step's `PagedKv::begin` (slots, `segment_assign`, the gathers, the key
+    /// runs' and slots' checks) and `end` (the canary's plan, write and verify, the step's one
+    /// status and violation read).
     pub bookkeeping: Duration,
-    /// The forwards' K/V stores: with paged attention only their slots' check (each layer's
-    /// store is made by its attention's launch).
-    pub stores: Duration,
-    /// Paged attention, with each layer's store.
+    /// `PagedKv::attend`: each layer's K/V store and paged attention.
     pub attention: Duration,
 }
 
 impl OpTimes {
     /// All kinds together.
     pub fn total(&self) -> Duration {
-        self.bookkeeping + self.stores + self.attention
+        self.bookkeeping + self.attention
     }
 
     fn add(&mut self, other: OpTimes) {
         self.bookkeeping += other.bookkeeping;
-        self.stores += other.stores;
         self.attention += other.attention;
     }
 }
@@ -38,8 +35,6 @@ impl OpTimes {
 pub enum OpKind {
     /// [`OpTimes::bookkeeping`].
     Bookkeeping,
-    /// [`OpTimes::stores`].
-    Stores,
     /// [`OpTimes::attention`].
     Attention,
 }
@@ -65,7 +60,6 @@ impl OpClock {
         let spent = span.0.elapsed();
         let slot = match kind {
             OpKind::Bookkeeping => &mut self.times.bookkeeping,
-            OpKind::Stores => &mut self.times.stores,
             OpKind::Attention => &mut self.times.attention,
         };
         *slot += spent;

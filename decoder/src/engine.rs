@@ -2,35 +2,27 @@
 //! (n-gram or self-speculative drafts verified by the target in one forward), and the kv-canary
 //! on the real cache every step.
 //!
-//! One step, for every running request (a row of `req_to_token`):
-//! 1. host: the row's input (its tokens not yet in the cache: a whole prompt, or the last
-//!    token) and, for a decode row, a draft; slots for all of them from the free list;
-//! 2. `segment_assign` writes those slots into the rows at the committed length;
-//! 3. self-speculative only: `draft_tokens` forwards of the first layers draft on the device;
-//! 4. the target forward over every row's window: each layer's new K/V stored at the slots that
-//!    `masked_gather` reads back out of the table and its attention over the slots
-//!    `segment_gather` returns for each row's whole context, one `store_qkv_and_attend` launch;
-//! 5. one read-back of the target's tokens; host acceptance; rejected slots back to the free list;
-//! 6. the canary: the accepted suffix's slots through `segment_gather`, `plan_deferred` (prefix =
-//!    the committed length before the step, extend = the tokens committed now), a write of their
-//!    records fingerprinting layer 0's K and V rows, a verify of every committed prefix; one status
-//!    check for all of the step's kvplan ops, one read of the violation ring.
+//! The paged KV state is one `kvplan::PagedKv`; a step, for the running requests:
+//! 1. host: each request's input (its tokens not yet in the cache: a whole prompt, or the last
+//!    token) and, for a decode row, a draft;
+//! 2. self-speculative only: `draft_tokens` one-token steps of the first layers draft on the
+//!    device (each committed to the cache, all rolled back after);
+//! 3. `PagedKv::begin` with each request's window; the target forward, each layer's fused
+//!    projection through `PagedKv::attend` (its K/V stored, its queries attended);
+//! 4. one read-back of the target's tokens; host acceptance;
+//! 5. `PagedKv::end` with the tokens each request keeps: rejected slots go back, the canary
+//!    records the kept tokens and verifies every committed one, and the violations it reports
+//!    make their requests recompute their caches.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use burn_core::tensor::{Bool, DType, Device, FloatDType, Int, Tensor, TensorData};
-use kvplan::canary::Violations;
-use kvplan::reference::RealKvHashMode;
-use kvplan::{
-    Canary, CanaryLaunch, GatherOptions, KernelKind, PlanInputs, RealKvSource, SourceBytes, Status,
-    StepPlan, WriteInputs,
-};
+use burn_core::tensor::{DType, FloatDType, Int, Tensor, TensorData};
+use kvplan::{CanaryConfig, PagedKv, PagedKvConfig, RequestId, StepReport};
 
-use crate::clock::{OpKind, OpTimes};
+use crate::clock::{OpClock, OpKind, OpTimes};
 use crate::draft::ngram_draft;
-use crate::kv::{FreeList, KvCache};
-use crate::model::{Attention, Llama, PaddedAttention, StepInput};
+use crate::model::Llama;
 use crate::sample::{Rng, Sampling, accept_greedy, accept_sampled};
 use crate::{DecoderError, Result};
 
@@ -79,31 +71,18 @@ pub struct EngineOptions {
     pub max_context: usize,
     /// Greedy (temperature 0) or seeded sampling.
     pub sampling: Sampling,
-    /// Batch sizes a step's rows are padded up to (the CUDA-graph sizes of a server).
-    pub batch_buckets: Vec<usize>,
     /// A fault injected at step `.1`.
     pub corruption: Option<(Corruption, usize)>,
     /// Pad every n-gram match's draft to `draft_tokens` (two window sizes, so few step shapes,
     /// which a GPU compiles once); off on the CPU, where each extra verified token costs time.
     pub fixed_windows: bool,
-    /// Attention through kvplan's paged attention op, each token over its run of the step's
-    /// slot list; off: Burn ops over K/V gathered into a padded layout (for backends where the op
-    /// is the host reference, which reads every pool back each layer).
-    pub paged_attention: bool,
-    /// With paged attention, steps of at most this many tokens store each layer's K/V and attend
-    /// in one launch (`store_qkv_and_attend`); larger ones store, then attend. The one launch
-    /// saves host time per layer and costs GPU time per token (`benches/RESULTS.md`, session 26).
-    pub fused_store_tokens: usize,
     /// Wait for the device at the end of each step phase and record where the time went
     /// ([`StepTimes::phases`]); slower, for finding what a step spends.
     pub profile: bool,
-    /// Benchmarks only: on every other step each kvplan call of this kind (bookkeeping, stores or
-    /// attention) runs twice, so that those steps' rise over the others is the calls' cost in a pipelined
-    /// step ([`StepTimes::step_walls`]). A repeated store writes the same rows again (with paged
-    /// attention, the layer's store-and-attend op runs again on the same rows and queries); a
-    /// repeated attention attends alone again with the first one's output as queries, which
-    /// changes the tokens. Repeated bookkeeping (every call outside the forward's layers, and
-    /// each forward's slots check) computes and writes the same values again.
+    /// Benchmarks only: on every other step each `PagedKv::attend` runs twice (`Attention`: the
+    /// same rows stored again, the same queries attended again: the same output), so that those
+    /// steps' rise over the others is the calls' cost in a pipelined step
+    /// ([`StepTimes::step_walls`]). `Bookkeeping` is refused: `begin` and `end` cannot run twice.
     pub repeat: Option<OpKind>,
 }
 
@@ -116,11 +95,8 @@ impl Default for EngineOptions {
             kv_slots: 8192,
             max_context: 1024,
             sampling: Sampling::greedy(),
-            batch_buckets: vec![1, 2, 4, 8, 16, 32, 64],
             corruption: None,
             fixed_windows: true,
-            paged_attention: true,
-            fused_store_tokens: 16,
             profile: false,
             repeat: None,
         }
@@ -226,14 +202,13 @@ impl StepTimes {
 /// A request in the running batch.
 struct Running {
     id: usize,
-    row: i64,
+    /// Its request in the paged KV state.
+    kv: RequestId,
     prompt_tokens: usize,
     /// Prompt and generated tokens.
     tokens: Vec<u32>,
     /// Tokens whose K/V are in the cache (`tokens[..kv_len]`).
     kv_len: usize,
-    /// The slot of each cached position (the host's view of the table row).
-    slots: Vec<i64>,
     max_new_tokens: usize,
     drafted: usize,
     accepted: usize,
@@ -247,11 +222,11 @@ impl Running {
     }
 }
 
-/// One row's work in a step.
+/// One request's work in a step.
 struct RowWork {
-    /// Index into `running` (`None`: a padding row).
-    index: Option<usize>,
-    row: i64,
+    /// Index into `running`.
+    index: usize,
+    kv: RequestId,
     /// The committed length: where the row's window starts.
     start: usize,
     /// Tokens known to follow (`tokens[kv_len..]`).
@@ -261,34 +236,12 @@ struct RowWork {
     /// The draft's distribution at each draft token (sampled self-speculative drafts; `None`: a
     /// deterministic draft, a point mass).
     draft_probs: Option<Vec<Vec<f32>>>,
-    /// Slots of the window's positions.
-    slots: Vec<i64>,
 }
 
 impl RowWork {
     fn window(&self) -> usize {
         self.input.len() + self.draft.len()
     }
-
-    /// A padding row of one token (stored to slot 0, its output unread).
-    fn padding() -> Self {
-        Self {
-            index: None,
-            row: 0,
-            start: 0,
-            input: vec![0],
-            draft: Vec::new(),
-            draft_probs: None,
-            slots: Vec::new(),
-        }
-    }
-}
-
-/// A run of positions of one table row that a forward processes.
-struct Window {
-    row: i64,
-    start: usize,
-    len: usize,
 }
 
 /// What a step committed for one row: tokens whose K/V are now part of the context.
@@ -296,12 +249,8 @@ struct Committed {
     tokens: Vec<u32>,
 }
 
-const WRITE_KIND: KernelKind = KernelKind::HEAD_K_FULL;
-const VERIFY_KIND: KernelKind = KernelKind::HEAD_K_FULL;
 /// Violation rows the canary's ring keeps between reads.
 const RING_ROWS: usize = 256;
-/// Keys per row are padded to a multiple of this.
-const KV_BLOCK: usize = 64;
 /// The layer whose K/V pool the canary fingerprints (each slot's K and V bytes).
 const CANARY_LAYER: usize = 0;
 
@@ -309,12 +258,9 @@ const CANARY_LAYER: usize = 0;
 pub struct Engine {
     model: Llama,
     options: EngineOptions,
-    cache: KvCache,
-    req_to_token: Tensor<2, Int>,
-    slots: FreeList,
-    rows: FreeList,
-    plan: StepPlan,
-    canary: Canary,
+    kv: PagedKv,
+    /// Times kvplan's calls.
+    clock: OpClock,
     eos: Vec<u32>,
     rng: Rng,
     waiting: VecDeque<Request>,
@@ -322,8 +268,8 @@ pub struct Engine {
     finished: Vec<Outcome>,
     step: usize,
     times: StepTimes,
-    /// Deferred statuses of this step's kvplan ops, checked once at its end.
-    statuses: Vec<Status>,
+    /// Violations reported in this step, attributed (each request once), handled at its end.
+    reported: Vec<Reported>,
     injected: Option<Reported>,
     /// The end of the last profiled phase.
     lap: Instant,
@@ -363,33 +309,32 @@ impl Engine {
                 options.max_batch, options.kv_slots
             )));
         }
-        let table_rows = options.max_batch + 1;
-        let cache = KvCache::new(
-            config.layers,
-            options.kv_slots,
-            config.kv_dim(),
+        if options.repeat == Some(OpKind::Bookkeeping) {
+            return Err(DecoderError::Options(
+                "repeat: a step's begin and end cannot run twice (attention can)".into(),
+            ));
+        }
+        let kv = PagedKv::new(
+            PagedKvConfig {
+                layers: config.layers,
+                query_heads: config.heads,
+                kv_heads: config.kv_heads,
+                head_dim: config.head_dim,
+                slots: options.kv_slots - 1,
+                max_requests: options.max_batch,
+                max_context: options.max_context,
+                dtype: model.dtype(),
+                canary: Some(CanaryConfig {
+                    ring_rows: RING_ROWS,
+                    layers: vec![CANARY_LAYER],
+                    real_kv: true,
+                }),
+            },
             &device,
-            model.dtype(),
         )?;
-        let req_to_token =
-            Tensor::<2, Int>::zeros([table_rows, options.max_context], (&device, DType::I32));
-        let verify_capacity = options.max_batch * options.max_context;
-        let write_capacity = options
-            .batch_buckets
-            .iter()
-            .copied()
-            .max()
-            .unwrap_or(1)
-            .max(table_rows);
-        let plan = StepPlan::allocate(verify_capacity, write_capacity, &device)?;
-        let canary = Canary::allocate(options.kv_slots, 32, RING_ROWS, &device)?;
         Ok(Self {
-            cache,
-            req_to_token,
-            slots: FreeList::new("KV slots", options.kv_slots),
-            rows: FreeList::new("req_to_token rows", table_rows),
-            plan,
-            canary,
+            kv,
+            clock: OpClock::default(),
             eos,
             rng: Rng::new(options.sampling.seed),
             waiting: VecDeque::new(),
@@ -397,7 +342,7 @@ impl Engine {
             finished: Vec::new(),
             step: 0,
             times: StepTimes::default(),
-            statuses: Vec::new(),
+            reported: Vec::new(),
             injected: None,
             lap: Instant::now(),
             model,
@@ -429,11 +374,11 @@ impl Engine {
                     self.options.max_context
                 )));
             }
-            if longest > self.slots.capacity() {
+            if longest > self.kv.config().slots {
                 return Err(DecoderError::Options(format!(
                     "request {} may need {longest} KV slots, the pool has {}",
                     request.id,
-                    self.slots.capacity()
+                    self.kv.config().slots
                 )));
             }
         }
@@ -461,9 +406,7 @@ impl Engine {
         let served = self.run(requests, |_, _| {});
         self.options.corruption = corruption;
         served?;
-        // Every slot and row is free again; fresh lists hand them out in a fresh engine's order.
-        self.slots = FreeList::new("KV slots", self.options.kv_slots);
-        self.rows = FreeList::new("req_to_token rows", self.options.max_batch + 1);
+        // Every request left: the paged KV state hands out slots and rows as a fresh one does.
         self.step = 0;
         self.times = StepTimes::default();
         self.rng = Rng::new(self.options.sampling.seed);
@@ -488,9 +431,10 @@ impl Engine {
 
     /// `((free slots, slots), (free rows, rows))`: equal pairs when nothing is running.
     pub fn free_resources(&self) -> ((usize, usize), (usize, usize)) {
+        let config = self.kv.config();
         (
-            (self.slots.free(), self.slots.capacity()),
-            (self.rows.free(), self.rows.capacity()),
+            (self.kv.free_slots(), config.slots),
+            (self.kv.free_rows(), config.max_requests),
         )
     }
 
@@ -507,23 +451,19 @@ impl Engine {
                 "next_token_distribution needs a sampling engine with nothing running and a context".into(),
             ));
         }
-        let row = self.rows.take(1)?[0];
+        let kv = self.kv.add()?;
         let work = vec![RowWork {
-            index: Some(0),
-            row,
+            index: 0,
+            kv,
             start: 0,
             input: context.to_vec(),
             draft: Vec::new(),
             draft_probs: None,
-            slots: self.slots.take(context.len())?,
         }];
-        self.assign_slots(&work)?;
         let targets = self.verify(&work);
-        self.slots.give_back(&work[0].slots);
-        self.rows.give_back(&[row]);
-        let mut statuses = std::mem::take(&mut self.statuses);
-        statuses.extend(self.cache.take_statuses());
-        kvplan::check_all(statuses)?;
+        let ended = self.kv.end(&[&[]]);
+        self.kv.remove(kv)?;
+        ended?;
         match targets?.pop() {
             Some(Target::Probs(mut rows)) => Ok(rows.pop().expect("one position")),
             _ => unreachable!("a sampling engine's verify gives distributions"),
@@ -536,19 +476,18 @@ impl Engine {
             let room = request.prompt.len() + self.options.draft_tokens + 1;
             if request.arrival_step > self.step
                 || self.running.len() >= self.options.max_batch
-                || self.slots.free() < room + self.reserved_slots()
+                || self.kv.free_slots() < room + self.reserved_slots()
             {
                 break;
             }
             let request = self.waiting.pop_front().expect("front exists");
-            let row = self.rows.take(1)?[0];
+            let kv = self.kv.add()?;
             self.running.push(Running {
                 id: request.id,
-                row,
+                kv,
                 prompt_tokens: request.prompt.len(),
                 tokens: request.prompt,
                 kv_len: 0,
-                slots: Vec::new(),
                 max_new_tokens: request.max_new_tokens,
                 drafted: 0,
                 accepted: 0,
@@ -567,24 +506,13 @@ impl Engine {
     fn run_step(&mut self, on_tokens: &mut impl FnMut(usize, &[u32])) -> Result<()> {
         let started = Instant::now();
         self.lap = started;
-        self.cache.repeat = self.options.repeat.filter(|_| self.step % 2 == 1);
         if let Some((kind, at)) = self.options.corruption {
             if at <= self.step && self.injected.is_none() {
                 self.inject(kind)?;
             }
         }
-        let mut work = self.plan_rows()?;
-        let bucket = self
-            .options
-            .batch_buckets
-            .iter()
-            .copied()
-            .find(|&b| b >= work.len())
-            .unwrap_or(work.len());
-        // Padding rows verify one token: a window there would only be more work.
-        work.resize_with(bucket.max(work.len()), RowWork::padding);
-        self.assign_slots(&work)?;
-        self.lap("plan rows, segment_assign");
+        let mut work = self.plan_rows();
+        self.lap("plan rows");
         if let Drafting::SelfSpeculative {
             layers,
             min_confidence,
@@ -596,10 +524,15 @@ impl Engine {
         let targets = self.verify(&work)?;
         let committed = self.accept(&work, targets, on_tokens);
         self.lap("accept");
-        self.canary_step(&work, &committed)?;
+        let kept: Vec<&[u32]> = committed.iter().map(|c| c.tokens.as_slice()).collect();
+        let span = self.clock.start();
+        let report = self.kv.end(&kept);
+        self.clock.stop(span, OpKind::Bookkeeping);
+        self.attribute(&report?);
+        self.recompute_reported()?;
         self.lap("canary, status check");
-        self.finish_requests();
-        self.cache.clock.drain_into(&mut self.times.kvplan);
+        self.finish_requests()?;
+        self.clock.drain_into(&mut self.times.kvplan);
         self.times.steps += 1;
         self.times.total += started.elapsed();
         if self.options.profile || self.options.repeat.is_some() {
@@ -609,8 +542,8 @@ impl Engine {
         Ok(())
     }
 
-    /// Each running request's window for this step, with its slots taken from the free list.
-    fn plan_rows(&mut self) -> Result<Vec<RowWork>> {
+    /// Each running request's window for this step.
+    fn plan_rows(&self) -> Vec<RowWork> {
         let k = self.options.draft_tokens;
         let mut work = Vec::with_capacity(self.running.len());
         for (index, request) in self.running.iter().enumerate() {
@@ -633,56 +566,22 @@ impl Engine {
                 _ => Vec::new(),
             };
             work.push(RowWork {
-                index: Some(index),
-                row: request.row,
+                index,
+                kv: request.kv,
                 start: request.kv_len,
                 input,
                 draft,
                 draft_probs: None,
-                slots: Vec::new(),
             });
         }
-        for row in &mut work {
-            row.slots = self.slots.take(row.window())?;
-        }
-        Ok(work)
+        work
     }
 
-    /// How many times this step runs each bookkeeping call: twice under
-    /// `--repeat-ops bookkeeping` (every other step), else once.
-    fn bookkeeping_runs(&self) -> usize {
-        1 + usize::from(self.cache.repeat == Some(OpKind::Bookkeeping))
-    }
-
-    /// `segment_assign`: every row's new slots into its table row at its committed length.
-    fn assign_slots(&mut self, work: &[RowWork]) -> Result<()> {
-        let device = self.model.device().clone();
-        let rows = ints(work.iter().map(|w| w.row), &device);
-        let start = ints(work.iter().map(|w| w.start as i64), &device);
-        let lengths = ints(work.iter().map(|w| w.slots.len() as i64), &device);
-        let slots = ints(work.iter().flat_map(|w| w.slots.iter().copied()), &device);
-        let span = self.cache.clock.start();
-        for _ in 0..self.bookkeeping_runs() {
-            // The same slots at the same places: a repeat writes the table as it is.
-            let assigned = kvplan::segment_assign_deferred(
-                self.req_to_token.clone(),
-                rows.clone(),
-                start.clone(),
-                lengths.clone(),
-                slots.clone(),
-            )?;
-            self.req_to_token = assigned.req_to_token;
-            self.statuses.push(assigned.status);
-        }
-        self.cache.clock.stop(span, OpKind::Bookkeeping);
-        Ok(())
-    }
-
-    /// Self-speculative drafting: up to `k` one-token forwards of the first `layers` blocks over
+    /// Self-speculative drafting: up to `k` one-token steps of the first `layers` blocks over
     /// the decode rows; a row stops after a token the draft gave less than `min_confidence`
-    /// (its window shrinks, its unused slots go back at acceptance). The K/V rows land in the
-    /// window's slots, which the verify forward then overwrites with the target's (the same
-    /// blocks, so the same values).
+    /// (its window shrinks). Each step commits its token's K/V (the next one attends over it),
+    /// and every drafting row is rolled back to its committed length after: the verify forward
+    /// stores the target's K/V for the whole window.
     fn draft_self(
         &mut self,
         work: &mut [RowWork],
@@ -691,28 +590,21 @@ impl Engine {
     ) -> Result<()> {
         let k = self.options.draft_tokens;
         let mut drafting: Vec<usize> = (0..work.len())
-            .filter(|&i| work[i].index.is_some() && !work[i].draft.is_empty())
+            .filter(|&i| !work[i].draft.is_empty())
             .collect();
         for &i in &drafting {
             work[i].draft.clear();
         }
+        let rolled_back = drafting.clone();
         let device = self.model.device().clone();
         let mut current: Vec<u32> = drafting.iter().map(|&i| work[i].input[0]).collect();
-        for j in 0..k {
+        for _ in 0..k {
             if drafting.is_empty() {
                 break;
             }
-            let windows: Vec<Window> = drafting
-                .iter()
-                .map(|&i| Window {
-                    row: work[i].row,
-                    start: work[i].start + j,
-                    len: 1,
-                })
-                .collect();
+            let windows: Vec<(RequestId, usize)> = drafting.iter().map(|&i| (work[i].kv, 1)).collect();
             let ids = ints(current.iter().map(|&t| t as i64), &device);
-            let input = self.step_input(&windows, ids)?;
-            let hidden = self.model.forward(&mut self.cache, &input, 0..layers)?;
+            let hidden = self.forward(&windows, ids, 0..layers)?;
             let logits = self.model.logits(hidden);
             // Each drafted token and the draft's probability of it.
             let mut drafted = Vec::with_capacity(drafting.len());
@@ -733,6 +625,13 @@ impl Engine {
                     work[i].draft_probs.get_or_insert_with(Vec::new).push(q);
                 }
             }
+            // The step's tokens are now in the cache: the next step attends over them.
+            let kept: Vec<[u32; 1]> = current.iter().map(|&t| [t]).collect();
+            let kept: Vec<&[u32]> = kept.iter().map(|t| t.as_slice()).collect();
+            let span = self.clock.start();
+            let report = self.kv.end(&kept);
+            self.clock.stop(span, OpKind::Bookkeeping);
+            self.attribute(&report?);
             let mut next = Vec::with_capacity(drafting.len());
             current.clear();
             for (&i, &(token, probability)) in drafting.iter().zip(&drafted) {
@@ -744,7 +643,38 @@ impl Engine {
             }
             drafting = next;
         }
+        for i in rolled_back {
+            self.kv.truncate(work[i].kv, work[i].start)?;
+        }
         Ok(())
+    }
+
+    /// A forward of blocks `layers` over the windows' tokens `ids` (a step of the paged KV
+    /// state, begun here; the caller ends it).
+    fn forward(
+        &mut self,
+        windows: &[(RequestId, usize)],
+        ids: Tensor<1, Int>,
+        layers: std::ops::Range<usize>,
+    ) -> Result<Tensor<2>> {
+        let span = self.clock.start();
+        let step = self.kv.begin(windows);
+        self.clock.stop(span, OpKind::Bookkeeping);
+        let step = step?;
+        self.lap("begin");
+        let repeat = self.options.repeat.is_some() && self.step % 2 == 1;
+        let (kv, clock) = (&mut self.kv, &mut self.clock);
+        self.model.forward(ids, step.positions, layers, |layer, qkv| {
+            let span = clock.start();
+            // A clone only for a repeat: a kept tensor is one the op may not reuse.
+            let again = repeat.then(|| qkv.clone());
+            let mut out = kv.attend(layer, qkv);
+            if let Some(qkv) = again {
+                out = out.and_then(|_| kv.attend(layer, qkv));
+            }
+            clock.stop(span, OpKind::Attention);
+            Ok(out?)
+        })
     }
 
     /// The target forward over every row's window; per real row, the target's choice after each
@@ -752,39 +682,24 @@ impl Engine {
     /// or the target's distributions when sampling.
     fn verify(&mut self, work: &[RowWork]) -> Result<Vec<Target>> {
         let device = self.model.device().clone();
-        let windows: Vec<Window> = work
-            .iter()
-            .map(|w| Window {
-                row: w.row,
-                start: w.start,
-                len: w.window(),
-            })
-            .collect();
+        let windows: Vec<(RequestId, usize)> = work.iter().map(|w| (w.kv, w.window())).collect();
         let ids = ints(
             work.iter()
                 .flat_map(|w| w.input.iter().chain(&w.draft).map(|&t| t as i64)),
             &device,
         );
-        let input = self.step_input(&windows, ids)?;
-        self.lap("inputs, gathers");
         let layers = self.model.config().layers;
-        let hidden = self.model.forward(&mut self.cache, &input, 0..layers)?;
+        let hidden = self.forward(&windows, ids, 0..layers)?;
         self.lap("target forward");
         // Only the positions whose next token is decided: the last input token and the drafts.
         let mut picked = Vec::new();
         let mut offset = 0;
         for w in work {
-            if w.index.is_some() {
-                let first = offset + w.input.len() - 1;
-                picked.extend((first..offset + w.window()).map(|i| i as i64));
-            }
+            let first = offset + w.input.len() - 1;
+            picked.extend((first..offset + w.window()).map(|i| i as i64));
             offset += w.window();
         }
-        let counts: Vec<usize> = work
-            .iter()
-            .filter(|w| w.index.is_some())
-            .map(|w| w.draft.len() + 1)
-            .collect();
+        let counts: Vec<usize> = work.iter().map(|w| w.draft.len() + 1).collect();
         let hidden = hidden.select(0, ints(picked.iter().copied(), &device));
         let logits = self.model.logits(hidden);
         let mut targets = Vec::with_capacity(counts.len());
@@ -811,8 +726,8 @@ impl Engine {
         Ok(targets)
     }
 
-    /// Greedy or rejection-sampled acceptance of every real row's draft; commits the accepted
-    /// tokens, gives rejected slots back, and returns what each row committed.
+    /// Greedy or rejection-sampled acceptance of every row's draft; returns what each row
+    /// commits (the paged KV state's `end` takes it).
     fn accept(
         &mut self,
         work: &[RowWork],
@@ -822,11 +737,8 @@ impl Engine {
         let mut committed = Vec::with_capacity(work.len());
         let mut targets = targets.into_iter();
         for w in work {
-            let Some(index) = w.index else {
-                committed.push(Committed { tokens: Vec::new() });
-                continue;
-            };
-            let target = targets.next().expect("a target per real row");
+            let index = w.index;
+            let target = targets.next().expect("a target per row");
             let mut emitted = match target {
                 Target::Tokens(tokens) => accept_greedy(&w.draft, &tokens),
                 Target::Probs(p) => {
@@ -842,8 +754,6 @@ impl Engine {
             // The cache now holds the input and the drafts that were emitted after it.
             let accepted = emitted.len() - 1;
             let kept = w.input.len() + accepted.min(w.draft.len());
-            self.slots.give_back(&w.slots[kept..]);
-            request.slots.extend_from_slice(&w.slots[..kept]);
             let mut tokens = w.input.clone();
             tokens.extend_from_slice(&w.draft[..kept - w.input.len()]);
             request.kv_len += kept;
@@ -857,133 +767,42 @@ impl Engine {
         committed
     }
 
-    /// The step's kv-canary: records for the committed tokens (their slots through
-    /// `segment_gather` of the accepted suffix), a verify of every committed prefix, one status
-    /// check for all of the step's kvplan ops, one read of the violation ring.
-    fn canary_step(&mut self, work: &[RowWork], committed: &[Committed]) -> Result<()> {
-        let device = self.model.device().clone();
-        let rows = ints(work.iter().map(|w| w.row), &device);
-        let prefix = ints(work.iter().map(|w| w.start as i64), &device);
-        let extend = ints(committed.iter().map(|c| c.tokens.len() as i64), &device);
-        let total: usize = committed.iter().map(|c| c.tokens.len()).sum();
-        let input_ids = ints(
-            committed
-                .iter()
-                .flat_map(|c| c.tokens.iter().map(|&t| t as i64)),
-            &device,
-        );
-        let positions = ints(
-            work.iter()
-                .zip(committed)
-                .flat_map(|(w, c)| (w.start..w.start + c.tokens.len()).map(|p| p as i64)),
-            &device,
-        );
-        let span = self.cache.clock.start();
-        let mut canary_statuses = Vec::new();
-        for _ in 0..self.bookkeeping_runs() {
-            // A repeat writes the same records again and verifies the same prefixes.
-            let accepted = kvplan::segment_gather_deferred(
-                self.req_to_token.clone(),
-                rows.clone(),
-                Some(prefix.clone()),
-                extend.clone(),
-                // The step's window size, not `total`: one output shape per batch bucket.
-                &GatherOptions::new()
-                    .capacity(work.iter().map(RowWork::window).sum::<usize>().max(1))
-                    .context("accepted suffix"),
-            )?;
-            let planned = kvplan::plan_deferred(
-                &mut self.plan,
-                PlanInputs::new(
-                    rows.clone(),
-                    prefix.clone(),
-                    extend.clone(),
-                    self.req_to_token.clone(),
-                ),
-            )?;
-            let launch = |kind| {
-                let pool = self.cache.kv_pool(CANARY_LAYER);
-                let row_bytes = (2 * self.cache.kv_dim() * self.model.dtype().size()) as i64;
-                RealKvSource::float(pool, SourceBytes::per_slot(row_bytes)).map(|source| {
-                    CanaryLaunch::new(kind).real_kv(RealKvHashMode::All, vec![source])
-                })
+    /// Keeps the violations of a step's report, once per request, for the step's end.
+    fn attribute(&mut self, report: &StepReport) {
+        for violation in &report.violations {
+            let Some(request) = self.running.iter().find(|r| r.kv == violation.request) else {
+                continue;
             };
-            if total > 0 {
-                let slots = accepted.out_tensor().narrow(0, 0, total);
-                let write = launch(WRITE_KIND)?;
-                self.canary.write(
-                    &self.plan.write,
-                    WriteInputs::new(input_ids.clone(), positions.clone(), slots),
-                    &write,
-                )?;
+            if self.reported.iter().any(|r| r.request == request.id) {
+                continue;
             }
-            let verify = launch(VERIFY_KIND)?;
-            self.canary.verify(&self.plan.verify, &verify)?;
-            canary_statuses.extend([accepted.status, planned]);
+            self.reported.push(Reported {
+                request: request.id,
+                slot: violation.slot,
+                position: violation.position as i64,
+                reasons: format!("{:?}", violation.reasons),
+            });
         }
-        let mut statuses = std::mem::take(&mut self.statuses);
-        statuses.extend(self.cache.take_statuses());
-        statuses.extend(canary_statuses);
-        // One read-back: every status of the step, the canary's status and its violations.
-        let (_, violations) = self.canary.violations_after(statuses)?;
-        self.cache.clock.stop(span, OpKind::Bookkeeping);
-        if violations.recorded > 0 {
-            self.canary.clear();
-            self.handle_violations(&violations)?;
-        }
-        Ok(())
     }
 
-    /// Attributes each violation to the request whose context names its slot, and makes that
-    /// request recompute its cache (its slots go back, its whole sequence is prefilled again).
-    fn handle_violations(&mut self, violations: &Violations) -> Result<()> {
-        let table = self.read_table()?;
-        let cols = self.options.max_context;
-        let mut victims = Vec::new();
-        for violation in &violations.rows {
-            // Every (request, position) whose table cell names the violating slot; a cell the
-            // host never wrote (a stale row) is the culprit before the slot's own owner.
-            let mut stale = Vec::new();
-            let mut owned = Vec::new();
-            for (index, request) in self.running.iter().enumerate() {
-                let row = &table[request.row as usize * cols..][..request.kv_len];
-                for (position, &slot) in row.iter().enumerate() {
-                    if slot != violation.slot {
-                        continue;
-                    }
-                    if request.slots[position] != slot {
-                        stale.push((index, position));
-                    } else if position as i64 == violation.position {
-                        owned.push((index, position));
-                    }
-                }
-            }
-            let culprits = if stale.is_empty() { owned } else { stale };
-            for (index, position) in culprits {
-                if victims.contains(&index) {
-                    continue;
-                }
-                victims.push(index);
-                let request = &mut self.running[index];
-                request.reported.push(Reported {
-                    request: request.id,
-                    slot: violation.slot,
-                    position: position as i64,
-                    reasons: format!("{:?}", violation.fail_reasons),
-                });
-            }
-        }
-        for index in victims {
-            let request = &mut self.running[index];
-            let slots = std::mem::take(&mut request.slots);
-            self.slots.give_back(&slots);
+    /// Each request the canary reported recomputes its cache: its slots go back and its whole
+    /// sequence is prefilled again.
+    fn recompute_reported(&mut self) -> Result<()> {
+        for reported in std::mem::take(&mut self.reported) {
+            let request = self
+                .running
+                .iter_mut()
+                .find(|r| r.id == reported.request)
+                .expect("reported requests are running");
+            self.kv.truncate(request.kv, 0)?;
             request.kv_len = 0;
+            request.reported.push(reported);
         }
         Ok(())
     }
 
     /// Requests that hit EOS or their budget leave; their slots and row go back.
-    fn finish_requests(&mut self) {
+    fn finish_requests(&mut self) -> Result<()> {
         let mut i = 0;
         while i < self.running.len() {
             let request = &self.running[i];
@@ -994,8 +813,7 @@ impl Engine {
                 continue;
             }
             let request = self.running.remove(i);
-            self.slots.give_back(&request.slots);
-            self.rows.give_back(&[request.row]);
+            self.kv.remove(request.kv)?;
             self.finished.push(Outcome {
                 id: request.id,
                 prompt_tokens: request.prompt_tokens,
@@ -1007,115 +825,7 @@ impl Engine {
                 finish: if eos { Finish::Eos } else { Finish::Length },
             });
         }
-    }
-
-    /// The forward inputs of `windows` (token ids `ids`, packed in window order): positions,
-    /// the slots their K/V go to (`masked_gather` of the window cells), and each row's context,
-    /// `0..start + len`, through `segment_gather`: each token's run of it for paged attention
-    /// (checked once for every layer), or a padded slot list.
-    fn step_input(&mut self, windows: &[Window], ids: Tensor<1, Int>) -> Result<StepInput> {
-        let device = self.model.device().clone();
-        let rows = windows.len();
-        // Rounded up so that consecutive steps share shapes (the device compiles per shape).
-        let max_q = windows.iter().map(|w| w.len).max().unwrap_or(1);
-        let max_q = if max_q > 8 {
-            max_q.next_multiple_of(16)
-        } else {
-            max_q
-        };
-        let kv_lens: Vec<usize> = windows.iter().map(|w| w.start + w.len).collect();
-        let max_kv = kv_lens
-            .iter()
-            .copied()
-            .max()
-            .unwrap_or(1)
-            .next_multiple_of(KV_BLOCK);
-        let tokens: usize = windows.iter().map(|w| w.len).sum();
-        let mut positions = Vec::with_capacity(tokens);
-        let mut pos2d = Vec::with_capacity(rows * max_q);
-        let mut mask = Vec::with_capacity(rows * max_q);
-        let mut kv_offset = 0;
-        let mut runs = (Vec::with_capacity(tokens), Vec::with_capacity(tokens));
-        for (i, w) in windows.iter().enumerate() {
-            for j in 0..max_q {
-                let real = j < w.len;
-                pos2d.push(if real { (w.start + j) as i64 } else { 0 });
-                mask.push(real);
-                if real {
-                    positions.push((w.start + j) as i64);
-                    // Causal: a query sees the keys at and before its own position.
-                    runs.0.push(kv_offset as i64);
-                    runs.1.push((w.start + j + 1) as i64);
-                }
-            }
-            kv_offset += kv_lens[i];
-        }
-        let table_rows = ints(windows.iter().map(|w| w.row), &device);
-        let pos2d = Tensor::<2, Int>::from_data(
-            TensorData::new(pos2d, [rows, max_q]),
-            (&device, DType::I64),
-        );
-        let mask = Tensor::<2, Bool>::from_data(TensorData::new(mask, [rows, max_q]), &device);
-        let lengths = ints(kv_lens.iter().map(|&l| l as i64), &device);
-        let (starts, counts) = (
-            ints(runs.0.into_iter(), &device),
-            ints(runs.1.into_iter(), &device),
-        );
-        let span = self.cache.clock.start();
-        let mut step_keys = None;
-        for _ in 0..self.bookkeeping_runs() {
-            let window_slots = kvplan::masked_gather_deferred(
-                self.req_to_token.clone(),
-                table_rows.clone(),
-                pos2d.clone(),
-                mask.clone(),
-                &GatherOptions::new()
-                    .capacity(tokens)
-                    .context("draft window"),
-            )?;
-            let context_slots = kvplan::segment_gather_deferred(
-                self.req_to_token.clone(),
-                table_rows.clone(),
-                None,
-                lengths.clone(),
-                // `rows * max_kv`, not the exact total: the output's shape then changes only when
-                // a row crosses a key block, like every other shape of the step.
-                &GatherOptions::new()
-                    .capacity(rows * max_kv)
-                    .context("attention context"),
-            )?;
-            self.statuses.push(window_slots.status.clone());
-            self.statuses.push(context_slots.status.clone());
-            let attention = if self.options.paged_attention {
-                let keys = kvplan::KeyRuns::check_deferred(
-                    context_slots.out_tensor(),
-                    starts.clone(),
-                    counts.clone(),
-                    self.cache.slots(),
-                )?;
-                self.statuses.push(keys.status().clone());
-                Attention::Paged {
-                    keys,
-                    fused_store: tokens <= self.options.fused_store_tokens,
-                }
-            } else {
-                Attention::Padded(padded_attention(
-                    windows,
-                    [max_q, max_kv],
-                    context_slots.out_tensor(),
-                    &device,
-                ))
-            };
-            step_keys = Some((window_slots.out_tensor(), attention));
-        }
-        let (out_cache_loc, attention) = step_keys.expect("bookkeeping runs at least once");
-        self.cache.clock.stop(span, OpKind::Bookkeeping);
-        Ok(StepInput {
-            input_ids: ids,
-            positions: ints(positions.into_iter(), &device),
-            out_cache_loc,
-            attention,
-        })
+        Ok(())
     }
 
     /// Injects `kind` into the first running request with a committed context.
@@ -1124,12 +834,12 @@ impl Engine {
             return Ok(());
         };
         let position = self.running[victim].kv_len / 2;
-        let own_slot = self.running[victim].slots[position];
+        let own_slot = self.kv.slots(self.running[victim].kv)?[position];
         let device = self.model.device().clone();
         let slot = match kind {
             Corruption::KvByte => {
-                let pool = self.cache.kv_pool(CANARY_LAYER);
-                let cols = 2 * self.cache.kv_dim();
+                let pool = self.kv.pool(CANARY_LAYER)?;
+                let cols = self.kv.config().kv_width();
                 let row = pool.clone().narrow(0, own_slot as usize, 1).into_data();
                 let (shape, dtype) = (row.shape().clone(), row.dtype());
                 let mut bytes = row.as_bytes().to_vec();
@@ -1140,8 +850,8 @@ impl Engine {
                     (&device, dtype),
                 );
                 let s = own_slot as usize;
-                self.cache
-                    .set_kv_pool(CANARY_LAYER, pool.slice_assign([s..s + 1, 0..cols], row));
+                self.kv
+                    .set_pool(CANARY_LAYER, pool.slice_assign([s..s + 1, 0..cols], row))?;
                 own_slot
             }
             Corruption::StaleRow => {
@@ -1150,19 +860,20 @@ impl Engine {
                     .running
                     .iter()
                     .enumerate()
-                    .find(|(i, r)| *i != victim && !r.slots.is_empty())
-                    .map(|(_, r)| r.slots[r.slots.len() - 1]);
+                    .filter(|(i, _)| *i != victim)
+                    .find_map(|(_, r)| self.kv.slots(r.kv).ok()?.last().copied());
                 let Some(stolen) = other else {
                     return Ok(());
                 };
-                let row = self.running[victim].row;
-                self.req_to_token = kvplan::segment_assign(
-                    self.req_to_token.clone(),
+                let row = self.kv.row(self.running[victim].kv)?;
+                let table = kvplan::slots::segment_assign(
+                    self.kv.req_to_token(),
                     ints([row].into_iter(), &device),
                     ints([position as i64].into_iter(), &device),
                     ints([1].into_iter(), &device),
                     ints([stolen].into_iter(), &device),
                 )?;
+                self.kv.set_req_to_token(table)?;
                 stolen
             }
         };
@@ -1190,13 +901,9 @@ impl Engine {
         self.lap = done;
     }
 
-    fn read_table(&self) -> Result<Vec<i64>> {
-        Ok(kvplan::data_to_i64(&self.req_to_token.clone().into_data()))
-    }
-
     fn read_tokens(&mut self, tokens: Tensor<1, Int>) -> Result<Vec<u32>> {
         let timer = Instant::now();
-        let values = kvplan::data_to_i64(&tokens.into_data());
+        let values = kvplan::ops::data_to_i64(&tokens.into_data());
         self.times.readback += timer.elapsed();
         Ok(values.into_iter().map(|t| t as u32).collect())
     }
@@ -1219,50 +926,6 @@ enum Target {
 }
 
 /// `[n]` i64 values uploaded.
-
-/// The padded layout of `windows` over their packed context slots (`context`, rows in window
-/// order): `[rows, max_q]` queries, `[rows, max_kv]` keys, the causal and padding mask.
-fn padded_attention(
-    windows: &[Window],
-    [max_q, max_kv]: [usize; 2],
-    context: Tensor<1, Int>,
-    device: &Device,
-) -> PaddedAttention {
-    let rows = windows.len();
-    let tokens: usize = windows.iter().map(|w| w.len).sum();
-    let mut q_pad = Vec::with_capacity(rows * max_q);
-    let mut q_unpad = Vec::with_capacity(tokens);
-    let mut kv_pad = Vec::with_capacity(rows * max_kv);
-    let mut masked = Vec::with_capacity(rows * max_q * max_kv);
-    let (mut token_offset, mut kv_offset) = (0, 0);
-    for (i, w) in windows.iter().enumerate() {
-        let kv_len = w.start + w.len;
-        for j in 0..max_q {
-            let q = j.min(w.len - 1);
-            q_pad.push((token_offset + q) as i64);
-            if j < w.len {
-                q_unpad.push((i * max_q + j) as i64);
-            }
-            masked.extend((0..max_kv).map(|key| key > w.start + q));
-        }
-        kv_pad.extend((0..max_kv).map(|key| (kv_offset + key.min(kv_len - 1)) as i64));
-        token_offset += w.len;
-        kv_offset += kv_len;
-    }
-    PaddedAttention {
-        rows,
-        max_q,
-        max_kv,
-        q_pad: ints(q_pad.into_iter(), device),
-        q_unpad: ints(q_unpad.into_iter(), device),
-        kv_slots: context.select(0, ints(kv_pad.into_iter(), device)),
-        masked: Tensor::<4, Bool>::from_data(
-            TensorData::new(masked, [rows, 1, max_q, max_kv]),
-            device,
-        ),
-    }
-}
-
 fn ints(values: impl Iterator<Item = i64>, device: &burn_core::tensor::Device) -> Tensor<1, Int> {
     let values: Vec<i64> = values.collect();
     let n = values.len();

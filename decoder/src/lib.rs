@@ -1,16 +1,14 @@
-//! A speculative decoder for SmolLM2-135M (a Llama) on Burn 0.22 whose paged KV cache is kept by
-//! kvplan: slots from a host allocator, `req_to_token` on the device, K/V stored and read through
-//! kvplan's ops, the kv-canary on every step.
+//! A speculative decoder for SmolLM2-135M (a Llama) on Burn 0.22 whose paged KV cache is one
+//! `kvplan::PagedKv` (pools, `req_to_token`, slot and row allocators, the kv-canary on every step).
 //!
 //! Files: [`gguf`] and [`tokenizer`] read the model file, [`model`] is the Llama forward,
-//! [`kv`] the paged cache, [`clock`] the time in kvplan's calls, [`engine`] the serving loop (batching, drafting, acceptance, canary),
-//! [`draft`] and [`sample`] the drafting and acceptance rules.
+//! [`clock`] the time in kvplan's calls, [`engine`] the serving loop (batching, drafting,
+//! acceptance, fault injection), [`draft`] and [`sample`] the drafting and acceptance rules.
 
 pub mod clock;
 pub mod draft;
 pub mod engine;
 pub mod gguf;
-pub mod kv;
 pub mod model;
 pub mod model_file;
 pub mod sample;
@@ -29,16 +27,6 @@ pub enum DecoderError {
     /// Engine options or requests that cannot be served.
     #[error("options: {0}")]
     Options(String),
-    /// A host allocator ran dry.
-    #[error("out of {what}: {needed} needed, {free} free")]
-    OutOf {
-        /// What ran out.
-        what: &'static str,
-        /// How many were asked for.
-        needed: usize,
-        /// How many were free.
-        free: usize,
-    },
     /// A kvplan op refused its inputs or failed on the device.
     #[error(transparent)]
     Kvplan(#[from] kvplan::Error),

@@ -1,16 +1,13 @@
 //! The Llama forward (RMSNorm, RoPE, grouped-query attention, SwiGLU) in Burn 0.22, over a paged KV
-//! cache: each layer stores its new K/V rows at the step's slots and attends to the K/V rows that
-//! the step's slot list names.
+//! cache: each layer hands its fused projection (queries, keys, values after RoPE) to the
+//! caller's attention (`kvplan::PagedKv::attend`), which stores the K/V rows and attends.
 
 use std::ops::Range;
 
-use burn_core::tensor::activation::{silu, softmax};
-use burn_core::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
-
-use kvplan::KeyRuns;
+use burn_core::tensor::activation::silu;
+use burn_core::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::gguf::Gguf;
-use crate::kv::KvCache;
 use crate::{DecoderError, Result};
 
 /// The shape of a Llama, read from a GGUF's `llama.*` metadata.
@@ -89,7 +86,7 @@ struct Block {
     w_down: Tensor<2>,
 }
 
-/// A Llama's weights on one device, ready to run steps over a [`KvCache`].
+/// A Llama's weights on one device, ready to run steps over a paged KV cache.
 pub struct Llama {
     config: LlamaConfig,
     dtype: DType,
@@ -104,52 +101,6 @@ pub struct Llama {
     /// +sin` (applied to the pair-swapped values); in V's, cos 1 and sin 0 (V stays as it is).
     rope_cos: Tensor<2>,
     rope_sin: Tensor<2>,
-}
-
-/// Where one step's tokens attend.
-pub enum Attention {
-    /// kvplan's paged attention: each token over the K/V rows at its run of the step's slot list
-    /// (the backends with kvplan kernels); with `fused_store`, each layer's store and attention
-    /// in one launch (`StoreSlots::store_qkv_and_attend`), else the store, then the attention.
-    Paged {
-        /// The step's key runs, checked.
-        keys: KeyRuns,
-        /// One launch per layer for its store and attention.
-        fused_store: bool,
-    },
-    /// Burn ops over K/V gathered into a padded `[rows, max_kv]` layout, where the attention op is
-    /// kvplan's host reference (it would read every pool back every layer).
-    Padded(PaddedAttention),
-}
-
-/// The padded layout: `[rows, max_q]` queries over the packed tokens, `[rows, max_kv]` slots, a mask.
-pub struct PaddedAttention {
-    /// Rows of the (padded) batch.
-    pub rows: usize,
-    /// Longest query run of a row.
-    pub max_q: usize,
-    /// Longest K/V run of a row.
-    pub max_kv: usize,
-    /// `[rows * max_q]`: the packed token each padded query cell reads (any valid token for padding).
-    pub q_pad: Tensor<1, Int>,
-    /// `[tokens]`: the padded query cell each packed token's output comes from.
-    pub q_unpad: Tensor<1, Int>,
-    /// `[rows * max_kv]`: the KV slot of each padded key cell.
-    pub kv_slots: Tensor<1, Int>,
-    /// `[rows, 1, max_q, max_kv]`: true where a query must not see a key (causal and padding).
-    pub masked: Tensor<4, Bool>,
-}
-
-/// One forward's inputs: packed tokens (`[tokens]` each) and their attention layout.
-pub struct StepInput {
-    /// Token ids.
-    pub input_ids: Tensor<1, Int>,
-    /// Positions in their sequences (RoPE).
-    pub positions: Tensor<1, Int>,
-    /// The KV slot each token's K/V row is stored at.
-    pub out_cache_loc: Tensor<1, Int>,
-    /// Where the tokens attend.
-    pub attention: Attention,
 }
 
 /// Whether `device` computes `exp(1)` in f64 to f64 precision (one read-back).
@@ -284,29 +235,31 @@ impl Llama {
         self.dtype
     }
 
-    /// Runs blocks `layers` over the step's tokens, storing every block's new K/V rows in `cache`
-    /// at `out_cache_loc` first, and returns the hidden states `[tokens, hidden]` after the last
-    /// block run. (`0..config.layers` is the target; a prefix of it is the self-speculative draft.)
+    /// Runs blocks `layers` over a step's tokens (`input_ids` at `positions`, `[tokens]` each)
+    /// and returns the hidden states `[tokens, hidden]` after the last block run.
+    /// `attend(layer, qkv)` takes each block's queries, keys and values side by side
+    /// (`[tokens, (heads + 2 * kv_heads) * head_dim]`, after RoPE), stores the keys and values
+    /// and returns the attention's output `[tokens, hidden]`. (`0..config.layers` is the target;
+    /// a prefix of it is the self-speculative draft.)
     pub fn forward(
         &self,
-        cache: &mut KvCache,
-        input: &StepInput,
+        input_ids: Tensor<1, Int>,
+        positions: Tensor<1, Int>,
         layers: Range<usize>,
+        mut attend: impl FnMut(usize, Tensor<2>) -> Result<Tensor<2>>,
     ) -> Result<Tensor<2>> {
         let c = &self.config;
-        let tokens = input.input_ids.dims()[0];
-        let mut x = self.embed.clone().select(0, input.input_ids.clone());
+        let tokens = input_ids.dims()[0];
+        let mut x = self.embed.clone().select(0, input_ids);
         let hd = c.head_dim;
         let rotated_heads = c.heads + c.kv_heads;
         let heads = rotated_heads + c.kv_heads;
         let rope = |table: &Tensor<2>| {
-            let rows = table.clone().select(0, input.positions.clone());
+            let rows = table.clone().select(0, positions.clone());
             rows.reshape([tokens, heads, hd])
         };
         let (cos, sin) = (rope(&self.rope_cos), rope(&self.rope_sin));
-        let (q_cols, kv_cols) = (c.hidden, 2 * c.kv_dim());
-        let width = q_cols + kv_cols;
-        let mut slots = cache.check_slots(input.out_cache_loc.clone())?;
+        let width = c.hidden + 2 * c.kv_dim();
         for layer in layers {
             let block = &self.blocks[layer];
             let h = rms_norm(x.clone(), c.rms_eps);
@@ -317,30 +270,8 @@ impl Llama {
             let plain = plain.reshape([tokens, heads, hd]);
             let swapped = qkv.narrow(1, 0, width).reshape([tokens, heads, hd]);
             let qkv = (plain * cos.clone() + swapped * sin.clone()).reshape([tokens, width]);
-            let split = |qkv: Tensor<2>| {
-                let q = qkv.clone().narrow(1, 0, q_cols);
-                (q, qkv.narrow(1, q_cols, kv_cols))
-            };
-            let attended = match &input.attention {
-                // Queries, keys and values go in as the one tensor they are: no slices.
-                Attention::Paged {
-                    keys,
-                    fused_store: true,
-                } => cache.store_and_attend(layer, &mut slots, qkv, keys, c.heads)?,
-                Attention::Paged {
-                    keys,
-                    fused_store: false,
-                } => {
-                    let (q, kv) = split(qkv);
-                    cache.store(layer, &mut slots, kv)?;
-                    cache.attend(layer, q, keys, c.heads)?
-                }
-                Attention::Padded(padded) => {
-                    let (q, kv) = split(qkv);
-                    cache.store(layer, &mut slots, kv)?;
-                    self.attend_padded(cache, layer, q, padded)
-                }
-            };
+            // Queries, keys and values go in as the one tensor they are: no slices.
+            let attended = attend(layer, qkv)?;
             x = x + attended.matmul(block.wo.clone());
             let h = rms_norm(x.clone(), c.rms_eps);
             let gate_up = h.matmul(block.w_gate_up.clone());
@@ -348,57 +279,12 @@ impl Llama {
             let up = gate_up.narrow(1, c.ffn, c.ffn);
             x = x + (silu(gate) * up).matmul(block.w_down.clone());
         }
-        cache.keep_status(slots);
         Ok(x)
     }
 
     /// Logits `[n, vocab]` of the hidden states `[n, hidden]`: final norm, then the LM head.
     pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
         rms_norm(hidden, self.config.rms_eps).matmul(self.lm_head.clone())
-    }
-
-    /// Grouped-query attention of the packed queries `q` (`[tokens, hidden]`) over the K/V rows
-    /// `attention.kv_slots` names; `[tokens, hidden]` out.
-    fn attend_padded(
-        &self,
-        cache: &KvCache,
-        layer: usize,
-        q: Tensor<2>,
-        attention: &PaddedAttention,
-    ) -> Tensor<2> {
-        let c = &self.config;
-        let (rows, max_q, max_kv) = (attention.rows, attention.max_q, attention.max_kv);
-        let groups = c.heads / c.kv_heads;
-        let hd = c.head_dim;
-        // [rows * max_q, hidden] -> [rows, kv_heads, groups * max_q, hd]: query heads that share a
-        // K/V head go side by side, so K and V are never repeated.
-        let q = q.select(0, attention.q_pad.clone());
-        let q = q
-            .reshape([rows, max_q, c.kv_heads, groups, hd])
-            .permute([0, 2, 3, 1, 4])
-            .reshape([rows, c.kv_heads, groups * max_q, hd]);
-        let (k, v) = cache.read(layer, attention.kv_slots.clone());
-        let k = k
-            .reshape([rows, max_kv, c.kv_heads, hd])
-            .permute([0, 2, 3, 1]); // [rows, kv_heads, hd, max_kv]
-        let v = v.reshape([rows, max_kv, c.kv_heads, hd]).swap_dims(1, 2);
-        let scale = 1.0 / (hd as f64).sqrt();
-        let scores = q.matmul(k).mul_scalar(scale); // [rows, kv_heads, groups * max_q, max_kv]
-        let scores = scores.reshape([rows, c.kv_heads * groups, max_q, max_kv]);
-        let scores = scores.mask_fill(
-            attention
-                .masked
-                .clone()
-                .expand([rows, c.heads, max_q, max_kv]),
-            f64::NEG_INFINITY,
-        );
-        let probs = softmax(scores, 3).reshape([rows, c.kv_heads, groups * max_q, max_kv]);
-        let out = probs.matmul(v); // [rows, kv_heads, groups * max_q, hd]
-        let out = out
-            .reshape([rows, c.kv_heads, groups, max_q, hd])
-            .permute([0, 3, 1, 2, 4])
-            .reshape([rows * max_q, c.hidden]);
-        out.select(0, attention.q_unpad.clone())
     }
 }
 

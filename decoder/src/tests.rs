@@ -94,15 +94,6 @@ fn options(drafting: Drafting, max_batch: usize) -> EngineOptions {
     }
 }
 
-/// `options` with attention over padded K/V (Burn ops): on Flex the paged attention op is the
-/// host reference, which reads every pool back each layer (too slow for SmolLM2's 30 layers).
-fn padded(options: EngineOptions) -> EngineOptions {
-    EngineOptions {
-        paged_attention: false,
-        ..options
-    }
-}
-
 /// Self-speculative rows stop at a draft probability under 0.1: windows of every size.
 const DRAFTINGS: [Drafting; 3] = [
     Drafting::Off,
@@ -176,33 +167,8 @@ fn confidence_bounds_drafts(device: &Device) {
     }
 }
 
-/// kvplan's paged attention and Burn ops over padded K/V give the same greedy tokens, with and
-/// without drafts (f64: no near-tie flips between their reduction orders); so do a layer's store
-/// and attention in one launch or two.
-fn paged_equals_padded(device: &Device) {
-    let requests = prompts(4, 1, 16);
-    for drafting in [Drafting::Off, Drafting::Ngram { max_ngram: 3 }] {
-        let (paged, _) = serve(device, options(drafting, 3), requests.clone());
-        let (padded, _) = serve(device, padded(options(drafting, 3)), requests.clone());
-        assert_eq!(tokens(&paged), tokens(&padded), "{drafting:?}");
-        // Every step's store and attention in one launch, then in two: the same bits.
-        for fused_store_tokens in [usize::MAX, 0] {
-            let split = EngineOptions {
-                fused_store_tokens,
-                ..options(drafting, 3)
-            };
-            let (split, _) = serve(device, split, requests.clone());
-            assert_eq!(
-                tokens(&paged),
-                tokens(&split),
-                "{drafting:?}, {fused_store_tokens}"
-            );
-        }
-    }
-}
-
 /// `profile` (each phase waited for) changes no token, and every kind of kvplan call is charged;
-/// stores or bookkeeping repeated on every other step change no token either.
+/// each layer's store and attention repeated on every other step change no token either.
 fn profile_changes_nothing(device: &Device) {
     let requests = prompts(3, 1, 12);
     let drafting = Drafting::Ngram { max_ngram: 3 };
@@ -217,16 +183,15 @@ fn profile_changes_nothing(device: &Device) {
     let kvplan = times.kvplan;
     for (kind, time) in [
         ("bookkeeping", kvplan.bookkeeping),
-        ("stores", kvplan.stores),
         ("attention", kvplan.attention),
     ] {
         assert!(!time.is_zero(), "{kind}: nothing charged");
     }
     assert!(kvplan.total() < times.total);
     assert_eq!(times.step_walls.len(), times.steps);
-    // Stores or bookkeeping run twice on every other step (a benchmark's variant) write the
-    // same rows, table entries and canary records again.
-    for kind in [OpKind::Stores, OpKind::Bookkeeping] {
+    // Each layer's store and attention run twice on every other step (a benchmark's variant)
+    // write the same rows again and attend the same queries again.
+    for kind in [OpKind::Attention] {
         let repeated_options = EngineOptions {
             repeat: Some(kind),
             ..options(drafting, 2)
@@ -365,17 +330,6 @@ fn confidence_bounds_drafts_flex() {
 #[test]
 fn confidence_bounds_drafts_vulkan() {
     confidence_bounds_drafts(&vulkan());
-}
-
-#[test]
-fn paged_equals_padded_flex() {
-    paged_equals_padded(&Device::flex());
-}
-
-#[cfg(feature = "vulkan")]
-#[test]
-fn paged_equals_padded_vulkan() {
-    paged_equals_padded(&vulkan());
 }
 
 #[test]
@@ -518,7 +472,7 @@ mod smollm2 {
         let (model, tokenizer) = load(DType::F32);
         let eos = tokenizer.end_of_generation_ids().to_vec();
         let request = chat(&tokenizer, 0, "What is the capital of France?", 24);
-        let mut engine = Engine::new(model, eos, padded(options(Drafting::Off, 1))).unwrap();
+        let mut engine = Engine::new(model, eos, options(Drafting::Off, 1)).unwrap();
         let outcome = engine.run(vec![request], |_, _| {}).unwrap().remove(0);
         let text = tokenizer.decode(&outcome.tokens).unwrap();
         assert!(text.contains("Paris"), "{text:?}");
@@ -539,7 +493,7 @@ mod smollm2 {
         .map(|(id, m)| chat(&tokenizer, id, m, 32))
         .collect();
         let mut engine =
-            Engine::new(model, eos.clone(), padded(options(Drafting::Off, 3))).unwrap();
+            Engine::new(model, eos.clone(), options(Drafting::Off, 3)).unwrap();
         let plain = tokens(&engine.run(requests.clone(), |_, _| {}).unwrap());
         let model = engine.into_model();
         let mut model = Some(model);
@@ -550,7 +504,7 @@ mod smollm2 {
                 min_confidence: 0.4,
             },
         ] {
-            let mut o = padded(options(drafting, 3));
+            let mut o = options(drafting, 3);
             o.draft_tokens = 3;
             let mut engine = Engine::new(model.take().unwrap(), eos.clone(), o).unwrap();
             let outcomes = engine.run(requests.clone(), |_, _| {}).unwrap();
@@ -595,6 +549,12 @@ fn refusals_name_their_values() {
     assert_eq!(
         error(options(Drafting::Off, 0)),
         "options: max batch 0 and KV slots 1024 leave nothing to serve with"
+    );
+    let mut o = options(Drafting::Off, 1);
+    o.repeat = Some(OpKind::Bookkeeping);
+    assert_eq!(
+        error(o),
+        "options: repeat: a step's begin and end cannot run twice (attention can)"
     );
 
     let mut engine = Engine::new(tiny_model(&device), vec![2], options(Drafting::Off, 1)).unwrap();

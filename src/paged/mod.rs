@@ -23,10 +23,11 @@
 //! (see the README), the pools, table and canary are written in place.
 
 mod alloc;
+mod padded;
 
 use std::collections::{BTreeMap, HashMap};
 
-use burn_core::backend::Dispatch;
+use burn_core::backend::{Dispatch, DispatchDevice};
 use burn_core::tensor::{DType, Device, Int, Tensor};
 
 use crate::attention::KeyRuns;
@@ -240,6 +241,8 @@ struct OpenStep {
     window: Tensor<1, Int>,
     store: StoreSlots,
     keys: KeyRuns,
+    /// Flex only: the attention's padded layout.
+    padded: Option<padded::Padded>,
     statuses: Vec<Status>,
 }
 
@@ -262,6 +265,8 @@ pub struct PagedKv {
     /// The per-step host values' buffers, one per step shape, written in place each step.
     records: HashMap<(&'static str, Vec<usize>), Tensor<1, Int>>,
     step: Option<OpenStep>,
+    /// On Flex the attention runs as Burn ops over padded K/V (the op is the host reference).
+    flex: bool,
 }
 
 impl PagedKv {
@@ -304,6 +309,7 @@ impl PagedKv {
             canary,
             records: HashMap::new(),
             step: None,
+            flex: matches!(device.as_dispatch(), DispatchDevice::Flex(_)),
             device: device.clone(),
             config,
         })
@@ -363,6 +369,12 @@ impl PagedKv {
         let request = self.requests.remove(&id).expect("checked above");
         self.slots.release(&request.slots);
         self.rows.give_back(request.row);
+        if self.requests.is_empty() {
+            // Empty again: slots and rows go out in a new state's order (a served run after a
+            // warm-up makes the same choices as a fresh one).
+            self.slots = alloc::Slots::new(self.config.slots + 1);
+            self.rows = alloc::Rows::new(self.config.max_requests);
+        }
         Ok(())
     }
 
@@ -580,6 +592,10 @@ impl PagedKv {
         let pool_rows = self.config.slots + 1;
         let keys = KeyRuns::check_deferred(context.out_tensor(), key_start, key_count, pool_rows)?;
         let store = self.store.check_slots(window.out_tensor(), pool_rows)?;
+        let padded = self.flex.then(|| {
+            let windows: Vec<(usize, usize)> = entries.iter().map(|e| (e.start, e.slots.len())).collect();
+            padded::Padded::new(&windows, context.out_tensor(), &self.device)
+        });
         let statuses = vec![assigned.status, window.status, context.status, keys.status().clone()];
         let step = OpenStep {
             entries: Vec::new(),
@@ -588,6 +604,7 @@ impl PagedKv {
             window: window_start,
             store,
             keys,
+            padded,
             statuses,
         };
         Ok((step, positions))
@@ -626,7 +643,19 @@ impl PagedKv {
         }
         let heads = self.config.query_heads;
         let pool = std::mem::replace(&mut self.pools[layer], self.placeholder.clone());
-        let attended = if step.tokens <= ONE_LAUNCH_TOKENS {
+        let heads_of = padded::Heads {
+            heads,
+            kv_heads: self.config.kv_heads,
+            head_dim: self.config.head_dim,
+        };
+        let attended = if let Some(layout) = &step.padded {
+            let q_width = heads * self.config.head_dim;
+            let kv = qkv.clone().narrow(1, q_width, self.config.kv_width());
+            step.store.store(pool, kv).map(|pool| {
+                let out = layout.attend(qkv.narrow(1, 0, q_width), pool.clone(), heads_of);
+                (out, pool)
+            })
+        } else if step.tokens <= ONE_LAUNCH_TOKENS {
             step.store
                 .store_qkv_and_attend(pool, qkv, &step.keys, heads)
                 .map(|attended| attended.into_tensors())

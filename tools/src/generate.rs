@@ -25,19 +25,16 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
     [--max-new-tokens N] [--temperature T] [--seed S] [--batch N] [--dtype f32|f64]
     [--model FILE.gguf]
     [--inject-corruption kv-byte|stale-row] [--json] [--ignore-eos] [--limit N] [--profile]
-    [--warm-up|--no-warm-up] [--repeat-ops bookkeeping|stores|attention] [--fused-store-tokens N]
+    [--warm-up|--no-warm-up] [--repeat-ops attention]
   Each prompt is a user message rendered with the GGUF's chat template (--raw: plain completion).
   FILE holds one JSON object per line ({\"prompt\": ..., \"arrival_step\": 0, \"max_new_tokens\": 64}),
   or plain lines of prompt text (--limit N: the first N). Without prompts, a built-in set runs.
   --spec self drafts with the first L blocks (default: all but 4); a row stops drafting after a
   token the draft gave less probability than P (default 0.4; 0: always K tokens).
   --ignore-eos generates exactly the budget (benchmarks). --profile waits for the device after
-  each step phase and prints where the steps' time went. --repeat-ops runs
-  each such kvplan call twice on every other step (benchmarks: the steps' difference is what the
-  calls cost a pipelined step; bookkeeping repeats every call outside the layers and each
-  forward's slots check; with paged attention, stores repeats each layer's store-and-attend op,
-  attention the attention alone, which changes the tokens). Steps of at most N tokens (default 16)
-  store each layer's K/V and attend in one launch, larger ones in two. On CUDA and Vulkan the
+  each step phase and prints where the steps' time went. --repeat-ops attention runs each
+  layer's store and attention (PagedKv::attend) twice on every other step (benchmarks: the
+  steps' difference is what they cost a pipelined step). On CUDA and Vulkan the
   requests are first served once untimed (--no-warm-up: not), which compiles and autotunes every
   step shape.";
 
@@ -70,7 +67,6 @@ struct Args {
     ignore_eos: bool,
     profile: bool,
     repeat: Option<OpKind>,
-    fused_store_tokens: Option<usize>,
     warm_up: Option<bool>,
 }
 
@@ -171,12 +167,8 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         },
         corruption: args.corruption.map(|kind| (kind, 8)),
         fixed_windows: backend != BackendName::Flex,
-        paged_attention: backend != BackendName::Flex,
         profile: args.profile,
         repeat: args.repeat,
-        fused_store_tokens: args
-            .fused_store_tokens
-            .unwrap_or(EngineOptions::default().fused_store_tokens),
         ..EngineOptions::default()
     };
     let eos = if args.ignore_eos {
@@ -329,7 +321,7 @@ fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64) {
     let share = |time: std::time::Duration| 100.0 * time.as_secs_f64() / total;
     eprintln!(
         "generate: {} requests, {tokens} tokens in {seconds:.2} s: {:.1} tokens/s; {} steps, {:.2} ms/step \
-         (kvplan bookkeeping {:.1}%, stores {:.1}%, attention {:.1}%, rest of the model {:.1}%: \
+         (kvplan bookkeeping {:.1}%, stores and attention {:.1}%, rest of the model {:.1}%: \
          the caller's time in kvplan's calls, --repeat-ops measures their cost); \
          drafts accepted {accepted}/{drafted} ({:.0}%); {:.2} tokens/step/request",
         outcomes.len(),
@@ -337,7 +329,6 @@ fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64) {
         times.steps,
         1e3 * total / times.steps.max(1) as f64,
         share(times.kvplan.bookkeeping),
-        share(times.kvplan.stores),
         share(times.kvplan.attention),
         100.0 - share(times.kvplan.total()),
         if drafted > 0 {
@@ -429,7 +420,6 @@ fn parse(args: &[String]) -> Result<Args, String> {
         ignore_eos: false,
         profile: false,
         repeat: None,
-        fused_store_tokens: None,
         warm_up: None,
     };
     let mut limit = None;
@@ -453,13 +443,9 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--profile" => parsed.profile = true,
             "--repeat-ops" => {
                 parsed.repeat = Some(match value("--repeat-ops")?.as_str() {
-                    "bookkeeping" => OpKind::Bookkeeping,
-                    "stores" => OpKind::Stores,
                     "attention" => OpKind::Attention,
                     other => {
-                        return Err(format!(
-                            "--repeat-ops {other:?}: bookkeeping, stores or attention\n{USAGE}"
-                        ));
+                        return Err(format!("--repeat-ops {other:?}: only attention\n{USAGE}"));
                     }
                 })
             }
@@ -467,12 +453,6 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--no-warm-up" => parsed.warm_up = Some(false),
             "--limit" => limit = Some(number::<usize>("--limit", value("--limit")?)?),
             "--spec" => parsed.drafting = value("--spec")?,
-            "--fused-store-tokens" => {
-                parsed.fused_store_tokens = Some(number(
-                    "--fused-store-tokens",
-                    value("--fused-store-tokens")?,
-                )?)
-            }
             "--draft-tokens" => {
                 parsed.draft_tokens = number("--draft-tokens", value("--draft-tokens")?)?
             }

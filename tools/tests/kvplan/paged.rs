@@ -43,7 +43,7 @@ fn floats(tensor: Tensor<2>) -> Vec<f32> {
 }
 
 fn table(kv: &PagedKv) -> Vec<i64> {
-    kvplan::data_to_i64(&kv.req_to_token().into_data())
+    kvplan::ops::data_to_i64(&kv.req_to_token().into_data())
 }
 
 /// The host's view of what each slot of each layer holds (K|V rows last stored there).
@@ -65,7 +65,7 @@ fn step(
     let inputs = kv.begin(windows).expect("a valid step");
     let tokens: usize = windows.iter().map(|w| w.1).sum();
     assert_eq!(inputs.tokens, tokens);
-    let positions = kvplan::data_to_i64(&inputs.positions.into_data());
+    let positions = kvplan::ops::data_to_i64(&inputs.positions.into_data());
     let expected: Vec<i64> = windows
         .iter()
         .zip(&starts)
@@ -172,10 +172,12 @@ pub fn values(device: &Device) {
     };
     let mut rng = Rng::new(42);
     let a = kv.add().unwrap();
-    step(&mut kv, &mut host, &mut rng, &[(a, 5)], device);
-    let report = kv.end(&[&[11, 12, 13, 14, 15]]).unwrap();
+    // 17 tokens: past the one launch's 16 on the GPU backends (a store, then the attention).
+    step(&mut kv, &mut host, &mut rng, &[(a, 17)], device);
+    let prompt: Vec<u32> = (11..28).collect();
+    let report = kv.end(&[&prompt]).unwrap();
     assert!(report.violations.is_empty(), "{report:?}");
-    assert_eq!(kv.len(a).unwrap(), 5);
+    assert_eq!(kv.len(a).unwrap(), 17);
     let a_slots = kv.slots(a).unwrap().to_vec();
 
     let b = kv.share(a, 3).unwrap();
@@ -185,14 +187,14 @@ pub fn values(device: &Device) {
     }
     // A drafts 3 and keeps 2; B prefills 2 after the shared prefix.
     let contexts = step(&mut kv, &mut host, &mut rng, &[(a, 3), (b, 2)], device);
-    let rejected = contexts[0][7];
+    let rejected = contexts[0][19];
     let report = kv.end(&[&[16, 17], &[21, 22]]).unwrap();
     assert!(report.violations.is_empty(), "{report:?}");
     assert_eq!(kv.slot_owners(rejected), 0, "a rejected draft's slot is free again");
-    assert_eq!(kv.slots(a).unwrap(), &contexts[0][..7]);
+    assert_eq!(kv.slots(a).unwrap(), &contexts[0][..19]);
     assert_eq!(kv.slots(b).unwrap(), &contexts[1][..5]);
     assert_eq!(&contexts[1][..3], &a_slots[..3], "B's row names A's prefix slots");
-    assert_eq!(kv.free_slots(), config.slots - 7 - 2);
+    assert_eq!(kv.free_slots(), config.slots - 19 - 2);
 
     // Decode steps: the canary keeps verifying the shared slots.
     for token in 0..3 {
@@ -364,12 +366,12 @@ pub fn errors(device: &Device) {
         Tensor::<1, Int>::from_data(TensorData::new(values, [n]), (device, DType::I64))
     };
     let table = || Tensor::<2, Int>::zeros([2, 4], (device, DType::I64));
-    let options = kvplan::GatherOptions::new().context("paged step");
-    let error = kvplan::segment_gather(table(), int(vec![5]), None, int(vec![1]), &options)
+    let options = kvplan::gather::GatherOptions::new().context("paged step");
+    let error = kvplan::gather::segment_gather(table(), int(vec![5]), None, int(vec![1]), &options)
         .unwrap_err();
     assert!(error.to_string().starts_with("paged step "), "{error}");
-    let options = kvplan::GatherOptions::new();
-    let error = kvplan::segment_gather(table(), int(vec![5]), None, int(vec![1]), &options)
+    let options = kvplan::gather::GatherOptions::new();
+    let error = kvplan::gather::segment_gather(table(), int(vec![5]), None, int(vec![1]), &options)
         .unwrap_err();
     assert!(error.to_string().starts_with("DFLASH req_to_token segment gather"), "{error}");
 }
