@@ -44,7 +44,7 @@ impl TinyModel {
         let logits = attended.matmul(self.head.clone());
         // --- end of the core ---
         let next = logits.argmax(1).into_data();
-        let next = kvplan::data_to_i64(&next);
+        let next = kvplan::ops::data_to_i64(&next);
         let mut at = 0;
         Ok(windows
             .iter()

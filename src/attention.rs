@@ -7,13 +7,13 @@
 //!
 //! ```no_run
 //! use burn_core::tensor::{Int, Tensor};
-//! use kvplan::KeyRuns;
+//! use kvplan::attention::KeyRuns;
 //! # fn step(q: Tensor<2>, k_pool: Tensor<2>, v_pool: Tensor<2>, slots: Tensor<1, Int>,
 //! #     starts: Tensor<1, Int>, counts: Tensor<1, Int>) -> Result<(), kvplan::Error> {
 //! // Token t reads slots[starts[t]..][..counts[t]] of pools with 4096 rows.
 //! let keys = KeyRuns::check_deferred(slots, starts, counts, 4096)?;
 //! // q [tokens, 9 * 64], the pools [4096, 3 * 64]: 9 query heads over 3 K/V heads.
-//! let out = kvplan::paged_attention(q, k_pool, v_pool, &keys, 9)?;
+//! let out = kvplan::attention::paged_attention(q, k_pool, v_pool, &keys, 9)?;
 //! kvplan::check_all([keys.status().clone()])?;
 //! # Ok(()) }
 //! ```
@@ -44,6 +44,10 @@ pub struct KeyRuns<B: Backend = Dispatch> {
 impl KeyRuns {
     /// [`check_deferred`](KeyRuns::check_deferred), then one read-back of the status: the runs,
     /// or the first faulty token's error.
+    ///
+    /// # Errors
+    /// As [`check_deferred`](KeyRuns::check_deferred), with the status's errors read back here;
+    /// `execution` when the read-back fails.
     pub fn check(
         slots: Tensor<1, Int>,
         starts: Tensor<1, Int>,
@@ -57,6 +61,11 @@ impl KeyRuns {
 
     /// Checks the runs (int32 or int64, one start and count per token) against pools of
     /// `pool_rows` rows, without any transfer to the host: the value rules stay in `status`.
+    ///
+    /// # Errors
+    /// At once: `not_1d`, `dtype_mismatch`, `device_mismatch`, `run_count_mismatch` (`counts` and
+    /// `starts` differ in length). Later, in `status` (value rules): `key_run_out_of_range`,
+    /// `key_slot_out_of_range`, `index_range`.
     pub fn check_deferred(
         slots: Tensor<1, Int>,
         starts: Tensor<1, Int>,
@@ -76,6 +85,9 @@ impl KeyRuns {
 
 impl<B: KvPlanBackend> KeyRuns<B> {
     /// [`check_deferred`](KeyRuns::check_deferred) on primitives.
+    ///
+    /// # Errors
+    /// As [`check_deferred`](KeyRuns::check_deferred).
     pub fn check_primitives(
         [slots, starts, counts]: [IntTensor<B>; 3],
         pool_rows: usize,
@@ -155,6 +167,9 @@ pub mod backend {
     use super::*;
 
     /// [`paged_attention`](super::paged_attention) on primitives.
+    ///
+    /// # Errors
+    /// As [`paged_attention`](super::paged_attention).
     pub fn paged_attention<B: KvPlanBackend>(
         q: FloatTensor<B>,
         k_pool: FloatTensor<B>,
@@ -167,6 +182,9 @@ pub mod backend {
     }
 
     /// [`paged_attention_kv`](super::paged_attention_kv) on primitives.
+    ///
+    /// # Errors
+    /// As [`paged_attention_kv`](super::paged_attention_kv).
     pub fn paged_attention_kv<B: KvPlanBackend>(
         q: FloatTensor<B>,
         kv_pool: FloatTensor<B>,
@@ -185,6 +203,12 @@ pub mod backend {
 /// dtypes, devices, whole heads, the pools' rows) fail at once. A launch the device cannot index
 /// (q or the pools past 2^31 elements without 64-bit indexing) is NaN too, and so is f64 on
 /// Vulkan, whose SPIR-V computes exp in 32 bits only.
+///
+/// # Errors
+/// Host rules only, at once: `not_2d`, `dtype_mismatch` (not one float dtype), `device_mismatch`,
+/// `pool_rows_mismatch` (not the rows `keys` was checked against), `head_shape`,
+/// `run_count_mismatch` (`q`'s rows are not `keys`' tokens). The runs' value errors stay in
+/// `keys.status()`.
 pub fn paged_attention(
     q: Tensor<2>,
     k_pool: Tensor<2>,
@@ -206,6 +230,10 @@ pub fn paged_attention(
 /// row a slot's K, then its V (a page of FlashInfer's layout at one token a page): the same
 /// output bits as over its halves as the K and V pools, one tensor fewer for the op to bind.
 /// The halves are held to the pools' rules.
+///
+/// # Errors
+/// As [`paged_attention`], and `not_2d` for `kv_pool`; its halves are the pools (an odd width is
+/// `head_shape`).
 pub fn paged_attention_kv(
     q: Tensor<2>,
     kv_pool: Tensor<2>,

@@ -23,6 +23,11 @@ impl<B: Backend> Status<B> {
 
     /// Reads the status back (one transfer) and returns the op's count (a gather's number of
     /// values, 0 for a plan), or the error the checked form would have returned.
+    ///
+    /// # Errors
+    /// The op's deferred error: a value rule found on the device, `index_range`, or `execution` for
+    /// an op that failed there. `execution` when the read-back fails; `corrupt_status` for a record
+    /// kvplan never wrote.
     pub fn check(&self) -> Result<usize, Error> {
         let words = crate::ops::read_status::<B>(self.words.clone())?;
         status::decode(&words, &self.context)
@@ -42,6 +47,10 @@ impl<B: Backend> Status<B> {
 /// Reads several deferred ops' statuses back in one transfer (a step's gathers and plan), and
 /// returns their counts in order, or the first op's error. The statuses move into the read: a
 /// record whose last reference an op takes costs Fusion no drop afterwards (clone one to keep it).
+///
+/// # Errors
+/// As [`Status::check`], for the first status in order that holds an error; `execution` when the
+/// one read-back fails.
 pub fn check_all<B: Backend>(
     statuses: impl IntoIterator<Item = Status<B>>,
 ) -> Result<Vec<usize>, Error> {

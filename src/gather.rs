@@ -6,11 +6,11 @@
 //!
 //! ```no_run
 //! use burn_core::tensor::{Bool, Int, Tensor};
-//! use kvplan::GatherOptions;
+//! use kvplan::gather::GatherOptions;
 //! # fn step(req_to_token: Tensor<2, Int>, req_pool_indices: Tensor<1, Int>,
 //! #     draft_positions: Tensor<2, Int>, draft_mask: Tensor<2, Bool>) -> Result<(), kvplan::Error> {
 //! let options = GatherOptions::new().context("draft window");
-//! let draft = kvplan::masked_gather_deferred(req_to_token, req_pool_indices, draft_positions, draft_mask, &options)?;
+//! let draft = kvplan::gather::masked_gather_deferred(req_to_token, req_pool_indices, draft_positions, draft_mask, &options)?;
 //! // ... later, once per step:
 //! let count = draft.status.check()?;
 //! # Ok(()) }
@@ -104,6 +104,9 @@ pub mod backend {
     use super::*;
 
     /// [`masked_gather_deferred`](super::masked_gather_deferred) on primitives.
+    ///
+    /// # Errors
+    /// As [`masked_gather_deferred`](super::masked_gather_deferred).
     pub fn masked_gather_deferred<B: KvPlanBackend>(
         req_to_token: IntTensor<B>,
         req_pool_indices: IntTensor<B>,
@@ -131,6 +134,9 @@ pub mod backend {
     }
 
     /// [`segment_gather_deferred`](super::segment_gather_deferred) on primitives.
+    ///
+    /// # Errors
+    /// As [`segment_gather_deferred`](super::segment_gather_deferred).
     pub fn segment_gather_deferred<B: KvPlanBackend>(
         req_to_token: IntTensor<B>,
         req_pool_indices: IntTensor<B>,
@@ -165,6 +171,10 @@ pub mod backend {
     }
 
     /// Exact mode: one read-back of the status, then the first `count` values.
+    ///
+    /// # Errors
+    /// The error the gather's status holds (see [`Status::check`](crate::Status::check)), read back
+    /// here; `execution` when the read-back fails.
     pub fn exact<B: KvPlanBackend>(gathered: DeferredGather<B>) -> Result<IntTensor<B>, Error> {
         let count = gathered.status.check()?;
         Ok(B::gather_prefix(gathered.out, count))
@@ -183,6 +193,10 @@ pub mod backend {
 ///
 /// One device-to-host transfer (count and status together). `req_pool_indices` may hold one index
 /// shared by every pos row. Every error message starts with the options' context.
+///
+/// # Errors
+/// As [`masked_gather_deferred`], with the status's errors read back here; `execution` when the
+/// read-back fails.
 pub fn masked_gather(
     req_to_token: Tensor<2, Int>,
     req_pool_indices: Tensor<1, Int>,
@@ -195,6 +209,12 @@ pub fn masked_gather(
 }
 
 /// [`masked_gather`] into a fixed-capacity output, without any transfer to the host (spec §5).
+///
+/// # Errors
+/// At once: `pos_not_2d`, `mask_shape_mismatch`, `not_1d` / `not_2d`, `dtype_mismatch`,
+/// `device_mismatch`, `index_shape_mismatch` / `mask_index_shape_mismatch` (a table with columns),
+/// `allocation_too_large`. In `status` (value rules): `empty_table_nonempty_mask`,
+/// `req_pool_index_out_of_range`, `position_out_of_range`, `capacity_exceeded`, `index_range`.
 pub fn masked_gather_deferred(
     req_to_token: Tensor<2, Int>,
     req_pool_indices: Tensor<1, Int>,
@@ -216,6 +236,10 @@ pub fn masked_gather_deferred(
 ///
 /// `start = None` starts every segment at position 0. Neither a position rectangle nor a mask is
 /// ever built.
+///
+/// # Errors
+/// As [`segment_gather_deferred`], with the status's errors read back here; `execution` when the
+/// read-back fails.
 pub fn segment_gather(
     req_to_token: Tensor<2, Int>,
     req_pool_indices: Tensor<1, Int>,
@@ -229,6 +253,12 @@ pub fn segment_gather(
 }
 
 /// [`segment_gather`] into a fixed-capacity output, without any transfer to the host (spec §5).
+///
+/// # Errors
+/// At once: `not_1d` / `not_2d`, `dtype_mismatch`, `device_mismatch`, `allocation_too_large`. In
+/// `status`, as every other rule hangs on `lengths`: `mask_shape_mismatch`,
+/// `empty_table_nonempty_mask`, `index_shape_mismatch` / `mask_index_shape_mismatch`,
+/// `req_pool_index_out_of_range`, `position_out_of_range`, `capacity_exceeded`, `index_range`.
 pub fn segment_gather_deferred(
     req_to_token: Tensor<2, Int>,
     req_pool_indices: Tensor<1, Int>,

@@ -22,40 +22,22 @@ pub struct ReadmeDoctests;
 pub mod attention;
 pub mod canary;
 mod deferred;
-mod error;
+pub mod error;
 pub mod gather;
 mod layout;
-mod ops;
+/// The backend extension trait's primitives and helpers, for backend-generic code.
+pub mod ops;
 pub mod paged;
+/// The host reference of every op, for tests and conformance.
 pub mod reference;
 mod room;
 pub mod slots;
 mod status;
 mod validate;
 
-pub use attention::{KeyRuns, paged_attention, paged_attention_kv};
-pub use canary::{
-    Canary, CanaryLaunch, KernelKind, PlanInputs, RealKvSource, SourceBytes, StepPlan, WriteInputs,
-    plan, plan_deferred,
-};
 pub use deferred::{Status, check_all};
-pub use error::{Dims, Error, Result, Site};
-pub use gather::{
-    DeferredGather, GatherOptions, masked_gather, masked_gather_deferred, segment_gather,
-    segment_gather_deferred,
-};
-pub use layout::SourceLayout;
+pub use error::{Error, Result};
+pub use ops::KvPlanBackend;
 pub use paged::{
     CanaryConfig, KvViolation, PagedKv, PagedKvConfig, RequestId, StepInputs, StepReport,
-};
-pub use ops::{
-    AssignPrimitive, AttendedKvPrimitive, AttendedPrimitive, CanaryLaunchPrimitive,
-    CanaryPrimitive, GatherPrimitive, KeyRunsPrimitive, KvBytes, KvPlanBackend, KvRows, LaunchMeta,
-    NewRowsPrimitive, OptionalInt, PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive,
-    StoreScratchPrimitive, StoreTargets, StoreWritePrimitive, VerifyPlanPrimitive,
-    WriteInputsPrimitive, WritePlanPrimitive, data_to_i64,
-};
-pub use slots::{
-    Assigned, Attended, AttendedKv, KvStore, StoreSlots, Stored, segment_assign,
-    segment_assign_deferred,
 };

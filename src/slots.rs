@@ -12,7 +12,7 @@
 //!
 //! ```no_run
 //! use burn_core::tensor::{Device, Int, Tensor};
-//! use kvplan::KvStore;
+//! use kvplan::slots::KvStore;
 //! # fn step(device: &Device, req_to_token: Tensor<2, Int>, rpi: Tensor<1, Int>,
 //! #     start: Tensor<1, Int>, lengths: Tensor<1, Int>, out_cache_loc: Tensor<1, Int>,
 //! #     k_pool: Tensor<2>, v_pool: Tensor<2>, k_rows: Tensor<2>, v_rows: Tensor<2>,
@@ -20,7 +20,7 @@
 //! // Once, at start-up: the duplicate-slot scratch for caches of 2^20 slots.
 //! let mut store = KvStore::allocate(1 << 20, device)?;
 //! // Every step: no read-back until the step checks its statuses.
-//! let assigned = kvplan::segment_assign_deferred(req_to_token, rpi, start, lengths, out_cache_loc.clone())?;
+//! let assigned = kvplan::slots::segment_assign_deferred(req_to_token, rpi, start, lengths, out_cache_loc.clone())?;
 //! let mut slots = store.check_slots(out_cache_loc, 1 << 20)?;
 //! // Every layer: its K and V pools move in and come back, one launch (a kept clone of a pool
 //! // would make the store copy it).
@@ -89,6 +89,9 @@ pub mod backend {
     }
 
     /// [`segment_assign_deferred`](super::segment_assign_deferred) on primitives.
+    ///
+    /// # Errors
+    /// As [`segment_assign_deferred`](super::segment_assign_deferred).
     pub fn segment_assign_deferred<B: KvPlanBackend>(
         req_to_token: IntTensor<B>,
         req_pool_indices: IntTensor<B>,
@@ -117,6 +120,9 @@ pub mod backend {
     }
 
     /// [`segment_assign`](super::segment_assign) on primitives: one read-back of the status.
+    ///
+    /// # Errors
+    /// As [`segment_assign`](super::segment_assign).
     pub fn segment_assign<B: KvPlanBackend>(
         req_to_token: IntTensor<B>,
         req_pool_indices: IntTensor<B>,
@@ -136,6 +142,9 @@ pub mod backend {
     }
 
     /// [`KvStore::store_deferred`] on primitives, for a float or an int cache.
+    ///
+    /// # Errors
+    /// As [`KvStore::store_deferred`], and `not_1d` for a `loc` of another rank.
     pub fn store_deferred<B: KvPlanBackend>(
         store: &mut KvStore<B>,
         cache: KvRows<B>,
@@ -146,6 +155,9 @@ pub mod backend {
     }
 
     /// [`KvStore::store`] on primitives: one read-back of the status.
+    ///
+    /// # Errors
+    /// As [`KvStore::store`], and `not_1d` for a `loc` of another rank.
     pub fn store<B: KvPlanBackend>(
         store: &mut KvStore<B>,
         cache: KvRows<B>,
@@ -160,11 +172,15 @@ pub mod backend {
 
 /// `req_to_token[req_pool_indices[i], start[i] + j] = out_cache_loc[offset(i) + j]` for
 /// `j < lengths[i]`, `offset(i) = sum(lengths[..i])` (spec `slots.md` §1): the inverse of
-/// [`segment_gather`](crate::segment_gather). Reads its status back once.
+/// [`segment_gather`](crate::gather::segment_gather). Reads its status back once.
 ///
 /// Int inputs may be i32 or i64. A padding request has `req_pool_indices[i] == 0` and length 0.
 /// Every value rule (rows, padding, lengths, positions, the slot count, slots that do not fit the
 /// table, two requests writing one cell) is checked before any cell is written.
+///
+/// # Errors
+/// As [`segment_assign_deferred`], with the status's errors read back here (the table is then not
+/// handed back); `execution` when the read-back fails.
 pub fn segment_assign(
     req_to_token: Tensor<2, Int>,
     req_pool_indices: Tensor<1, Int>,
@@ -185,6 +201,12 @@ pub fn segment_assign(
 
 /// [`segment_assign`] without any transfer to the host: value errors stay in the status (and the
 /// table comes back unchanged) until `check()` or [`check_all`](crate::check_all).
+///
+/// # Errors
+/// At once, the inputs consumed: `not_1d` / `not_2d`, `dtype_mismatch`, `device_mismatch`,
+/// `segment_length_mismatch`. Later, in `status` (value rules, all checked before any write):
+/// `req_pool_index_out_of_range`, `padding_row_length`, `negative_length`, `position_out_of_range`,
+/// `slot_count_mismatch`, `slot_out_of_range`, `write_conflict`, `index_range`.
 pub fn segment_assign_deferred(
     req_to_token: Tensor<2, Int>,
     req_pool_indices: Tensor<1, Int>,
@@ -231,12 +253,19 @@ pub struct KvStore<B: KvPlanBackend = Dispatch> {
 
 impl KvStore {
     /// A store for caches of at most `num_slots` slots, on `device`.
+    ///
+    /// # Errors
+    /// `allocation_too_large` when the device cannot hold the scratch's `num_slots` words.
     pub fn allocate(num_slots: usize, device: &Device) -> Result<Self, Error> {
         Self::allocate_on(num_slots, device.as_dispatch())
     }
 
     /// Stores `values [N, D]` at the slots `loc [N]` (i32 or i64) of a float `cache [S, D]`,
     /// reading the status back once.
+    ///
+    /// # Errors
+    /// As [`store_deferred`](Self::store_deferred), with the status's errors read back here;
+    /// `execution` when the read-back fails.
     pub fn store(
         &mut self,
         cache: Tensor<2>,
@@ -251,6 +280,11 @@ impl KvStore {
     /// [`store`](Self::store) without any transfer to the host: value errors (a slot outside the
     /// cache, a slot other than 0 named twice) stay in the status, and the cache comes back
     /// unchanged, until `check()` or [`check_all`](crate::check_all).
+    ///
+    /// # Errors
+    /// At once: `value_shape_mismatch`, `value_dtype_mismatch`, `dtype_mismatch` (`loc` not int),
+    /// `device_mismatch`, `store_capacity` (a cache with more rows than the store's slots). Later,
+    /// in `status`: `loc_out_of_range`, `duplicate_slot`, `index_range`.
     pub fn store_deferred(
         &mut self,
         cache: Tensor<2>,
@@ -269,6 +303,11 @@ impl KvStore {
     /// `cache_rows` rows (at most the store's slots), without any transfer to the host: value
     /// errors (a slot outside the caches, a slot other than 0 named twice) stay in the slots'
     /// status, and then no store through them writes anything.
+    ///
+    /// # Errors
+    /// At once: `dtype_mismatch` (`loc` not int), `device_mismatch` (`loc` off the store's device),
+    /// `store_capacity` (`cache_rows` past the store's slots). Later, in the slots' status:
+    /// `loc_out_of_range`, `duplicate_slot`, `index_range`.
     pub fn check_slots(
         &mut self,
         loc: Tensor<1, Int>,
@@ -278,6 +317,9 @@ impl KvStore {
     }
 
     /// [`store`](Self::store) for an int cache (any int dtype).
+    ///
+    /// # Errors
+    /// As [`store`](Self::store).
     pub fn store_int(
         &mut self,
         cache: Tensor<2, Int>,
@@ -290,6 +332,9 @@ impl KvStore {
     }
 
     /// [`store_deferred`](Self::store_deferred) for an int cache (any int dtype).
+    ///
+    /// # Errors
+    /// As [`store_deferred`](Self::store_deferred).
     pub fn store_int_deferred(
         &mut self,
         cache: Tensor<2, Int>,
@@ -322,6 +367,9 @@ fn cache_tensor<K: Basic>(cache: KvRows<Dispatch>) -> Tensor<2, K> {
 
 impl<B: KvPlanBackend> KvStore<B> {
     /// [`KvStore::allocate`] on a backend's device.
+    ///
+    /// # Errors
+    /// As [`KvStore::allocate`].
     pub fn allocate_on(num_slots: usize, device: &B::Device) -> Result<Self, Error> {
         let words = Buffer::new("KvStore slot words", num_slots.max(1), 4);
         room::on_device(device, &[words])?;
@@ -358,6 +406,9 @@ impl<B: KvPlanBackend> KvStore<B> {
     }
 
     /// [`check_slots`](KvStore::check_slots) on primitives.
+    ///
+    /// # Errors
+    /// As [`check_slots`](KvStore::check_slots), and `not_1d` for a `loc` of another rank.
     pub fn check_slot_primitives(
         &mut self,
         loc: IntTensor<B>,
@@ -369,6 +420,9 @@ impl<B: KvPlanBackend> KvStore<B> {
 
     /// One deferred store on primitives: the host rules, then the slots' check and the write (see
     /// [`backend::store_deferred`]).
+    ///
+    /// # Errors
+    /// As [`KvStore::store_deferred`], and `not_1d` for a `loc` of another rank.
     pub fn store_rows(
         &mut self,
         cache: KvRows<B>,
@@ -444,6 +498,12 @@ pub struct StoreSlots<B: Backend = Dispatch> {
 impl StoreSlots {
     /// Stores `values [N, D]` at the slots into a float `cache [rows, D]`: one launch, nothing
     /// read back.
+    ///
+    /// # Errors
+    /// At once: `value_shape_mismatch`, `value_dtype_mismatch`, `dtype_mismatch`, `device_mismatch`
+    /// (against the cache), `cache_rows_mismatch` (not the rows the slots were checked against).
+    /// Later, in [`status`](StoreSlots::status): the check's errors, and `index_range` for this
+    /// write.
     pub fn store(&mut self, cache: Tensor<2>, values: Tensor<2>) -> Result<Tensor<2>, Error> {
         let caches = self.store_primitives(
             StoreTargets::One(KvRows::Float(cache.into_dispatch())),
@@ -453,6 +513,9 @@ impl StoreSlots {
     }
 
     /// [`store`](Self::store) for an int cache (any int dtype).
+    ///
+    /// # Errors
+    /// As [`store`](Self::store).
     pub fn store_int(
         &mut self,
         cache: Tensor<2, Int>,
@@ -466,6 +529,9 @@ impl StoreSlots {
     }
 
     /// Stores a layer's K and V rows (`[N, ...]` each) into its K and V caches in one launch.
+    ///
+    /// # Errors
+    /// As [`store`](Self::store), for each cache and its rows.
     pub fn store_kv(
         &mut self,
         k_cache: Tensor<2>,
@@ -490,11 +556,16 @@ impl StoreSlots {
     }
 
     /// [`store_kv`](Self::store_kv) of a layer's K and V rows into its pools, then
-    /// [`paged_attention`](crate::paged_attention) of `q` over those pools through `keys`: the
+    /// [`paged_attention`](crate::attention::paged_attention) of `q` over those pools through `keys`: the
     /// same pools and the same output bits, in one launch on the Cube backend (a key this store
     /// writes is read from the new rows), nothing read back. The store's status stays in
     /// [`status`](Self::status), the runs' in `keys`. While these slots live a later check of
     /// the same store writes a copy of its scratch words (the op reads these).
+    ///
+    /// # Errors
+    /// At once: the store's errors, as [`store_kv`](Self::store_kv), then those of
+    /// [`paged_attention`](crate::attention::paged_attention) for `q` over the pools. Later: the store's in
+    /// [`status`](Self::status), the runs' in `keys.status()`.
     #[allow(clippy::too_many_arguments)]
     pub fn store_kv_and_attend(
         &mut self,
@@ -516,9 +587,12 @@ impl StoreSlots {
     /// [`store_kv_and_attend`](Self::store_kv_and_attend) with a layer's queries and new K rows
     /// side by side in one tensor, `qk` `[N, heads * head_dim + K pool columns]` (what one fused
     /// projection gives after RoPE): the same pools and output bits, one tensor fewer for the op
-    /// to bind, and none of the model's slices to take them apart. A `qk` of another rank is
-    /// refused by name; its parts' errors are the other form's (the key columns as the store's
-    /// values, the rest as `q`).
+    /// to bind, and none of the model's slices to take them apart.
+    ///
+    /// # Errors
+    /// `not_2d` for a `qk` of another rank; then as
+    /// [`store_kv_and_attend`](Self::store_kv_and_attend), with the key columns as the store's
+    /// values and the rest as `q`.
     pub fn store_qk_and_attend(
         &mut self,
         k_pool: Tensor<2>,
@@ -537,12 +611,17 @@ impl StoreSlots {
 
     /// The store and the attention over a layer's joined pool `kv_pool` `[rows, 2 * kv_heads *
     /// head_dim]` (each row a slot's K, then its V, as
-    /// [`paged_attention_kv`](crate::paged_attention_kv) reads it), with the queries, new K rows
+    /// [`paged_attention_kv`](crate::attention::paged_attention_kv) reads it), with the queries, new K rows
     /// and new V rows side by side in `qkv` `[N, heads * head_dim + kv_pool columns]`: each new
     /// row's last `kv_pool` columns are stored whole at its slot. The same output bits as the split forms (its halves as the K and V pools), two
     /// tensors for the op to bind where [`store_qk_and_attend`](Self::store_qk_and_attend)
-    /// binds four. Errors: the store's, with `qkv`'s last columns as its values; the attention's,
-    /// with the rest as `q` and the halves as the pools.
+    /// binds four.
+    ///
+    /// # Errors
+    /// `not_2d` for a `qkv` of another rank; then the store's errors, as [`store`](Self::store)
+    /// with `qkv`'s last `kv_pool` columns as its values, and those of
+    /// [`paged_attention_kv`](crate::attention::paged_attention_kv) with the rest as `q`. Later: as
+    /// [`store_kv_and_attend`](Self::store_kv_and_attend).
     pub fn store_qkv_and_attend(
         &mut self,
         kv_pool: Tensor<2>,
@@ -630,6 +709,10 @@ fn one(caches: StoreTargets<Dispatch>) -> KvRows<Dispatch> {
 impl<B: KvPlanBackend> StoreSlots<B> {
     /// [`store`](StoreSlots::store) or [`store_kv`](StoreSlots::store_kv) on primitives: the
     /// host rules of each cache and its rows, then one launch.
+    ///
+    /// # Errors
+    /// As [`store`](StoreSlots::store) for each cache; `store_targets_mismatch` when `caches` and
+    /// `values` hold different numbers of tensors.
     pub fn store_primitives(
         &mut self,
         caches: StoreTargets<B>,
@@ -657,6 +740,9 @@ impl<B: KvPlanBackend> StoreSlots<B> {
 
     /// [`store_kv_and_attend`](StoreSlots::store_kv_and_attend) on primitives: the host rules of
     /// the store and of the attention, then one op.
+    ///
+    /// # Errors
+    /// As [`store_kv_and_attend`](StoreSlots::store_kv_and_attend).
     pub fn store_kv_and_attend_primitives(
         &mut self,
         [k_pool, v_pool, k, v, q]: [FloatTensor<B>; 5],
@@ -680,6 +766,9 @@ impl<B: KvPlanBackend> StoreSlots<B> {
     }
 
     /// [`store_qk_and_attend`](StoreSlots::store_qk_and_attend) on primitives.
+    ///
+    /// # Errors
+    /// As [`store_qk_and_attend`](StoreSlots::store_qk_and_attend).
     pub fn store_qk_and_attend_primitives(
         &mut self,
         [k_pool, v_pool, qk, v]: [FloatTensor<B>; 4],
@@ -705,6 +794,9 @@ impl<B: KvPlanBackend> StoreSlots<B> {
     }
 
     /// [`store_qkv_and_attend`](StoreSlots::store_qkv_and_attend) on primitives.
+    ///
+    /// # Errors
+    /// As [`store_qkv_and_attend`](StoreSlots::store_qkv_and_attend).
     pub fn store_qkv_and_attend_primitives(
         &mut self,
         [kv_pool, qkv]: [FloatTensor<B>; 2],

@@ -4,6 +4,7 @@
 mod plan;
 mod state;
 
+pub use crate::layout::SourceLayout;
 pub use crate::reference::RealKvHashMode;
 pub use crate::reference::canary::CanaryState;
 pub use plan::{PlanInputs, StepPlan, VerifyPlan, WritePlan, plan, plan_deferred, read_plans};

@@ -2,13 +2,13 @@
 //!
 //! ```no_run
 //! use burn_core::tensor::{Device, Int, Tensor};
-//! use kvplan::{PlanInputs, StepPlan};
+//! use kvplan::canary::{PlanInputs, StepPlan};
 //! # fn step(device: &Device, rpi: Tensor<1, Int>, prefix: Tensor<1, Int>,
 //! #     extend: Tensor<1, Int>, req_to_token: Tensor<2, Int>) -> Result<(), kvplan::Error> {
 //! // Once, at start-up: room for 2^20 verify entries and 256 requests.
 //! let mut plan = StepPlan::allocate(1 << 20, 256, device)?;
 //! // Every step: filled in place on the device, no read-back.
-//! let status = kvplan::plan_deferred(&mut plan, PlanInputs::new(rpi, prefix, extend, req_to_token))?;
+//! let status = kvplan::canary::plan_deferred(&mut plan, PlanInputs::new(rpi, prefix, extend, req_to_token))?;
 //! // Once per step, when the host chooses to look:
 //! status.check()?;
 //! # Ok(()) }
@@ -39,6 +39,11 @@ pub struct StepPlan<B: KvPlanBackend = Dispatch> {
 
 impl StepPlan {
     /// Plans for `verify_capacity` entries and `write_req_capacity` requests (each `1..=2^31-1`).
+    ///
+    /// # Errors
+    /// `non_positive_verify_capacity`, `non_positive_write_capacity`, `capacity_too_large` (past
+    /// 2^31-1: counts are i32), `allocation_too_large` when the device, or the host that stages the
+    /// plans, cannot hold them. Nothing is allocated on an error.
     pub fn allocate(
         verify_capacity: usize,
         write_req_capacity: usize,
@@ -50,6 +55,9 @@ impl StepPlan {
 
 impl<B: KvPlanBackend> StepPlan<B> {
     /// [`StepPlan::allocate`] on a backend's device.
+    ///
+    /// # Errors
+    /// As [`StepPlan::allocate`].
     pub fn allocate_on(
         verify_capacity: usize,
         write_req_capacity: usize,
@@ -106,6 +114,10 @@ impl<B: KvPlanBackend> VerifyPlan<B> {
 
     /// A plan from existing tensors (a plan built elsewhere, tests, conformance scenarios): the
     /// four i64 arrays of one length `V` (`0` allowed) and the i32 `[1]` counts.
+    ///
+    /// # Errors
+    /// At once: `canary_argument` for an array that is not i64 `[n]` or a count that is not i32
+    /// `[1]`; `verify_plan_length` when the arrays differ in length.
     pub fn from_primitives(
         slot_indices: IntTensor<B>,
         expected_tokens: IntTensor<B>,
@@ -190,6 +202,10 @@ impl<B: KvPlanBackend> WritePlan<B> {
     /// A plan from existing tensors (a plan built elsewhere, tests, conformance scenarios):
     /// i64 `write_offsets [K+1]` and `write_seed_slot_indices [K]` (`K = 0` allowed), i32 `[1]`
     /// `write_num_valid_reqs`.
+    ///
+    /// # Errors
+    /// At once: `canary_argument` for an array that is not i64 `[n]` or a count that is not i32
+    /// `[1]`; `write_offsets_length` when `write_offsets` is not `K + 1` long.
     pub fn from_primitives(
         offsets: IntTensor<B>,
         seed_slot_indices: IntTensor<B>,
@@ -453,12 +469,25 @@ impl<B: KvPlanBackend> PlanInputs<B> {
 ///
 /// Host-rule errors leave both plans unchanged; a device-checked error leaves them disabled
 /// (`enable = 0`, `verify_num_valid = 0`, `write_num_valid_reqs = 0`).
+///
+/// # Errors
+/// As [`plan_deferred`], with the status's errors read back here; `execution` when the read-back
+/// fails.
 pub fn plan<B: KvPlanBackend>(plan: &mut StepPlan<B>, inputs: PlanInputs<B>) -> Result<(), Error> {
     plan_deferred(plan, inputs)?.check().map(drop)
 }
 
 /// One plan step without any transfer to the host: device-checked errors stay in the returned
 /// status until `check()`. Until then the disabled plan keeps downstream consumers safe.
+///
+/// # Errors
+/// At once, plans unchanged: the capacity errors of [`StepPlan::allocate`], `missing_lut_for_swa`,
+/// `capacity_mismatch`, `missing_valid_lens` / `valid_lens_without_pool`, `device_mismatch`,
+/// `dtype_mismatch`, `not_1d` / `not_2d`, `length_mismatch`, `empty_lut`,
+/// `bs_exceeds_write_capacity`. In the status, plans disabled: `req_pool_index_out_of_range`,
+/// `position_out_of_range`, `swa_slot_outside_lut`, `expected_pool_row_out_of_range` /
+/// `expected_pool_position_out_of_range`, `write_offsets_overflow`, `req_to_token_stride` (the true
+/// stride is known only where the op runs), `index_range`.
 pub fn plan_deferred<B: KvPlanBackend>(
     plan: &mut StepPlan<B>,
     inputs: PlanInputs<B>,
@@ -479,6 +508,9 @@ pub fn plan_deferred<B: KvPlanBackend>(
 }
 
 /// Reads both plans back to the host (tests, debugging, the conformance runner).
+///
+/// # Errors
+/// `execution` when a read-back fails.
 pub fn read_plans<B: KvPlanBackend>(plan: &StepPlan<B>) -> Result<PlanBuffers, Error> {
     let values = |tensor: IntTensor<B>| crate::ops::read_ints::<B>(tensor);
     let scalar =

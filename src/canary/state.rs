@@ -4,7 +4,7 @@
 //! ```no_run
 //! use burn_core::tensor::{Device, Int, Tensor};
 //! use kvplan::canary::{Canary, CanaryLaunch, KernelKind, WriteInputs};
-//! # fn step(device: &Device, plan: &kvplan::StepPlan, ids: Tensor<1, Int>,
+//! # fn step(device: &Device, plan: &kvplan::canary::StepPlan, ids: Tensor<1, Int>,
 //! #     positions: Tensor<1, Int>, out_cache_loc: Tensor<1, Int>) -> Result<(), kvplan::Error> {
 //! // Once: one 32-byte record per KV slot, room for 1024 violation rows.
 //! let mut canary = Canary::allocate(1 << 20, 32, 1024, device)?;
@@ -52,12 +52,18 @@ impl RealKvSource {
     /// A float KV tensor `[rows, row_len]`: a row is contiguous bytes. Slot `s` owns
     /// `num_bytes_per_token` bytes at `(s % page_size) * num_bytes_per_token` of row
     /// `s / page_size`; `read_bytes` of them are folded in mode `ALL`.
+    ///
+    /// # Errors
+    /// As [`RealKvSource::from_primitive`].
     pub fn float(tensor: Tensor<2, Float>, layout: SourceBytes) -> Result<Self, Error> {
         Self::from_primitive(KvBytes::Float(tensor.into_dispatch()), layout)
     }
 
     /// An int KV tensor `[rows, row_len]` (any int dtype, e.g. raw `u8` bytes); as
     /// [`RealKvSource::float`].
+    ///
+    /// # Errors
+    /// As [`RealKvSource::from_primitive`].
     pub fn int(tensor: Tensor<2, Int>, layout: SourceBytes) -> Result<Self, Error> {
         Self::from_primitive(KvBytes::Int(tensor.into_dispatch()), layout)
     }
@@ -87,6 +93,10 @@ impl SourceBytes {
 
 impl<B: Backend> RealKvSource<B> {
     /// A source from a backend's primitive (`KvBytes::Float` or `KvBytes::Int`).
+    ///
+    /// # Errors
+    /// At once: `source_page_size`, `source_num_bytes_per_token`, `source_read_bytes`,
+    /// `source_not_2d`, `source_row_stride` (a row that is not a multiple of 16 bytes).
     pub fn from_primitive(tensor: KvBytes<B>, layout: SourceBytes) -> Result<Self, Error> {
         let (shape, dtype) = match &tensor {
             KvBytes::Float(t) => (t.shape(), t.dtype()),
@@ -445,6 +455,11 @@ fn canary_buffers(num_slots: usize, slot_stride_bytes: usize, ring_capacity: usi
 impl Canary {
     /// A zeroed canary of `num_slots` slots of `slot_stride_bytes` (a multiple of 8, at least 32;
     /// bytes past the first 32 are the caller's) and a ring of `ring_capacity` rows.
+    ///
+    /// # Errors
+    /// `slot_stride_not_multiple_of_8`, `slot_stride_too_small` (below a record's 32 bytes);
+    /// `allocation_too_large` when the host (which stages the zeroed state) or the device cannot
+    /// hold the records or the ring.
     pub fn allocate(
         num_slots: usize,
         slot_stride_bytes: usize,
@@ -469,6 +484,9 @@ impl Canary {
 
 impl<B: KvPlanBackend> Canary<B> {
     /// [`Canary::allocate`] on a backend's device.
+    ///
+    /// # Errors
+    /// As [`Canary::allocate`].
     pub fn allocate_on(
         num_slots: usize,
         slot_stride_bytes: usize,
@@ -482,6 +500,10 @@ impl<B: KvPlanBackend> Canary<B> {
     }
 
     /// A canary holding `state` (restoring a snapshot, tests, conformance scenarios).
+    ///
+    /// # Errors
+    /// `slot_stride_too_small`; `allocation_too_large` when the device cannot hold the records or
+    /// the ring.
     pub fn from_state(state: &CanaryState, device: &B::Device) -> Result<Self, Error> {
         validate::canary::slot_stride(state.slot_stride_words * 8)?;
         let buffers = canary_buffers(
@@ -512,6 +534,9 @@ impl<B: KvPlanBackend> Canary<B> {
     }
 
     /// Reads the whole state back: records, ring and counters.
+    ///
+    /// # Errors
+    /// As [`Canary::check`]; `execution` when reading the state back fails.
     pub fn state(&self) -> Result<CanaryState, Error> {
         self.check()?;
         crate::ops::canary_state::<B>(self.primitive())
@@ -520,6 +545,11 @@ impl<B: KvPlanBackend> Canary<B> {
     /// The error of a write or verify whose launch failed (one small read-back). The ops only
     /// enqueue, so a failure (e.g. `index_range`) leaves a zeroed canary holding its status, and
     /// every read ([`Canary::violations`], [`Canary::state`]) reports it until [`Canary::clear`].
+    ///
+    /// # Errors
+    /// The error a failed write or verify left in the canary's status: `index_range`, or
+    /// `execution` from a fused stream. `execution` when the read-back fails; `corrupt_status` for
+    /// a record kvplan never wrote.
     pub fn check(&self) -> Result<(), Error> {
         let words = crate::ops::read_status::<B>(self.primitive().status.clone())?;
         crate::status::decode(&words, "kv-canary").map(drop)
@@ -541,6 +571,12 @@ impl<B: KvPlanBackend> Canary<B> {
     /// Write (spec §6): stores a record for every non-skipped token of the plan's active
     /// requests, chaining each request from its seed slot. Reads the plan's device-side counts:
     /// nothing comes back to the host. Host-rule errors change nothing.
+    ///
+    /// # Errors
+    /// At once, nothing changed: `too_many_sources`, `source_row_too_narrow`,
+    /// `expected_inputs_missing` / `expected_inputs_unexpected`, `canary_argument`,
+    /// `token_arrays_length`. A launch that cannot run (`index_range`) is not returned: the ops
+    /// only enqueue, so the canary holds it for [`Canary::check`].
     pub fn write(
         &mut self,
         plan: &WritePlan<B>,
@@ -558,6 +594,10 @@ impl<B: KvPlanBackend> Canary<B> {
 
     /// Verify (spec §7): checks the plan's active entries against the records and the real KV
     /// bytes and appends a violation row per mismatch. Nothing comes back to the host.
+    ///
+    /// # Errors
+    /// At once, nothing changed: `too_many_sources`, `source_row_too_narrow`. A launch that cannot
+    /// run is held as [`write`](Canary::write)'s is.
     pub fn verify(&mut self, plan: &VerifyPlan<B>, launch: &CanaryLaunch<B>) -> Result<(), Error> {
         launch.validate()?;
         let plan = plan.primitive().clone();
@@ -568,6 +608,9 @@ impl<B: KvPlanBackend> Canary<B> {
 
     /// Reads the status and the counters back in one sync, and the ring only when it holds rows
     /// (a clean step costs one read), and decodes its rows.
+    ///
+    /// # Errors
+    /// As [`Canary::check`]; `execution` when a read-back fails.
     pub fn violations(&self) -> Result<Violations, Error> {
         self.violations_after([]).map(|(_, violations)| violations)
     }
@@ -575,6 +618,10 @@ impl<B: KvPlanBackend> Canary<B> {
     /// [`violations`](Self::violations) and [`check_all`](crate::check_all) of a step's other
     /// statuses in the same read: their counts in order, or the first op's error (theirs first,
     /// then the canary's). The statuses move into the read, as in `check_all`.
+    ///
+    /// # Errors
+    /// The first error of `statuses`, as [`check_all`](crate::check_all), then the canary's, as
+    /// [`Canary::check`]; `execution` when a read-back fails.
     pub fn violations_after(
         &self,
         statuses: impl IntoIterator<Item = Status<B>>,

@@ -11,14 +11,18 @@ use std::time::Instant;
 use burn_core::backend::tensor::IntTensor;
 use burn_core::backend::{Scalar, TensorData};
 use burn_core::tensor::DType;
+use kvplan::KvPlanBackend;
+use kvplan::attention::KeyRuns;
 use kvplan::attention::backend::{paged_attention, paged_attention_kv};
-use kvplan::canary::{RealKvHashMode, VerifyPlan, WritePlan, read_plans};
-use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
-use kvplan::reference::{self, PlanArgs, PlanBuffers, Table};
-use kvplan::{
-    Canary, CanaryLaunch, GatherOptions, KernelKind, KeyRuns, KvBytes, KvPlanBackend, KvRows,
-    KvStore, PlanInputs, RealKvSource, SourceBytes, StepPlan, StoreTargets, WriteInputs,
+use kvplan::canary::{
+    Canary, CanaryLaunch, KernelKind, PlanInputs, RealKvHashMode, RealKvSource, SourceBytes,
+    StepPlan, VerifyPlan, WriteInputs, WritePlan, read_plans,
 };
+use kvplan::gather::GatherOptions;
+use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
+use kvplan::ops::{KvBytes, KvRows, StoreTargets};
+use kvplan::reference::{self, PlanArgs, PlanBuffers, Table};
+use kvplan::slots::KvStore;
 
 use crate::prim;
 
@@ -358,7 +362,7 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
             for (capacity, launches) in [(one_launch, "V any batch"), (counted, "V exact")] {
                 let mut step =
                     StepPlan::<B>::allocate_on(capacity, bs, device).map_err(|e| e.to_string())?;
-                kvplan::plan(&mut step, inputs()).map_err(|e| e.to_string())?;
+                kvplan::canary::plan(&mut step, inputs()).map_err(|e| e.to_string())?;
                 let got = read_plans(&step).map_err(|e| e.to_string())?;
                 if got.verify_slot_indices[..entries] != want.verify_slot_indices[..entries]
                     || got.verify_prev_slot_indices[..entries]
@@ -372,11 +376,11 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
                     ));
                 }
                 let timing = timed::<B>(device, reps, || {
-                    kvplan::plan_deferred(&mut step, inputs()).map(drop)
+                    kvplan::canary::plan_deferred(&mut step, inputs()).map(drop)
                 })
                 .map_err(|e| e.to_string())?;
                 row(&format!("{label} {launches}, deferred"), timing, bytes);
-                let (h, _) = time::<B>(device, reps, || kvplan::plan(&mut step, inputs()))
+                let (h, _) = time::<B>(device, reps, || kvplan::canary::plan(&mut step, inputs()))
                     .map_err(|e| e.to_string())?;
                 println!("| {label} {launches}, checked | - | - | - | {h:.1} | - |");
             }
@@ -792,9 +796,11 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
         deferred,
         Some(exact_us.map_err(e)?.0),
     );
-    let exact_us = time::<B>(device, reps, || kvplan::plan(&mut step, plan_inputs()));
+    let exact_us = time::<B>(device, reps, || {
+        kvplan::canary::plan(&mut step, plan_inputs())
+    });
     let deferred = timed::<B>(device, reps, || {
-        kvplan::plan_deferred(&mut step, plan_inputs()).map(drop)
+        kvplan::canary::plan_deferred(&mut step, plan_inputs()).map(drop)
     })
     .map_err(e)?;
     report(

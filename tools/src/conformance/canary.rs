@@ -7,8 +7,9 @@ use kvplan::canary::{
     Canary, CanaryLaunch, CanaryState, KernelKind, RealKvHashMode, RealKvSource, SourceBytes,
     VerifyPlan, WriteInputs, WritePlan,
 };
+use kvplan::ops::KvBytes;
 use kvplan::reference::canary::ViolationRow;
-use kvplan::{Error, KvBytes, KvPlanBackend};
+use kvplan::{Error, KvPlanBackend};
 use serde_json::Value;
 
 use super::{

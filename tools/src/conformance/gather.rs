@@ -3,7 +3,8 @@
 use burn_core::backend::TensorMetadata;
 use burn_core::tensor::DType;
 use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
-use kvplan::{DeferredGather, Error, GatherOptions, KvPlanBackend};
+use kvplan::gather::{DeferredGather, GatherOptions};
+use kvplan::{Error, KvPlanBackend};
 use serde_json::Value;
 
 use super::{

@@ -2,9 +2,9 @@
 //! deferred.
 
 use burn_core::tensor::DType;
-use kvplan::canary::read_plans;
+use kvplan::canary::{PlanInputs, StepPlan, read_plans};
 use kvplan::reference::PlanBuffers;
-use kvplan::{Error, KvPlanBackend, PlanInputs, StepPlan};
+use kvplan::{Error, KvPlanBackend};
 use serde_json::Value;
 
 use super::{
@@ -138,8 +138,8 @@ fn run<B: KvPlanBackend>(
     let call = |step: &mut StepPlan<B>, batch: &Value| {
         let inputs = build::<B>(inputs, batch, device)?;
         Ok(match mode {
-            "checked" => kvplan::plan(step, inputs),
-            _ => kvplan::plan_deferred(step, inputs)
+            "checked" => kvplan::canary::plan(step, inputs),
+            _ => kvplan::canary::plan_deferred(step, inputs)
                 .and_then(|status| status.check())
                 .map(drop),
         })

@@ -6,9 +6,12 @@
 use burn_core::backend::tensor::IntTensor;
 use burn_core::backend::{TensorData, try_read_sync};
 use burn_core::tensor::DType;
+use kvplan::gather::GatherOptions;
 use kvplan::gather::backend::segment_gather_deferred;
+use kvplan::ops::KvRows;
+use kvplan::slots::KvStore;
 use kvplan::slots::backend::{self, DeferredAssign};
-use kvplan::{Error, GatherOptions, KvPlanBackend, KvRows, KvStore};
+use kvplan::{Error, KvPlanBackend};
 use serde_json::Value;
 
 use super::{

@@ -7,8 +7,9 @@
 //! `slots_file_is_generated` under `KVPLAN_REGENERATE=1`; that test fails whenever the file and
 //! this generator disagree.
 
+use kvplan::Error;
+use kvplan::error::Dims;
 use kvplan::reference::{Segments, segment_assign, store_kv};
-use kvplan::{Dims, Error};
 use serde_json::{Value, json};
 
 /// The prefix of `segment_assign` messages (the library's `ASSIGN_CONTEXT`).

@@ -5,13 +5,14 @@ use std::time::Instant;
 
 use burn_core::backend::tensor::IntTensor;
 use burn_core::tensor::DType;
-use kvplan::canary::{Violations, WritePlan, read_plans};
-use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
-use kvplan::reference::PlanBuffers;
-use kvplan::{
-    Canary, CanaryLaunch, DeferredGather, Error, GatherOptions, KernelKind, KvPlanBackend,
-    PlanInputs, StepPlan, WriteInputs, plan, plan_deferred,
+use kvplan::canary::{
+    Canary, CanaryLaunch, KernelKind, PlanInputs, StepPlan, Violations, WriteInputs, WritePlan,
+    plan, plan_deferred, read_plans,
 };
+use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
+use kvplan::gather::{DeferredGather, GatherOptions};
+use kvplan::reference::PlanBuffers;
+use kvplan::{Error, KvPlanBackend};
 
 use super::timing::{Op, Timings};
 use super::trace::{NewTokens, Step, Workload};

@@ -17,8 +17,9 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 
 use burn_core::tensor::DType;
+use kvplan::KvPlanBackend;
+use kvplan::gather::GatherOptions;
 use kvplan::gather::backend::{exact, masked_gather_deferred};
-use kvplan::{GatherOptions, KvPlanBackend};
 
 use crate::backends::{BackendName, OnBackend, with_backend};
 use crate::prim;

@@ -11,8 +11,9 @@ use kvplan::canary::{
     Canary, CanaryLaunch, CanaryState, KernelKind, RealKvHashMode, RealKvSource, SourceBytes,
     VerifyPlan, WriteInputs, WritePlan,
 };
+use kvplan::ops::KvBytes;
 use kvplan::reference::canary::{self as oracle, ViolationRow};
-use kvplan::{Error, KvBytes, KvPlanBackend};
+use kvplan::{Error, KvPlanBackend};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 

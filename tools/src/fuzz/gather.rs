@@ -4,7 +4,8 @@
 use burn_core::backend::TensorMetadata;
 use burn_core::tensor::{BoolStore, DType};
 use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
-use kvplan::{DeferredGather, Error, GatherOptions, KvPlanBackend};
+use kvplan::gather::{DeferredGather, GatherOptions};
+use kvplan::{Error, KvPlanBackend};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 

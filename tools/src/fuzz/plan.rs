@@ -3,9 +3,9 @@
 //! plan allocation at the capacities it refuses.
 
 use burn_core::tensor::DType;
-use kvplan::canary::read_plans;
+use kvplan::KvPlanBackend;
+use kvplan::canary::{PlanInputs, StepPlan, read_plans};
 use kvplan::reference::PlanBuffers;
-use kvplan::{KvPlanBackend, PlanInputs, StepPlan};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -290,10 +290,9 @@ impl Step {
         let call = |plans: &mut StepPlan<B>, batch: &[Input; 3]| -> Outcome<()> {
             let inputs = self.inputs::<B>(batch, device);
             let result = match mode {
-                "checked" => kvplan::plan(plans, inputs),
-                _ => {
-                    kvplan::plan_deferred(plans, inputs).and_then(|status| status.check().map(drop))
-                }
+                "checked" => kvplan::canary::plan(plans, inputs),
+                _ => kvplan::canary::plan_deferred(plans, inputs)
+                    .and_then(|status| status.check().map(drop)),
             };
             result.map_err(Failure::from)
         };

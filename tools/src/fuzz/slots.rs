@@ -4,8 +4,9 @@
 
 use burn_core::backend::{TensorData, try_read_sync};
 use burn_core::tensor::DType;
-use kvplan::slots::backend;
-use kvplan::{KvPlanBackend, KvRows, KvStore};
+use kvplan::KvPlanBackend;
+use kvplan::ops::KvRows;
+use kvplan::slots::{KvStore, backend};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 

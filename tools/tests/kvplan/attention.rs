@@ -4,9 +4,13 @@
 use burn_core::backend::tensor::FloatTensor;
 use burn_core::backend::{TensorData, read_sync};
 use burn_core::tensor::{DType, Shape, Slice};
+use kvplan::attention::KeyRuns;
 use kvplan::attention::backend::{paged_attention, paged_attention_kv};
+use kvplan::error::Dims;
+use kvplan::ops::{KvRows, StoreTargets};
 use kvplan::reference::{self, Heads};
-use kvplan::{Dims, Error, KeyRuns, KvPlanBackend, KvRows, KvStore, StoreTargets};
+use kvplan::slots::KvStore;
+use kvplan::{Error, KvPlanBackend};
 
 use crate::common::{Rng, list};
 use crate::errors::INT_DTYPES;

@@ -4,19 +4,24 @@
 
 use burn_core::backend::tensor::IntTensor;
 use burn_core::tensor::{DType, TensorData};
+use kvplan::KvPlanBackend;
 use kvplan::canary::{
-    Canary, CanaryLaunch, CanaryState, FailReasons, KernelKind, RealKvHashMode, RealKvSource,
-    VerifyPlan, WriteInputs, WritePlan,
+    Canary, CanaryLaunch, CanaryState, FailReasons, KernelKind, PlanInputs, RealKvHashMode,
+    RealKvSource, StepPlan, VerifyPlan, WriteInputs, WritePlan,
 };
+use kvplan::ops::KvBytes;
 use kvplan::reference::canary::{self as oracle, Launch, SourceBytes, ViolationRow};
-use kvplan::{KvBytes, KvPlanBackend, PlanInputs, StepPlan};
 
 use crate::common::{Rng, bytes as u8_bytes, conformance_file, ints, list};
 
-/// A source's byte layout as the library takes it (`kvplan::SourceBytes`; the oracle's
+/// A source's byte layout as the library takes it (`kvplan::canary::SourceBytes`; the oracle's
 /// `SourceBytes` is the host view of the bytes themselves).
-fn layout(page_size: i64, num_bytes_per_token: i64, read_bytes: i64) -> kvplan::SourceBytes {
-    kvplan::SourceBytes {
+fn layout(
+    page_size: i64,
+    num_bytes_per_token: i64,
+    read_bytes: i64,
+) -> kvplan::canary::SourceBytes {
+    kvplan::canary::SourceBytes {
         page_size,
         num_bytes_per_token,
         read_bytes,
@@ -826,7 +831,7 @@ fn plan<B: KvPlanBackend>(
         i64s::<B>(extend, d),
         table.clone(),
     );
-    kvplan::plan(plans, inputs).unwrap();
+    kvplan::canary::plan(plans, inputs).unwrap();
 }
 
 /// Every host rule returns its kind and changes nothing.
@@ -1019,12 +1024,12 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         verify: no_entries,
         write,
     };
-    let planned = kvplan::plan(&mut plans, inputs());
+    let planned = kvplan::canary::plan(&mut plans, inputs());
     assert_eq!(kind(planned), Some("non_positive_verify_capacity"));
     let mut plans = StepPlan {
         verify,
         write: no_requests,
     };
-    let planned = kvplan::plan(&mut plans, inputs());
+    let planned = kvplan::canary::plan(&mut plans, inputs());
     assert_eq!(kind(planned), Some("non_positive_write_capacity"));
 }

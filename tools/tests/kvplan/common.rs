@@ -114,7 +114,7 @@ pub fn bytes<B: KvPlanBackend, const D: usize>(
     B::int_from_data(TensorData::new(data, shape), device)
 }
 
-pub use kvplan::data_to_i64;
+pub use kvplan::ops::data_to_i64;
 
 /// The values of an int primitive, as i64, row-major.
 pub fn values<B: Backend>(tensor: IntTensor<B>) -> Vec<i64> {

@@ -7,8 +7,8 @@ use std::thread;
 
 use burn_core::backend::tensor::IntTensor;
 use burn_core::tensor::DType;
-use kvplan::slots::backend as slots;
-use kvplan::{KvPlanBackend, KvStore};
+use kvplan::KvPlanBackend;
+use kvplan::slots::{KvStore, backend as slots};
 
 use crate::common::{Rng, bools, ints, list, values};
 use crate::gather::{

@@ -7,8 +7,10 @@
 use burn_core::backend::TensorMetadata;
 use burn_core::backend::tensor::{BoolTensor, IntTensor};
 use burn_core::tensor::{DType, TensorData};
+use kvplan::canary::{PlanInputs, StepPlan};
+use kvplan::error::{Dims, Site};
 use kvplan::reference::PlanBuffers;
-use kvplan::{Dims, Error, KvPlanBackend, PlanInputs, Site, StepPlan};
+use kvplan::{Error, KvPlanBackend};
 
 use crate::common::{assert_plans_eq, bools, dims, int_expand, int_slice, ints, list, values};
 use crate::gather::{CTX, SEGMENT_CONTEXT, masked, masked_deferred, segments, segments_deferred};
@@ -617,8 +619,10 @@ fn host_error<B: KvPlanBackend>(
     for mode in MODES {
         let before = mirror.read();
         let got = match mode {
-            Mode::Checked => kvplan::plan(&mut mirror.plans, inputs()),
-            Mode::Deferred => kvplan::plan_deferred(&mut mirror.plans, inputs()).map(|_| ()),
+            Mode::Checked => kvplan::canary::plan(&mut mirror.plans, inputs()),
+            Mode::Deferred => {
+                kvplan::canary::plan_deferred(&mut mirror.plans, inputs()).map(|_| ())
+            }
         };
         assert_eq!(got, Err(want.clone()), "{mode:?}");
         assert_plans_eq(
@@ -1001,11 +1005,11 @@ pub fn allocation_too_large<B: KvPlanBackend>(device: &B::Device) {
         assert_too_large(got.err(), "gather output", huge, 8);
         let got = segments_deferred::<B>(table, rpi, None, l::<B>(&[2], d), Some(huge));
         assert_too_large(got.err(), "gather output", huge, 8);
-        let got = kvplan::Canary::<B>::allocate_on(huge, 32, 1, d);
+        let got = kvplan::canary::Canary::<B>::allocate_on(huge, 32, 1, d);
         assert_too_large(got.err(), "canary record buffer", huge, 32);
-        let got = kvplan::Canary::<B>::allocate_on(1, 32, huge, d);
+        let got = kvplan::canary::Canary::<B>::allocate_on(1, 32, huge, d);
         assert_too_large(got.err(), "violation ring", huge, 64);
-        let got = kvplan::KvStore::<B>::allocate_on(huge, d);
+        let got = kvplan::slots::KvStore::<B>::allocate_on(huge, d);
         assert_too_large(got.err(), "KvStore slot words", huge, 4);
     }
     let (table, rpi) = (
@@ -1056,10 +1060,10 @@ pub fn stride<B: KvPlanBackend>(device: &B::Device, expect: Broadcast) {
         Broadcast::DeviceRefused => {
             let mut mirror = primed::<B>(d);
             let before = mirror.read();
-            let got = kvplan::plan(&mut mirror.plans, inputs());
+            let got = kvplan::canary::plan(&mut mirror.plans, inputs());
             assert_eq!(got, Err(want.clone()), "checked");
             assert_plans_eq(&mirror.read(), &before, "rule 11 on the device (checked)");
-            let status = kvplan::plan_deferred(&mut mirror.plans, inputs())
+            let status = kvplan::canary::plan_deferred(&mut mirror.plans, inputs())
                 .expect("the host cannot see the stride");
             assert_plans_eq(&mirror.read(), &before, "rule 11 on the device (deferred)");
             assert_eq!(status.check(), Err(want.clone()), "deferred");
@@ -1075,7 +1079,7 @@ pub fn stride<B: KvPlanBackend>(device: &B::Device, expect: Broadcast) {
     }
     if expect != Broadcast::Accepted {
         let mut mirror = primed::<B>(d);
-        let error = kvplan::plan(&mut mirror.plans, inputs()).unwrap_err();
+        let error = kvplan::canary::plan(&mut mirror.plans, inputs()).unwrap_err();
         assert_eq!(
             error.to_string(),
             "kv-canary: req_to_token_stride0 must be positive, got 0"

@@ -36,7 +36,8 @@ pub fn family<B: KvPlanBackend>(op: Op, device: &B::Device) {
 pub fn bf16_views<B: KvPlanBackend>(device: &B::Device) {
     use burn_core::backend::TensorData;
     use burn_core::tensor::DType;
-    use kvplan::{KvRows, KvStore};
+    use kvplan::ops::KvRows;
+    use kvplan::slots::KvStore;
     let bf16 = |values: Vec<f32>, shape: [usize; 2]| {
         B::float_from_data(
             TensorData::new(values, shape).convert_dtype(DType::BF16),

@@ -4,9 +4,9 @@
 use burn_core::backend::TensorMetadata;
 use burn_core::backend::tensor::{BoolTensor, IntTensor};
 use burn_core::tensor::DType;
-use kvplan::gather::backend;
+use kvplan::gather::{DeferredGather, GatherOptions, backend};
 use kvplan::reference::{self, Table};
-use kvplan::{DeferredGather, Error, GatherOptions, KvPlanBackend};
+use kvplan::{Error, KvPlanBackend};
 use kvplan_tools::prim::read_prefix;
 
 use crate::common::{

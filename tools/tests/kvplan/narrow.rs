@@ -10,8 +10,11 @@
 
 use burn_core::backend::tensor::IntTensor;
 use burn_core::tensor::DType;
-use kvplan::canary::{Canary, CanaryLaunch, KernelKind, VerifyPlan, WriteInputs, WritePlan};
-use kvplan::{Error, KvPlanBackend, PlanInputs, Site, StepPlan};
+use kvplan::canary::{
+    Canary, CanaryLaunch, KernelKind, PlanInputs, StepPlan, VerifyPlan, WriteInputs, WritePlan,
+};
+use kvplan::error::Site;
+use kvplan::{Error, KvPlanBackend};
 
 use crate::common::{bools, ints, list, values};
 use crate::gather::{masked, masked_deferred, segments};
@@ -86,10 +89,10 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
         PlanInputs::<B>::from_primitives(l(rows), l(&[3, 3]), l(&[1, 1]), table)
     };
     index_range(
-        kvplan::plan(&mut plans, inputs(wide(), &[1, 1])),
+        kvplan::canary::plan(&mut plans, inputs(wide(), &[1, 1])),
         "plan checked",
     );
-    let status = kvplan::plan_deferred(&mut plans, inputs(wide(), &[1, 1]))
+    let status = kvplan::canary::plan_deferred(&mut plans, inputs(wide(), &[1, 1]))
         .expect("host rules pass: the refusal is the launch's");
     index_range(status.check(), "plan deferred");
     assert_eq!(
@@ -98,7 +101,7 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
         "a refused plan is disabled"
     );
     // Request 1's row is outside the small table (2 rows): the error names request 1.
-    let error = kvplan::plan(&mut plans, inputs(small(), &[1, 5])).unwrap_err();
+    let error = kvplan::canary::plan(&mut plans, inputs(small(), &[1, 5])).unwrap_err();
     assert!(
         matches!(
             error,
@@ -111,7 +114,7 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
         ),
         "the error names request 1: {error}"
     );
-    kvplan::plan(&mut plans, inputs(small(), &[1, 1])).expect("a plan within the span");
+    kvplan::canary::plan(&mut plans, inputs(small(), &[1, 1])).expect("a plan within the span");
     assert_eq!(values::<B>(plans.verify.num_valid()), vec![6]);
     canary_checks::<B>(&plans.verify, &plans.write, device);
     crate::slots::narrow_checks::<B>(device, SPAN);

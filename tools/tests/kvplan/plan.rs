@@ -2,9 +2,9 @@
 //! compared buffer-for-buffer with the host reference run on a host copy of the same prior state.
 
 use burn_core::tensor::DType;
-use kvplan::canary::read_plans;
+use kvplan::canary::{PlanInputs, StepPlan, read_plans};
 use kvplan::reference::{self, ExpectedTokens, PlanArgs, PlanBuffers, Table};
-use kvplan::{Error, KvPlanBackend, PlanInputs, StepPlan};
+use kvplan::{Error, KvPlanBackend};
 
 use crate::common::{Rng, assert_disabled, assert_plans_eq, int_slice, int_transpose, ints, list};
 
@@ -209,12 +209,11 @@ impl<B: KvPlanBackend> Mirror<B> {
         let mut want = self.host.clone();
         let want_result = step.reference(&mut want);
         let got_result = match mode {
-            Mode::Checked => kvplan::plan(&mut self.plans, inputs),
+            Mode::Checked => kvplan::canary::plan(&mut self.plans, inputs),
             Mode::Deferred => {
-                let status =
-                    kvplan::plan_deferred(&mut self.plans, inputs).unwrap_or_else(|error| {
-                        panic!("{what}: deferred plan refused at once: {error}")
-                    });
+                let status = kvplan::canary::plan_deferred(&mut self.plans, inputs).unwrap_or_else(
+                    |error| panic!("{what}: deferred plan refused at once: {error}"),
+                );
                 // The plans are final before anyone looks at the status.
                 let before = self.read();
                 match &want_result {

@@ -7,10 +7,13 @@
 use burn_core::backend::tensor::IntTensor;
 use burn_core::backend::{TensorData, read_sync};
 use burn_core::tensor::DType;
+use kvplan::error::{Dims, Site};
+use kvplan::gather::GatherOptions;
 use kvplan::gather::backend::segment_gather_deferred;
+use kvplan::ops::{KvRows, StoreTargets};
 use kvplan::reference::{Segments, segment_assign, store_kv};
-use kvplan::slots::backend;
-use kvplan::{Dims, Error, GatherOptions, KvPlanBackend, KvRows, KvStore, Site, StoreTargets};
+use kvplan::slots::{KvStore, backend};
+use kvplan::{Error, KvPlanBackend};
 use kvplan_tools::conformance::check_file;
 use kvplan_tools::prim::read_prefix;
 

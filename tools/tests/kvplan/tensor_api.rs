@@ -4,13 +4,14 @@
 //! device kind.
 
 use burn_core::tensor::{Bool, DType, Device, Float, Int, Tensor, TensorData};
+use kvplan::Error;
 use kvplan::canary::{
-    Canary, CanaryLaunch, CanaryState, FailReasons, KernelKind, RealKvHashMode, RealKvSource,
-    SourceBytes, WriteInputs,
+    Canary, CanaryLaunch, CanaryState, FailReasons, KernelKind, PlanInputs, RealKvHashMode,
+    RealKvSource, SourceBytes, StepPlan, WriteInputs,
 };
+use kvplan::gather::GatherOptions;
 use kvplan::reference::PlanBuffers;
 use kvplan::reference::canary::{self as oracle, Launch, ViolationRow};
-use kvplan::{Error, GatherOptions, PlanInputs, StepPlan};
 
 use crate::common::{Rng, assert_plans_eq};
 use crate::gather::{CTX, MaskedCase, SEGMENT_CONTEXT, SegmentCase};
@@ -59,7 +60,7 @@ fn check_exact(got: Result<Tensor<1, Int>, Error>, want: &Result<Vec<i64>, Error
 
 #[track_caller]
 fn check_deferred(
-    got: kvplan::DeferredGather,
+    got: kvplan::gather::DeferredGather,
     want: &Result<Vec<i64>, Error>,
     capacity: usize,
     what: &str,
@@ -106,7 +107,7 @@ fn masked_tensors(
 }
 
 /// Random masked gathers (every dtype mix, shared and per-row indices, bad rows and positions)
-/// through `kvplan::masked_gather` and `masked_gather_deferred`.
+/// through `kvplan::gather::masked_gather` and `masked_gather_deferred`.
 pub fn masked(device: &Device) {
     let mut rng = Rng::new(0x7465_6e73);
     for round in 0..24 {
@@ -146,7 +147,7 @@ pub fn masked(device: &Device) {
         let what = format!("tensor masked round {round}: {case:?}");
         let (table, rpi, pos2d, mask) = masked_tensors(&case, device);
         let options = GatherOptions::new().context(CTX);
-        let got = kvplan::masked_gather(
+        let got = kvplan::gather::masked_gather(
             table.clone(),
             rpi.clone(),
             pos2d.clone(),
@@ -155,7 +156,7 @@ pub fn masked(device: &Device) {
         );
         check_exact(got, &case.reference(None), &what);
         let capacity = rng.urange(0, r * c + 2);
-        let got = kvplan::masked_gather_deferred(
+        let got = kvplan::gather::masked_gather_deferred(
             table,
             rpi,
             pos2d,
@@ -166,7 +167,7 @@ pub fn masked(device: &Device) {
         check_deferred(got, &case.reference(Some(capacity)), capacity, &what);
     }
     // A host rule comes back at once, with the context.
-    let error = kvplan::masked_gather(
+    let error = kvplan::gather::masked_gather(
         ints::<2>(&[1, 2, 3, 4], [2, 2], DType::I64, device),
         list(&[0], DType::I64, device),
         ints::<2>(&[0; 6], [2, 3], DType::I64, device),
@@ -178,7 +179,7 @@ pub fn masked(device: &Device) {
     assert!(error.to_string().starts_with(CTX), "{error}");
 }
 
-/// Random segment gathers through `kvplan::segment_gather` and `segment_gather_deferred`.
+/// Random segment gathers through `kvplan::gather::segment_gather` and `segment_gather_deferred`.
 pub fn segments(device: &Device) {
     let mut rng = Rng::new(0x7365_676d);
     for round in 0..24 {
@@ -217,7 +218,7 @@ pub fn segments(device: &Device) {
             .as_ref()
             .map(|start| list(start, case.dtypes[2], d));
         let lengths = list(&case.lengths, case.dtypes[3], d);
-        let got = kvplan::segment_gather(
+        let got = kvplan::gather::segment_gather(
             table.clone(),
             rpi.clone(),
             start.clone(),
@@ -225,9 +226,14 @@ pub fn segments(device: &Device) {
             &GatherOptions::new(),
         );
         check_exact(got, &case.reference(None), &what);
-        let got =
-            kvplan::segment_gather_deferred(table, rpi, start, lengths, &GatherOptions::new())
-                .expect("host rules pass");
+        let got = kvplan::gather::segment_gather_deferred(
+            table,
+            rpi,
+            start,
+            lengths,
+            &GatherOptions::new(),
+        )
+        .expect("host rules pass");
         check_deferred(
             got,
             &case.reference(Some(case.default_capacity())),
@@ -235,7 +241,7 @@ pub fn segments(device: &Device) {
             &what,
         );
     }
-    let error = kvplan::segment_gather(
+    let error = kvplan::gather::segment_gather(
         ints::<2>(&[1, 2, 3, 4], [2, 2], DType::I32, device),
         list(&[1], DType::I64, device),
         Some(list(&[1], DType::I64, device)),
@@ -270,8 +276,9 @@ fn plan_inputs(step: &Step, d: &Device) -> PlanInputs {
 }
 
 /// Plan steps through `StepPlan::allocate`, `PlanInputs::new` (with a window, a LUT and an
-/// expected-token pool), `kvplan::plan` and `kvplan::plan_deferred`, against the reference on
-/// the same prior state; then a device-checked error, which leaves the plans disabled.
+/// expected-token pool), `kvplan::canary::plan` and `kvplan::canary::plan_deferred`, against the
+/// reference on the same prior state; then a device-checked error, which leaves the plans
+/// disabled.
 pub fn plan(device: &Device) {
     let (rows, cols) = (4, 8);
     let table: Vec<i64> = (0..(rows * cols) as i64).collect();
@@ -289,9 +296,10 @@ pub fn plan(device: &Device) {
         let mut want = host.clone();
         step.reference(&mut want).unwrap();
         if k % 2 == 0 {
-            kvplan::plan(&mut plans, plan_inputs(step, device)).unwrap();
+            kvplan::canary::plan(&mut plans, plan_inputs(step, device)).unwrap();
         } else {
-            let status = kvplan::plan_deferred(&mut plans, plan_inputs(step, device)).unwrap();
+            let status =
+                kvplan::canary::plan_deferred(&mut plans, plan_inputs(step, device)).unwrap();
             assert_eq!(status.check(), Ok(0), "step {k}: deferred status");
         }
         let got = kvplan::canary::read_plans(&plans).unwrap();
@@ -299,12 +307,12 @@ pub fn plan(device: &Device) {
         host = got;
     }
     let bad = Step::new(rows, cols, table).batch(&[1, 4], &[3, 4], &[1, 1]);
-    let error = kvplan::plan(&mut plans, plan_inputs(&bad, device)).unwrap_err();
+    let error = kvplan::canary::plan(&mut plans, plan_inputs(&bad, device)).unwrap_err();
     assert_eq!(
         error,
         Error::ReqPoolIndexOutOfRange {
             context: "kv-canary:".into(),
-            site: kvplan::Site::Request(1),
+            site: kvplan::error::Site::Request(1),
             value: 4,
             rows: 4,
         }
@@ -381,7 +389,7 @@ pub fn canary(device: &Device) {
     for (k, (prefix, extend, positions, slots)) in steps.into_iter().enumerate() {
         let step = Step::new(3, 16, table.clone()).batch(&[1, 2], prefix, extend);
         step.reference(&mut host).unwrap();
-        kvplan::plan(&mut plans, plan_inputs(&step, d)).unwrap();
+        kvplan::canary::plan(&mut plans, plan_inputs(&step, d)).unwrap();
         let tokens: Vec<i64> = slots.iter().map(|s| 40 + s).collect();
         let inputs = WriteInputs::new(
             list(&tokens, DType::I64, d),
@@ -499,7 +507,7 @@ pub fn canary(device: &Device) {
 /// the outputs handed back unchanged after a deferred error.
 pub fn slots(device: &Device) {
     use crate::slots::{AssignCase, Rows, random_assign};
-    use kvplan::KvStore;
+    use kvplan::slots::KvStore;
 
     let mut rng = Rng::new(0x736c_6f74);
     let tensors = |case: &AssignCase| {
@@ -515,11 +523,12 @@ pub fn slots(device: &Device) {
         let case = random_assign(&mut rng, 9, 6, 10);
         let want = case.reference().expect("a valid case");
         let (table, rpi, start, lengths, loc) = tensors(&case);
-        let got = kvplan::segment_assign(table, rpi, start, lengths, loc).unwrap();
+        let got = kvplan::slots::segment_assign(table, rpi, start, lengths, loc).unwrap();
         assert_eq!(got.dtype(), case.dtypes[0], "round {round}: dtype kept");
         assert_eq!(values(got), want, "round {round}: checked");
         let (table, rpi, start, lengths, loc) = tensors(&case);
-        let assigned = kvplan::segment_assign_deferred(table, rpi, start, lengths, loc).unwrap();
+        let assigned =
+            kvplan::slots::segment_assign_deferred(table, rpi, start, lengths, loc).unwrap();
         assert_eq!(assigned.status.check(), Ok(case.loc.len()));
         assert_eq!(
             values(assigned.req_to_token),
@@ -532,12 +541,12 @@ pub fn slots(device: &Device) {
     case.lengths[0] = -1;
     let want = case.reference().unwrap_err();
     let (table, rpi, start, lengths, loc) = tensors(&case);
-    let assigned = kvplan::segment_assign_deferred(table, rpi, start, lengths, loc).unwrap();
+    let assigned = kvplan::slots::segment_assign_deferred(table, rpi, start, lengths, loc).unwrap();
     assert_eq!(assigned.status.check(), Err(want.clone()));
     assert_eq!(values(assigned.req_to_token), case.table);
     let (table, rpi, start, lengths, loc) = tensors(&case);
     assert_eq!(
-        kvplan::segment_assign(table, rpi, start, lengths, loc).err(),
+        kvplan::slots::segment_assign(table, rpi, start, lengths, loc).err(),
         Some(want)
     );
 
