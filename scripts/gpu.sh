@@ -180,14 +180,14 @@ PY
       done
       ;;
     repeat|repeat-ab)
-      # What kvplan's stores and attention cost a pipelined step: each such call runs twice on
+      # What kvplan's stores and attention cost a pipelined step: each layer's attend runs twice on
       # every other step (--repeat-ops); the difference of the two medians, spec off. repeat-ab
       # runs both builds for each row, the baseline first in every other row.
       [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
       builds=new; [ "$part" = repeat-ab ] && builds="old new"
       for bs in ${BATCHES:-1 8 32}; do
         limit=$bs; [ "$bs" = 1 ] && limit=4
-        for kind in ${KINDS:-stores attention}; do
+        for kind in ${KINDS:-attention}; do
           order=$builds; pairs=$((${pairs:-0} + 1)); [ $((pairs % 2)) = 0 ] && [ "$builds" != new ] && order="new old"
           for build in $order; do
             bin="$BIN"; tag=kvplan; [ "$build" = old ] && bin="$BINOLD" && tag=kvplan-old

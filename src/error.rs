@@ -744,20 +744,25 @@ pub enum Error {
         /// Layers configured.
         layers: usize,
     },
-    /// A layer's `qkv` whose shape is not `[tokens, (heads + 2 * kv_heads) * head_dim]`.
-    #[error("paged KV: qkv has shape {got}, expected {expected}")]
-    QkvShape {
+    /// A tensor handed to a `PagedKv` of another shape than it takes: a layer's `qkv` (`[tokens,
+    /// (heads + 2 * kv_heads) * head_dim]`), a pool or a table set in place of its own.
+    #[error("paged KV: {name} has shape {got}, expected {expected}")]
+    TensorShape {
+        /// The argument.
+        name: &'static str,
         /// The shape given.
         got: Dims,
-        /// The step's shape.
+        /// The shape it must have.
         expected: Dims,
     },
-    /// A layer's `qkv` of another dtype than the pools.
-    #[error("paged KV: qkv is {got:?}, the pools are {expected:?}")]
-    QkvDtype {
+    /// A tensor handed to a `PagedKv` of another dtype than its pools (or table).
+    #[error("paged KV: {name} is {got:?}, expected {expected:?}")]
+    TensorDtype {
+        /// The argument.
+        name: &'static str,
         /// The dtype given.
         got: burn_core::tensor::DType,
-        /// The pools' dtype.
+        /// The dtype it must have.
         expected: burn_core::tensor::DType,
     },
     /// A request keeps more tokens than its window brought (or the step ends with another count
@@ -909,8 +914,8 @@ impl Error {
             Error::ContextFull { .. } => "context_full",
             Error::PrefixTooLong { .. } => "prefix_too_long",
             Error::LayerOutOfRange { .. } => "layer_out_of_range",
-            Error::QkvShape { .. } => "qkv_shape",
-            Error::QkvDtype { .. } => "qkv_dtype",
+            Error::TensorShape { .. } => "tensor_shape",
+            Error::TensorDtype { .. } => "tensor_dtype",
             Error::KeepPastWindow { .. } => "keep_past_window",
             Error::StepRequests { .. } => "step_requests",
             Error::StepOrder { .. } => "step_order",

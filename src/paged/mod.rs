@@ -616,7 +616,7 @@ impl PagedKv {
     /// `[tokens, query_heads * head_dim]`. Which kernels run is chosen here.
     ///
     /// # Errors
-    /// `StepOrder` (no step open), `LayerOutOfRange`, `QkvShape`, `QkvDtype`. Nothing changes on
+    /// `StepOrder` (no step open), `LayerOutOfRange`, `TensorShape`, `TensorDtype`. Nothing changes on
     /// an error.
     pub fn attend(&mut self, layer: usize, qkv: Tensor<2>) -> Result<Tensor<2>, Error> {
         let Some(step) = self.step.as_mut() else {
@@ -630,13 +630,15 @@ impl PagedKv {
         }
         let expected = [step.tokens, self.config.qkv_width()];
         if qkv.dims() != expected {
-            return Err(Error::QkvShape {
+            return Err(Error::TensorShape {
+                name: "qkv",
                 got: Dims(qkv.dims().to_vec()),
                 expected: Dims(expected.to_vec()),
             });
         }
         if qkv.dtype() != self.config.dtype {
-            return Err(Error::QkvDtype {
+            return Err(Error::TensorDtype {
+                name: "qkv",
                 got: qkv.dtype(),
                 expected: self.config.dtype,
             });
@@ -851,7 +853,7 @@ impl PagedKv {
     /// Replaces the pool of `layer` (fault injection, restoring a snapshot).
     ///
     /// # Errors
-    /// `LayerOutOfRange`; `QkvShape` / `QkvDtype` for a pool of another shape or dtype;
+    /// `LayerOutOfRange`; `TensorShape` / `TensorDtype` for a pool of another shape or dtype;
     /// `StepOrder` inside a step.
     pub fn set_pool(&mut self, layer: usize, pool: Tensor<2>) -> Result<(), Error> {
         if self.step.is_some() {
@@ -859,13 +861,15 @@ impl PagedKv {
         }
         let expected = self.pool(layer)?;
         if pool.dims() != expected.dims() {
-            return Err(Error::QkvShape {
+            return Err(Error::TensorShape {
+                name: "pool",
                 got: Dims(pool.dims().to_vec()),
                 expected: Dims(expected.dims().to_vec()),
             });
         }
         if pool.dtype() != self.config.dtype {
-            return Err(Error::QkvDtype {
+            return Err(Error::TensorDtype {
+                name: "pool",
                 got: pool.dtype(),
                 expected: self.config.dtype,
             });
@@ -882,15 +886,24 @@ impl PagedKv {
     /// Replaces `req_to_token` (fault injection: a stale row).
     ///
     /// # Errors
-    /// `QkvShape` for a table of another shape; `StepOrder` inside a step.
+    /// `TensorShape` / `TensorDtype` for a table of another shape or dtype (i64); `StepOrder`
+    /// inside a step.
     pub fn set_req_to_token(&mut self, table: Tensor<2, Int>) -> Result<(), Error> {
         if self.step.is_some() {
             return Err(step_order("set_req_to_token", "cannot run inside a step"));
         }
         if table.dims() != self.req_to_token.dims() {
-            return Err(Error::QkvShape {
+            return Err(Error::TensorShape {
+                name: "req_to_token",
                 got: Dims(table.dims().to_vec()),
                 expected: Dims(self.req_to_token.dims().to_vec()),
+            });
+        }
+        if table.dtype() != DType::I64 {
+            return Err(Error::TensorDtype {
+                name: "req_to_token",
+                got: table.dtype(),
+                expected: DType::I64,
             });
         }
         self.req_to_token = table;

@@ -330,10 +330,10 @@ pub fn errors(device: &Device) {
     assert_kind(kv.attend(2, qkv()), "layer_out_of_range");
     let error = kv.attend(0, Tensor::<2>::zeros([3, config.qkv_width()], device)).unwrap_err();
     assert_eq!(error.to_string(), "paged KV: qkv has shape [3, 64], expected [2, 64]");
-    assert_kind(kv.attend(0, Tensor::<2>::zeros([2, 63], device)), "qkv_shape");
+    assert_kind(kv.attend(0, Tensor::<2>::zeros([2, 63], device)), "tensor_shape");
     assert_kind(
         kv.attend(0, Tensor::<2>::zeros([2, config.qkv_width()], (device, DType::F64))),
-        "qkv_dtype",
+        "tensor_dtype",
     );
     assert_kind(kv.remove(a), "step_order");
     assert_kind(kv.truncate(a, 0), "step_order");
@@ -350,14 +350,18 @@ pub fn errors(device: &Device) {
 
     // Pools and tables of another shape.
     assert_kind(kv.pool(2), "layer_out_of_range");
-    assert_kind(kv.set_pool(0, Tensor::<2>::zeros([3, 3], device)), "qkv_shape");
+    assert_kind(kv.set_pool(0, Tensor::<2>::zeros([3, 3], device)), "tensor_shape");
     assert_kind(
         kv.set_pool(0, Tensor::<2>::zeros([41, 32], (device, DType::F64))),
-        "qkv_dtype",
+        "tensor_dtype",
     );
     assert_kind(
         kv.set_req_to_token(Tensor::<2, Int>::zeros([2, 2], (device, DType::I64))),
-        "qkv_shape",
+        "tensor_shape",
+    );
+    assert_kind(
+        kv.set_req_to_token(Tensor::<2, Int>::zeros([4, 24], (device, DType::I32))),
+        "tensor_dtype",
     );
 
     // A segment gather's messages start with the caller's context (the spec's without one).
