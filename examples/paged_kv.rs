@@ -32,12 +32,20 @@ impl TinyModel {
     }
 
     /// Each request's next token after the step's new `tokens` (its window, laid out in order).
-    fn forward(&self, kv: &mut PagedKv, windows: &[(RequestId, &[u32])]) -> kvplan::Result<Vec<u32>> {
+    fn forward(
+        &self,
+        kv: &mut PagedKv,
+        windows: &[(RequestId, &[u32])],
+    ) -> kvplan::Result<Vec<u32>> {
         // --- the decode step's core (README) ---
         let plan: Vec<(RequestId, usize)> = windows.iter().map(|(id, t)| (*id, t.len())).collect();
         let step = kv.begin(&plan)?; // slots, table, contexts, key runs: enqueued
-        let ids: Vec<i64> = windows.iter().flat_map(|(_, t)| t.iter().map(|&t| t as i64)).collect();
-        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [step.tokens]), &self.embed.device());
+        let ids: Vec<i64> = windows
+            .iter()
+            .flat_map(|(_, t)| t.iter().map(|&t| t as i64))
+            .collect();
+        let ids =
+            Tensor::<1, Int>::from_data(TensorData::new(ids, [step.tokens]), &self.embed.device());
         let hidden = self.embed.clone().select(0, ids);
         let qkv = hidden.matmul(self.qkv.clone()); // a real model applies RoPE at step.positions
         let attended = kv.attend(0, qkv)?; // this layer's K/V stored, its queries attended
@@ -81,7 +89,11 @@ fn main() -> kvplan::Result<()> {
     let prompt_b = [9, 10];
     next.extend(model.forward(&mut kv, &[(b, &prompt_b)])?);
     kv.end(&[&prompt_b])?;
-    println!("prefilled: A {} tokens, B {} (4 shared)", kv.len(a)?, kv.len(b)?);
+    println!(
+        "prefilled: A {} tokens, B {} (4 shared)",
+        kv.len(a)?,
+        kv.len(b)?
+    );
 
     // Decode both, one token a step.
     for _ in 0..4 {
@@ -99,9 +111,16 @@ fn main() -> kvplan::Result<()> {
     // A flipped bit in B's cached K at position 2 (a shared slot): the next step reports it.
     let slot = kv.slots(b)?[2] as usize;
     let width = config.kv_width();
-    let mut pool = kv.pool(0)?.into_data().try_to_vec::<f32>().expect("f32 pool");
+    let mut pool = kv
+        .pool(0)?
+        .into_data()
+        .try_to_vec::<f32>()
+        .expect("f32 pool");
     pool[slot * width] = f32::from_bits(pool[slot * width].to_bits() ^ 0x2000_0000);
-    kv.set_pool(0, Tensor::from_data(TensorData::new(pool, [config.slots + 1, width]), &device))?;
+    kv.set_pool(
+        0,
+        Tensor::from_data(TensorData::new(pool, [config.slots + 1, width]), &device),
+    )?;
     let tb = [next[1]];
     model.forward(&mut kv, &[(b, &tb)])?;
     let report = kv.end(&[&tb])?;
@@ -111,13 +130,23 @@ fn main() -> kvplan::Result<()> {
             v.request, v.position, v.slot, v.reasons
         );
     }
-    assert_eq!(report.violations.len(), 1, "the corruption is reported once");
-    assert_eq!((report.violations[0].request, report.violations[0].position), (b, 2));
+    assert_eq!(
+        report.violations.len(),
+        1,
+        "the corruption is reported once"
+    );
+    assert_eq!(
+        (report.violations[0].request, report.violations[0].position),
+        (b, 2)
+    );
 
     // B recomputes its cache (drop it, prefill again), then leaves: every slot is free.
     kv.truncate(b, 0)?;
     kv.remove(b)?;
-    assert_eq!((kv.free_slots(), kv.free_rows()), (config.slots, config.max_requests));
+    assert_eq!(
+        (kv.free_slots(), kv.free_rows()),
+        (config.slots, config.max_requests)
+    );
     println!("done: every slot and row free");
     Ok(())
 }

@@ -713,9 +713,7 @@ pub enum Error {
         request: u64,
     },
     /// A request's context would pass the table's columns.
-    #[error(
-        "paged KV: request {request} would reach {len} tokens, past max context {max_context}"
-    )]
+    #[error("paged KV: request {request} would reach {len} tokens, past max context {max_context}")]
     ContextFull {
         /// The id.
         request: u64,

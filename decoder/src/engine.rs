@@ -602,7 +602,8 @@ impl Engine {
             if drafting.is_empty() {
                 break;
             }
-            let windows: Vec<(RequestId, usize)> = drafting.iter().map(|&i| (work[i].kv, 1)).collect();
+            let windows: Vec<(RequestId, usize)> =
+                drafting.iter().map(|&i| (work[i].kv, 1)).collect();
             let ids = ints(current.iter().map(|&t| t as i64), &device);
             let hidden = self.forward(&windows, ids, 0..layers)?;
             let logits = self.model.logits(hidden);
@@ -664,17 +665,18 @@ impl Engine {
         self.lap("begin");
         let repeat = self.options.repeat.is_some() && self.step % 2 == 1;
         let (kv, clock) = (&mut self.kv, &mut self.clock);
-        self.model.forward(ids, step.positions, layers, |layer, qkv| {
-            let span = clock.start();
-            // A clone only for a repeat: a kept tensor is one the op may not reuse.
-            let again = repeat.then(|| qkv.clone());
-            let mut out = kv.attend(layer, qkv);
-            if let Some(qkv) = again {
-                out = out.and_then(|_| kv.attend(layer, qkv));
-            }
-            clock.stop(span, OpKind::Attention);
-            Ok(out?)
-        })
+        self.model
+            .forward(ids, step.positions, layers, |layer, qkv| {
+                let span = clock.start();
+                // A clone only for a repeat: a kept tensor is one the op may not reuse.
+                let again = repeat.then(|| qkv.clone());
+                let mut out = kv.attend(layer, qkv);
+                if let Some(qkv) = again {
+                    out = out.and_then(|_| kv.attend(layer, qkv));
+                }
+                clock.stop(span, OpKind::Attention);
+                Ok(out?)
+            })
     }
 
     /// The target forward over every row's window; per real row, the target's choice after each

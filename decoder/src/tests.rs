@@ -492,8 +492,7 @@ mod smollm2 {
         .enumerate()
         .map(|(id, m)| chat(&tokenizer, id, m, 32))
         .collect();
-        let mut engine =
-            Engine::new(model, eos.clone(), options(Drafting::Off, 3)).unwrap();
+        let mut engine = Engine::new(model, eos.clone(), options(Drafting::Off, 3)).unwrap();
         let plain = tokens(&engine.run(requests.clone(), |_, _| {}).unwrap());
         let model = engine.into_model();
         let mut model = Some(model);

@@ -33,7 +33,12 @@ impl Slots {
                 free: self.free.len(),
             });
         }
-        let taken: Vec<i64> = self.free.split_off(self.free.len() - n).into_iter().rev().collect();
+        let taken: Vec<i64> = self
+            .free
+            .split_off(self.free.len() - n)
+            .into_iter()
+            .rev()
+            .collect();
         for &slot in &taken {
             self.owners[slot as usize] = 1;
         }

@@ -32,8 +32,8 @@ use burn_core::tensor::{DType, Device, Int, Tensor};
 
 use crate::attention::KeyRuns;
 use crate::canary::{
-    Canary, CanaryLaunch, FailReasons, KernelKind, PlanInputs, RealKvSource, SourceBytes,
-    StepPlan, WriteInputs,
+    Canary, CanaryLaunch, FailReasons, KernelKind, PlanInputs, RealKvSource, SourceBytes, StepPlan,
+    WriteInputs,
 };
 use crate::deferred::Status;
 use crate::error::{Dims, Error};
@@ -516,8 +516,10 @@ impl PagedKv {
     /// its buffer, then the table's assignment, the gathers and the checks, all enqueued.
     fn launch_begin(&mut self, entries: &[Entry]) -> Result<(OpenStep, Tensor<1, Int>), Error> {
         let mut rows = Vec::new();
-        let (mut assign_start, mut assign_len, mut assign_slots) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut window_start, mut window_len, mut context_len) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut assign_start, mut assign_len, mut assign_slots) =
+            (Vec::new(), Vec::new(), Vec::new());
+        let (mut window_start, mut window_len, mut context_len) =
+            (Vec::new(), Vec::new(), Vec::new());
         let (mut key_start, mut key_count, mut positions) = (Vec::new(), Vec::new(), Vec::new());
         let mut context_offset = 0;
         for entry in entries {
@@ -580,7 +582,9 @@ impl PagedKv {
             rows.clone(),
             Some(window_start.clone()),
             window_len,
-            &GatherOptions::new().capacity(tokens).context("paged KV step window"),
+            &GatherOptions::new()
+                .capacity(tokens)
+                .context("paged KV step window"),
         )?;
         let context = crate::gather::segment_gather_deferred(
             self.req_to_token.clone(),
@@ -593,10 +597,16 @@ impl PagedKv {
         let keys = KeyRuns::check_deferred(context.out_tensor(), key_start, key_count, pool_rows)?;
         let store = self.store.check_slots(window.out_tensor(), pool_rows)?;
         let padded = self.flex.then(|| {
-            let windows: Vec<(usize, usize)> = entries.iter().map(|e| (e.start, e.slots.len())).collect();
+            let windows: Vec<(usize, usize)> =
+                entries.iter().map(|e| (e.start, e.slots.len())).collect();
             padded::Padded::new(&windows, context.out_tensor(), &self.device)
         });
-        let statuses = vec![assigned.status, window.status, context.status, keys.status().clone()];
+        let statuses = vec![
+            assigned.status,
+            window.status,
+            context.status,
+            keys.status().clone(),
+        ];
         let step = OpenStep {
             entries: Vec::new(),
             tokens,
@@ -708,7 +718,10 @@ impl PagedKv {
         for (entry, tokens) in step.entries.iter().zip(committed) {
             let (kept, rejected) = entry.slots.split_at(tokens.len());
             self.slots.release(rejected);
-            let request = self.requests.get_mut(&entry.id).expect("held while in a step");
+            let request = self
+                .requests
+                .get_mut(&entry.id)
+                .expect("held while in a step");
             request.slots.extend_from_slice(kept);
         }
         let mut statuses = step.statuses;
@@ -717,13 +730,17 @@ impl PagedKv {
             crate::deferred::check_all(statuses)?;
             return Ok(StepReport::default());
         }
-        let (violations, dropped) = self.canary_step(&step.entries, committed, step.rows, step.window, statuses)?;
+        let (violations, dropped) =
+            self.canary_step(&step.entries, committed, step.rows, step.window, statuses)?;
         let violations = if violations.is_empty() {
             Vec::new()
         } else {
             self.attribute(&violations)?
         };
-        Ok(StepReport { violations, dropped })
+        Ok(StepReport {
+            violations,
+            dropped,
+        })
     }
 
     /// The canary's plan, write and verify for a step, and the one read-back of its statuses and
@@ -737,7 +754,10 @@ impl PagedKv {
         statuses: Vec<Status>,
     ) -> Result<(Vec<crate::canary::Violation>, u64), Error> {
         let extend: Vec<i64> = committed.iter().map(|tokens| tokens.len() as i64).collect();
-        let ids: Vec<i64> = committed.iter().flat_map(|t| t.iter().map(|&id| id as i64)).collect();
+        let ids: Vec<i64> = committed
+            .iter()
+            .flat_map(|t| t.iter().map(|&id| id as i64))
+            .collect();
         let positions: Vec<i64> = entries
             .iter()
             .zip(committed)
@@ -759,7 +779,9 @@ impl PagedKv {
             rows.clone(),
             Some(prefix.clone()),
             extend.clone(),
-            &GatherOptions::new().capacity(window).context("paged KV kept tokens"),
+            &GatherOptions::new()
+                .capacity(window)
+                .context("paged KV kept tokens"),
         )?;
         let planned = crate::canary::plan_deferred(
             plan,
@@ -772,7 +794,11 @@ impl PagedKv {
         };
         if let Some((ids, positions)) = written {
             let slots = accepted.out_tensor().narrow(0, 0, kept);
-            canary.write(&plan.write, WriteInputs::new(ids, positions, slots), &launch)?;
+            canary.write(
+                &plan.write,
+                WriteInputs::new(ids, positions, slots),
+                &launch,
+            )?;
         }
         canary.verify(&plan.verify, &launch)?;
         let statuses = statuses.into_iter().chain([accepted.status, planned]);
@@ -830,7 +856,10 @@ impl PagedKv {
                     slot: violation.slot,
                     reasons: violation.fail_reasons,
                 };
-                match found.iter_mut().find(|f| (f.request, f.position, f.slot) == (request, position, report.slot)) {
+                match found
+                    .iter_mut()
+                    .find(|f| (f.request, f.position, f.slot) == (request, position, report.slot))
+                {
                     Some(known) => known.reasons = FailReasons(known.reasons.0 | report.reasons.0),
                     None => found.push(report),
                 }
@@ -844,10 +873,13 @@ impl PagedKv {
     /// # Errors
     /// `LayerOutOfRange`.
     pub fn pool(&self, layer: usize) -> Result<Tensor<2>, Error> {
-        self.pools.get(layer).cloned().ok_or(Error::LayerOutOfRange {
-            layer,
-            layers: self.config.layers,
-        })
+        self.pools
+            .get(layer)
+            .cloned()
+            .ok_or(Error::LayerOutOfRange {
+                layer,
+                layers: self.config.layers,
+            })
     }
 
     /// Replaces the pool of `layer` (fault injection, restoring a snapshot).
@@ -912,14 +944,24 @@ impl PagedKv {
 
     /// `parts` (none empty) written into the persistent buffer of this step shape (created on
     /// its first step), each part at an aligned offset; the parts as views of it.
-    fn record<const N: usize>(&mut self, what: &'static str, parts: [&[i64]; N]) -> [Tensor<1, Int>; N] {
+    fn record<const N: usize>(
+        &mut self,
+        what: &'static str,
+        parts: [&[i64]; N],
+    ) -> [Tensor<1, Int>; N] {
         let key = (what, parts.iter().map(|part| part.len()).collect());
         let mut values = Vec::new();
         let mut offsets = [0; N];
         for (offset, part) in offsets.iter_mut().zip(parts) {
             *offset = values.len();
             values.extend_from_slice(part);
-            values.resize(values.len().next_multiple_of(RECORD_ALIGN).max(RECORD_ALIGN), 0);
+            values.resize(
+                values
+                    .len()
+                    .next_multiple_of(RECORD_ALIGN)
+                    .max(RECORD_ALIGN),
+                0,
+            );
         }
         let len = values.len();
         let device = &self.device;
@@ -933,7 +975,9 @@ impl PagedKv {
     }
 
     fn request(&self, id: RequestId) -> Result<&Request, Error> {
-        self.requests.get(&id).ok_or(Error::UnknownRequest { request: id.0 })
+        self.requests
+            .get(&id)
+            .ok_or(Error::UnknownRequest { request: id.0 })
     }
 
     fn insert(&mut self, request: Request) -> RequestId {
@@ -960,5 +1004,8 @@ fn step_order(call: &'static str, why: &'static str) -> Error {
 /// `values` written into `target`'s buffer in place (on the Cube backend; elsewhere a new
 /// tensor of them).
 fn write_i64(target: Tensor<1, Int>, values: Vec<i64>) -> Tensor<1, Int> {
-    Tensor::from_dispatch(<Dispatch as KvPlanBackend>::write_i64(target.into_dispatch(), values))
+    Tensor::from_dispatch(<Dispatch as KvPlanBackend>::write_i64(
+        target.into_dispatch(),
+        values,
+    ))
 }

@@ -33,7 +33,11 @@ pub(crate) struct Heads {
 impl Padded {
     /// The layout of windows `(start, len)` (in step order) over their packed context slots
     /// `context` (each row's `0..start + len`, rows in step order).
-    pub(crate) fn new(windows: &[(usize, usize)], context: Tensor<1, Int>, device: &Device) -> Self {
+    pub(crate) fn new(
+        windows: &[(usize, usize)],
+        context: Tensor<1, Int>,
+        device: &Device,
+    ) -> Self {
         let rows = windows.len();
         let max_q = windows.iter().map(|w| w.1).max().unwrap_or(1);
         let max_kv = windows.iter().map(|w| w.0 + w.1).max().unwrap_or(1);
@@ -92,7 +96,9 @@ impl Padded {
         let kv = pool.select(0, self.kv_slots.clone());
         let k = kv.clone().narrow(1, 0, kv_heads * hd);
         let v = kv.narrow(1, kv_heads * hd, kv_heads * hd);
-        let k = k.reshape([rows, max_kv, kv_heads, hd]).permute([0, 2, 3, 1]);
+        let k = k
+            .reshape([rows, max_kv, kv_heads, hd])
+            .permute([0, 2, 3, 1]);
         let v = v.reshape([rows, max_kv, kv_heads, hd]).swap_dims(1, 2);
         let scale = 1.0 / (hd as f64).sqrt();
         let scores = q.matmul(k).mul_scalar(scale); // [rows, kv_heads, groups * max_q, max_kv]

@@ -562,7 +562,13 @@ impl Segments {
     }
 
     fn run(&self) -> Result<(), Error> {
-        segment_gather(&self.table, &self.rows, self.start.as_ref(), &self.lengths, crate::error::SEGMENT_CONTEXT)
+        segment_gather(
+            &self.table,
+            &self.rows,
+            self.start.as_ref(),
+            &self.lengths,
+            crate::error::SEGMENT_CONTEXT,
+        )
     }
 }
 

@@ -39,7 +39,11 @@ fn poisoned(config: PagedKvConfig, device: &Device) -> PagedKv {
 }
 
 fn floats(tensor: Tensor<2>) -> Vec<f32> {
-    tensor.into_data().convert::<f32>().try_to_vec::<f32>().expect("f32 values")
+    tensor
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .expect("f32 values")
 }
 
 fn table(kv: &PagedKv) -> Vec<i64> {
@@ -129,8 +133,17 @@ fn step(
             kv_heads: config.kv_heads,
             head_dim: config.head_dim,
         };
-        let want = paged_attention(&q, &k_pool, &v_pool, heads, &slots, &run_starts, &counts, "")
-            .expect("the host's runs are valid");
+        let want = paged_attention(
+            &q,
+            &k_pool,
+            &v_pool,
+            heads,
+            &slots,
+            &run_starts,
+            &counts,
+            "",
+        )
+        .expect("the host's runs are valid");
         assert_eq!(out.len(), want.len(), "layer {layer}: output length");
         for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
             assert!(
@@ -190,10 +203,18 @@ pub fn values(device: &Device) {
     let rejected = contexts[0][19];
     let report = kv.end(&[&[16, 17], &[21, 22]]).unwrap();
     assert!(report.violations.is_empty(), "{report:?}");
-    assert_eq!(kv.slot_owners(rejected), 0, "a rejected draft's slot is free again");
+    assert_eq!(
+        kv.slot_owners(rejected),
+        0,
+        "a rejected draft's slot is free again"
+    );
     assert_eq!(kv.slots(a).unwrap(), &contexts[0][..19]);
     assert_eq!(kv.slots(b).unwrap(), &contexts[1][..5]);
-    assert_eq!(&contexts[1][..3], &a_slots[..3], "B's row names A's prefix slots");
+    assert_eq!(
+        &contexts[1][..3],
+        &a_slots[..3],
+        "B's row names A's prefix slots"
+    );
     assert_eq!(kv.free_slots(), config.slots - 19 - 2);
 
     // Decode steps: the canary keeps verifying the shared slots.
@@ -204,7 +225,10 @@ pub fn values(device: &Device) {
     }
     // Rows stored at rejected slots stay in the pool (nothing clears them); compare only the
     // live ones, poison elsewhere.
-    let live: Vec<i64> = kv.requests().flat_map(|id| kv.slots(id).unwrap().to_vec()).collect();
+    let live: Vec<i64> = kv
+        .requests()
+        .flat_map(|id| kv.slots(id).unwrap().to_vec())
+        .collect();
     for rows in &mut host.rows {
         rows.retain(|slot, _| live.contains(slot) || *slot == rejected);
     }
@@ -213,7 +237,11 @@ pub fn values(device: &Device) {
     for id in [a, b] {
         let row = kv.row(id).unwrap() as usize;
         let slots = kv.slots(id).unwrap();
-        assert_eq!(&t[row * config.max_context..][..slots.len()], slots, "request {id}'s row");
+        assert_eq!(
+            &t[row * config.max_context..][..slots.len()],
+            slots,
+            "request {id}'s row"
+        );
     }
 
     kv.remove(a).unwrap();
@@ -224,7 +252,10 @@ pub fn values(device: &Device) {
     let report = kv.end(&[&[50, 51]]).unwrap();
     assert!(report.violations.is_empty(), "{report:?}");
     kv.remove(b).unwrap();
-    assert_eq!((kv.free_slots(), kv.free_rows()), (config.slots, config.max_requests));
+    assert_eq!(
+        (kv.free_slots(), kv.free_rows()),
+        (config.slots, config.max_requests)
+    );
 }
 
 /// What a `PagedKv` shows of its state, to compare before and after a refused call.
@@ -264,9 +295,18 @@ pub fn errors(device: &Device) {
         (|c| c.slots = 0, "slots = 0"),
         (|c| c.max_context = 0, "max_context = 0"),
         (|c| c.dtype = DType::I64, "dtype"),
-        (|c| c.canary.as_mut().unwrap().ring_rows = 0, "ring_rows = 0"),
-        (|c| c.canary.as_mut().unwrap().layers = vec![2], "canary.layers = 2"),
-        (|c| c.canary.as_mut().unwrap().layers = vec![0; 5], "canary.layers = 5"),
+        (
+            |c| c.canary.as_mut().unwrap().ring_rows = 0,
+            "ring_rows = 0",
+        ),
+        (
+            |c| c.canary.as_mut().unwrap().layers = vec![2],
+            "canary.layers = 2",
+        ),
+        (
+            |c| c.canary.as_mut().unwrap().layers = vec![0; 5],
+            "canary.layers = 5",
+        ),
     ];
     for (change, named) in bad_configs {
         let mut config = config();
@@ -294,7 +334,14 @@ pub fn errors(device: &Device) {
     assert_kind(kv.remove(gone), "unknown_request");
     assert_kind(kv.share(gone, 0), "unknown_request");
     let error = kv.share(a, 5).unwrap_err();
-    assert_eq!(error, Error::PrefixTooLong { request: 0, len: 4, prefix: 5 });
+    assert_eq!(
+        error,
+        Error::PrefixTooLong {
+            request: 0,
+            len: 4,
+            prefix: 5
+        }
+    );
     assert_kind(kv.truncate(a, 5), "keep_past_window");
     let b = kv.add().unwrap();
     let c = kv.add().unwrap();
@@ -309,11 +356,24 @@ pub fn errors(device: &Device) {
     assert_kind(kv.begin(&[(a, 1), (a, 1)]), "request_twice_in_step");
     assert_kind(kv.begin(&[(a, 0)]), "empty_window");
     let error = kv.begin(&[(a, 21)]).unwrap_err();
-    assert_eq!(error, Error::ContextFull { request: 0, len: 25, max_context: 24 });
+    assert_eq!(
+        error,
+        Error::ContextFull {
+            request: 0,
+            len: 25,
+            max_context: 24
+        }
+    );
     let b = kv.add().unwrap();
     let c = kv.add().unwrap();
     let error = kv.begin(&[(a, 20), (b, 15), (c, 2)]).unwrap_err();
-    assert_eq!(error, Error::OutOfSlots { needed: 37, free: 36 });
+    assert_eq!(
+        error,
+        Error::OutOfSlots {
+            needed: 37,
+            free: 36
+        }
+    );
     kv.remove(c).unwrap();
     kv.remove(b).unwrap();
     assert_eq!(snapshot(&kv), before, "after the refused begins");
@@ -328,11 +388,22 @@ pub fn errors(device: &Device) {
     let inside = (kv.free_slots(), kv.slots(a).unwrap().to_vec());
     assert_kind(kv.begin(&[(a, 1)]), "step_order");
     assert_kind(kv.attend(2, qkv()), "layer_out_of_range");
-    let error = kv.attend(0, Tensor::<2>::zeros([3, config.qkv_width()], device)).unwrap_err();
-    assert_eq!(error.to_string(), "paged KV: qkv has shape [3, 64], expected [2, 64]");
-    assert_kind(kv.attend(0, Tensor::<2>::zeros([2, 63], device)), "tensor_shape");
+    let error = kv
+        .attend(0, Tensor::<2>::zeros([3, config.qkv_width()], device))
+        .unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "paged KV: qkv has shape [3, 64], expected [2, 64]"
+    );
     assert_kind(
-        kv.attend(0, Tensor::<2>::zeros([2, config.qkv_width()], (device, DType::F64))),
+        kv.attend(0, Tensor::<2>::zeros([2, 63], device)),
+        "tensor_shape",
+    );
+    assert_kind(
+        kv.attend(
+            0,
+            Tensor::<2>::zeros([2, config.qkv_width()], (device, DType::F64)),
+        ),
         "tensor_dtype",
     );
     assert_kind(kv.remove(a), "step_order");
@@ -340,8 +411,19 @@ pub fn errors(device: &Device) {
     assert_kind(kv.set_pool(0, kv.pool(0).unwrap()), "step_order");
     assert_kind(kv.end(&[&[1], &[2]]), "step_requests");
     let error = kv.end(&[&[1, 2, 3]]).unwrap_err();
-    assert_eq!(error, Error::KeepPastWindow { request: 0, keep: 3, window: 2 });
-    assert_eq!((kv.free_slots(), kv.slots(a).unwrap().to_vec()), inside, "inside the step");
+    assert_eq!(
+        error,
+        Error::KeepPastWindow {
+            request: 0,
+            keep: 3,
+            window: 2
+        }
+    );
+    assert_eq!(
+        (kv.free_slots(), kv.slots(a).unwrap().to_vec()),
+        inside,
+        "inside the step"
+    );
     for layer in 0..config.layers {
         kv.attend(layer, qkv()).unwrap();
     }
@@ -350,7 +432,10 @@ pub fn errors(device: &Device) {
 
     // Pools and tables of another shape.
     assert_kind(kv.pool(2), "layer_out_of_range");
-    assert_kind(kv.set_pool(0, Tensor::<2>::zeros([3, 3], device)), "tensor_shape");
+    assert_kind(
+        kv.set_pool(0, Tensor::<2>::zeros([3, 3], device)),
+        "tensor_shape",
+    );
     assert_kind(
         kv.set_pool(0, Tensor::<2>::zeros([41, 32], (device, DType::F64))),
         "tensor_dtype",
@@ -377,7 +462,12 @@ pub fn errors(device: &Device) {
     let options = kvplan::gather::GatherOptions::new();
     let error = kvplan::gather::segment_gather(table(), int(vec![5]), None, int(vec![1]), &options)
         .unwrap_err();
-    assert!(error.to_string().starts_with("DFLASH req_to_token segment gather"), "{error}");
+    assert!(
+        error
+            .to_string()
+            .starts_with("DFLASH req_to_token segment gather"),
+        "{error}"
+    );
 }
 
 /// Random add / share / step / keep / truncate / remove sequences against a host model: after
@@ -460,7 +550,10 @@ pub fn property(device: &Device) {
         for (id, _) in model.drain(..) {
             kv.remove(id).unwrap();
         }
-        assert_eq!((kv.free_slots(), kv.free_rows()), (config.slots, config.max_requests));
+        assert_eq!(
+            (kv.free_slots(), kv.free_rows()),
+            (config.slots, config.max_requests)
+        );
     }
 }
 
@@ -469,14 +562,25 @@ fn check_model(kv: &PagedKv, model: &[(RequestId, Vec<i64>)], config: &PagedKvCo
     let t = table(kv);
     let mut owners: HashMap<i64, u32> = HashMap::new();
     for (id, slots) in model {
-        assert_eq!(kv.slots(*id).unwrap(), slots.as_slice(), "seed {seed}: request {id}");
+        assert_eq!(
+            kv.slots(*id).unwrap(),
+            slots.as_slice(),
+            "seed {seed}: request {id}"
+        );
         for &slot in slots {
-            assert!(slot >= 1 && slot as usize <= config.slots, "seed {seed}: slot {slot}");
+            assert!(
+                slot >= 1 && slot as usize <= config.slots,
+                "seed {seed}: slot {slot}"
+            );
             *owners.entry(slot).or_default() += 1;
         }
     }
     for (&slot, &count) in &owners {
-        assert_eq!(kv.slot_owners(slot), count, "seed {seed}: owners of slot {slot}");
+        assert_eq!(
+            kv.slot_owners(slot),
+            count,
+            "seed {seed}: owners of slot {slot}"
+        );
     }
     // A shared slot sits at the same position in every row that names it.
     for (i, (_, a)) in model.iter().enumerate() {
@@ -488,7 +592,11 @@ fn check_model(kv: &PagedKv, model: &[(RequestId, Vec<i64>)], config: &PagedKvCo
             }
         }
     }
-    assert_eq!(owners.len() + kv.free_slots(), config.slots, "seed {seed}: live + free slots");
+    assert_eq!(
+        owners.len() + kv.free_slots(),
+        config.slots,
+        "seed {seed}: live + free slots"
+    );
     // The rows of requests that have been in a step hold their slots (a shared prefix is
     // written with its first step).
     let _ = t;
@@ -517,23 +625,34 @@ pub fn faults(device: &Device) {
     let flipped = f32::from_bits(pool[slot as usize * width].to_bits() ^ 0x2000_0000);
     pool[slot as usize * width] = flipped;
     host.rows[0].get_mut(&slot).expect("a stored slot")[0] = flipped;
-    kv.set_pool(0, Tensor::from_data(TensorData::new(pool, [config.slots + 1, width]), device))
-        .unwrap();
+    kv.set_pool(
+        0,
+        Tensor::from_data(TensorData::new(pool, [config.slots + 1, width]), device),
+    )
+    .unwrap();
     step(&mut kv, &mut host, &mut rng, &[(a, 1), (b, 1)], device);
     let report = kv.end(&[&[8], &[9]]).unwrap();
-    let mut found: Vec<(RequestId, usize, i64)> =
-        report.violations.iter().map(|v| (v.request, v.position, v.slot)).collect();
-    found.sort();
-    assert_eq!(found, vec![(a, 1, slot), (b, 1, slot)], "{report:?}");
-    assert!(report
+    let mut found: Vec<(RequestId, usize, i64)> = report
         .violations
         .iter()
-        .all(|v| v.reasons.contains(FailReasons::VERIFY_REAL_KV_HASH_MISMATCH)));
+        .map(|v| (v.request, v.position, v.slot))
+        .collect();
+    found.sort();
+    assert_eq!(found, vec![(a, 1, slot), (b, 1, slot)], "{report:?}");
+    assert!(report.violations.iter().all(|v| {
+        v.reasons
+            .contains(FailReasons::VERIFY_REAL_KV_HASH_MISMATCH)
+    }));
     // Both recompute: their caches are dropped and prefilled again.
     kv.truncate(b, 0).unwrap();
     kv.truncate(a, 0).unwrap();
     step(&mut kv, &mut host, &mut rng, &[(a, 6), (b, 4)], device);
-    assert!(kv.end(&[&[1, 2, 3, 4, 5, 8], &[1, 2, 6, 7]]).unwrap().violations.is_empty());
+    assert!(
+        kv.end(&[&[1, 2, 3, 4, 5, 8], &[1, 2, 6, 7]])
+            .unwrap()
+            .violations
+            .is_empty()
+    );
 
     // A's row names B's slot at position 3 (vLLM 56734's stale row).
     let stolen = kv.slots(b).unwrap()[3];
@@ -541,17 +660,26 @@ pub fn faults(device: &Device) {
     let row = kv.row(a).unwrap() as usize;
     cells[row * config.max_context + 3] = stolen;
     let shape = [config.max_requests + 1, config.max_context];
-    kv.set_req_to_token(Tensor::from_data(TensorData::new(cells, shape), (device, DType::I64)))
-        .unwrap();
+    kv.set_req_to_token(Tensor::from_data(
+        TensorData::new(cells, shape),
+        (device, DType::I64),
+    ))
+    .unwrap();
     step(&mut kv, &mut host, &mut rng, &[(a, 1), (b, 1)], device);
     let report = kv.end(&[&[10], &[11]]).unwrap();
-    let found: Vec<(RequestId, usize, i64)> =
-        report.violations.iter().map(|v| (v.request, v.position, v.slot)).collect();
+    let found: Vec<(RequestId, usize, i64)> = report
+        .violations
+        .iter()
+        .map(|v| (v.request, v.position, v.slot))
+        .collect();
     // The stale cell first; its successor's chain no longer verifies either (it was chained
     // from the slot the row named before).
     let own = kv.slots(a).unwrap()[4];
     assert_eq!(found, vec![(a, 3, stolen), (a, 4, own)], "{report:?}");
     kv.remove(a).unwrap();
     kv.remove(b).unwrap();
-    assert_eq!((kv.free_slots(), kv.free_rows()), (config.slots, config.max_requests));
+    assert_eq!(
+        (kv.free_slots(), kv.free_rows()),
+        (config.slots, config.max_requests)
+    );
 }
