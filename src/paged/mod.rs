@@ -492,12 +492,11 @@ impl PagedKv {
             });
         }
         match self.launch_begin(&entries) {
-            Ok(step) => {
+            Ok((step, positions)) => {
                 for entry in &entries {
                     self.requests.get_mut(&entry.id).expect("checked").unwritten = 0;
                 }
-                let positions = step.1;
-                self.step = Some(OpenStep { entries, ..step.0 });
+                self.step = Some(OpenStep { entries, ..step });
                 Ok(StepInputs {
                     positions,
                     tokens: needed,
