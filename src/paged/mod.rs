@@ -654,28 +654,29 @@ impl PagedKv {
         }
         let heads = self.config.query_heads;
         let pool = std::mem::replace(&mut self.pools[layer], self.placeholder.clone());
-        let heads_of = padded::Heads {
-            heads,
-            kv_heads: self.config.kv_heads,
-            head_dim: self.config.head_dim,
-        };
-        let attended = if let Some(layout) = &step.padded {
-            let q_width = heads * self.config.head_dim;
-            let kv = qkv.clone().narrow(1, q_width, self.config.kv_width());
-            step.store.store(pool, kv).map(|pool| {
-                let out = layout.attend(qkv.narrow(1, 0, q_width), pool.clone(), heads_of);
-                (out, pool)
-            })
-        } else if step.tokens <= ONE_LAUNCH_TOKENS {
+        let attended = if step.padded.is_none() && step.tokens <= ONE_LAUNCH_TOKENS {
             step.store
                 .store_qkv_and_attend(pool, qkv, &step.keys, heads)
                 .map(|attended| attended.into_tensors())
         } else {
+            // The store, then the attention: Burn ops over padded K/V on Flex, the op elsewhere.
             let q_width = heads * self.config.head_dim;
             let kv = qkv.clone().narrow(1, q_width, self.config.kv_width());
             step.store.store(pool, kv).and_then(|pool| {
                 let q = qkv.narrow(1, 0, q_width);
-                let out = crate::attention::paged_attention_kv(q, pool.clone(), &step.keys, heads)?;
+                let out = match &step.padded {
+                    Some(layout) => {
+                        let shape = padded::Heads {
+                            heads,
+                            kv_heads: self.config.kv_heads,
+                            head_dim: self.config.head_dim,
+                        };
+                        layout.attend(q, pool.clone(), shape)
+                    }
+                    None => {
+                        crate::attention::paged_attention_kv(q, pool.clone(), &step.keys, heads)?
+                    }
+                };
                 Ok((out, pool))
             })
         };
@@ -792,7 +793,11 @@ impl PagedKv {
             None => launch,
         };
         if let Some((ids, positions)) = written {
-            let slots = accepted.out_tensor().narrow(0, 0, kept);
+            // The gather's first `kept` values as a view (Burn's slice copies off-alignment ends).
+            let slots = Tensor::from_dispatch(<Dispatch as KvPlanBackend>::gather_prefix(
+                accepted.out.clone(),
+                kept,
+            ));
             canary.write(
                 &plan.write,
                 WriteInputs::new(ids, positions, slots),
