@@ -4,7 +4,7 @@
 //!
 //! `cargo run --release --example paged_kv`
 
-use burn_core::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn_core::tensor::{DType, Device, Tensor, TensorData};
 use kvplan::{CanaryConfig, PagedKv, PagedKvConfig, RequestId};
 
 /// One attention layer with random weights: embed, project to queries|keys|values, attend over
@@ -38,15 +38,8 @@ impl TinyModel {
         windows: &[(RequestId, &[u32])],
     ) -> kvplan::Result<Vec<u32>> {
         // --- the decode step's core (README) ---
-        let plan: Vec<(RequestId, usize)> = windows.iter().map(|(id, t)| (*id, t.len())).collect();
-        let step = kv.begin(&plan)?; // slots, table, contexts, key runs: enqueued
-        let ids: Vec<i64> = windows
-            .iter()
-            .flat_map(|(_, t)| t.iter().map(|&t| t as i64))
-            .collect();
-        let ids =
-            Tensor::<1, Int>::from_data(TensorData::new(ids, [step.tokens]), &self.embed.device());
-        let hidden = self.embed.clone().select(0, ids);
+        let step = kv.begin(windows)?; // slots, table, contexts, key runs: one write, enqueued
+        let hidden = self.embed.clone().select(0, step.ids);
         let qkv = hidden.matmul(self.qkv.clone()); // a real model applies RoPE at step.positions
         let attended = kv.attend(0, qkv)?; // this layer's K/V stored, its queries attended
         let logits = attended.matmul(self.head.clone());
@@ -84,11 +77,11 @@ fn main() -> kvplan::Result<()> {
     let a = kv.add()?;
     let prompt_a = [1, 2, 3, 4, 5, 6];
     let mut next = model.forward(&mut kv, &[(a, &prompt_a)])?;
-    kv.end(&[&prompt_a])?;
+    kv.end(&[prompt_a.len()])?;
     let b = kv.share(a, 4)?;
     let prompt_b = [9, 10];
     next.extend(model.forward(&mut kv, &[(b, &prompt_b)])?);
-    kv.end(&[&prompt_b])?;
+    kv.end(&[prompt_b.len()])?;
     println!(
         "prefilled: A {} tokens, B {} (4 shared)",
         kv.len(a)?,
@@ -99,7 +92,7 @@ fn main() -> kvplan::Result<()> {
     for _ in 0..4 {
         let (ta, tb) = ([next[0]], [next[1]]);
         next = model.forward(&mut kv, &[(a, &ta), (b, &tb)])?;
-        let report = kv.end(&[&ta, &tb])?;
+        let report = kv.end(&[1, 1])?; // each keeps its one token
         assert!(report.violations.is_empty());
     }
     println!("decoded: A {} tokens, B {}", kv.len(a)?, kv.len(b)?);
@@ -123,7 +116,7 @@ fn main() -> kvplan::Result<()> {
     )?;
     let tb = [next[1]];
     model.forward(&mut kv, &[(b, &tb)])?;
-    let report = kv.end(&[&tb])?;
+    let report = kv.end(&[1])?;
     for v in &report.violations {
         println!(
             "canary: request {} position {} slot {}: {:?}",

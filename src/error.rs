@@ -792,6 +792,15 @@ pub enum Error {
         why: &'static str,
     },
 
+    /// A captured step cannot replay this step: another shape (requests, tokens, shared-prefix
+    /// cells to write), another `PagedKv`, or buffers replaced since the capture (`set_pool`,
+    /// `set_req_to_token`, the store's clock starting again). Capture again.
+    #[error("paged KV: the captured step cannot replay this one: {why}")]
+    GraphMismatch {
+        /// Why.
+        why: &'static str,
+    },
+
     /// A launch would index more elements than the device's kernels can address: it has no
     /// 64-bit indexing and a binding (or a count the kernel keeps) passes 2^31 elements.
     #[error(
@@ -917,6 +926,7 @@ impl Error {
             Error::KeepPastWindow { .. } => "keep_past_window",
             Error::StepRequests { .. } => "step_requests",
             Error::StepOrder { .. } => "step_order",
+            Error::GraphMismatch { .. } => "graph_mismatch",
         }
     }
 }

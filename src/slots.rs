@@ -33,7 +33,7 @@ use burn_core::backend::tensor::{FloatTensor, IntTensor};
 use burn_core::backend::{Backend, Dispatch, TensorData, TensorMetadata};
 use burn_core::tensor::kind::Basic;
 use burn_core::tensor::{Device, Float, Int, IntDType, Shape, Tensor};
-use kvplan_kernels::slots::{STORE_CLOCK_LIMIT, fresh_store_control};
+use kvplan_kernels::slots::{STORE_CLOCK, STORE_CLOCK_LIMIT, fresh_store_control};
 
 use crate::attention::KeyRuns;
 use crate::deferred::Status;
@@ -374,7 +374,7 @@ impl<B: KvPlanBackend> KvStore<B> {
         let words = Buffer::new("KvStore slot words", num_slots.max(1), 4);
         room::on_device(device, &[words])?;
         Ok(Self {
-            scratch: Some(fresh_scratch::<B>(num_slots, device)),
+            scratch: Some(fresh_scratch::<B>(num_slots, device, 0)),
             num_slots,
             clock: 1,
             device: device.clone(),
@@ -399,10 +399,32 @@ impl<B: KvPlanBackend> KvStore<B> {
         &self.device
     }
 
-    /// Moves the clock on as if `tokens` more tokens had been stored (tests of the clock's end).
+    /// Moves the clock on as if `tokens` more tokens had been stored (tests of the clock's end;
+    /// a captured step's replays).
     #[doc(hidden)]
     pub fn advance_clock(&mut self, tokens: u64) {
         self.clock = (self.clock + tokens).min(STORE_CLOCK_LIMIT);
+        if let Some(scratch) = self.scratch.as_mut() {
+            let clean = fresh_scratch::<B>(0, &self.device, self.clock - 1);
+            scratch.control = clean.control;
+        }
+    }
+
+    /// Starts the clock again on fresh scratch (new buffers).
+    pub(crate) fn restart(&mut self) {
+        self.scratch = Some(fresh_scratch::<B>(self.num_slots, &self.device, 0));
+        self.clock = 1;
+    }
+
+    /// The host's clock follows `tokens` claimed by a replayed check (the device advanced its own).
+    pub(crate) fn replayed(&mut self, tokens: u64) {
+        self.clock = (self.clock + tokens).min(STORE_CLOCK_LIMIT);
+    }
+
+    /// Whether a check of `tokens` tokens claims its clock values without starting again from
+    /// fresh scratch (new buffers: a captured graph that holds the old ones is stale then).
+    pub(crate) fn room(&self, tokens: u64) -> bool {
+        self.clock + tokens <= STORE_CLOCK_LIMIT
     }
 
     /// [`check_slots`](KvStore::check_slots) on primitives.
@@ -457,13 +479,14 @@ impl<B: KvPlanBackend> KvStore<B> {
         };
         // Past the clock's range the words start again from zero: the one fill in 2^31 stored
         // tokens. A single call of that many tokens is refused by the op (`index_range`).
+        // The host follows the device's clock (every check advances it by its tokens) to know
+        // when.
         if self.clock + tokens > STORE_CLOCK_LIMIT && tokens < STORE_CLOCK_LIMIT {
-            scratch.slot_words = zeroed_words::<B>(self.num_slots, &self.device);
+            scratch = fresh_scratch::<B>(self.num_slots, &self.device, 0);
             self.clock = 1;
         }
-        let base = self.clock as u32;
         self.clock = (self.clock + tokens).min(STORE_CLOCK_LIMIT);
-        let output = B::check_store_slots(loc.clone(), scratch, base, cache_rows);
+        let output = B::check_store_slots(loc.clone(), scratch, cache_rows);
         // Held while the slots live: a later check then writes a copy of the words, not these.
         let claims = output.scratch.slot_words.clone();
         self.scratch = Some(output.scratch);
@@ -472,7 +495,6 @@ impl<B: KvPlanBackend> KvStore<B> {
             cache_rows,
             status: Some(Status::new(output.status, STORE_CONTEXT)),
             claims,
-            base,
             one_launch: self.one_launch,
         }
     }
@@ -488,10 +510,9 @@ pub struct StoreSlots<B: Backend = Dispatch> {
     // Private: the writes trust it, so only the check and the writes may set it. Each write
     // takes it (a tensor moved into an op costs Fusion no drop later) and sets the one it returns.
     status: Option<Status<B>>,
-    // The store scratch's slot words after this check, and its first clock value: which new row
-    // holds a slot, for `store_kv_and_attend`.
+    // The store scratch's slot words after this check (with its first clock value, in the
+    // status): which new row holds a slot, for `store_kv_and_attend`.
     claims: IntTensor<B>,
-    base: u32,
     one_launch: OneLaunch,
 }
 
@@ -761,7 +782,7 @@ impl<B: KvPlanBackend> StoreSlots<B> {
         }
         let rows = self.new_rows();
         let output =
-            B::store_and_attend(q, k_pool, v_pool, k, v, rows, self.base, slots, runs, heads);
+            B::store_and_attend(q, k_pool, v_pool, k, v, rows, slots, runs, heads);
         Ok(Attended::from(output))
     }
 
@@ -789,7 +810,7 @@ impl<B: KvPlanBackend> StoreSlots<B> {
         }
         let rows = self.new_rows();
         let output =
-            B::store_qk_and_attend(qk, k_pool, v_pool, v, rows, self.base, slots, runs, heads);
+            B::store_qk_and_attend(qk, k_pool, v_pool, v, rows, slots, runs, heads);
         Ok(Attended::from(output))
     }
 
@@ -821,7 +842,7 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             return Ok(AttendedKv { out, kv_pool });
         }
         let rows = self.new_rows();
-        let output = B::store_qkv_and_attend(qkv, kv_pool, rows, self.base, slots, runs, heads);
+        let output = B::store_qkv_and_attend(qkv, kv_pool, rows, slots, runs, heads);
         Ok(AttendedKv::from(output))
     }
 
@@ -931,12 +952,17 @@ fn zeroed_words<B: Backend>(num_slots: usize, device: &B::Device) -> IntTensor<B
     B::int_zeros(Shape::new([num_slots.max(1)]), device, IntDType::U32)
 }
 
-/// The scratch of a fresh store: zeroed slot words, clean control words.
-fn fresh_scratch<B: Backend>(num_slots: usize, device: &B::Device) -> StoreScratchPrimitive<B> {
-    let control: Vec<i64> = fresh_store_control()
+/// The scratch of a fresh store: zeroed slot words, clean control words, `clock` values claimed.
+fn fresh_scratch<B: Backend>(
+    num_slots: usize,
+    device: &B::Device,
+    clock: u64,
+) -> StoreScratchPrimitive<B> {
+    let mut control: Vec<i64> = fresh_store_control()
         .into_iter()
         .map(|word| word as i64)
         .collect();
+    control[STORE_CLOCK] = clock as i64;
     let len = control.len();
     StoreScratchPrimitive {
         slot_words: zeroed_words::<B>(num_slots, device),

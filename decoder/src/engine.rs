@@ -244,11 +244,6 @@ impl RowWork {
     }
 }
 
-/// What a step committed for one row: tokens whose K/V are now part of the context.
-struct Committed {
-    tokens: Vec<u32>,
-}
-
 /// Violation rows the canary's ring keeps between reads.
 const RING_ROWS: usize = 256;
 /// The layer whose K/V pool the canary fingerprints (each slot's K and V bytes).
@@ -461,7 +456,7 @@ impl Engine {
             draft_probs: None,
         }];
         let targets = self.verify(&work);
-        let ended = self.kv.end(&[&[]]);
+        let ended = self.kv.end(&[0]);
         self.kv.remove(kv)?;
         ended?;
         match targets?.pop() {
@@ -522,11 +517,10 @@ impl Engine {
             self.lap("self-speculative drafts");
         }
         let targets = self.verify(&work)?;
-        let committed = self.accept(&work, targets, on_tokens);
+        let keep = self.accept(&work, targets, on_tokens);
         self.lap("accept");
-        let kept: Vec<&[u32]> = committed.iter().map(|c| c.tokens.as_slice()).collect();
         let span = self.clock.start();
-        let report = self.kv.end(&kept);
+        let report = self.kv.end(&keep);
         self.clock.stop(span, OpKind::Bookkeeping);
         self.attribute(&report?);
         self.recompute_reported()?;
@@ -596,16 +590,17 @@ impl Engine {
             work[i].draft.clear();
         }
         let rolled_back = drafting.clone();
-        let device = self.model.device().clone();
         let mut current: Vec<u32> = drafting.iter().map(|&i| work[i].input[0]).collect();
         for _ in 0..k {
             if drafting.is_empty() {
                 break;
             }
-            let windows: Vec<(RequestId, usize)> =
-                drafting.iter().map(|&i| (work[i].kv, 1)).collect();
-            let ids = ints(current.iter().map(|&t| t as i64), &device);
-            let hidden = self.forward(&windows, ids, 0..layers)?;
+            let windows: Vec<(RequestId, &[u32])> = drafting
+                .iter()
+                .zip(&current)
+                .map(|(&i, token)| (work[i].kv, std::slice::from_ref(token)))
+                .collect();
+            let hidden = self.forward(&windows, 0..layers)?;
             let logits = self.model.logits(hidden);
             // Each drafted token and the draft's probability of it.
             let mut drafted = Vec::with_capacity(drafting.len());
@@ -627,10 +622,8 @@ impl Engine {
                 }
             }
             // The step's tokens are now in the cache: the next step attends over them.
-            let kept: Vec<[u32; 1]> = current.iter().map(|&t| [t]).collect();
-            let kept: Vec<&[u32]> = kept.iter().map(|t| t.as_slice()).collect();
             let span = self.clock.start();
-            let report = self.kv.end(&kept);
+            let report = self.kv.end(&vec![1; drafting.len()]);
             self.clock.stop(span, OpKind::Bookkeeping);
             self.attribute(&report?);
             let mut next = Vec::with_capacity(drafting.len());
@@ -650,12 +643,11 @@ impl Engine {
         Ok(())
     }
 
-    /// A forward of blocks `layers` over the windows' tokens `ids` (a step of the paged KV
-    /// state, begun here; the caller ends it).
+    /// A forward of blocks `layers` over the windows' tokens (a step of the paged KV state,
+    /// begun here; the caller ends it).
     fn forward(
         &mut self,
-        windows: &[(RequestId, usize)],
-        ids: Tensor<1, Int>,
+        windows: &[(RequestId, &[u32])],
         layers: std::ops::Range<usize>,
     ) -> Result<Tensor<2>> {
         let span = self.clock.start();
@@ -666,7 +658,7 @@ impl Engine {
         let repeat = self.options.repeat.is_some() && self.step % 2 == 1;
         let (kv, clock) = (&mut self.kv, &mut self.clock);
         self.model
-            .forward(ids, step.positions, layers, |layer, qkv| {
+            .forward(step.ids, step.positions, layers, |layer, qkv| {
                 let span = clock.start();
                 // A clone only for a repeat: a kept tensor is one the op may not reuse.
                 let again = repeat.then(|| qkv.clone());
@@ -683,15 +675,17 @@ impl Engine {
     /// of the row's last input token and draft tokens (`draft.len() + 1` of them): greedy token ids,
     /// or the target's distributions when sampling.
     fn verify(&mut self, work: &[RowWork]) -> Result<Vec<Target>> {
-        let device = self.model.device().clone();
-        let windows: Vec<(RequestId, usize)> = work.iter().map(|w| (w.kv, w.window())).collect();
-        let ids = ints(
-            work.iter()
-                .flat_map(|w| w.input.iter().chain(&w.draft).map(|&t| t as i64)),
-            &device,
-        );
+        let tokens: Vec<Vec<u32>> = work
+            .iter()
+            .map(|w| w.input.iter().chain(&w.draft).copied().collect())
+            .collect();
+        let windows: Vec<(RequestId, &[u32])> = work
+            .iter()
+            .zip(&tokens)
+            .map(|(w, tokens)| (w.kv, tokens.as_slice()))
+            .collect();
         let layers = self.model.config().layers;
-        let hidden = self.forward(&windows, ids, 0..layers)?;
+        let hidden = self.forward(&windows, 0..layers)?;
         self.lap("target forward");
         // Only the positions whose next token is decided: the last input token and the drafts.
         let mut picked = Vec::new();
@@ -702,6 +696,7 @@ impl Engine {
             offset += w.window();
         }
         let counts: Vec<usize> = work.iter().map(|w| w.draft.len() + 1).collect();
+        let device = self.model.device().clone();
         let hidden = hidden.select(0, ints(picked.iter().copied(), &device));
         let logits = self.model.logits(hidden);
         let mut targets = Vec::with_capacity(counts.len());
@@ -729,13 +724,13 @@ impl Engine {
     }
 
     /// Greedy or rejection-sampled acceptance of every row's draft; returns what each row
-    /// commits (the paged KV state's `end` takes it).
+    /// keeps of its window (the paged KV state's `end` takes it).
     fn accept(
         &mut self,
         work: &[RowWork],
         targets: Vec<Target>,
         on_tokens: &mut impl FnMut(usize, &[u32]),
-    ) -> Vec<Committed> {
+    ) -> Vec<usize> {
         let mut committed = Vec::with_capacity(work.len());
         let mut targets = targets.into_iter();
         for w in work {
@@ -756,15 +751,13 @@ impl Engine {
             // The cache now holds the input and the drafts that were emitted after it.
             let accepted = emitted.len() - 1;
             let kept = w.input.len() + accepted.min(w.draft.len());
-            let mut tokens = w.input.clone();
-            tokens.extend_from_slice(&w.draft[..kept - w.input.len()]);
             request.kv_len += kept;
             request.tokens.extend_from_slice(&emitted);
             request.drafted += w.draft.len();
             request.accepted += kept - w.input.len();
             request.steps += 1;
             on_tokens(request.id, &emitted);
-            committed.push(Committed { tokens });
+            committed.push(kept);
         }
         committed
     }

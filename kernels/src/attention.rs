@@ -74,7 +74,7 @@ pub struct NewRowsShape {
     /// Stride of `loc`.
     pub loc_stride: u64,
     /// The slots' check claimed `[base, newest]`: a slot's word `w` in it names row `newest - w`
-    /// (`crate::slots`).
+    /// (`crate::slots`). Set on the device from the check's status, not by the launch.
     pub base: u64,
     /// The newest claim of the check.
     pub newest: u64,
@@ -348,9 +348,12 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
 #[cube]
 fn stored_rows(stored: &Tensor<i64>, new_rows: NewRowsShape) -> NewRowsShape {
     let mut rows = new_rows;
-    if stored[CODE] != OK {
-        rows.base = 1;
-        rows.newest = 0;
+    rows.base = 1;
+    rows.newest = 0;
+    if stored[CODE] == OK && new_rows.rows > 0 {
+        // The check's first clock value (a device word: a replayed step's claims are its own).
+        rows.base = stored[FACTS + 1] as u64;
+        rows.newest = rows.base + new_rows.rows - 1;
     }
     rows
 }

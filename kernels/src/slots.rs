@@ -9,7 +9,8 @@
 //!
 //! `store_kv` checks every token in parallel. Duplicates are found through the store's scratch:
 //! one `u32` word per cache slot, reset without a memset. A call owns the clock values
-//! `[base, base + N)`, above every value an earlier call wrote, and token `i` raises its slot's
+//! `[base, base + N)`, above every value an earlier call wrote (the clock is a control word the
+//! call advances on the device: a replayed launch claims new values too), and token `i` raises its slot's
 //! word to `base + N - 1 - i` (an atomic maximum): a word that was already at or above `base`
 //! was claimed earlier in this call, and once every token is done each word names the first token
 //! of its slot. A token that finds its slot claimed reports a token that is not its slot's first:
@@ -430,8 +431,10 @@ pub const STORE_DUPLICATES: usize = 1;
 pub const STORE_ZERO: usize = 2;
 /// Cubes done.
 pub const STORE_DONE: usize = 3;
+/// Clock values claimed so far (a call's first is one above; never left clean: it only grows).
+pub const STORE_CLOCK: usize = 4;
 /// Control words of a store.
-pub const STORE_CONTROL_LEN: usize = 4;
+pub const STORE_CONTROL_LEN: usize = 5;
 
 /// The control words of a fresh store; every call leaves them this way again.
 pub fn fresh_store_control() -> Vec<u64> {
@@ -453,8 +456,6 @@ pub struct StoreShape {
     pub tokens: u64,
     /// Slots `S` of the cache.
     pub slots: u64,
-    /// The first clock value of this call (at least 1; `base + N <= STORE_CLOCK_LIMIT`).
-    pub base: u64,
     /// Cubes of the launch (at least `ceil(N / CUBE_SIZE)`: a unit per token).
     pub cubes: u64,
     /// Stride of `loc`.
@@ -474,7 +475,9 @@ pub fn store_check_kernel<C: Int>(
     #[define(C)] _dtype: ElemType,
 ) {
     let mut broadcast = Shared::<[u64]>::new_slice(SLOTS);
-    let newest = shape.base + shape.tokens - 1;
+    // Read by every unit before any cube publishes its end: the last cube advances it after.
+    let base = control[STORE_CLOCK].load() + 1;
+    let newest = base + shape.tokens - 1;
     let i = ABSOLUTE_POS as u64;
     let mut dependency = 0u64.runtime();
     let mut reported = false.runtime();
@@ -494,7 +497,7 @@ pub fn store_check_kernel<C: Int>(
             dependency |= old >> 31;
             // Claimed earlier in this call: by an earlier token (this one is a second), or by a
             // later one, which the old value names (that one is a second).
-            if old >= shape.base {
+            if old >= base {
                 let second = select(old > claim, i, newest - old);
                 dependency |= report_error(&control[STORE_DUPLICATES], second) >> 63;
                 reported = true;
@@ -509,7 +512,7 @@ pub fn store_check_kernel<C: Int>(
         &mut broadcast,
     );
     if last && UNIT_POS == 0 {
-        finish_store(loc, slot_words, control, status, shape, any_reported);
+        finish_store(loc, slot_words, control, status, shape, base, any_reported);
     }
 }
 
@@ -521,10 +524,12 @@ fn finish_store<C: Int>(
     control: &Tensor<Atomic<u64>>,
     status: &mut Tensor<i64>,
     shape: StoreShape,
+    base: u64,
     any_reported: bool,
 ) {
     // Swaps, not stores: cubecl 0.10 on SPIR-V was seen to drop the second of two atomic stores.
     let zero = control[STORE_ZERO].exchange(0u64.runtime());
+    control[STORE_CLOCK].exchange(base + shape.tokens - 1);
     let mut range = NO_ERROR.runtime();
     let mut second = NO_ERROR.runtime();
     if any_reported {
@@ -550,7 +555,7 @@ fn finish_store<C: Int>(
     if duplicate {
         // The slot's word names its first token now.
         let slot = i64::cast_from(loc[second as usize * shape.loc_stride as usize]);
-        let newest = shape.base + shape.tokens - 1;
+        let newest = base + shape.tokens - 1;
         words[CODE] = STORE_DUPLICATE;
         words[FACTS] = second as i64;
         words[FACTS + 1] = (newest - u64::cast_from(slot_words[slot as usize].load())) as i64;
@@ -559,6 +564,7 @@ fn finish_store<C: Int>(
     if !outside && !duplicate {
         words[COUNT] = shape.tokens as i64;
         words[FACTS] = zero as i64;
+        words[FACTS + 1] = base as i64;
     }
     #[unroll]
     for word in 0..STATUS_LEN {

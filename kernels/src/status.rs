@@ -4,8 +4,9 @@
 //! `[code, count, fact0, .., fact5]` (unused facts 0). `code == OK` means success; `count` is the
 //! op's element count (gathered values, slots assigned, rows stored; unused by the plan). The facts
 //! of each code are listed next to it, and the host turns them into a typed error. A clear
-//! `store_kv` record keeps one fact for its write launch: fact0 is 1 + the last token naming the
-//! padding slot 0 (0: none), the one token whose row slot 0 takes.
+//! `store_kv` record keeps two facts for its launches: fact0 is 1 + the last token naming the
+//! padding slot 0 (0: none), the one token whose row slot 0 takes; fact1 is the check's first
+//! clock value, which a store-and-attend launch reads its claims against.
 
 /// Number of i64 words in a status record.
 pub const STATUS_LEN: usize = 8;

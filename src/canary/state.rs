@@ -661,8 +661,9 @@ impl<B: KvPlanBackend> Canary<B> {
             .state
             .take()
             .expect("the canary state is always returned");
+        // Written in place (`write_i64`): a captured step keeps writing these buffers.
         let rows = state.ring_capacity.max(1);
-        state.ring = crate::ops::upload_i64::<B>(vec![0i64; rows * ROW_WORDS], &self.device);
+        state.ring = B::write_i64(state.ring, vec![0i64; rows * ROW_WORDS]);
         // Moved, not cloned: a unique handle is updated in place.
         let zero = crate::ops::upload_i64::<B>(vec![0i64], &self.device);
         state.counters = B::int_slice_assign(
@@ -671,7 +672,7 @@ impl<B: KvPlanBackend> Canary<B> {
             zero,
         );
         debug_assert_eq!(state.counters.shape().num_elements(), COUNTERS);
-        state.status = crate::ops::upload_i64::<B>(vec![0i64; STATUS_LEN], &self.device);
+        state.status = B::write_i64(state.status, vec![0i64; STATUS_LEN]);
         self.state = Some(state);
     }
 }

@@ -204,7 +204,6 @@ fn read_rows<B: Backend>(rows: KvRows<B>) -> Result<TensorData, Error> {
 pub(super) fn check_store_slots<B: Backend>(
     loc: IntTensor<B>,
     scratch: StoreScratchPrimitive<B>,
-    _base: u32,
     cache_rows: usize,
 ) -> StoreCheckPrimitive<B> {
     let device = loc.device();

@@ -74,10 +74,9 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
     fn check_store_slots(
         loc: burn_cubecl::tensor::CubeTensor,
         scratch: StoreScratchPrimitive<Self>,
-        base: u32,
         cache_rows: usize,
     ) -> StoreCheckPrimitive<Self> {
-        super::cube::check_store_slots(loc, scratch, base, cache_rows)
+        super::cube::check_store_slots(loc, scratch, cache_rows)
     }
 
     fn store_rows(
@@ -158,13 +157,12 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         k: burn_cubecl::tensor::CubeTensor,
         v: burn_cubecl::tensor::CubeTensor,
         rows: NewRowsPrimitive<Self>,
-        base: u32,
         slots: burn_cubecl::tensor::CubeTensor,
         runs: burn_cubecl::tensor::CubeTensor,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
         let tensors = [q, k_pool, v_pool, k, v];
-        super::cube::store_and_attend(tensors, rows, base, [slots, runs], heads)
+        super::cube::store_and_attend(tensors, rows, [slots, runs], heads)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -174,25 +172,23 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         v_pool: burn_cubecl::tensor::CubeTensor,
         v: burn_cubecl::tensor::CubeTensor,
         rows: NewRowsPrimitive<Self>,
-        base: u32,
         slots: burn_cubecl::tensor::CubeTensor,
         runs: burn_cubecl::tensor::CubeTensor,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
         let tensors = [qk, k_pool, v_pool, v];
-        super::cube::store_qk_and_attend(tensors, rows, base, [slots, runs], heads)
+        super::cube::store_qk_and_attend(tensors, rows, [slots, runs], heads)
     }
 
     fn store_qkv_and_attend(
         qkv: burn_cubecl::tensor::CubeTensor,
         kv_pool: burn_cubecl::tensor::CubeTensor,
         rows: NewRowsPrimitive<Self>,
-        base: u32,
         slots: burn_cubecl::tensor::CubeTensor,
         runs: burn_cubecl::tensor::CubeTensor,
         heads: usize,
     ) -> AttendedKvPrimitive<Self> {
-        super::cube::store_qkv_and_attend([qkv, kv_pool], rows, base, [slots, runs], heads)
+        super::cube::store_qkv_and_attend([qkv, kv_pool], rows, [slots, runs], heads)
     }
 }
 
@@ -424,10 +420,9 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
     fn check_store_slots(
         loc: B::IntTensorPrimitive,
         scratch: StoreScratchPrimitive<Self>,
-        base: u32,
         cache_rows: usize,
     ) -> StoreCheckPrimitive<Self> {
-        B::check_store_slots(loc, scratch.rebase(), base, cache_rows).rebase()
+        B::check_store_slots(loc, scratch.rebase(), cache_rows).rebase()
     }
 
     fn store_rows(
@@ -523,7 +518,6 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         rows: NewRowsPrimitive<Self>,
-        base: u32,
         slots: B::IntTensorPrimitive,
         runs: B::IntTensorPrimitive,
         heads: usize,
@@ -536,7 +530,6 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
             k.into_primitive(),
             v.into_primitive(),
             inner_rows(rows),
-            base,
             slots,
             runs,
             heads,
@@ -551,7 +544,6 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         v_pool: FloatTensor<Self>,
         v: FloatTensor<Self>,
         rows: NewRowsPrimitive<Self>,
-        base: u32,
         slots: B::IntTensorPrimitive,
         runs: B::IntTensorPrimitive,
         heads: usize,
@@ -562,7 +554,6 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
             v_pool.into_primitive(),
             v.into_primitive(),
             inner_rows(rows),
-            base,
             slots,
             runs,
             heads,
@@ -574,7 +565,6 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         qkv: FloatTensor<Self>,
         kv_pool: FloatTensor<Self>,
         rows: NewRowsPrimitive<Self>,
-        base: u32,
         slots: B::IntTensorPrimitive,
         runs: B::IntTensorPrimitive,
         heads: usize,
@@ -583,7 +573,6 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
             qkv.into_primitive(),
             kv_pool.into_primitive(),
             inner_rows(rows),
-            base,
             slots,
             runs,
             heads,

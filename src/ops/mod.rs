@@ -482,19 +482,18 @@ pub trait KvPlanBackend: Backend {
 
     /// The value rules of a store's slots (spec `slots.md` §2: every slot inside caches of
     /// `cache_rows` rows, no slot but 0 twice) into a status record whose count is the number of
-    /// tokens. The store's scratch is consumed and handed back; `base` is the call's first clock
-    /// value (`kvplan_kernels::slots`). The host rules have been checked by the caller.
-    #[fusion(meta = |_loc, scratch, _base, _cache_rows| StoreCheckPrimitiveMetadata {
+    /// tokens. The store's scratch is consumed and handed back, its clock advanced on the device
+    /// (`kvplan_kernels::slots`). The host rules have been checked by the caller.
+    #[fusion(meta = |_loc, scratch, _cache_rows| StoreCheckPrimitiveMetadata {
         scratch: scratch.clone(),
         status: status_spec(),
     })]
     fn check_store_slots(
         loc: IntTensor<Self>,
         #[extension_type] scratch: StoreScratchPrimitive<Self>,
-        base: u32,
         cache_rows: usize,
     ) -> StoreCheckPrimitive<Self> {
-        host::check_store_slots::<Self>(loc, scratch, base, cache_rows)
+        host::check_store_slots::<Self>(loc, scratch, cache_rows)
     }
 
     /// A store's write (spec `slots.md` §2): `cache[loc[i]] = values[i]` for each cache, when
@@ -569,11 +568,11 @@ pub trait KvPlanBackend: Backend {
 
     /// A layer's new K and V rows stored at their slots (`store_rows` with the pair), then the
     /// paged attention of `q` over the pools they were stored in (`paged_attention`), as one op.
-    /// `base` is the slots' check's first clock value: the Cube backend reads the keys this store
-    /// writes from the new rows, through the claims, and makes both in one launch. The host rules
+    /// The Cube backend reads the keys this store writes from the new rows, through the claims
+    /// and the check's first clock value (in its status), and makes both in one launch. The host rules
     /// of both have been checked by the caller, and it calls the op only where its launch cannot
     /// be refused (`OneLaunch`): the slots' status is read, not handed back.
-    #[fusion(meta = |q, k_pool, v_pool, _k, _v, _rows, _base, _slots, _runs, _heads| AttendedPrimitiveMetadata {
+    #[fusion(meta = |q, k_pool, v_pool, _k, _v, _rows, _slots, _runs, _heads| AttendedPrimitiveMetadata {
         out: q.clone(),
         k_pool: k_pool.clone(),
         v_pool: v_pool.clone(),
@@ -586,12 +585,10 @@ pub trait KvPlanBackend: Backend {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         #[extension_type] rows: NewRowsPrimitive<Self>,
-        base: u32,
         slots: IntTensor<Self>,
         runs: IntTensor<Self>,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
-        let _ = base; // the host has no claims to read: it stores, then attends
         let written = Self::store_rows(
             StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)),
             StoreTargets::Pair(KvRows::Float(k), KvRows::Float(v)),
@@ -613,7 +610,7 @@ pub trait KvPlanBackend: Backend {
     /// `store_and_attend` with the queries and the new K rows side by side in one tensor, `qk`
     /// `[N, heads * head_dim + K pool columns]`, as one fused projection makes them: one tensor
     /// fewer for the op to bind. Both are views of `qk` where the backend makes views.
-    #[fusion(meta = |qk, k_pool, v_pool, _v, _rows, _base, _slots, _runs, _heads| AttendedPrimitiveMetadata {
+    #[fusion(meta = |qk, k_pool, v_pool, _v, _rows, _slots, _runs, _heads| AttendedPrimitiveMetadata {
         out: TensorSpec::new(
             [qk.shape[0], qk.shape[1] - k_pool.shape[1]].into(),
             qk.dtype,
@@ -628,14 +625,13 @@ pub trait KvPlanBackend: Backend {
         v_pool: FloatTensor<Self>,
         v: FloatTensor<Self>,
         #[extension_type] rows: NewRowsPrimitive<Self>,
-        base: u32,
         slots: IntTensor<Self>,
         runs: IntTensor<Self>,
         heads: usize,
     ) -> AttendedPrimitive<Self> {
         let q_cols = qk.shape()[1] - k_pool.shape()[1];
         let [q, k] = host::split_columns::<Self>(qk, q_cols);
-        Self::store_and_attend(q, k_pool, v_pool, k, v, rows, base, slots, runs, heads)
+        Self::store_and_attend(q, k_pool, v_pool, k, v, rows, slots, runs, heads)
     }
 
     /// The store and the attention over a joined pool `kv_pool` `[rows, 2 * kv_heads * head_dim]`
@@ -643,7 +639,7 @@ pub trait KvPlanBackend: Backend {
     /// `qkv` `[N, heads * head_dim + kv_pool columns]`: each new row's K and V are the last
     /// columns of `qkv`, stored whole at its slot. Two tensors for the op to bind where the split
     /// form binds five.
-    #[fusion(meta = |qkv, kv_pool, _rows, _base, _slots, _runs, _heads| AttendedKvPrimitiveMetadata {
+    #[fusion(meta = |qkv, kv_pool, _rows, _slots, _runs, _heads| AttendedKvPrimitiveMetadata {
         out: TensorSpec::new(
             [qkv.shape[0], qkv.shape[1] - kv_pool.shape[1]].into(),
             qkv.dtype,
@@ -655,12 +651,10 @@ pub trait KvPlanBackend: Backend {
         qkv: FloatTensor<Self>,
         kv_pool: FloatTensor<Self>,
         #[extension_type] rows: NewRowsPrimitive<Self>,
-        base: u32,
         slots: IntTensor<Self>,
         runs: IntTensor<Self>,
         heads: usize,
     ) -> AttendedKvPrimitive<Self> {
-        let _ = base; // the host has no claims to read: it stores, then attends
         let q_cols = qkv.shape()[1] - kv_pool.shape()[1];
         let [q, kv] = host::split_columns::<Self>(qkv, q_cols);
         let written = Self::store_rows(

@@ -25,7 +25,9 @@
 mod alloc;
 mod padded;
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
 
 use burn_core::backend::{Dispatch, DispatchDevice};
 use burn_core::tensor::{DType, Device, Int, Tensor};
@@ -52,6 +54,11 @@ const RECORD_ALIGN: usize = 64;
 const CANARY_RECORD_BYTES: usize = 32;
 /// Real-KV sources a canary launch folds at most.
 const MAX_FINGERPRINTED_LAYERS: usize = 4;
+/// A capture runs a step's device half this many times (Burn's warm-up runs, then the recorded
+/// one): the store's clock must have room for all of them.
+const CAPTURE_RUNS: u64 = 4;
+
+static NEXT_INSTANCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The shape of a [`PagedKv`]: the model's attention, the pool's size and the canary.
 #[derive(Debug, Clone)]
@@ -179,11 +186,13 @@ impl std::fmt::Display for RequestId {
     }
 }
 
-/// What a model's forward takes from [`PagedKv::begin`].
+/// What a model's forward takes from [`PagedKv::begin`]: views of the step's record, whose
+/// buffer the next step of the same shape rewrites in place.
 #[derive(Debug, Clone)]
 pub struct StepInputs {
-    /// Each new token's position in its request, in the order `begin` was given (i64 `[tokens]`;
-    /// its buffer is rewritten by the next step of the same shape).
+    /// The new tokens' ids, in the order `begin` was given (i64 `[tokens]`).
+    pub ids: Tensor<1, Int>,
+    /// Each new token's position in its request (i64 `[tokens]`).
     pub positions: Tensor<1, Int>,
     /// New tokens in the step: the rows of every layer's `qkv`.
     pub tokens: usize,
@@ -222,14 +231,55 @@ struct Request {
 }
 
 /// A request's part of the open step.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Entry {
     id: RequestId,
-    row: i64,
     /// Committed tokens before the step: where the window starts.
     start: usize,
     /// The window's slots.
     slots: Vec<i64>,
+    /// The window's tokens.
+    ids: Vec<u32>,
+}
+
+/// A step's host values, as views of its record (one in-place write).
+#[derive(Debug, Clone)]
+struct StepRecord {
+    rows: Tensor<1, Int>,
+    assign_start: Tensor<1, Int>,
+    assign_len: Tensor<1, Int>,
+    assign_slots: Tensor<1, Int>,
+    window_start: Tensor<1, Int>,
+    window_len: Tensor<1, Int>,
+    context_len: Tensor<1, Int>,
+    key_start: Tensor<1, Int>,
+    key_count: Tensor<1, Int>,
+    positions: Tensor<1, Int>,
+    ids: Tensor<1, Int>,
+    /// Each request's window `(start, len)` (the padded layout on Flex).
+    windows: Vec<(usize, usize)>,
+}
+
+/// What the canary's launches read at the end of a step: the kept tokens.
+#[derive(Debug, Clone)]
+struct KeptRecord {
+    rows: Tensor<1, Int>,
+    prefix: Tensor<1, Int>,
+    extend: Tensor<1, Int>,
+    /// The kept tokens' ids and positions (`None`: nothing kept).
+    written: Option<(Tensor<1, Int>, Tensor<1, Int>)>,
+    kept: usize,
+    window: usize,
+}
+
+/// The device half of a begun step: what its attends read, and its launches' statuses.
+#[derive(Debug)]
+struct Launched {
+    store: StoreSlots,
+    keys: KeyRuns,
+    /// Flex only: the attention's padded layout.
+    padded: Option<padded::Padded>,
+    statuses: Vec<Status>,
 }
 
 /// The step between `begin` and `end`.
@@ -237,13 +287,17 @@ struct Entry {
 struct OpenStep {
     entries: Vec<Entry>,
     tokens: usize,
-    rows: Tensor<1, Int>,
-    window: Tensor<1, Int>,
-    store: StoreSlots,
-    keys: KeyRuns,
-    /// Flex only: the attention's padded layout.
-    padded: Option<padded::Padded>,
-    statuses: Vec<Status>,
+    record: StepRecord,
+    launched: Launched,
+}
+
+/// A step staged for a graph: its host halves done, what its device half reads.
+#[derive(Debug, Clone)]
+struct StagedStep {
+    entries: Vec<Entry>,
+    record: StepRecord,
+    kept: Option<KeptRecord>,
+    inputs: StepInputs,
 }
 
 /// The paged KV state of a serving engine: pools, `req_to_token`, allocators, canary, and the
@@ -253,8 +307,10 @@ pub struct PagedKv {
     config: PagedKvConfig,
     device: Device,
     pools: Vec<Tensor<2>>,
-    /// Stands in for a pool while a store has it (a kept clone would make the store copy it).
+    /// Stand in for a pool and the table while an op writes them (a kept clone would make the
+    /// op copy them: a captured step would write the old buffer).
     placeholder: Tensor<2>,
+    placeholder_table: Tensor<2, Int>,
     req_to_token: Tensor<2, Int>,
     store: KvStore,
     slots: alloc::Slots,
@@ -265,6 +321,11 @@ pub struct PagedKv {
     /// The per-step host values' buffers, one per step shape, written in place each step.
     records: HashMap<(&'static str, Vec<usize>), Tensor<1, Int>>,
     step: Option<OpenStep>,
+    /// The step a graph's capture or replay runs.
+    staged: Option<StagedStep>,
+    /// This object, and its buffers' generation (a graph replays only into the buffers it saw).
+    instance: u64,
+    generation: u64,
     /// On Flex the attention runs as Burn ops over padded K/V (the op is the host reference).
     flex: bool,
 }
@@ -297,6 +358,7 @@ impl PagedKv {
                 .map(|_| Tensor::zeros([pool_rows, kv_width], (device, dtype)))
                 .collect(),
             placeholder: Tensor::zeros([1, kv_width], (device, dtype)),
+            placeholder_table: Tensor::zeros([1, 1], (device, DType::I64)),
             req_to_token: Tensor::zeros(
                 [config.max_requests + 1, config.max_context],
                 (device, DType::I64),
@@ -309,6 +371,9 @@ impl PagedKv {
             canary,
             records: HashMap::new(),
             step: None,
+            staged: None,
+            instance: NEXT_INSTANCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            generation: 0,
             flex: matches!(device.as_dispatch(), DispatchDevice::Flex(_)),
             device: device.clone(),
             config,
@@ -445,62 +510,28 @@ impl PagedKv {
         self.slots.owners(slot)
     }
 
-    /// Starts a step: `windows` gives each request's new tokens (drafts included), in the order
-    /// the forward lays them out. Slots are allocated and written into the requests' rows, and
-    /// the step's window slots, contexts and causal key runs are prepared on the device; nothing
-    /// is read back.
+    /// Starts a step: `windows` gives each request's new tokens (its next input, then any
+    /// drafts), in the order the forward lays them out. Slots are allocated and written into the
+    /// requests' rows, and the step's window slots, contexts and causal key runs are prepared on
+    /// the device; nothing is read back.
     ///
     /// # Errors
     /// `StepOrder` (a step is open, or `windows` is empty), `UnknownRequest`,
     /// `RequestTwiceInStep`, `EmptyWindow`, `ContextFull` (past `max_context`), `OutOfSlots`.
     /// Nothing changes on an error.
-    pub fn begin(&mut self, windows: &[(RequestId, usize)]) -> Result<StepInputs, Error> {
-        if self.step.is_some() {
-            return Err(step_order("begin", "needs the open step to end first"));
-        }
-        if windows.is_empty() {
-            return Err(step_order("begin", "needs at least one request"));
-        }
-        let mut needed = 0;
-        for (i, &(id, window)) in windows.iter().enumerate() {
-            let len = self.request(id)?.slots.len() + window;
-            if windows[..i].iter().any(|&(other, _)| other == id) {
-                return Err(Error::RequestTwiceInStep { request: id.0 });
-            }
-            if window == 0 {
-                return Err(Error::EmptyWindow { request: id.0 });
-            }
-            if len > self.config.max_context {
-                return Err(Error::ContextFull {
-                    request: id.0,
-                    len,
-                    max_context: self.config.max_context,
+    pub fn begin(&mut self, windows: &[(RequestId, &[u32])]) -> Result<StepInputs, Error> {
+        let (entries, record) = self.open(windows)?;
+        match self.launch(&record) {
+            Ok(launched) => {
+                self.mark_written(&entries);
+                let inputs = inputs(&record);
+                self.step = Some(OpenStep {
+                    entries,
+                    tokens: inputs.tokens,
+                    record,
+                    launched,
                 });
-            }
-            needed += window;
-        }
-        let mut taken = self.slots.take(needed)?;
-        let mut entries = Vec::with_capacity(windows.len());
-        for &(id, window) in windows {
-            let request = &self.requests[&id];
-            let rest = taken.split_off(window);
-            entries.push(Entry {
-                id,
-                row: request.row,
-                start: request.slots.len(),
-                slots: std::mem::replace(&mut taken, rest),
-            });
-        }
-        match self.launch_begin(&entries) {
-            Ok((step, positions)) => {
-                for entry in &entries {
-                    self.requests.get_mut(&entry.id).expect("checked").unwritten = 0;
-                }
-                self.step = Some(OpenStep { entries, ..step });
-                Ok(StepInputs {
-                    positions,
-                    tokens: needed,
-                })
+                Ok(inputs)
             }
             Err(error) => {
                 for entry in &entries {
@@ -511,9 +542,55 @@ impl PagedKv {
         }
     }
 
-    /// The step record (rows, table runs, windows, contexts, key runs, positions) written into
-    /// its buffer, then the table's assignment, the gathers and the checks, all enqueued.
-    fn launch_begin(&mut self, entries: &[Entry]) -> Result<(OpenStep, Tensor<1, Int>), Error> {
+    /// The host half of `begin`: its rules, the window's slots, and the step's record written.
+    fn open(&mut self, windows: &[(RequestId, &[u32])]) -> Result<(Vec<Entry>, StepRecord), Error> {
+        if self.step.is_some() {
+            return Err(step_order("begin", "needs the open step to end first"));
+        }
+        if windows.is_empty() {
+            return Err(step_order("begin", "needs at least one request"));
+        }
+        let mut needed = 0;
+        for (i, &(id, tokens)) in windows.iter().enumerate() {
+            let len = self.request(id)?.slots.len() + tokens.len();
+            if windows[..i].iter().any(|&(other, _)| other == id) {
+                return Err(Error::RequestTwiceInStep { request: id.0 });
+            }
+            if tokens.is_empty() {
+                return Err(Error::EmptyWindow { request: id.0 });
+            }
+            if len > self.config.max_context {
+                return Err(Error::ContextFull {
+                    request: id.0,
+                    len,
+                    max_context: self.config.max_context,
+                });
+            }
+            needed += tokens.len();
+        }
+        let mut taken = self.slots.take(needed)?;
+        if !self.store.room(CAPTURE_RUNS * needed as u64) {
+            // Once in 2^31 stored tokens: fresh scratch, so graphs captured before are stale.
+            self.store.restart();
+            self.generation += 1;
+        }
+        let mut entries = Vec::with_capacity(windows.len());
+        for &(id, tokens) in windows {
+            let rest = taken.split_off(tokens.len());
+            entries.push(Entry {
+                id,
+                start: self.requests[&id].slots.len(),
+                slots: std::mem::replace(&mut taken, rest),
+                ids: tokens.to_vec(),
+            });
+        }
+        let record = self.write_record(&entries);
+        Ok((entries, record))
+    }
+
+    /// The step's host values (rows, table runs, windows, contexts, key runs, positions, ids)
+    /// written into the record of its shape.
+    fn write_record(&mut self, entries: &[Entry]) -> StepRecord {
         let mut rows = Vec::new();
         let (mut assign_start, mut assign_len, mut assign_slots) =
             (Vec::new(), Vec::new(), Vec::new());
@@ -525,7 +602,7 @@ impl PagedKv {
             let request = &self.requests[&entry.id];
             let window = entry.slots.len();
             let unwritten = request.unwritten;
-            rows.push(entry.row);
+            rows.push(request.row);
             assign_start.push((entry.start - unwritten) as i64);
             assign_len.push((unwritten + window) as i64);
             assign_slots.extend_from_slice(&request.slots[entry.start - unwritten..]);
@@ -541,7 +618,10 @@ impl PagedKv {
             }
             context_offset += (entry.start + window) as i64;
         }
-        let tokens = positions.len();
+        let ids: Vec<i64> = entries
+            .iter()
+            .flat_map(|entry| entry.ids.iter().map(|&id| i64::from(id)))
+            .collect();
         let [
             rows,
             assign_start,
@@ -553,6 +633,7 @@ impl PagedKv {
             key_start,
             key_count,
             positions,
+            ids,
         ] = self.record(
             "begin",
             [
@@ -566,57 +647,86 @@ impl PagedKv {
                 &key_start,
                 &key_count,
                 &positions,
+                &ids,
             ],
         );
-        let assigned = crate::slots::segment_assign_deferred(
-            self.req_to_token.clone(),
-            rows.clone(),
+        StepRecord {
+            rows,
             assign_start,
             assign_len,
             assign_slots,
+            window_start,
+            window_len,
+            context_len,
+            key_start,
+            key_count,
+            positions,
+            ids,
+            windows: entries.iter().map(|e| (e.start, e.slots.len())).collect(),
+        }
+    }
+
+    /// The device half of `begin`: the table's assignment, the gathers and the checks, all
+    /// enqueued, reading only the record.
+    fn launch(&mut self, record: &StepRecord) -> Result<Launched, Error> {
+        let tokens = record.positions.dims()[0];
+        // Moved, not cloned: the assignment writes the table in place. (Its at-once errors cannot
+        // come from a record the host rules passed.)
+        let table = std::mem::replace(&mut self.req_to_token, self.placeholder_table.clone());
+        let assigned = crate::slots::segment_assign_deferred(
+            table,
+            record.rows.clone(),
+            record.assign_start.clone(),
+            record.assign_len.clone(),
+            record.assign_slots.clone(),
         )?;
         self.req_to_token = assigned.req_to_token;
         let window = crate::gather::segment_gather_deferred(
             self.req_to_token.clone(),
-            rows.clone(),
-            Some(window_start.clone()),
-            window_len,
+            record.rows.clone(),
+            Some(record.window_start.clone()),
+            record.window_len.clone(),
             &GatherOptions::new()
                 .capacity(tokens)
                 .context("paged KV step window"),
         )?;
         let context = crate::gather::segment_gather_deferred(
             self.req_to_token.clone(),
-            rows.clone(),
+            record.rows.clone(),
             None,
-            context_len,
+            record.context_len.clone(),
             &GatherOptions::new().context("paged KV step context"),
         )?;
         let pool_rows = self.config.slots + 1;
-        let keys = KeyRuns::check_deferred(context.out_tensor(), key_start, key_count, pool_rows)?;
+        let keys = KeyRuns::check_deferred(
+            context.out_tensor(),
+            record.key_start.clone(),
+            record.key_count.clone(),
+            pool_rows,
+        )?;
         let store = self.store.check_slots(window.out_tensor(), pool_rows)?;
-        let padded = self.flex.then(|| {
-            let windows: Vec<(usize, usize)> =
-                entries.iter().map(|e| (e.start, e.slots.len())).collect();
-            padded::Padded::new(&windows, context.out_tensor(), &self.device)
-        });
+        let padded = self
+            .flex
+            .then(|| padded::Padded::new(&record.windows, context.out_tensor(), &self.device));
         let statuses = vec![
             assigned.status,
             window.status,
             context.status,
             keys.status().clone(),
         ];
-        let step = OpenStep {
-            entries: Vec::new(),
-            tokens,
-            rows,
-            window: window_start,
+        Ok(Launched {
             store,
             keys,
             padded,
             statuses,
-        };
-        Ok((step, positions))
+        })
+    }
+
+    /// A shared prefix's cells are in the table once its request's first step is launched.
+    fn mark_written(&mut self, entries: &[Entry]) {
+        for entry in entries {
+            self.requests.get_mut(&entry.id).expect("checked").unwritten = 0;
+        }
     }
 
     /// Stores `layer`'s new K and V rows and attends its queries over each token's context:
@@ -653,18 +763,20 @@ impl PagedKv {
             });
         }
         let heads = self.config.query_heads;
+        let launched = &mut step.launched;
         let pool = std::mem::replace(&mut self.pools[layer], self.placeholder.clone());
-        let attended = if step.padded.is_none() && step.tokens <= ONE_LAUNCH_TOKENS {
-            step.store
-                .store_qkv_and_attend(pool, qkv, &step.keys, heads)
+        let attended = if launched.padded.is_none() && step.tokens <= ONE_LAUNCH_TOKENS {
+            launched
+                .store
+                .store_qkv_and_attend(pool, qkv, &launched.keys, heads)
                 .map(|attended| attended.into_tensors())
         } else {
             // The store, then the attention: Burn ops over padded K/V on Flex, the op elsewhere.
             let q_width = heads * self.config.head_dim;
             let kv = qkv.clone().narrow(1, q_width, self.config.kv_width());
-            step.store.store(pool, kv).and_then(|pool| {
+            launched.store.store(pool, kv).and_then(|pool| {
                 let q = qkv.narrow(1, 0, q_width);
-                let out = match &step.padded {
+                let out = match &launched.padded {
                     Some(layout) => {
                         let shape = padded::Heads {
                             heads,
@@ -673,9 +785,12 @@ impl PagedKv {
                         };
                         layout.attend(q, pool.clone(), shape)
                     }
-                    None => {
-                        crate::attention::paged_attention_kv(q, pool.clone(), &step.keys, heads)?
-                    }
+                    None => crate::attention::paged_attention_kv(
+                        q,
+                        pool.clone(),
+                        &launched.keys,
+                        heads,
+                    )?,
                 };
                 Ok((out, pool))
             })
@@ -686,131 +801,313 @@ impl PagedKv {
         Ok(out)
     }
 
-    /// Ends the step: `committed[i]` are the tokens the `i`-th request of `begin` keeps (a
-    /// prefix of its window: its input and its accepted drafts). The rest of its slots go back;
-    /// the canary records the kept tokens and verifies every committed token of the step's
-    /// requests; one read-back brings every status of the step and the canary's violations.
+    /// Ends the step: `keep[i]` is how many tokens the `i`-th request of `begin` keeps (a prefix
+    /// of its window: its input and its accepted drafts). The rest of its slots go back; the
+    /// canary records the kept tokens and verifies every committed token of the step's requests;
+    /// one read-back brings every status of the step and the canary's violations.
     ///
     /// # Errors
     /// `StepOrder` (no step open), `StepRequests` (another count of requests than `begin`),
     /// `KeepPastWindow`: nothing changes then. A device-checked error of the step's ops (the
     /// table, slots or runs were corrupted under the object) after the step's bookkeeping.
-    pub fn end(&mut self, committed: &[&[u32]]) -> Result<StepReport, Error> {
+    pub fn end(&mut self, keep: &[usize]) -> Result<StepReport, Error> {
         let Some(step) = self.step.as_ref() else {
             return Err(step_order("end", "needs a step begun"));
         };
-        if committed.len() != step.entries.len() {
+        if keep.len() != step.entries.len() {
             return Err(Error::StepRequests {
                 began: step.entries.len(),
-                ended: committed.len(),
+                ended: keep.len(),
             });
         }
-        for (entry, tokens) in step.entries.iter().zip(committed) {
-            if tokens.len() > entry.slots.len() {
+        for (entry, &keep) in step.entries.iter().zip(keep) {
+            if keep > entry.slots.len() {
                 return Err(Error::KeepPastWindow {
                     request: entry.id.0,
-                    keep: tokens.len(),
+                    keep,
                     window: entry.slots.len(),
                 });
             }
         }
         let step = self.step.take().expect("checked above");
-        for (entry, tokens) in step.entries.iter().zip(committed) {
-            let (kept, rejected) = entry.slots.split_at(tokens.len());
+        let kept = self.commit(&step.entries, keep, &step.record);
+        let statuses = self.launch_end(step.launched, kept.as_ref())?;
+        self.report(statuses)
+    }
+
+    /// The host half of `end`: rejected slots back, kept ones committed, and what the canary
+    /// reads (`record`'s views when every token is kept, else a record of the kept tokens).
+    fn commit(
+        &mut self,
+        entries: &[Entry],
+        keep: &[usize],
+        record: &StepRecord,
+    ) -> Option<KeptRecord> {
+        for (entry, &keep) in entries.iter().zip(keep) {
+            let (kept, rejected) = entry.slots.split_at(keep);
             self.slots.release(rejected);
-            let request = self
-                .requests
-                .get_mut(&entry.id)
-                .expect("held while in a step");
+            let request = self.requests.get_mut(&entry.id).expect("held in a step");
             request.slots.extend_from_slice(kept);
         }
-        let mut statuses = step.statuses;
-        statuses.push(step.store.into_status());
-        if self.canary.is_none() {
-            crate::deferred::check_all(statuses)?;
-            return Ok(StepReport::default());
-        }
-        let (violations, dropped) =
-            self.canary_step(&step.entries, committed, step.rows, step.window, statuses)?;
-        let violations = if violations.is_empty() {
-            Vec::new()
+        self.canary.as_ref()?;
+        let window: usize = entries.iter().map(|entry| entry.slots.len()).sum();
+        let kept: usize = keep.iter().sum();
+        let (extend, written) = if kept == window {
+            let written = (record.ids.clone(), record.positions.clone());
+            (record.window_len.clone(), Some(written))
         } else {
-            self.attribute(&violations)?
+            let extend: Vec<i64> = keep.iter().map(|&n| n as i64).collect();
+            let ids: Vec<i64> = entries
+                .iter()
+                .zip(keep)
+                .flat_map(|(entry, &n)| entry.ids[..n].iter().map(|&id| i64::from(id)))
+                .collect();
+            let positions: Vec<i64> = entries
+                .iter()
+                .zip(keep)
+                .flat_map(|(entry, &n)| (entry.start..entry.start + n).map(|p| p as i64))
+                .collect();
+            if kept > 0 {
+                let [extend, ids, positions] = self.record("end", [&extend, &ids, &positions]);
+                (extend, Some((ids, positions)))
+            } else {
+                let [extend] = self.record("end", [&extend]);
+                (extend, None)
+            }
         };
-        Ok(StepReport {
-            violations,
-            dropped,
+        Some(KeptRecord {
+            rows: record.rows.clone(),
+            prefix: record.window_start.clone(),
+            extend,
+            written,
+            kept,
+            window,
         })
     }
 
-    /// The canary's plan, write and verify for a step, and the one read-back of its statuses and
-    /// violations (the ring is emptied after).
-    fn canary_step(
+    /// The device half of `end`: the canary's plan, write and verify, enqueued; every status of
+    /// the step, to read.
+    fn launch_end(
         &mut self,
-        entries: &[Entry],
-        committed: &[&[u32]],
-        rows: Tensor<1, Int>,
-        prefix: Tensor<1, Int>,
-        statuses: Vec<Status>,
-    ) -> Result<(Vec<crate::canary::Violation>, u64), Error> {
-        let extend: Vec<i64> = committed.iter().map(|tokens| tokens.len() as i64).collect();
-        let ids: Vec<i64> = committed
-            .iter()
-            .flat_map(|t| t.iter().map(|&id| id as i64))
-            .collect();
-        let positions: Vec<i64> = entries
-            .iter()
-            .zip(committed)
-            .flat_map(|(entry, tokens)| (entry.start..entry.start + tokens.len()).map(|p| p as i64))
-            .collect();
-        let kept = ids.len();
-        let window: usize = entries.iter().map(|entry| entry.slots.len()).sum();
-        let (extend, written) = if kept > 0 {
-            let [extend, ids, positions] = self.record("end", [&extend, &ids, &positions]);
-            (extend, Some((ids, positions)))
-        } else {
-            let [extend] = self.record("end", [&extend]);
-            (extend, None)
+        launched: Launched,
+        kept: Option<&KeptRecord>,
+    ) -> Result<Vec<Status>, Error> {
+        let mut statuses = launched.statuses;
+        statuses.push(launched.store.into_status());
+        let Some(kept) = kept else {
+            return Ok(statuses);
         };
         let pools = self.fingerprinted();
-        let (canary, plan) = self.canary.as_mut().expect("checked by the caller");
+        let (canary, plan) = self.canary.as_mut().expect("a kept record needs a canary");
         let accepted = crate::gather::segment_gather_deferred(
             self.req_to_token.clone(),
-            rows.clone(),
-            Some(prefix.clone()),
-            extend.clone(),
+            kept.rows.clone(),
+            Some(kept.prefix.clone()),
+            kept.extend.clone(),
             &GatherOptions::new()
-                .capacity(window)
+                .capacity(kept.window)
                 .context("paged KV kept tokens"),
         )?;
         let planned = crate::canary::plan_deferred(
             plan,
-            PlanInputs::new(rows, prefix, extend, self.req_to_token.clone()),
+            PlanInputs::new(
+                kept.rows.clone(),
+                kept.prefix.clone(),
+                kept.extend.clone(),
+                self.req_to_token.clone(),
+            ),
         )?;
         let launch = CanaryLaunch::new(KernelKind::HEAD_K_FULL);
         let launch = match pools {
             Some(sources) => launch.real_kv(RealKvHashMode::All, sources?),
             None => launch,
         };
-        if let Some((ids, positions)) = written {
+        if let Some((ids, positions)) = &kept.written {
             // The gather's first `kept` values as a view (Burn's slice copies off-alignment ends).
             let slots = Tensor::from_dispatch(<Dispatch as KvPlanBackend>::gather_prefix(
                 accepted.out.clone(),
-                kept,
+                kept.kept,
             ));
             canary.write(
                 &plan.write,
-                WriteInputs::new(ids, positions, slots),
+                WriteInputs::new(ids.clone(), positions.clone(), slots),
                 &launch,
             )?;
         }
         canary.verify(&plan.verify, &launch)?;
-        let statuses = statuses.into_iter().chain([accepted.status, planned]);
+        statuses.extend([accepted.status, planned]);
+        Ok(statuses)
+    }
+
+    /// One read-back of a step's statuses and the canary's violations (its ring emptied after),
+    /// the violations attributed.
+    fn report(&mut self, statuses: Vec<Status>) -> Result<StepReport, Error> {
+        let Some((canary, _)) = self.canary.as_mut() else {
+            crate::deferred::check_all(statuses)?;
+            return Ok(StepReport::default());
+        };
         let (_, violations) = canary.violations_after(statuses)?;
         if violations.recorded > 0 {
             canary.clear();
         }
-        Ok((violations.rows, violations.dropped))
+        Ok(StepReport {
+            violations: if violations.rows.is_empty() {
+                Vec::new()
+            } else {
+                self.attribute(&violations.rows)?
+            },
+            dropped: violations.dropped,
+        })
+    }
+
+    /// Captures a whole step as a graph: the step's launches and `forward` (the model's, calling
+    /// [`attend`](Self::attend) for each layer) recorded once, for [`replay`](Self::replay) to
+    /// run later steps of the same shape as one dispatch (CUDA, wgpu; on Flex a replay runs the
+    /// step again). The step is a decode step: every request keeps its whole window. `forward`
+    /// reads its inputs from the [`StepInputs`] it is given (stable buffers, refreshed in place
+    /// by each replay's one write) and returns its outputs, which the graph rewrites in place.
+    ///
+    /// Run each of the step's shapes eagerly once before (a kernel compiled inside the capture
+    /// makes Burn fall back to re-running the closure). Pools and `req_to_token` must not be held
+    /// elsewhere across a step (an op then writes a copy, not the buffer the graph replays into).
+    ///
+    /// # Errors
+    /// As [`begin`](Self::begin); the step's device-checked errors.
+    pub fn capture<'f, T: 'f>(
+        &mut self,
+        windows: &[(RequestId, &[u32])],
+        forward: impl FnMut(&mut PagedKv, &StepInputs) -> T + 'f,
+    ) -> Result<(StepGraph<'f, T>, StepReport), Error> {
+        let shape = self.stage(windows)?;
+        let target: Rc<Cell<*mut PagedKv>> = Rc::new(Cell::new(std::ptr::null_mut()));
+        let kv = target.clone();
+        let mut forward = forward;
+        let closure: StepClosure<'f, T> = Box::new(move || {
+            // SAFETY: `capture` and `replay` point it at the `PagedKv` they hold by `&mut` for
+            // exactly the span of Burn's capture or replay call, and touch it in no other way
+            // meanwhile; null otherwise, never dereferenced then.
+            let kv = unsafe { &mut *kv.get() };
+            kv.device_step(&mut forward)
+        });
+        let device = self.device.clone();
+        target.set(self);
+        let graph = burn_core::tensor::capture(&device, closure);
+        target.set(std::ptr::null_mut());
+        self.staged = None;
+        let report = self.read_output(graph.output())?;
+        let graph = StepGraph {
+            graph,
+            target,
+            shape,
+            owner: self.instance,
+            generation: self.generation,
+        };
+        Ok((graph, report))
+    }
+
+    /// Runs a step of `graph`'s shape by replaying it: the step's host values written in place,
+    /// one dispatch, one read-back. Returns `forward`'s outputs (the graph's buffers) and the
+    /// step's report, as [`end`](Self::end) with every window kept.
+    ///
+    /// # Errors
+    /// `GraphMismatch` (another shape, another `PagedKv`, buffers replaced since the capture);
+    /// as [`begin`](Self::begin); the step's device-checked errors. Nothing changes before the
+    /// replay on an error.
+    pub fn replay<'g, T>(
+        &mut self,
+        graph: &'g mut StepGraph<'_, T>,
+        windows: &[(RequestId, &[u32])],
+    ) -> Result<(&'g T, StepReport), Error> {
+        if graph.owner != self.instance {
+            return Err(Error::GraphMismatch {
+                why: "it was captured on another PagedKv",
+            });
+        }
+        let tokens: usize = windows.iter().map(|(_, ids)| ids.len()).sum();
+        if graph.generation != self.generation || !self.store.room(tokens as u64) {
+            return Err(Error::GraphMismatch {
+                why: "buffers it replays into were replaced since",
+            });
+        }
+        if self.shape_of(windows)? != graph.shape {
+            return Err(Error::GraphMismatch {
+                why: "the step has another shape (requests, tokens, prefix cells to write)",
+            });
+        }
+        self.stage(windows)?;
+        graph.target.set(self);
+        // SAFETY: every buffer the graph touched is one of this `PagedKv`'s (the same generation:
+        // none replaced), a record of this shape, or pinned by the graph; the host write above
+        // and the read below are on the capture's stream and thread.
+        unsafe { graph.graph.replay() };
+        graph.target.set(std::ptr::null_mut());
+        self.staged = None;
+        if graph.graph.is_hardware() {
+            // The closure did not run: the host follows the device's clock.
+            self.store.replayed(tokens as u64);
+        }
+        let graph: &'g StepGraph<'_, T> = graph;
+        let report = self.read_output(graph.graph.output())?;
+        let out = match graph.graph.output() {
+            Ok((out, _)) => out,
+            Err(_) => unreachable!("read_output returned the error"),
+        };
+        Ok((out, report))
+    }
+
+    /// The record's shape a step of `windows` has: requests, tokens, shared-prefix cells.
+    fn shape_of(&self, windows: &[(RequestId, &[u32])]) -> Result<[usize; 3], Error> {
+        let mut unwritten = 0;
+        for (id, _) in windows {
+            unwritten += self.request(*id)?.unwritten;
+        }
+        let tokens = windows.iter().map(|(_, ids)| ids.len()).sum();
+        Ok([windows.len(), tokens, unwritten])
+    }
+
+    /// The host halves of a graph's step, every window kept: what its device half reads.
+    fn stage(&mut self, windows: &[(RequestId, &[u32])]) -> Result<[usize; 3], Error> {
+        let shape = self.shape_of(windows)?;
+        let (entries, record) = self.open(windows)?;
+        self.mark_written(&entries);
+        let keep: Vec<usize> = entries.iter().map(|entry| entry.slots.len()).collect();
+        let kept = self.commit(&entries, &keep, &record);
+        self.staged = Some(StagedStep {
+            inputs: inputs(&record),
+            entries,
+            record,
+            kept,
+        });
+        Ok(shape)
+    }
+
+    /// The device half of a staged step, `forward` inside: what a graph records.
+    fn device_step<T>(
+        &mut self,
+        forward: &mut dyn FnMut(&mut PagedKv, &StepInputs) -> T,
+    ) -> Result<(T, Vec<Status>), Error> {
+        let staged = self.staged.clone().expect("a graph runs a staged step");
+        let launched = self.launch(&staged.record)?;
+        self.step = Some(OpenStep {
+            entries: staged.entries,
+            tokens: staged.inputs.tokens,
+            record: staged.record,
+            launched,
+        });
+        let out = forward(self, &staged.inputs);
+        let Some(step) = self.step.take() else {
+            return Err(step_order("end", "cannot run inside a captured step"));
+        };
+        let statuses = self.launch_end(step.launched, staged.kept.as_ref())?;
+        Ok((out, statuses))
+    }
+
+    /// The report of a graph's step from its output's statuses.
+    fn read_output<T>(&mut self, output: &StepOutput<T>) -> Result<StepReport, Error> {
+        match output {
+            Ok((_, statuses)) => self.report(statuses.clone()),
+            Err(error) => Err(error.clone()),
+        }
     }
 
     /// The fingerprinted layers' pools as the canary's real-KV sources (`None`: no real KV).
@@ -911,6 +1208,7 @@ impl PagedKv {
             });
         }
         self.pools[layer] = pool;
+        self.generation += 1;
         Ok(())
     }
 
@@ -943,6 +1241,7 @@ impl PagedKv {
             });
         }
         self.req_to_token = table;
+        self.generation += 1;
         Ok(())
     }
 
@@ -998,6 +1297,47 @@ impl PagedKv {
             }
             _ => Ok(()),
         }
+    }
+}
+
+/// What a graph's step returns: the forward's outputs and the step's statuses.
+type StepOutput<T> = Result<(T, Vec<Status>), Error>;
+type StepClosure<'f, T> = Box<dyn FnMut() -> StepOutput<T> + 'f>;
+
+/// A step's device work, the model's forward inside, captured once by [`PagedKv::capture`] and
+/// replayed by [`PagedKv::replay`] for later steps of the same shape.
+pub struct StepGraph<'f, T> {
+    graph: burn_core::tensor::Graph<StepOutput<T>, StepClosure<'f, T>>,
+    /// The `PagedKv` the closure runs on, set only while Burn's capture or replay runs.
+    target: Rc<Cell<*mut PagedKv>>,
+    shape: [usize; 3],
+    owner: u64,
+    generation: u64,
+}
+
+impl<T> StepGraph<'_, T> {
+    /// Whether a replay is one hardware dispatch (false: it runs the step again, as on Flex or
+    /// after a capture that fell back).
+    pub fn is_hardware(&self) -> bool {
+        self.graph.is_hardware()
+    }
+}
+
+impl<T> std::fmt::Debug for StepGraph<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepGraph")
+            .field("hardware", &self.graph.is_hardware())
+            .field("shape", &self.shape)
+            .finish()
+    }
+}
+
+/// The forward's inputs of a step record.
+fn inputs(record: &StepRecord) -> StepInputs {
+    StepInputs {
+        ids: record.ids.clone(),
+        positions: record.positions.clone(),
+        tokens: record.positions.dims()[0],
     }
 }
 

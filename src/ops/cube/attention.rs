@@ -289,7 +289,6 @@ struct NewKv {
 pub(crate) fn store_and_attend(
     [q, k_pool, v_pool, k, v]: [CubeTensor; 5],
     rows: NewRowsPrimitive<CubeBackend>,
-    base: u32,
     keys: [CubeTensor; 2],
     heads: usize,
 ) -> AttendedPrimitive<CubeBackend> {
@@ -303,7 +302,6 @@ pub(crate) fn store_and_attend(
         pools,
         new,
         rows,
-        base,
         keys,
         heads,
     ))
@@ -316,7 +314,6 @@ pub(crate) fn store_and_attend(
 pub(crate) fn store_qk_and_attend(
     [qk, k_pool, v_pool, v]: [CubeTensor; 4],
     rows: NewRowsPrimitive<CubeBackend>,
-    base: u32,
     keys: [CubeTensor; 2],
     heads: usize,
 ) -> AttendedPrimitive<CubeBackend> {
@@ -332,7 +329,6 @@ pub(crate) fn store_qk_and_attend(
         pools,
         new,
         rows,
-        base,
         keys,
         heads,
     ))
@@ -344,7 +340,6 @@ pub(crate) fn store_qk_and_attend(
 pub(crate) fn store_qkv_and_attend(
     [qkv, kv_pool]: [CubeTensor; 2],
     rows: NewRowsPrimitive<CubeBackend>,
-    base: u32,
     keys: [CubeTensor; 2],
     heads: usize,
 ) -> AttendedKvPrimitive<CubeBackend> {
@@ -360,7 +355,6 @@ pub(crate) fn store_qkv_and_attend(
         Pools::Joined(kv_pool),
         new,
         rows,
-        base,
         keys,
         heads,
     );
@@ -393,7 +387,6 @@ fn one_launch(
     pools: Pools,
     new: NewKv,
     rows: NewRowsPrimitive<CubeBackend>,
-    base: u32,
     [slots, runs]: [CubeTensor; 2],
     heads: usize,
 ) -> (CubeTensor, Pools) {
@@ -445,11 +438,6 @@ fn one_launch(
         [tokens, heads, groups, pool_rows],
         (Some(&q), Some(&pools)),
     );
-    // The check claimed `[base, base + new - 1]`; without new rows, an empty range.
-    let (base, newest) = match new {
-        0 => (1, 0),
-        new => (u64::from(base), u64::from(base) + new as u64 - 1),
-    };
     let new_rows = NewRowsShapeLaunch::new(
         new as u64,
         stride(&k, 0),
@@ -457,8 +445,9 @@ fn one_launch(
         stride(&v, 0),
         v_offset as u64,
         stride(&loc, 0),
-        base,
-        newest,
+        // The claimed range comes from the check's status, on the device (`stored_rows`).
+        1,
+        0,
     );
     let dtypes = [storage(&q), storage(&slots), storage(&loc)];
     let units = attention_units(head_dim);

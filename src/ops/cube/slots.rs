@@ -251,18 +251,16 @@ fn gcd(a: usize, b: usize) -> usize {
 pub(crate) fn check_store_slots(
     loc: CubeTensor,
     scratch: StoreScratchPrimitive<CubeBackend>,
-    base: u32,
     cache_rows: usize,
 ) -> StoreCheckPrimitive<CubeBackend> {
     let tokens = loc.shape()[0];
     let status = output_i64(&loc, STATUS_LEN);
-    let base = u64::from(base);
-    // A call owns the clock values `[base, base + N)` (the store starts again below the limit
-    // whenever it can; only a single call of 2^31 tokens cannot).
-    let address = if base + tokens as u64 > STORE_CLOCK_LIMIT {
+    // A call owns `tokens` clock values (the store starts again below the limit whenever it
+    // can; only a single call of 2^31 tokens cannot).
+    let address = if tokens as u64 >= STORE_CLOCK_LIMIT {
         Err(crate::Error::IndexRange {
             elements: tokens as u64,
-            limit: STORE_CLOCK_LIMIT - base,
+            limit: STORE_CLOCK_LIMIT - 1,
         })
     } else {
         address_type([&loc, &scratch.slot_words, &scratch.control], &[tokens])
@@ -284,7 +282,6 @@ pub(crate) fn check_store_slots(
     let shape = StoreShapeLaunch::new(
         tokens as u64,
         cache_rows as u64,
-        base,
         check_cubes as u64,
         stride(&loc, 0),
     );
