@@ -177,7 +177,7 @@ pub mod backend {
     /// here; `execution` when the read-back fails.
     pub fn exact<B: KvPlanBackend>(gathered: DeferredGather<B>) -> Result<IntTensor<B>, Error> {
         let count = gathered.status.check()?;
-        Ok(B::gather_prefix(gathered.out, count))
+        Ok(B::int_view(gathered.out, 0, count))
     }
 
     fn deferred<B: Backend>(output: GatherPrimitive<B>, context: &str) -> DeferredGather<B> {

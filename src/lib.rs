@@ -39,6 +39,5 @@ pub use deferred::{Status, check_all};
 pub use error::{Error, Result};
 pub use ops::KvPlanBackend;
 pub use paged::{
-    CanaryConfig, KvViolation, PagedKv, PagedKvConfig, RequestId, StepGraph, StepInputs,
-    StepReport,
+    CanaryConfig, KvViolation, PagedKv, PagedKvConfig, RequestId, StepGraph, StepInputs, StepReport,
 };

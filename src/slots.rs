@@ -781,8 +781,7 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             return Ok(self.apart([k_pool, v_pool, k, v, q], [slots, runs], heads));
         }
         let rows = self.new_rows();
-        let output =
-            B::store_and_attend(q, k_pool, v_pool, k, v, rows, slots, runs, heads);
+        let output = B::store_and_attend(q, k_pool, v_pool, k, v, rows, slots, runs, heads);
         Ok(Attended::from(output))
     }
 
@@ -809,8 +808,7 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             return Ok(self.apart([k_pool, v_pool, k, v, q], [slots, runs], heads));
         }
         let rows = self.new_rows();
-        let output =
-            B::store_qk_and_attend(qk, k_pool, v_pool, v, rows, slots, runs, heads);
+        let output = B::store_qk_and_attend(qk, k_pool, v_pool, v, rows, slots, runs, heads);
         Ok(Attended::from(output))
     }
 

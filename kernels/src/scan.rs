@@ -568,3 +568,25 @@ pub fn cube_share(total: u64, part: u64, parts: u64) -> (u64, u64) {
 pub fn start_of(ends: &Shared<[u64]>, j: u64) -> u64 {
     select(j > 0, ends[select(j > 0, j - 1, 0u64) as usize], 0u64)
 }
+
+/// Scalars of one [`fill_kernel`].
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
+pub struct FillShape {
+    /// Words to write.
+    pub len: u64,
+    /// The one word that gets `value`; every other word gets 0.
+    pub at: u64,
+    /// Its value.
+    pub value: u64,
+}
+
+/// Fresh statuses and scratch written on the device: a host upload is not a dispatch, and a
+/// captured graph on wgpu records dispatches only.
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn fill_kernel(words: &mut Tensor<u64>, shape: FillShape) {
+    let i = ABSOLUTE_POS as u64;
+    if i < shape.len {
+        words[i as usize] = select(i == shape.at, shape.value, 0u64);
+    }
+}

@@ -456,13 +456,17 @@ pub(crate) fn refused_plan<B: Backend>(
     }
 }
 
-/// The first `len` values of a 1-D i64 tensor, as an i64 tensor of exactly `len` values.
-pub(crate) fn int_prefix<B: Backend>(tensor: IntTensor<B>, len: usize) -> IntTensor<B> {
+/// Values `offset..offset + len` of a 1-D i64 tensor, as an i64 tensor of exactly `len` values.
+pub(crate) fn int_view<B: Backend>(
+    tensor: IntTensor<B>,
+    offset: usize,
+    len: usize,
+) -> IntTensor<B> {
     if len == 0 {
         // `slice` answers an empty range with the backend's default int dtype, not i64.
         return upload_i64::<B>(Vec::new(), &tensor.device());
     }
-    B::int_slice(tensor, &[Slice::from(0..len)])
+    B::int_slice(tensor, &[Slice::from(offset..offset + len)])
 }
 
 /// `write_i64` off the Cube backend: the values as a new tensor on the target's device.

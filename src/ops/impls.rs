@@ -105,11 +105,12 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
         super::cube::canary_verify(canary, plan, launch)
     }
 
-    fn gather_prefix(
-        out: burn_cubecl::tensor::CubeTensor,
+    fn int_view(
+        tensor: burn_cubecl::tensor::CubeTensor,
+        offset: usize,
         len: usize,
     ) -> burn_cubecl::tensor::CubeTensor {
-        super::cube::prefix(out, len)
+        super::cube::view(tensor, offset, len)
     }
 
     fn write_i64(
@@ -457,8 +458,8 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         B::canary_verify(canary.rebase(), plan.rebase(), launch.rebase()).rebase()
     }
 
-    fn gather_prefix(out: B::IntTensorPrimitive, len: usize) -> B::IntTensorPrimitive {
-        B::gather_prefix(out, len)
+    fn int_view(tensor: B::IntTensorPrimitive, offset: usize, len: usize) -> B::IntTensorPrimitive {
+        B::int_view(tensor, offset, len)
     }
 
     fn write_i64(target: B::IntTensorPrimitive, values: Vec<i64>) -> B::IntTensorPrimitive {

@@ -670,12 +670,13 @@ pub trait KvPlanBackend: Backend {
         AttendedKvPrimitive { out, kv_pool }
     }
 
-    /// The first `len` values of a gather's 1-D output: a view where the backend can make one.
-    /// (Burn's `slice` copies a range whose ends are not both on the allocator's alignment: a
-    /// second kernel for every exact gather.)
-    #[fusion(meta = |_out, len| TensorSpec::new([*len].into(), burn_core::tensor::DType::I64))]
-    fn gather_prefix(out: IntTensor<Self>, len: usize) -> IntTensor<Self> {
-        host::int_prefix::<Self>(out, len)
+    /// Values `offset..offset + len` of a contiguous 1-D i64 tensor (a gather's output, a
+    /// step's record): a view of its buffer where the backend can make one. (Burn's `slice`
+    /// copies a range whose ends are not both on the allocator's alignment, and a copy made
+    /// before a capture is not in the graph: a replay would read it stale.)
+    #[fusion(meta = |_tensor, _offset, len| TensorSpec::new([*len].into(), burn_core::tensor::DType::I64))]
+    fn int_view(tensor: IntTensor<Self>, offset: usize, len: usize) -> IntTensor<Self> {
+        host::int_view::<Self>(tensor, offset, len)
     }
 
     /// Writes `values` into `target` (i64, contiguous, `values.len()` elements) in place: the same

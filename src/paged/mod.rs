@@ -17,10 +17,14 @@
 //! Every error is typed and returned before anything changes: pools, table and allocators stay
 //! as they were.
 //!
-//! Capture-safe by construction (a step of one shape replays as a graph): every per-step host
-//! value reaches the device through one in-place write into a buffer kept per step shape, no
-//! launch takes a value that changes from step to step as a scalar except the store's clock
-//! (see the README), the pools, table and canary are written in place.
+//! Capture-safe by construction: every per-step host value (token ids and positions included)
+//! reaches the device through one in-place write into a buffer kept per step shape; no launch
+//! takes a value that changes from step to step (the store's clock is a device word its check
+//! advances); the pools, table, store scratch and canary are written in place. Each call is a
+//! host half (rules, allocators, the record) and a device half (launches only), so
+//! [`PagedKv::capture`] records a decode step's device half with the model's forward inside
+//! (`burn::tensor::capture`) and [`PagedKv::replay`] runs later steps of its shape as one
+//! dispatch.
 
 mod alloc;
 mod padded;
@@ -923,11 +927,8 @@ impl PagedKv {
             None => launch,
         };
         if let Some((ids, positions)) = &kept.written {
-            // The gather's first `kept` values as a view (Burn's slice copies off-alignment ends).
-            let slots = Tensor::from_dispatch(<Dispatch as KvPlanBackend>::gather_prefix(
-                accepted.out.clone(),
-                kept.kept,
-            ));
+            // The gather's first `kept` values, as a view.
+            let slots = view(Tensor::from_dispatch(accepted.out.clone()), 0, kept.kept);
             canary.write(
                 &plan.write,
                 WriteInputs::new(ids.clone(), positions.clone(), slots),
@@ -1048,10 +1049,9 @@ impl PagedKv {
         }
         let graph: &'g StepGraph<'_, T> = graph;
         let report = self.read_output(graph.graph.output())?;
-        let out = match graph.graph.output() {
-            Ok((out, _)) => out,
-            Err(_) => unreachable!("read_output returned the error"),
-        };
+        let out = graph
+            .output()
+            .expect("read_output returns a failed run's error");
         Ok((out, report))
     }
 
@@ -1212,6 +1212,11 @@ impl PagedKv {
         Ok(())
     }
 
+    /// The kv-canary (its state: tests, debugging), or `None` without one.
+    pub fn canary(&self) -> Option<&Canary> {
+        self.canary.as_ref().map(|(canary, _)| canary)
+    }
+
     /// `req_to_token` (i64 `[max_requests + 1, max_context]`; row 0 is the padding row).
     pub fn req_to_token(&self) -> Tensor<2, Int> {
         self.req_to_token.clone()
@@ -1274,7 +1279,7 @@ impl PagedKv {
             .unwrap_or_else(|| Tensor::zeros([len], (device, DType::I64)));
         let buffer = write_i64(buffer, values);
         self.records.insert(key, buffer.clone());
-        std::array::from_fn(|k| buffer.clone().narrow(0, offsets[k], parts[k].len()))
+        std::array::from_fn(|k| view(buffer.clone(), offsets[k], parts[k].len()))
     }
 
     fn request(&self, id: RequestId) -> Result<&Request, Error> {
@@ -1316,6 +1321,12 @@ pub struct StepGraph<'f, T> {
 }
 
 impl<T> StepGraph<'_, T> {
+    /// The forward's outputs of the latest run (the capture or the latest replay; its buffers on
+    /// hardware), or `None` when that run failed.
+    pub fn output(&self) -> Option<&T> {
+        self.graph.output().as_ref().ok().map(|(out, _)| out)
+    }
+
     /// Whether a replay is one hardware dispatch (false: it runs the step again, as on Flex or
     /// after a capture that fell back).
     pub fn is_hardware(&self) -> bool {
@@ -1343,6 +1354,16 @@ fn inputs(record: &StepRecord) -> StepInputs {
 
 fn step_order(call: &'static str, why: &'static str) -> Error {
     Error::StepOrder { call, why }
+}
+
+/// Values `offset..offset + len` of `tensor` as a view of its buffer (Burn's slice may copy, and
+/// a copy made before a capture window is not replayed).
+fn view(tensor: Tensor<1, Int>, offset: usize, len: usize) -> Tensor<1, Int> {
+    Tensor::from_dispatch(<Dispatch as KvPlanBackend>::int_view(
+        tensor.into_dispatch(),
+        offset,
+        len,
+    ))
 }
 
 /// `values` written into `target`'s buffer in place (on the Cube backend; elsewhere a new

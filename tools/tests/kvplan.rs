@@ -512,6 +512,11 @@ macro_rules! tensor_suite {
             fn paged_faults() {
                 crate::paged::faults(&device());
             }
+
+            #[test]
+            fn paged_capture() {
+                crate::paged::capture(&device());
+            }
         }
     };
 }

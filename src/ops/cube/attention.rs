@@ -297,14 +297,7 @@ pub(crate) fn store_and_attend(
         v: (unit_rows(v), 0),
     };
     let pools = Pools::Split(k_pool, v_pool);
-    attended(one_launch(
-        unit_rows(q),
-        pools,
-        new,
-        rows,
-        keys,
-        heads,
-    ))
+    attended(one_launch(unit_rows(q), pools, new, rows, keys, heads))
 }
 
 /// `store_and_attend` with the queries and the K rows side by side in `qk`: the queries a view of

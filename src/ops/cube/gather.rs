@@ -16,8 +16,8 @@ use kvplan_kernels::status::{
 };
 
 use super::{
-    address_type, bindable, dims2, faithful_shared, fixed_planes, grid, output_i64, storage,
-    stride, tile_cubes, upload_parts, widened,
+    address_type, bindable, dims2, faithful_shared, fixed_planes, fresh_parts, grid, output_i64,
+    storage, stride, tile_cubes, widened,
 };
 use burn_cubecl::CubeBackend;
 
@@ -65,11 +65,13 @@ pub(crate) fn masked_gather(
     };
     // Fresh scratch: ticket and done counters at 0, no error, every tile state (or, counted, every
     // group total) empty.
-    let mut words = vec![0u64; SCRATCH_TILES + tiles];
-    words[SCRATCH_ERROR] = NO_ERROR;
-    let [status, scratch] = upload_parts(
+    let [status, scratch] = fresh_parts(
         &req_to_token,
-        [(&[0; STATUS_LEN], DType::I64), (&words, DType::U64)],
+        [
+            (STATUS_LEN, DType::I64),
+            (SCRATCH_TILES + tiles, DType::U64),
+        ],
+        (1, SCRATCH_ERROR, NO_ERROR),
     );
     let client = req_to_token.client.clone();
     let broadcast_prefix = faithful_shared(&req_to_token);
@@ -236,8 +238,6 @@ pub(crate) fn segment_gather(
     );
     let (cube_count, cubes) = grid(tiles * tile_cubes);
     // Fresh scratch: no tickets taken, no cube done, no error, every tile state empty.
-    let mut words = vec![0u64; SEG_TILES + tiles];
-    words[SEG_ERROR] = NO_ERROR;
     let address = match address_type(
         [&req_to_token, &req_pool_indices, &lengths, &out]
             .into_iter()
@@ -247,9 +247,10 @@ pub(crate) fn segment_gather(
         Ok(address) => address,
         Err(error) => return gather_output::<CubeBackend>(Err(error), capacity, &client_device),
     };
-    let [status, scratch] = upload_parts(
+    let [status, scratch] = fresh_parts(
         &req_to_token,
-        [(&[0; STATUS_LEN], DType::I64), (&words, DType::U64)],
+        [(STATUS_LEN, DType::I64), (SEG_TILES + tiles, DType::U64)],
+        (1, SEG_ERROR, NO_ERROR),
     );
     let client = req_to_token.client.clone();
     let broadcast_prefix = faithful_shared(&req_to_token);

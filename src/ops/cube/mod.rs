@@ -83,16 +83,30 @@ fn as_bits(tensor: CubeTensor, copy: impl FnOnce(CubeTensor) -> CubeTensor) -> C
     CubeTensor { dtype, ..copied }
 }
 
-/// The first `len` values of a contiguous 1-D output, as a view of its buffer (no copy).
-pub(crate) fn prefix(out: CubeTensor, len: usize) -> CubeTensor {
-    let size = out.shape()[0];
-    if len >= size {
-        return out;
+/// Values `offset..offset + len` of a contiguous 1-D tensor, as a view of its buffer (no copy).
+pub(crate) fn view(tensor: CubeTensor, offset: usize, len: usize) -> CubeTensor {
+    let size = tensor.shape()[0];
+    if offset == 0 && len >= size {
+        return tensor;
     }
-    // An empty prefix keeps one element of buffer: zero-sized bindings are not valid everywhere.
-    let tail = ((size - len.max(1)) * out.dtype.size()) as u64;
-    let (dtype, handle) = (out.dtype, out.handle.offset_end(tail));
-    CubeTensor::new_contiguous(out.client, out.device, Shape::new([len]), handle, dtype)
+    // An empty view keeps one element of buffer: zero-sized bindings are not valid everywhere.
+    let width = tensor.dtype.size();
+    let offset = offset.min(size.saturating_sub(1));
+    let tail = (size - offset - len.max(1).min(size - offset)) * width;
+    let (dtype, handle) = (
+        tensor.dtype,
+        tensor
+            .handle
+            .offset_start((offset * width) as u64)
+            .offset_end(tail as u64),
+    );
+    CubeTensor::new_contiguous(
+        tensor.client,
+        tensor.device,
+        Shape::new([len]),
+        handle,
+        dtype,
+    )
 }
 
 /// `values` written into `target`'s own buffer (enqueued on the client's stream, ordered with
@@ -102,6 +116,52 @@ pub(crate) fn write_i64(target: CubeTensor, values: Vec<i64>) -> CubeTensor {
         .client
         .write(&target.handle, cubecl::bytes::Bytes::from_elems(values));
     target
+}
+
+/// Words that start at 0 but one (`set`: part, index, value), written by one launch (not an
+/// upload: a captured graph on wgpu records dispatches only) into one buffer, handed out as one
+/// buffer per part at an offset the runtime can bind (parts of `(len, dtype)`).
+fn fresh_parts<const N: usize>(
+    like: &CubeTensor,
+    parts: [(usize, DType); N],
+    set: (usize, usize, u64),
+) -> [CubeTensor; N] {
+    let align = (like.client.properties().memory.alignment as usize / 8).max(1);
+    let mut spans = [(0, 0); N];
+    let mut total = 0;
+    for (span, (len, _)) in spans.iter_mut().zip(&parts) {
+        *span = (total, (*len).max(1));
+        total = (total + span.1).next_multiple_of(align);
+    }
+    let buffer = empty_i64(like, total);
+    let (part, index, value) = set;
+    let shape = kvplan_kernels::scan::FillShapeLaunch::new(
+        total as u64,
+        (spans[part].0 + index) as u64,
+        value,
+    );
+    let (count, _) = grid(total.div_ceil(kvplan_kernels::scan::CUBE_SIZE as usize));
+    // SAFETY: the kernel writes only words below `total`, the buffer's length.
+    unsafe {
+        kvplan_kernels::scan::fill_kernel::launch_unchecked(
+            &like.client,
+            count,
+            CubeDim::new_1d(kvplan_kernels::scan::CUBE_SIZE),
+            AddressType::U32,
+            buffer.clone().into_tensor_arg(),
+            shape,
+        );
+    }
+    let handle = buffer.handle;
+    std::array::from_fn(|k| {
+        let ((start, len), dtype) = (spans[k], parts[k].1);
+        let view = handle
+            .clone()
+            .offset_start((start * 8) as u64)
+            .offset_end(((total - start - len) * 8) as u64);
+        let shape = Shape::new([parts[k].0]);
+        CubeTensor::new_contiguous(like.client.clone(), like.device.clone(), shape, view, dtype)
+    })
 }
 
 /// Words that must start at known values (status records, counts, scratch), uploaded in one

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use burn_core::tensor::{DType, Device, Int, Tensor, TensorData};
 use kvplan::canary::FailReasons;
 use kvplan::reference::{Heads, paged_attention};
-use kvplan::{CanaryConfig, Error, PagedKv, PagedKvConfig, RequestId};
+use kvplan::{CanaryConfig, Error, PagedKv, PagedKvConfig, RequestId, StepInputs};
 
 use crate::common::Rng;
 
@@ -79,7 +79,11 @@ fn step(
     let tokens: usize = windows.iter().map(|w| w.1).sum();
     assert_eq!(inputs.tokens, tokens);
     let want_ids: Vec<i64> = ids.iter().flatten().map(|&id| i64::from(id)).collect();
-    assert_eq!(kvplan::ops::data_to_i64(&inputs.ids.into_data()), want_ids, "ids");
+    assert_eq!(
+        kvplan::ops::data_to_i64(&inputs.ids.into_data()),
+        want_ids,
+        "ids"
+    );
     let positions = kvplan::ops::data_to_i64(&inputs.positions.into_data());
     let expected: Vec<i64> = windows
         .iter()
@@ -662,12 +666,7 @@ pub fn faults(device: &Device) {
     kv.truncate(b, 0).unwrap();
     kv.truncate(a, 0).unwrap();
     step(&mut kv, &mut host, &mut rng, &[(a, 6), (b, 4)], device);
-    assert!(
-        kv.end(&[6, 4])
-            .unwrap()
-            .violations
-            .is_empty()
-    );
+    assert!(kv.end(&[6, 4]).unwrap().violations.is_empty());
 
     // A's row names B's slot at position 3 (vLLM 56734's stale row).
     let stolen = kv.slots(b).unwrap()[3];
@@ -697,4 +696,244 @@ pub fn faults(device: &Device) {
         (kv.free_slots(), kv.free_rows()),
         (config.slots, config.max_requests)
     );
+}
+
+/// A tiny random model over a `PagedKv`: embeddings of ids and positions, each layer's `qkv`
+/// projection, attention and output projection, and the greedy next token of every row.
+struct Tiny {
+    embed: Tensor<2>,
+    position: Tensor<2>,
+    qkv: Vec<Tensor<2>>,
+    out: Vec<Tensor<2>>,
+    head: Tensor<2>,
+}
+
+impl Tiny {
+    fn new(config: &PagedKvConfig, vocab: usize, device: &Device) -> Self {
+        let width = config.query_heads * config.head_dim;
+        let mut rng = Rng::new(0x7469_6e79);
+        let mut random = |rows: usize, cols: usize| {
+            let values: Vec<f32> = (0..rows * cols)
+                .map(|_| rng.range(-1000, 1000) as f32 / 2000.0)
+                .collect();
+            Tensor::<2>::from_data(TensorData::new(values, [rows, cols]), device)
+        };
+        Self {
+            embed: random(vocab, width),
+            position: random(config.max_context, width),
+            qkv: (0..config.layers)
+                .map(|_| random(width, config.qkv_width()))
+                .collect(),
+            out: (0..config.layers).map(|_| random(width, width)).collect(),
+            head: random(width, vocab),
+        }
+    }
+
+    fn forward(&self, kv: &mut PagedKv, inputs: &StepInputs) -> Tensor<1, Int> {
+        let mut hidden = self.embed.clone().select(0, inputs.ids.clone())
+            + self.position.clone().select(0, inputs.positions.clone());
+        for (layer, (qkv, out)) in self.qkv.iter().zip(&self.out).enumerate() {
+            let attended = kv
+                .attend(layer, hidden.clone().matmul(qkv.clone()))
+                .expect("a valid layer");
+            hidden = hidden + attended.matmul(out.clone());
+        }
+        hidden
+            .matmul(self.head.clone())
+            .argmax(1)
+            .reshape([inputs.tokens])
+    }
+}
+
+/// Everything a step leaves behind, for bit-equality: every pool's bits, the table, the canary's
+/// records, ring and write index.
+#[derive(Debug, PartialEq)]
+struct DeviceState {
+    pools: Vec<Vec<u32>>,
+    table: Vec<i64>,
+    records: Vec<i64>,
+    ring: Vec<Vec<i64>>,
+    write_index: i64,
+}
+
+fn device_state(kv: &PagedKv) -> (DeviceState, [i64; 2]) {
+    let layers = kv.config().layers;
+    let canary = kv.canary().expect("a canary").state().expect("readable");
+    let state = DeviceState {
+        pools: (0..layers)
+            .map(|layer| {
+                floats(kv.pool(layer).unwrap())
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            })
+            .collect(),
+        table: table(kv),
+        records: canary.buffer,
+        ring: canary.ring.iter().map(|row| row.to_vec()).collect(),
+        write_index: canary.write_index,
+    };
+    (state, [canary.slot_run_counter, canary.kernel_run_counter])
+}
+
+fn ints(tensor: Tensor<1, Int>) -> Vec<u32> {
+    kvplan::ops::data_to_i64(&tensor.into_data())
+        .into_iter()
+        .map(|v| v as u32)
+        .collect()
+}
+
+/// Burn's capture of one decode step through the object, then replays with inputs refreshed in
+/// place, against the same steps run eagerly on a twin: tokens, reports, pools, table and canary
+/// state bit for bit (the canary's run counters step for step: a capture runs its step four
+/// times). A fault injected into both is reported alike; a replaced pool or another shape is
+/// refused with nothing changed.
+pub fn capture(device: &Device) {
+    let config = config();
+    let tiny = Tiny::new(&config, 64, device);
+    let hardware = !matches!(
+        device.as_dispatch(),
+        burn_core::backend::DispatchDevice::Flex(_)
+    );
+    let step = |kv: &mut PagedKv, windows: &[(RequestId, &[u32])]| {
+        let inputs = kv.begin(windows).unwrap();
+        let next = ints(tiny.forward(kv, &inputs));
+        let keep: Vec<usize> = windows.iter().map(|(_, ids)| ids.len()).collect();
+        (next, kv.end(&keep).unwrap())
+    };
+    // Prefill two requests (the second shares the first's prefix), then one eager decode step:
+    // every kernel of the decode shape compiled before the capture.
+    let mut twins = Vec::new();
+    for _ in 0..2 {
+        let mut kv = PagedKv::new(config.clone(), device).unwrap();
+        let a = kv.add().unwrap();
+        let (first, _) = step(&mut kv, &[(a, &[3, 1, 4, 1, 5])]);
+        let b = kv.share(a, 3).unwrap();
+        let (second, _) = step(&mut kv, &[(b, &[9, 2])]);
+        let (next, report) = step(&mut kv, &[(a, &first[4..]), (b, &second[1..])]);
+        assert!(report.violations.is_empty(), "{report:?}");
+        twins.push((kv, a, b, next));
+    }
+    let (mut graphed, a, b, mut tokens) = twins.pop().unwrap();
+    let (mut eager, ..) = twins.pop().unwrap();
+
+    let (mut graph, report) = graphed
+        .capture(&[(a, &tokens[..1]), (b, &tokens[1..])], |kv, inputs| {
+            tiny.forward(kv, inputs)
+        })
+        .unwrap();
+    assert_eq!(graph.is_hardware(), hardware, "{graph:?}");
+    let (_, counters) = device_state(&eager);
+    let (want, want_report) = step(&mut eager, &[(a, &tokens[..1]), (b, &tokens[1..])]);
+    assert_eq!(report, want_report);
+    assert_eq!(
+        ints(graph.output().unwrap().clone()),
+        want,
+        "the captured step"
+    );
+    let (state, eager_counters) = device_state(&eager);
+    let (graphed_state, graphed_counters) = device_state(&graphed);
+    assert_eq!(graphed_state, state, "after the capture");
+    // The canary's run counters after the latest step: graphed, eager.
+    let mut last = (graphed_counters, eager_counters);
+    let per_step = [
+        eager_counters[0] - counters[0],
+        eager_counters[1] - counters[1],
+    ];
+    tokens = want;
+
+    let replay = |graphed: &mut PagedKv,
+                  eager: &mut PagedKv,
+                  graph: &mut kvplan::StepGraph<'_, Tensor<1, Int>>,
+                  last: &mut ([i64; 2], [i64; 2]),
+                  tokens: &[u32],
+                  what: &str| {
+        let windows = [(a, &tokens[..1]), (b, &tokens[1..])];
+        let (out, report) = graphed.replay(graph, &windows).unwrap();
+        let got = ints(out.clone());
+        let (want, want_report) = step(eager, &windows);
+        let (state, counters) = device_state(eager);
+        let (graphed_state, graphed) = device_state(graphed);
+        assert_eq!(got, want, "{what}: tokens");
+        assert_eq!(report, want_report, "{what}: report");
+        assert_eq!(graphed_state, state, "{what}: device state");
+        assert_eq!(
+            [graphed[0] - last.0[0], graphed[1] - last.0[1]],
+            [counters[0] - last.1[0], counters[1] - last.1[1]],
+            "{what}: canary counters"
+        );
+        *last = (graphed, counters);
+        (want, report)
+    };
+    for k in 0..4 {
+        let (next, report) = replay(
+            &mut graphed,
+            &mut eager,
+            &mut graph,
+            &mut last,
+            &tokens,
+            &format!("replay {k}"),
+        );
+        assert!(report.violations.is_empty(), "{report:?}");
+        tokens = next;
+    }
+    assert!(per_step[1] > 0, "the canary ran");
+
+    // Another shape, another object: refused, nothing changed.
+    let (before, _) = device_state(&graphed);
+    let free = graphed.free_slots();
+    assert_kind(
+        graphed.replay(&mut graph, &[(a, &tokens[..1])]),
+        "graph_mismatch",
+    );
+    let mut other = PagedKv::new(config.clone(), device).unwrap();
+    let c = other.add().unwrap();
+    assert_kind(
+        other.replay(&mut graph, &[(c, &[1]), (c, &[2])]),
+        "graph_mismatch",
+    );
+    // A flipped bit in the shared slot of position 1, in both: the pool replaced, the graph
+    // stale until captured again.
+    let slot = graphed.slots(a).unwrap()[1];
+    assert_eq!(graphed.slot_owners(slot), 2);
+    for kv in [&mut graphed, &mut eager] {
+        let width = config.kv_width();
+        let mut pool = floats(kv.pool(0).unwrap());
+        pool[slot as usize * width] =
+            f32::from_bits(pool[slot as usize * width].to_bits() ^ 0x2000_0000);
+        let pool = Tensor::from_data(TensorData::new(pool, [config.slots + 1, width]), device);
+        kv.set_pool(0, pool).unwrap();
+    }
+    let windows = [(a, &tokens[..1]), (b, &tokens[1..])];
+    assert_kind(graphed.replay(&mut graph, &windows), "graph_mismatch");
+    let (after, _) = device_state(&graphed);
+    assert_eq!(graphed.free_slots(), free, "refused replays take no slots");
+    assert_ne!(after, before, "the injected bit (only)");
+    drop(graph);
+    let (mut graph, report) = graphed
+        .capture(&windows, |kv, inputs| tiny.forward(kv, inputs))
+        .unwrap();
+    let (want, want_report) = step(&mut eager, &windows);
+    assert_eq!(report, want_report, "the fault's report");
+    let found: Vec<(RequestId, usize, i64)> = report
+        .violations
+        .iter()
+        .map(|v| (v.request, v.position, v.slot))
+        .collect();
+    assert_eq!(found, vec![(a, 1, slot), (b, 1, slot)], "{report:?}");
+    assert_eq!(ints(graph.output().unwrap().clone()), want);
+    let (state, counters) = device_state(&eager);
+    let (graphed_state, graphed_now) = device_state(&graphed);
+    assert_eq!(graphed_state, state, "after the second capture");
+    last = (graphed_now, counters);
+    let (next, report) = replay(
+        &mut graphed,
+        &mut eager,
+        &mut graph,
+        &mut last,
+        &want,
+        "after the fault",
+    );
+    assert_eq!(report.violations.len(), 2, "still reported: {report:?}");
+    let _ = next;
 }
