@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|repeat|repeat-ab|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|gputime|repeat|repeat-ab|anchor|profile]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -223,6 +223,20 @@ PY
         --file "$prompts" > /dev/null 2> "$OUT/profile-kernels.err"
       echo "kernel profile: $(wc -l < profile.log) lines"; tail -c 6000 profile.log
       cp compile.log autotune.log profile.log "$OUT/" 2>/dev/null; cd - > /dev/null
+      ;;
+    gputime)
+      # The kernels' GPU time a decode step (CUPTI), in all and kernel by kernel: the ceiling a
+      # replayed step reaches (issue 43, part 1).
+      prompts="$PWD/benches/prompts.txt"
+      for bs in ${BATCHES:-1 8 32}; do
+        for spec in ${SPECS:-off ngram}; do
+          KVPLAN_GPU_TIME=1 "$BIN" generate --backend cuda --spec "$spec" --batch "$bs" --limit "$bs" \
+            --max-new-tokens 128 --ignore-eos --file "$prompts" > /dev/null 2> "$OUT/gputime-$spec-$bs.err"
+          echo "== gpu time spec $spec batch $bs"
+          grep -E "^generate: [0-9]* requests|^gpu-time" "$OUT/gputime-$spec-$bs.err"
+          grep -E "^gpu-kernel" "$OUT/gputime-$spec-$bs.err" | head -${KERNELS:-12}
+        done
+      done
       ;;
     anchor)
       # transformers on the same GGUF and prompts (carry .whl with the gguf wheel).

@@ -14,11 +14,12 @@
 //!    records the kept tokens and verifies every committed one, and the violations it reports
 //!    make their requests recompute their caches.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use burn_core::tensor::{DType, FloatDType, Int, Tensor, TensorData};
-use kvplan::{CanaryConfig, PagedKv, PagedKvConfig, RequestId, StepReport};
+use kvplan::{CanaryConfig, PagedKv, PagedKvConfig, RequestId, StepGraph, StepInputs, StepReport};
 
 use crate::clock::{OpClock, OpKind, OpTimes};
 use crate::draft::ngram_draft;
@@ -84,6 +85,10 @@ pub struct EngineOptions {
     /// steps' rise over the others is the calls' cost in a pipelined step
     /// ([`StepTimes::step_walls`]). `Bookkeeping` is refused: `begin` and `end` cannot run twice.
     pub repeat: Option<OpKind>,
+    /// Replay greedy decode steps without drafts (every row one token) as graphs: each batch
+    /// size's step captured once after its first eager run (`PagedKv::capture`), replayed after
+    /// (forward, argmax, kvplan's bookkeeping and the canary inside; one write in, one read out).
+    pub graphs: bool,
 }
 
 impl Default for EngineOptions {
@@ -99,6 +104,7 @@ impl Default for EngineOptions {
             fixed_windows: true,
             profile: false,
             repeat: None,
+            graphs: false,
         }
     }
 }
@@ -251,7 +257,8 @@ const CANARY_LAYER: usize = 0;
 
 /// A model, its paged KV cache, and the requests being served.
 pub struct Engine {
-    model: Llama,
+    /// Shared with the captured steps' closures.
+    model: Rc<Llama>,
     options: EngineOptions,
     kv: PagedKv,
     /// Times kvplan's calls.
@@ -268,7 +275,31 @@ pub struct Engine {
     injected: Option<Reported>,
     /// The end of the last profiled phase.
     lap: Instant,
+    /// Batch sizes whose decode step ran eagerly (its kernels compiled), and their graphs.
+    warmed: HashSet<usize>,
+    graphs: HashMap<usize, DecodeGraph>,
 }
+
+/// A decode step's forward inside a graph: each row's greedy next token.
+fn decode_tokens(
+    model: &Llama,
+    kv: &mut PagedKv,
+    inputs: &StepInputs,
+) -> std::result::Result<Tensor<1, Int>, String> {
+    let layers = model.config().layers;
+    let hidden = model
+        .forward(
+            inputs.ids.clone(),
+            inputs.positions.clone(),
+            0..layers,
+            |layer, qkv| Ok(kv.attend(layer, qkv)?),
+        )
+        .map_err(|error| error.to_string())?;
+    Ok(model.logits(hidden).argmax(1).reshape([inputs.tokens]))
+}
+
+/// A captured decode step: each row's next token (or why the forward failed).
+type DecodeGraph = StepGraph<'static, std::result::Result<Tensor<1, Int>, String>>;
 
 impl Engine {
     /// An engine over `model` with an empty cache; `eos` are the token ids that end a request.
@@ -340,7 +371,9 @@ impl Engine {
             reported: Vec::new(),
             injected: None,
             lap: Instant::now(),
-            model,
+            warmed: HashSet::new(),
+            graphs: HashMap::new(),
+            model: Rc::new(model),
             options,
         })
     }
@@ -414,9 +447,13 @@ impl Engine {
         self.rng = Rng::new(seed);
     }
 
-    /// The model back, for another engine.
-    pub fn into_model(self) -> Llama {
-        self.model
+    /// The model back, for another engine (its graphs, which hold it, dropped).
+    pub fn into_model(mut self) -> Llama {
+        self.graphs.clear();
+        match Rc::try_unwrap(self.model) {
+            Ok(model) => model,
+            Err(_) => unreachable!("only the engine's graphs share the model"),
+        }
     }
 
     /// Where the steps' time went.
@@ -431,6 +468,11 @@ impl Engine {
             (self.kv.free_slots(), config.slots),
             (self.kv.free_rows(), config.max_requests),
         )
+    }
+
+    /// Decode steps captured as graphs (one per batch size, [`EngineOptions::graphs`]).
+    pub fn graphs(&self) -> usize {
+        self.graphs.len()
     }
 
     /// The corruption injected, if any (request, slot, position).
@@ -516,13 +558,26 @@ impl Engine {
             self.draft_self(&mut work, layers, min_confidence)?;
             self.lap("self-speculative drafts");
         }
-        let targets = self.verify(&work)?;
-        let keep = self.accept(&work, targets, on_tokens);
-        self.lap("accept");
-        let span = self.clock.start();
-        let report = self.kv.end(&keep);
-        self.clock.stop(span, OpKind::Bookkeeping);
-        self.attribute(&report?);
+        let report = match self.replayed(&work)? {
+            Some((targets, report)) => {
+                self.accept(&work, targets, on_tokens);
+                self.lap("graph step");
+                report
+            }
+            None => {
+                let targets = self.verify(&work)?;
+                let keep = self.accept(&work, targets, on_tokens);
+                self.lap("accept");
+                let span = self.clock.start();
+                let report = self.kv.end(&keep);
+                self.clock.stop(span, OpKind::Bookkeeping);
+                if let Some(batch) = self.graph_shape(&work) {
+                    self.warmed.insert(batch);
+                }
+                report?
+            }
+        };
+        self.attribute(&report);
         self.recompute_reported()?;
         self.lap("canary, status check");
         self.finish_requests()?;
@@ -534,6 +589,64 @@ impl Engine {
         }
         self.step += 1;
         Ok(())
+    }
+
+    /// The batch size of a step that graphs may run: greedy, no drafts, every row decoding one
+    /// token.
+    fn graph_shape(&self, work: &[RowWork]) -> Option<usize> {
+        let decoding = work
+            .iter()
+            .all(|w| w.input.len() == 1 && w.draft.is_empty());
+        (self.options.graphs
+            && self.options.sampling.is_greedy()
+            && self.options.repeat.is_none()
+            && decoding)
+            .then_some(work.len())
+    }
+
+    /// A decode step run as a graph: replayed where its batch size has one, captured where that
+    /// size ran eagerly before (`None`: run it eagerly). Each row's next token and the step's
+    /// report, as the eager step's.
+    fn replayed(&mut self, work: &[RowWork]) -> Result<Option<(Vec<Target>, StepReport)>> {
+        let Some(batch) = self.graph_shape(work).filter(|b| self.warmed.contains(b)) else {
+            return Ok(None);
+        };
+        let windows: Vec<(RequestId, &[u32])> =
+            work.iter().map(|w| (w.kv, w.input.as_slice())).collect();
+        let replayed = match self.graphs.get_mut(&batch) {
+            Some(graph) => match self.kv.replay(graph, &windows) {
+                Ok((out, report)) => Some((out.clone(), report)),
+                // A pool or the table was replaced (an injected fault): capture again.
+                Err(kvplan::Error::GraphMismatch { .. }) => None,
+                Err(error) => return Err(error.into()),
+            },
+            None => None,
+        };
+        let (out, report) = match replayed {
+            Some(done) => done,
+            None => {
+                self.graphs.remove(&batch);
+                let model = Rc::clone(&self.model);
+                let (graph, report) = self.kv.capture(&windows, move |kv, inputs| {
+                    decode_tokens(&model, kv, inputs)
+                })?;
+                if !graph.is_hardware() && self.graphs.is_empty() {
+                    eprintln!("graphs: the capture fell back to running each step again");
+                }
+                let out = graph
+                    .output()
+                    .cloned()
+                    .unwrap_or_else(|| Err("a capture that returned has its output".to_string()));
+                self.graphs.insert(batch, graph);
+                (out, report)
+            }
+        };
+        let tokens = self.read_tokens(out.map_err(DecoderError::Model)?)?;
+        let targets = tokens
+            .into_iter()
+            .map(|t| Target::Tokens(vec![t]))
+            .collect();
+        Ok(Some((targets, report)))
     }
 
     /// Each running request's window for this step.

@@ -236,6 +236,46 @@ fn corruption_is_caught(device: &Device) {
     }
 }
 
+/// Greedy decode steps replayed as graphs give the eager steps' tokens in every batch mix, and
+/// both injected faults are reported where the eager run reports them.
+fn graphs_change_nothing(device: &Device) {
+    let requests = prompts(5, 0, 24);
+    for (max_batch, gap) in [(1, 0), (3, 0), (4, 3)] {
+        let mut requests = requests.clone();
+        for r in &mut requests {
+            r.arrival_step = r.id * gap;
+        }
+        let (eager, _) = serve(device, options(Drafting::Off, max_batch), requests.clone());
+        let mut o = options(Drafting::Off, max_batch);
+        o.graphs = true;
+        let (graphed, engine) = serve(device, o, requests.clone());
+        assert_eq!(
+            tokens(&graphed),
+            tokens(&eager),
+            "batch {max_batch}, gap {gap}"
+        );
+        assert!(engine.graphs() > 0, "steps were captured");
+    }
+    let requests = prompts(3, 0, 24);
+    for kind in [Corruption::KvByte, Corruption::StaleRow] {
+        let mut o = options(Drafting::Off, 3);
+        o.corruption = Some((kind, 6));
+        let (eager, eager_engine) = serve(device, o.clone(), requests.clone());
+        o.graphs = true;
+        let (graphed, engine) = serve(device, o, requests.clone());
+        assert_eq!(engine.injected(), eager_engine.injected(), "{kind:?}");
+        let reported = |outcomes: &[Outcome]| -> Vec<_> {
+            outcomes
+                .iter()
+                .flat_map(|o| o.canary_violations.clone())
+                .collect()
+        };
+        assert_eq!(reported(&graphed), reported(&eager), "{kind:?}");
+        assert_eq!(reported(&graphed).len(), 1, "{kind:?}");
+        assert_eq!(tokens(&graphed), tokens(&eager), "{kind:?}");
+    }
+}
+
 /// With temperature > 0 the runs are seeded: the same seed gives the same tokens, drafting or not
 /// changes nothing about that, and the tokens stay in the vocabulary.
 fn sampling_is_seeded(device: &Device) {
@@ -352,6 +392,17 @@ fn corruption_is_caught_flex() {
 #[test]
 fn corruption_is_caught_vulkan() {
     corruption_is_caught(&vulkan());
+}
+
+#[test]
+fn graphs_change_nothing_flex() {
+    graphs_change_nothing(&Device::flex());
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn graphs_change_nothing_vulkan() {
+    graphs_change_nothing(&vulkan());
 }
 
 #[test]

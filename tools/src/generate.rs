@@ -25,7 +25,7 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
     [--max-new-tokens N] [--temperature T] [--seed S] [--batch N] [--dtype f32|f64]
     [--model FILE.gguf]
     [--inject-corruption kv-byte|stale-row] [--json] [--ignore-eos] [--limit N] [--profile]
-    [--warm-up|--no-warm-up] [--repeat-ops attention]
+    [--warm-up|--no-warm-up] [--repeat-ops attention] [--graphs on|off]
   Each prompt is a user message rendered with the GGUF's chat template (--raw: plain completion).
   FILE holds one JSON object per line ({\"prompt\": ..., \"arrival_step\": 0, \"max_new_tokens\": 64}),
   or plain lines of prompt text (--limit N: the first N). Without prompts, a built-in set runs.
@@ -34,7 +34,9 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
   --ignore-eos generates exactly the budget (benchmarks). --profile waits for the device after
   each step phase and prints where the steps' time went. --repeat-ops attention runs each
   layer's store and attention (PagedKv::attend) twice on every other step (benchmarks: the
-  steps' difference is what they cost a pipelined step). On CUDA and Vulkan the
+  steps' difference is what they cost a pipelined step). --graphs on replays greedy decode
+  steps without drafts as graphs (each batch size captured once; on by default on CUDA). On
+  CUDA and Vulkan the
   requests are first served once untimed (--no-warm-up: not), which compiles and autotunes every
   step shape.";
 
@@ -68,6 +70,7 @@ struct Args {
     profile: bool,
     repeat: Option<OpKind>,
     warm_up: Option<bool>,
+    graphs: Option<bool>,
 }
 
 #[derive(Debug, Clone)]
@@ -169,6 +172,8 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         fixed_windows: backend != BackendName::Flex,
         profile: args.profile,
         repeat: args.repeat,
+        // Greedy decode steps without drafts replay as graphs, by default on CUDA only.
+        graphs: args.graphs.unwrap_or(backend == BackendName::Cuda),
         ..EngineOptions::default()
     };
     let eos = if args.ignore_eos {
@@ -193,6 +198,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
     let mut stream = tokenizer.detokenizer();
     let mut turn_ended = false;
     let mut generated = 0usize;
+    let timer = gpu_timer();
     let started = Instant::now();
     let outcomes = engine
         .run(requests.clone(), |_, tokens| {
@@ -228,6 +234,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         report(&args, &tokenizer, &requests[outcome.id], outcome, streaming)?;
     }
     summary(&engine, &outcomes, elapsed.as_secs_f64());
+    gpu_time(timer, engine.times().steps);
     if args.profile {
         profile(engine.times());
     }
@@ -421,6 +428,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         profile: false,
         repeat: None,
         warm_up: None,
+        graphs: None,
     };
     let mut limit = None;
     let mut rest = args.iter();
@@ -447,6 +455,13 @@ fn parse(args: &[String]) -> Result<Args, String> {
                     other => {
                         return Err(format!("--repeat-ops {other:?}: only attention\n{USAGE}"));
                     }
+                })
+            }
+            "--graphs" => {
+                parsed.graphs = Some(match value("--graphs")?.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    other => return Err(format!("--graphs {other:?}: on or off\n{USAGE}")),
                 })
             }
             "--warm-up" => parsed.warm_up = Some(true),
@@ -611,3 +626,44 @@ mod tests {
         );
     }
 }
+
+/// With `KVPLAN_GPU_TIME` set on a CUDA build: CUPTI's kernel records from here on (what came
+/// before, the warm-up included, discarded).
+#[cfg(feature = "cuda")]
+fn gpu_timer() -> Option<crate::cupti::KernelTimer> {
+    std::env::var_os("KVPLAN_GPU_TIME")?;
+    let timer = crate::cupti::KernelTimer::start()
+        .map_err(|error| eprintln!("gpu-time: none ({error})"))
+        .ok()?;
+    let _ = timer.take();
+    Some(timer)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_timer() -> Option<()> {
+    None
+}
+
+/// The kernels' GPU time a step (the prefill step included), in all and kernel by kernel.
+#[cfg(feature = "cuda")]
+fn gpu_time(timer: Option<crate::cupti::KernelTimer>, steps: usize) {
+    let Some(stats) = timer.and_then(|timer| timer.take().ok()) else {
+        return;
+    };
+    let steps = steps.max(1) as f64;
+    eprintln!(
+        "gpu-time: {steps} steps, {:.0} kernels a step, {:.1} us of kernel time a step (prefill included)",
+        stats.kernels as f64 / steps,
+        stats.total_ns as f64 / steps / 1e3
+    );
+    for (name, count, ns) in stats.per_kernel.iter().take(30) {
+        eprintln!(
+            "gpu-kernel: {:>8.2} us {:>6.1} launches a step  {name}",
+            *ns as f64 / steps / 1e3,
+            *count as f64 / steps
+        );
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_time(_: Option<()>, _: usize) {}
