@@ -152,16 +152,7 @@ fn fresh_parts<const N: usize>(
             shape,
         );
     }
-    let handle = buffer.handle;
-    std::array::from_fn(|k| {
-        let ((start, len), dtype) = (spans[k], parts[k].1);
-        let view = handle
-            .clone()
-            .offset_start((start * 8) as u64)
-            .offset_end(((total - start - len) * 8) as u64);
-        let shape = Shape::new([parts[k].0]);
-        CubeTensor::new_contiguous(like.client.clone(), like.device.clone(), shape, view, dtype)
-    })
+    split(like, buffer.handle, total, spans, parts)
 }
 
 /// Words that must start at known values (status records, counts, scratch), uploaded in one
@@ -178,14 +169,26 @@ fn upload_parts<const N: usize>(like: &CubeTensor, parts: [(&[u64], DType); N]) 
         words.resize((span.0 + len).next_multiple_of(align), 0);
     }
     let handle = like.client.create_from_slice(bytemuck::cast_slice(&words));
-    let total = words.len();
+    let shapes = parts.map(|(part, dtype)| (part.len(), dtype));
+    split(like, handle, words.len(), spans, shapes)
+}
+
+/// One buffer of `total` words as one tensor per part: `(start, words)` spans, `(len, dtype)`
+/// shapes.
+fn split<const N: usize>(
+    like: &CubeTensor,
+    handle: cubecl::server::Handle,
+    total: usize,
+    spans: [(usize, usize); N],
+    shapes: [(usize, DType); N],
+) -> [CubeTensor; N] {
     std::array::from_fn(|k| {
-        let ((start, len), dtype) = (spans[k], parts[k].1);
+        let ((start, len), (elements, dtype)) = (spans[k], shapes[k]);
         let view = handle
             .clone()
             .offset_start((start * 8) as u64)
             .offset_end(((total - start - len) * 8) as u64);
-        let shape = Shape::new([parts[k].0.len()]);
+        let shape = Shape::new([elements]);
         CubeTensor::new_contiguous(like.client.clone(), like.device.clone(), shape, view, dtype)
     })
 }
