@@ -1,11 +1,12 @@
 //! A tiny random model served over a `PagedKv` on Flex (the host backend): two requests
-//! prefilled, the second sharing the first's prompt prefix, decode steps, one request leaving, a
-//! corruption injected into the KV cache and reported by the canary.
+//! prefilled, the second sharing the first's prompt prefix, decode steps (eager, then captured
+//! once and replayed), one request leaving, a corruption injected into the KV cache and reported
+//! by the canary.
 //!
-//! `cargo run --release --example paged_kv`
+//! `cargo test --release --workspace --example paged_kv -- --nocapture` (the workspace's features)
 
-use burn_core::tensor::{DType, Device, Tensor, TensorData};
-use kvplan::{CanaryConfig, PagedKv, PagedKvConfig, RequestId};
+use burn_core::tensor::{DType, Device, Int, Tensor, TensorData};
+use kvplan::{CanaryConfig, PagedKv, PagedKvConfig, RequestId, StepInputs};
 
 /// One attention layer with random weights: embed, project to queries|keys|values, attend over
 /// the paged cache, project to logits.
@@ -37,24 +38,33 @@ impl TinyModel {
         kv: &mut PagedKv,
         windows: &[(RequestId, &[u32])],
     ) -> kvplan::Result<Vec<u32>> {
-        // --- the decode step's core (README) ---
         let step = kv.begin(windows)?; // slots, table, contexts, key runs: one write, enqueued
-        let hidden = self.embed.clone().select(0, step.ids);
-        let qkv = hidden.matmul(self.qkv.clone()); // a real model applies RoPE at step.positions
-        let attended = kv.attend(0, qkv)?; // this layer's K/V stored, its queries attended
-        let logits = attended.matmul(self.head.clone());
-        // --- end of the core ---
-        let next = logits.argmax(1).into_data();
-        let next = kvplan::ops::data_to_i64(&next);
+        let next = tokens(self.next(kv, &step)?);
         let mut at = 0;
         Ok(windows
             .iter()
             .map(|(_, t)| {
                 at += t.len();
-                next[at - 1] as u32
+                next[at - 1]
             })
             .collect())
     }
+
+    /// The step's core (README): embed, project, attend over the paged cache (this layer's K/V
+    /// stored, its queries attended), project to logits; each token's greedy next token.
+    fn next(&self, kv: &mut PagedKv, step: &StepInputs) -> kvplan::Result<Tensor<2, Int>> {
+        let hidden = self.embed.clone().select(0, step.ids.clone());
+        let qkv = hidden.matmul(self.qkv.clone()); // a real model applies RoPE at step.positions
+        let attended = kv.attend(0, qkv)?;
+        Ok(attended.matmul(self.head.clone()).argmax(1))
+    }
+}
+
+fn tokens(next: Tensor<2, Int>) -> Vec<u32> {
+    kvplan::ops::data_to_i64(&next.into_data())
+        .into_iter()
+        .map(|t| t as u32)
+        .collect()
 }
 
 fn main() -> kvplan::Result<()> {
@@ -88,13 +98,22 @@ fn main() -> kvplan::Result<()> {
         kv.len(b)?
     );
 
-    // Decode both, one token a step.
-    for _ in 0..4 {
-        let (ta, tb) = ([next[0]], [next[1]]);
-        next = model.forward(&mut kv, &[(a, &ta), (b, &tb)])?;
-        let report = kv.end(&[1, 1])?; // each keeps its one token
+    // Decode both, one token a step: the first step eagerly (its kernels compiled), then captured
+    // once and replayed (one dispatch a step on CUDA and wgpu; Flex runs the step again).
+    next = model.forward(&mut kv, &[(a, &[next[0]]), (b, &[next[1]])])?;
+    let report = kv.end(&[1, 1])?; // each keeps its one token
+    assert!(report.violations.is_empty());
+    let (mut graph, report) = kv.capture(&[(a, &[next[0]]), (b, &[next[1]])], |kv, step| {
+        model.next(kv, step)
+    })?;
+    assert!(report.violations.is_empty());
+    next = tokens(graph.output().expect("captured").clone()?);
+    for _ in 0..2 {
+        let (out, report) = kv.replay(&mut graph, &[(a, &[next[0]]), (b, &[next[1]])])?;
         assert!(report.violations.is_empty());
+        next = tokens(out.clone()?);
     }
+    drop(graph);
     println!("decoded: A {} tokens, B {}", kv.len(a)?, kv.len(b)?);
 
     // A leaves: B keeps the shared slots.

@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|gputime|repeat|repeat-ab|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|gputime|sanitize-graphs|repeat|repeat-ab|anchor|profile]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -79,6 +79,13 @@ for part in "$@"; do
         echo "  checks: $(for f in gather plan canary slots; do printf '%s %s; ' "$f" "$(grep -ho '[0-9]* passed, [0-9]* failed' "$OUT/san-$tool-$f.txt" | tail -1)"; done)"
         echo "  tests: $(grep -h "test result" "$OUT/san-$tool-tests.txt" | tail -1) $(grep -c '^test .* ok$' "$OUT/san-$tool-tests.txt") ok lines"
       done
+      ;;
+    sanitize-graphs)
+      # memcheck over a decode whose steps are captured and replayed as graphs (--graphs on).
+      KVPLAN_NO_CUPTI=1 timeout "${SANITIZE_SECONDS:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
+        "$BIN" generate --backend cuda --no-warm-up --graphs on --spec off --batch 2 --limit 2 \
+        --max-new-tokens 8 --ignore-eos --file benches/prompts.txt > "$OUT/san-graphs.txt" 2>&1
+      echo "memcheck, graphs on: $(grep -h 'ERROR SUMMARY' "$OUT/san-graphs.txt" | tail -1); $(grep -h '^generate: [0-9]* requests' "$OUT/san-graphs.txt" | cut -c1-90)"
       ;;
     fuzz)
       # Differential fuzzing against the reference on both CUDA backends.

@@ -656,24 +656,6 @@ impl StoreSlots {
             heads,
         )
     }
-
-    /// [`store_qkv_and_attend`](Self::store_qkv_and_attend) as the store, then the attention
-    /// (two launches over views of `qkv`, no copy): for steps whose one launch would read every
-    /// stored key from the new rows (long windows).
-    pub(crate) fn store_qkv_then_attend(
-        &mut self,
-        kv_pool: Tensor<2>,
-        qkv: Tensor<2>,
-        keys: &KeyRuns,
-        heads: usize,
-    ) -> Result<AttendedKv, Error> {
-        self.store_qkv_attend(
-            [kv_pool.into_dispatch(), qkv.into_dispatch()],
-            keys,
-            heads,
-            true,
-        )
-    }
 }
 
 /// What [`StoreSlots::store_kv_and_attend`] hands back.
@@ -836,21 +818,9 @@ impl<B: KvPlanBackend> StoreSlots<B> {
     /// As [`store_qkv_and_attend`](StoreSlots::store_qkv_and_attend).
     pub fn store_qkv_and_attend_primitives(
         &mut self,
-        pools_and_rows: [FloatTensor<B>; 2],
-        keys: &KeyRuns<B>,
-        heads: usize,
-    ) -> Result<AttendedKv<B>, Error> {
-        self.store_qkv_attend(pools_and_rows, keys, heads, false)
-    }
-
-    /// The store and the attention of a joined pool: one launch where the device can and
-    /// `apart` is not asked for, else the store, then the attention.
-    fn store_qkv_attend(
-        &mut self,
         [kv_pool, qkv]: [FloatTensor<B>; 2],
         keys: &KeyRuns<B>,
         heads: usize,
-        apart: bool,
     ) -> Result<AttendedKv<B>, Error> {
         let qkv_arg = arg("qkv", &qkv);
         validate::require_rank(&qkv_arg, 2, STORE_CONTEXT)?;
@@ -859,7 +829,7 @@ impl<B: KvPlanBackend> StoreSlots<B> {
         let q_cols = qkv_arg.dim(1).saturating_sub(kv_cols);
         self.check_write(arg("kv_pool", &kv_pool), qkv_arg.columns(kv_cols))?;
         let [slots, runs] = keys.launch_args_kv(&qkv_arg.columns(q_cols), &kv_pool, heads)?;
-        if apart || !self.one_launch.runs(qkv.dtype()) {
+        if !self.one_launch.runs(qkv.dtype()) {
             let [q, kv] = ops::split_columns::<B>(qkv, q_cols);
             let one = |rows| StoreTargets::One(KvRows::Float(rows));
             let StoreTargets::One(KvRows::Float(kv_pool)) = self.write(one(kv_pool), one(kv))

@@ -769,31 +769,35 @@ impl PagedKv {
         let heads = self.config.query_heads;
         let launched = &mut step.launched;
         let pool = std::mem::replace(&mut self.pools[layer], self.placeholder.clone());
-        let store = &mut launched.store;
-        let attended = match &launched.padded {
-            // Flex: the store, then Burn ops over padded K/V (the op there is the host reference).
-            Some(layout) => {
-                let q_width = heads * self.config.head_dim;
-                let kv = qkv.clone().narrow(1, q_width, self.config.kv_width());
-                store.store(pool, kv).map(|pool| {
-                    let shape = padded::Heads {
-                        heads,
-                        kv_heads: self.config.kv_heads,
-                        head_dim: self.config.head_dim,
-                    };
-                    (
-                        layout.attend(qkv.narrow(1, 0, q_width), pool.clone(), shape),
-                        pool,
-                    )
-                })
-            }
-            None if step.tokens <= ONE_LAUNCH_TOKENS => store
+        let attended = if launched.padded.is_none() && step.tokens <= ONE_LAUNCH_TOKENS {
+            launched
+                .store
                 .store_qkv_and_attend(pool, qkv, &launched.keys, heads)
-                .map(|attended| attended.into_tensors()),
-            // The one launch reads each stored key from the new rows: GPU time per token.
-            None => store
-                .store_qkv_then_attend(pool, qkv, &launched.keys, heads)
-                .map(|attended| attended.into_tensors()),
+                .map(|attended| attended.into_tensors())
+        } else {
+            // The store, then the attention: Burn ops over padded K/V on Flex, the op elsewhere.
+            let q_width = heads * self.config.head_dim;
+            let kv = qkv.clone().narrow(1, q_width, self.config.kv_width());
+            launched.store.store(pool, kv).and_then(|pool| {
+                let q = qkv.narrow(1, 0, q_width);
+                let out = match &launched.padded {
+                    Some(layout) => {
+                        let shape = padded::Heads {
+                            heads,
+                            kv_heads: self.config.kv_heads,
+                            head_dim: self.config.head_dim,
+                        };
+                        layout.attend(q, pool.clone(), shape)
+                    }
+                    None => crate::attention::paged_attention_kv(
+                        q,
+                        pool.clone(),
+                        &launched.keys,
+                        heads,
+                    )?,
+                };
+                Ok((out, pool))
+            })
         };
         // The host rules above are every rule the ops check at once: an error here is a bug.
         let (out, pool) = attended?;
