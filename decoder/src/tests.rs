@@ -330,6 +330,24 @@ fn warm_up_changes_nothing_flex() {
     assert_eq!(reported(&warmed).len(), 1);
 }
 
+/// Tests share the device; one that captures graphs takes it alone (a wgpu replay beside another
+/// thread's work on the device was seen to hand its status words to that thread's tensors).
+static DEVICE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+#[cfg(feature = "vulkan")]
+fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    DEVICE
+        .read()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(feature = "vulkan")]
+fn exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
+    DEVICE
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 #[cfg(feature = "vulkan")]
 fn vulkan() -> Device {
     Device::vulkan(DeviceKind::DefaultDevice)
@@ -339,6 +357,7 @@ fn vulkan() -> Device {
 #[cfg(feature = "vulkan")]
 #[test]
 fn f64_is_refused_on_vulkan() {
+    let _device = shared();
     let gguf = Gguf::from_bytes(tiny_llama_bytes(&TinyConfig::default(), SEED).unwrap()).unwrap();
     let message = match Llama::load(&gguf, &vulkan(), DType::F64) {
         Err(e) => e.to_string(),
@@ -358,6 +377,7 @@ fn greedy_parity_flex() {
 #[cfg(feature = "vulkan")]
 #[test]
 fn greedy_parity_vulkan() {
+    let _device = shared();
     greedy_parity(&vulkan());
 }
 
@@ -369,6 +389,7 @@ fn confidence_bounds_drafts_flex() {
 #[cfg(feature = "vulkan")]
 #[test]
 fn confidence_bounds_drafts_vulkan() {
+    let _device = shared();
     confidence_bounds_drafts(&vulkan());
 }
 
@@ -380,6 +401,7 @@ fn profile_changes_nothing_flex() {
 #[cfg(feature = "vulkan")]
 #[test]
 fn profile_changes_nothing_vulkan() {
+    let _device = shared();
     profile_changes_nothing(&vulkan());
 }
 
@@ -391,6 +413,7 @@ fn corruption_is_caught_flex() {
 #[cfg(feature = "vulkan")]
 #[test]
 fn corruption_is_caught_vulkan() {
+    let _device = shared();
     corruption_is_caught(&vulkan());
 }
 
@@ -402,6 +425,7 @@ fn graphs_change_nothing_flex() {
 #[cfg(feature = "vulkan")]
 #[test]
 fn graphs_change_nothing_vulkan() {
+    let _device = exclusive();
     graphs_change_nothing(&vulkan());
 }
 

@@ -971,6 +971,9 @@ impl PagedKv {
     /// Run each of the step's shapes eagerly once before (a kernel compiled inside the capture
     /// makes Burn fall back to re-running the closure). Pools and `req_to_token` must not be held
     /// elsewhere across a step (an op then writes a copy, not the buffer the graph replays into).
+    /// Capture and replay with the device to this thread: CUDA's global capture mode refuses
+    /// other threads' syncs meanwhile, and on wgpu a replay beside another thread's work was seen
+    /// to hand its status words to that thread's tensors.
     ///
     /// # Errors
     /// As [`begin`](Self::begin); the step's device-checked errors.

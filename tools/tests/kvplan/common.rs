@@ -285,3 +285,23 @@ pub fn assert_disabled(plans: &PlanBuffers, what: &str) {
         "{what}: a device-checked error must leave the plans disabled"
     );
 }
+
+/// The tests of one process share its devices; a test that captures a graph takes them alone (a
+/// capture or replay beside another thread's work on the device is not safe: CUDA's global
+/// capture mode refuses that thread's syncs, and wgpu was seen to hand a replay's status words
+/// to another thread's tensors).
+static DEVICES: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// The devices, shared with the other tests.
+pub fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    DEVICES
+        .read()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The devices, alone.
+pub fn exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
+    DEVICES
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
