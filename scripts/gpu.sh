@@ -189,6 +189,8 @@ PY
               --ignore-eos --json --file benches/prompts.txt > "$log.jsonl" 2> "$log.err"
             echo "$tag,$spec,$bs,$(grep -h '^generate: [0-9]* requests' "$log.err")"
             grep -h '^generate: warm-up\|^generate: step' "$log.err"
+            # A capture that fell back (its replays run the step again) is an error in a benchmark.
+            if grep -q '^graphs:' "$log.err"; then echo "ERROR: $tag,$spec,$bs: a capture fell back"; fi
           done
         done
       done
