@@ -246,32 +246,57 @@ struct Entry {
     ids: Vec<u32>,
 }
 
-/// A step's host values, as views of its record (one in-place write).
+/// A record: one buffer of host values written in place, its parts' `(offset, len)`. A part's
+/// view is made when a launch reads it (a replayed step makes none).
+#[derive(Debug, Clone)]
+struct Record {
+    buffer: Tensor<1, Int>,
+    parts: Vec<(usize, usize)>,
+}
+
+impl Record {
+    fn part(&self, k: usize) -> Tensor<1, Int> {
+        let (offset, len) = self.parts[k];
+        view(self.buffer.clone(), offset, len)
+    }
+}
+
+/// A step's record's parts, in order.
+#[derive(Debug, Clone, Copy)]
+enum Part {
+    Rows,
+    AssignStart,
+    AssignLen,
+    AssignSlots,
+    WindowStart,
+    WindowLen,
+    ContextLen,
+    KeyStart,
+    KeyCount,
+    Positions,
+    Ids,
+}
+
+/// A step's host values (one in-place write) and its windows.
 #[derive(Debug, Clone)]
 struct StepRecord {
-    rows: Tensor<1, Int>,
-    assign_start: Tensor<1, Int>,
-    assign_len: Tensor<1, Int>,
-    assign_slots: Tensor<1, Int>,
-    window_start: Tensor<1, Int>,
-    window_len: Tensor<1, Int>,
-    context_len: Tensor<1, Int>,
-    key_start: Tensor<1, Int>,
-    key_count: Tensor<1, Int>,
-    positions: Tensor<1, Int>,
-    ids: Tensor<1, Int>,
+    record: Record,
     /// Each request's window `(start, len)` (the padded layout on Flex).
     windows: Vec<(usize, usize)>,
+    tokens: usize,
+}
+
+impl StepRecord {
+    fn get(&self, part: Part) -> Tensor<1, Int> {
+        self.record.part(part as usize)
+    }
 }
 
 /// What the canary's launches read at the end of a step: the kept tokens.
 #[derive(Debug, Clone)]
-struct KeptRecord {
-    rows: Tensor<1, Int>,
-    prefix: Tensor<1, Int>,
-    extend: Tensor<1, Int>,
-    /// The kept tokens' ids and positions (`None`: nothing kept).
-    written: Option<(Tensor<1, Int>, Tensor<1, Int>)>,
+struct Kept {
+    /// Their extend lengths, ids and positions; `None`: every token kept (the step record's).
+    own: Option<Record>,
     kept: usize,
     window: usize,
 }
@@ -300,8 +325,7 @@ struct OpenStep {
 struct StagedStep {
     entries: Vec<Entry>,
     record: StepRecord,
-    kept: Option<KeptRecord>,
-    inputs: StepInputs,
+    kept: Option<Kept>,
 }
 
 /// The paged KV state of a serving engine: pools, `req_to_token`, allocators, canary, and the
@@ -626,21 +650,11 @@ impl PagedKv {
             .iter()
             .flat_map(|entry| entry.ids.iter().map(|&id| i64::from(id)))
             .collect();
-        let [
-            rows,
-            assign_start,
-            assign_len,
-            assign_slots,
-            window_start,
-            window_len,
-            context_len,
-            key_start,
-            key_count,
-            positions,
-            ids,
-        ] = self.record(
+        let tokens = positions.len();
+        // In `Part`'s order.
+        let record = self.record(
             "begin",
-            [
+            &[
                 &rows,
                 &assign_start,
                 &assign_len,
@@ -655,57 +669,48 @@ impl PagedKv {
             ],
         );
         StepRecord {
-            rows,
-            assign_start,
-            assign_len,
-            assign_slots,
-            window_start,
-            window_len,
-            context_len,
-            key_start,
-            key_count,
-            positions,
-            ids,
+            record,
             windows: entries.iter().map(|e| (e.start, e.slots.len())).collect(),
+            tokens,
         }
     }
 
     /// The device half of `begin`: the table's assignment, the gathers and the checks, all
     /// enqueued, reading only the record.
     fn launch(&mut self, record: &StepRecord) -> Result<Launched, Error> {
-        let tokens = record.positions.dims()[0];
+        let tokens = record.tokens;
         // Moved, not cloned: the assignment writes the table in place. (Its at-once errors cannot
         // come from a record the host rules passed.)
         let table = std::mem::replace(&mut self.req_to_token, self.placeholder_table.clone());
         let assigned = crate::slots::segment_assign_deferred(
             table,
-            record.rows.clone(),
-            record.assign_start.clone(),
-            record.assign_len.clone(),
-            record.assign_slots.clone(),
+            record.get(Part::Rows),
+            record.get(Part::AssignStart),
+            record.get(Part::AssignLen),
+            record.get(Part::AssignSlots),
         )?;
         self.req_to_token = assigned.req_to_token;
         let window = crate::gather::segment_gather_deferred(
             self.req_to_token.clone(),
-            record.rows.clone(),
-            Some(record.window_start.clone()),
-            record.window_len.clone(),
+            record.get(Part::Rows),
+            Some(record.get(Part::WindowStart)),
+            record.get(Part::WindowLen),
             &GatherOptions::new()
                 .capacity(tokens)
                 .context("paged KV step window"),
         )?;
         let context = crate::gather::segment_gather_deferred(
             self.req_to_token.clone(),
-            record.rows.clone(),
+            record.get(Part::Rows),
             None,
-            record.context_len.clone(),
+            record.get(Part::ContextLen),
             &GatherOptions::new().context("paged KV step context"),
         )?;
         let pool_rows = self.config.slots + 1;
         let keys = KeyRuns::check_deferred(
             context.out_tensor(),
-            record.key_start.clone(),
-            record.key_count.clone(),
+            record.get(Part::KeyStart),
+            record.get(Part::KeyCount),
             pool_rows,
         )?;
         let store = self.store.check_slots(window.out_tensor(), pool_rows)?;
@@ -834,19 +839,14 @@ impl PagedKv {
             }
         }
         let step = self.step.take().expect("checked above");
-        let kept = self.commit(&step.entries, keep, &step.record);
-        let statuses = self.launch_end(step.launched, kept.as_ref())?;
+        let kept = self.commit(&step.entries, keep);
+        let statuses = self.launch_end(step.launched, &step.record, kept.as_ref())?;
         self.report(statuses)
     }
 
     /// The host half of `end`: rejected slots back, kept ones committed, and what the canary
-    /// reads (`record`'s views when every token is kept, else a record of the kept tokens).
-    fn commit(
-        &mut self,
-        entries: &[Entry],
-        keep: &[usize],
-        record: &StepRecord,
-    ) -> Option<KeptRecord> {
+    /// reads (the step record's parts when every token is kept, else a record of the kept ones).
+    fn commit(&mut self, entries: &[Entry], keep: &[usize]) -> Option<Kept> {
         for (entry, &keep) in entries.iter().zip(keep) {
             let (kept, rejected) = entry.slots.split_at(keep);
             self.slots.release(rejected);
@@ -856,10 +856,7 @@ impl PagedKv {
         self.canary.as_ref()?;
         let window: usize = entries.iter().map(|entry| entry.slots.len()).sum();
         let kept: usize = keep.iter().sum();
-        let (extend, written) = if kept == window {
-            let written = (record.ids.clone(), record.positions.clone());
-            (record.window_len.clone(), Some(written))
-        } else {
+        let own = (kept < window).then(|| {
             let extend: Vec<i64> = keep.iter().map(|&n| n as i64).collect();
             let ids: Vec<i64> = entries
                 .iter()
@@ -871,22 +868,9 @@ impl PagedKv {
                 .zip(keep)
                 .flat_map(|(entry, &n)| (entry.start..entry.start + n).map(|p| p as i64))
                 .collect();
-            if kept > 0 {
-                let [extend, ids, positions] = self.record("end", [&extend, &ids, &positions]);
-                (extend, Some((ids, positions)))
-            } else {
-                let [extend] = self.record("end", [&extend]);
-                (extend, None)
-            }
-        };
-        Some(KeptRecord {
-            rows: record.rows.clone(),
-            prefix: record.window_start.clone(),
-            extend,
-            written,
-            kept,
-            window,
-        })
+            self.record("end", &[&extend, &ids, &positions])
+        });
+        Some(Kept { own, kept, window })
     }
 
     /// The device half of `end`: the canary's plan, write and verify, enqueued; every status of
@@ -894,44 +878,49 @@ impl PagedKv {
     fn launch_end(
         &mut self,
         launched: Launched,
-        kept: Option<&KeptRecord>,
+        record: &StepRecord,
+        kept: Option<&Kept>,
     ) -> Result<Vec<Status>, Error> {
         let mut statuses = launched.statuses;
         statuses.push(launched.store.into_status());
         let Some(kept) = kept else {
             return Ok(statuses);
         };
+        let (rows, prefix) = (record.get(Part::Rows), record.get(Part::WindowStart));
+        let (extend, ids, positions) = match &kept.own {
+            Some(own) => (own.part(0), own.part(1), own.part(2)),
+            None => (
+                record.get(Part::WindowLen),
+                record.get(Part::Ids),
+                record.get(Part::Positions),
+            ),
+        };
         let pools = self.fingerprinted();
         let (canary, plan) = self.canary.as_mut().expect("a kept record needs a canary");
         let accepted = crate::gather::segment_gather_deferred(
             self.req_to_token.clone(),
-            kept.rows.clone(),
-            Some(kept.prefix.clone()),
-            kept.extend.clone(),
+            rows.clone(),
+            Some(prefix.clone()),
+            extend.clone(),
             &GatherOptions::new()
                 .capacity(kept.window)
                 .context("paged KV kept tokens"),
         )?;
         let planned = crate::canary::plan_deferred(
             plan,
-            PlanInputs::new(
-                kept.rows.clone(),
-                kept.prefix.clone(),
-                kept.extend.clone(),
-                self.req_to_token.clone(),
-            ),
+            PlanInputs::new(rows, prefix, extend, self.req_to_token.clone()),
         )?;
         let launch = CanaryLaunch::new(KernelKind::HEAD_K_FULL);
         let launch = match pools {
             Some(sources) => launch.real_kv(RealKvHashMode::All, sources?),
             None => launch,
         };
-        if let Some((ids, positions)) = &kept.written {
+        if kept.kept > 0 {
             // The gather's first `kept` values, as a view.
             let slots = view(Tensor::from_dispatch(accepted.out.clone()), 0, kept.kept);
             canary.write(
                 &plan.write,
-                WriteInputs::new(ids.clone(), positions.clone(), slots),
+                WriteInputs::new(ids, positions, slots),
                 &launch,
             )?;
         }
@@ -1074,9 +1063,8 @@ impl PagedKv {
         let (entries, record) = self.open(windows)?;
         self.mark_written(&entries);
         let keep: Vec<usize> = entries.iter().map(|entry| entry.slots.len()).collect();
-        let kept = self.commit(&entries, &keep, &record);
+        let kept = self.commit(&entries, &keep);
         self.staged = Some(StagedStep {
-            inputs: inputs(&record),
             entries,
             record,
             kept,
@@ -1091,17 +1079,18 @@ impl PagedKv {
     ) -> Result<(T, Vec<Status>), Error> {
         let staged = self.staged.clone().expect("a graph runs a staged step");
         let launched = self.launch(&staged.record)?;
+        let inputs = inputs(&staged.record);
         self.step = Some(OpenStep {
             entries: staged.entries,
-            tokens: staged.inputs.tokens,
+            tokens: inputs.tokens,
             record: staged.record,
             launched,
         });
-        let out = forward(self, &staged.inputs);
+        let out = forward(self, &inputs);
         let Some(step) = self.step.take() else {
             return Err(step_order("end", "cannot run inside a captured step"));
         };
-        let statuses = self.launch_end(step.launched, staged.kept.as_ref())?;
+        let statuses = self.launch_end(step.launched, &step.record, staged.kept.as_ref())?;
         Ok((out, statuses))
     }
 
@@ -1253,26 +1242,20 @@ impl PagedKv {
         Ok(())
     }
 
-    /// `parts` (none empty) written into the persistent buffer of this step shape (created on
-    /// its first step), each part at an aligned offset; the parts as views of it.
-    fn record<const N: usize>(
-        &mut self,
-        what: &'static str,
-        parts: [&[i64]; N],
-    ) -> [Tensor<1, Int>; N] {
+    /// `parts` written into the persistent buffer of this record's shape (created on its first
+    /// step), each part at an aligned offset.
+    fn record(&mut self, what: &'static str, parts: &[&[i64]]) -> Record {
         let key = (what, parts.iter().map(|part| part.len()).collect());
         let mut values = Vec::new();
-        let mut offsets = [0; N];
-        for (offset, part) in offsets.iter_mut().zip(parts) {
-            *offset = values.len();
+        let mut spans = Vec::with_capacity(parts.len());
+        for part in parts {
+            spans.push((values.len(), part.len()));
             values.extend_from_slice(part);
-            values.resize(
-                values
-                    .len()
-                    .next_multiple_of(RECORD_ALIGN)
-                    .max(RECORD_ALIGN),
-                0,
-            );
+            let end = values
+                .len()
+                .next_multiple_of(RECORD_ALIGN)
+                .max(RECORD_ALIGN);
+            values.resize(end, 0);
         }
         let len = values.len();
         let device = &self.device;
@@ -1282,7 +1265,10 @@ impl PagedKv {
             .unwrap_or_else(|| Tensor::zeros([len], (device, DType::I64)));
         let buffer = write_i64(buffer, values);
         self.records.insert(key, buffer.clone());
-        std::array::from_fn(|k| view(buffer.clone(), offsets[k], parts[k].len()))
+        Record {
+            buffer,
+            parts: spans,
+        }
     }
 
     fn request(&self, id: RequestId) -> Result<&Request, Error> {
@@ -1349,9 +1335,9 @@ impl<T> std::fmt::Debug for StepGraph<'_, T> {
 /// The forward's inputs of a step record.
 fn inputs(record: &StepRecord) -> StepInputs {
     StepInputs {
-        ids: record.ids.clone(),
-        positions: record.positions.clone(),
-        tokens: record.positions.dims()[0],
+        ids: record.get(Part::Ids),
+        positions: record.get(Part::Positions),
+        tokens: record.tokens,
     }
 }
 
