@@ -474,17 +474,15 @@ impl<B: KvPlanBackend> KvStore<B> {
     /// The slots' check, its host rules passed.
     fn checked(&mut self, loc: IntTensor<B>, cache_rows: usize) -> StoreSlots<B> {
         let tokens = loc.shape()[0] as u64;
-        let Some(mut scratch) = self.scratch.take() else {
+        // Past the clock's range the words start again from zero: the one fill in 2^31 stored
+        // tokens. A single call of that many tokens is refused by the op (`index_range`). The
+        // host follows the device's clock (every check advances it by its tokens) to know when.
+        if !self.room(tokens) && tokens < STORE_CLOCK_LIMIT {
+            self.restart();
+        }
+        let Some(scratch) = self.scratch.take() else {
             unreachable!("the scratch is always returned to its store");
         };
-        // Past the clock's range the words start again from zero: the one fill in 2^31 stored
-        // tokens. A single call of that many tokens is refused by the op (`index_range`).
-        // The host follows the device's clock (every check advances it by its tokens) to know
-        // when.
-        if self.clock + tokens > STORE_CLOCK_LIMIT && tokens < STORE_CLOCK_LIMIT {
-            scratch = fresh_scratch::<B>(self.num_slots, &self.device, 0);
-            self.clock = 1;
-        }
         self.clock = (self.clock + tokens).min(STORE_CLOCK_LIMIT);
         let output = B::check_store_slots(loc.clone(), scratch, cache_rows);
         // Held while the slots live: a later check then writes a copy of the words, not these.

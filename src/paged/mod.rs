@@ -309,14 +309,17 @@ struct Launched {
     /// Flex only: the attention's padded layout.
     padded: Option<padded::Padded>,
     statuses: Vec<Status>,
+    /// The record's parts the forward and the end read (each view made once).
+    rows: Tensor<1, Int>,
+    window_start: Tensor<1, Int>,
+    window_len: Tensor<1, Int>,
+    inputs: StepInputs,
 }
 
 /// The step between `begin` and `end`.
 #[derive(Debug)]
 struct OpenStep {
     entries: Vec<Entry>,
-    tokens: usize,
-    record: StepRecord,
     launched: Launched,
 }
 
@@ -552,13 +555,8 @@ impl PagedKv {
         match self.launch(&record) {
             Ok(launched) => {
                 self.mark_written(&entries);
-                let inputs = inputs(&record);
-                self.step = Some(OpenStep {
-                    entries,
-                    tokens: inputs.tokens,
-                    record,
-                    launched,
-                });
+                let inputs = launched.inputs.clone();
+                self.step = Some(OpenStep { entries, launched });
                 Ok(inputs)
             }
             Err(error) => {
@@ -679,12 +677,17 @@ impl PagedKv {
     /// enqueued, reading only the record.
     fn launch(&mut self, record: &StepRecord) -> Result<Launched, Error> {
         let tokens = record.tokens;
+        let (rows, window_start, window_len) = (
+            record.get(Part::Rows),
+            record.get(Part::WindowStart),
+            record.get(Part::WindowLen),
+        );
         // Moved, not cloned: the assignment writes the table in place. (Its at-once errors cannot
         // come from a record the host rules passed.)
         let table = std::mem::replace(&mut self.req_to_token, self.placeholder_table.clone());
         let assigned = crate::slots::segment_assign_deferred(
             table,
-            record.get(Part::Rows),
+            rows.clone(),
             record.get(Part::AssignStart),
             record.get(Part::AssignLen),
             record.get(Part::AssignSlots),
@@ -692,16 +695,16 @@ impl PagedKv {
         self.req_to_token = assigned.req_to_token;
         let window = crate::gather::segment_gather_deferred(
             self.req_to_token.clone(),
-            record.get(Part::Rows),
-            Some(record.get(Part::WindowStart)),
-            record.get(Part::WindowLen),
+            rows.clone(),
+            Some(window_start.clone()),
+            window_len.clone(),
             &GatherOptions::new()
                 .capacity(tokens)
                 .context("paged KV step window"),
         )?;
         let context = crate::gather::segment_gather_deferred(
             self.req_to_token.clone(),
-            record.get(Part::Rows),
+            rows.clone(),
             None,
             record.get(Part::ContextLen),
             &GatherOptions::new().context("paged KV step context"),
@@ -728,6 +731,14 @@ impl PagedKv {
             keys,
             padded,
             statuses,
+            rows,
+            window_start,
+            window_len,
+            inputs: StepInputs {
+                ids: record.get(Part::Ids),
+                positions: record.get(Part::Positions),
+                tokens,
+            },
         })
     }
 
@@ -756,7 +767,8 @@ impl PagedKv {
                 layers: self.config.layers,
             });
         }
-        let expected = [step.tokens, self.config.qkv_width()];
+        let tokens = step.launched.inputs.tokens;
+        let expected = [tokens, self.config.qkv_width()];
         if qkv.dims() != expected {
             return Err(Error::TensorShape {
                 name: "qkv",
@@ -774,7 +786,7 @@ impl PagedKv {
         let heads = self.config.query_heads;
         let launched = &mut step.launched;
         let pool = std::mem::replace(&mut self.pools[layer], self.placeholder.clone());
-        let attended = if launched.padded.is_none() && step.tokens <= ONE_LAUNCH_TOKENS {
+        let attended = if launched.padded.is_none() && tokens <= ONE_LAUNCH_TOKENS {
             launched
                 .store
                 .store_qkv_and_attend(pool, qkv, &launched.keys, heads)
@@ -840,7 +852,7 @@ impl PagedKv {
         }
         let step = self.step.take().expect("checked above");
         let kept = self.commit(&step.entries, keep);
-        let statuses = self.launch_end(step.launched, &step.record, kept.as_ref())?;
+        let statuses = self.launch_end(step.launched, kept.as_ref())?;
         self.report(statuses)
     }
 
@@ -878,7 +890,6 @@ impl PagedKv {
     fn launch_end(
         &mut self,
         launched: Launched,
-        record: &StepRecord,
         kept: Option<&Kept>,
     ) -> Result<Vec<Status>, Error> {
         let mut statuses = launched.statuses;
@@ -886,14 +897,13 @@ impl PagedKv {
         let Some(kept) = kept else {
             return Ok(statuses);
         };
-        let (rows, prefix) = (record.get(Part::Rows), record.get(Part::WindowStart));
+        let (rows, prefix) = (launched.rows, launched.window_start);
         let (extend, ids, positions) = match &kept.own {
             Some(own) => (own.part(0), own.part(1), own.part(2)),
-            None => (
-                record.get(Part::WindowLen),
-                record.get(Part::Ids),
-                record.get(Part::Positions),
-            ),
+            None => {
+                let inputs = launched.inputs;
+                (launched.window_len, inputs.ids, inputs.positions)
+            }
         };
         let pools = self.fingerprinted();
         let (canary, plan) = self.canary.as_mut().expect("a kept record needs a canary");
@@ -1017,7 +1027,8 @@ impl PagedKv {
             });
         }
         let tokens: usize = windows.iter().map(|(_, ids)| ids.len()).sum();
-        if graph.generation != self.generation || !self.store.room(tokens as u64) {
+        // `open` starts the store's clock again (new scratch: a stale graph) below this room.
+        if graph.generation != self.generation || !self.store.room(CAPTURE_RUNS * tokens as u64) {
             return Err(Error::GraphMismatch {
                 why: "buffers it replays into were replaced since",
             });
@@ -1079,18 +1090,16 @@ impl PagedKv {
     ) -> Result<(T, Vec<Status>), Error> {
         let staged = self.staged.clone().expect("a graph runs a staged step");
         let launched = self.launch(&staged.record)?;
-        let inputs = inputs(&staged.record);
+        let inputs = launched.inputs.clone();
         self.step = Some(OpenStep {
             entries: staged.entries,
-            tokens: inputs.tokens,
-            record: staged.record,
             launched,
         });
         let out = forward(self, &inputs);
         let Some(step) = self.step.take() else {
             return Err(step_order("end", "cannot run inside a captured step"));
         };
-        let statuses = self.launch_end(step.launched, &step.record, staged.kept.as_ref())?;
+        let statuses = self.launch_end(step.launched, staged.kept.as_ref())?;
         Ok((out, statuses))
     }
 
@@ -1329,15 +1338,6 @@ impl<T> std::fmt::Debug for StepGraph<'_, T> {
             .field("hardware", &self.graph.is_hardware())
             .field("shape", &self.shape)
             .finish()
-    }
-}
-
-/// The forward's inputs of a step record.
-fn inputs(record: &StepRecord) -> StepInputs {
-    StepInputs {
-        ids: record.get(Part::Ids),
-        positions: record.get(Part::Positions),
-        tokens: record.tokens,
     }
 }
 

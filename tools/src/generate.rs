@@ -596,37 +596,6 @@ fn read_workload(file: &str) -> Result<Vec<PromptSpec>, String> {
     Ok(prompts)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::parse;
-
-    fn refusal(args: &[&str]) -> String {
-        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        parse(&args).expect_err("refused")
-    }
-
-    #[test]
-    fn flags_that_would_serve_nothing_are_refused() {
-        assert_eq!(
-            refusal(&["--spec", "ngram", "--draft-tokens", "0"]),
-            "--draft-tokens 0 drafts nothing: use --spec off, or --draft-tokens 1 or more with --spec ngram"
-        );
-        assert_eq!(
-            refusal(&["--limit", "0"]),
-            "--limit 0 leaves no prompt to serve"
-        );
-        assert!(
-            parse(&[
-                "--spec".into(),
-                "off".into(),
-                "--draft-tokens".into(),
-                "0".into()
-            ])
-            .is_ok()
-        );
-    }
-}
-
 /// With `KVPLAN_GPU_TIME` set on a CUDA build: CUPTI's kernel records from here on (what came
 /// before, the warm-up included, discarded).
 #[cfg(feature = "cuda")]
@@ -667,3 +636,38 @@ fn gpu_time(timer: Option<crate::cupti::KernelTimer>, steps: usize) {
 
 #[cfg(not(feature = "cuda"))]
 fn gpu_time(_: Option<()>, _: usize) {}
+
+#[cfg(test)]
+mod tests {
+    use super::parse;
+
+    fn refusal(args: &[&str]) -> String {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        parse(&args).expect_err("refused")
+    }
+
+    #[test]
+    fn flags_that_would_serve_nothing_are_refused() {
+        assert_eq!(
+            refusal(&["--spec", "ngram", "--draft-tokens", "0"]),
+            "--draft-tokens 0 drafts nothing: use --spec off, or --draft-tokens 1 or more with --spec ngram"
+        );
+        assert_eq!(
+            refusal(&["--limit", "0"]),
+            "--limit 0 leaves no prompt to serve"
+        );
+        assert!(
+            parse(&[
+                "--spec".into(),
+                "off".into(),
+                "--draft-tokens".into(),
+                "0".into()
+            ])
+            .is_ok()
+        );
+        assert!(refusal(&["--graphs", "maybe"]).starts_with("--graphs \"maybe\": on or off\n"));
+        let graphs = |value: &str| parse(&["--graphs".into(), value.into()]).map(|a| a.graphs);
+        assert_eq!(graphs("on"), Ok(Some(true)));
+        assert_eq!(graphs("off"), Ok(Some(false)));
+    }
+}
