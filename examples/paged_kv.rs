@@ -61,7 +61,7 @@ impl TinyModel {
 }
 
 fn tokens(next: Tensor<2, Int>) -> Vec<u32> {
-    kvplan::ops::data_to_i64(&next.into_data())
+    kvplan::backend::data_to_i64(&next.into_data())
         .into_iter()
         .map(|t| t as u32)
         .collect()

@@ -1,4 +1,4 @@
-//! Paged attention over slot lists: each token's query heads attend over the K/V pool rows that
+//! Paged attention over slot lists: each token's query heads attend over the K|V pool rows that
 //! a run of a slot list names (the slots a gather returned), with no K/V gathered or padded.
 //! Query heads share K/V heads in groups (GQA); the scale is `1 / sqrt(head_dim)`.
 //!
@@ -7,13 +7,13 @@
 //!
 //! ```no_run
 //! use burn_core::tensor::{Int, Tensor};
-//! use kvplan::attention::KeyRuns;
-//! # fn step(q: Tensor<2>, k_pool: Tensor<2>, v_pool: Tensor<2>, slots: Tensor<1, Int>,
+//! use kvplan::ops::KeyRuns;
+//! # fn step(q: Tensor<2>, kv_pool: Tensor<2>, slots: Tensor<1, Int>,
 //! #     starts: Tensor<1, Int>, counts: Tensor<1, Int>) -> Result<(), kvplan::Error> {
-//! // Token t reads slots[starts[t]..][..counts[t]] of pools with 4096 rows.
-//! let keys = KeyRuns::check_deferred(slots, starts, counts, 4096)?;
-//! // q [tokens, 9 * 64], the pools [4096, 3 * 64]: 9 query heads over 3 K/V heads.
-//! let out = kvplan::attention::paged_attention(q, k_pool, v_pool, &keys, 9)?;
+//! // Token t reads slots[starts[t]..][..counts[t]] of a pool with 4096 rows.
+//! let keys = KeyRuns::new(slots, starts, counts, 4096)?;
+//! // q [tokens, 9 * 64], the pool [4096, 2 * 3 * 64]: 9 query heads over 3 K/V heads.
+//! let out = kvplan::ops::paged_attention(q, kv_pool, &keys, 9)?;
 //! kvplan::check_all([keys.status().clone()])?;
 //! # Ok(()) }
 //! ```
@@ -22,10 +22,10 @@ use burn_core::backend::tensor::{FloatTensor, IntTensor};
 use burn_core::backend::{Backend, Dispatch, TensorMetadata};
 use burn_core::tensor::{Int, Tensor};
 
+use crate::backend::KvPlanBackend;
 use crate::deferred::Status;
 use crate::error::{ATTENTION_CONTEXT, Error};
 use crate::gather::arg;
-use crate::ops::KvPlanBackend;
 use crate::validate;
 
 /// Where each token's keys are, checked: token `t` attends over the pool rows at
@@ -42,23 +42,6 @@ pub struct KeyRuns<B: Backend = Dispatch> {
 }
 
 impl KeyRuns {
-    /// [`check_deferred`](KeyRuns::check_deferred), then one read-back of the status: the runs,
-    /// or the first faulty token's error.
-    ///
-    /// # Errors
-    /// As [`check_deferred`](KeyRuns::check_deferred), with the status's errors read back here;
-    /// `execution` when the read-back fails.
-    pub fn check(
-        slots: Tensor<1, Int>,
-        starts: Tensor<1, Int>,
-        counts: Tensor<1, Int>,
-        pool_rows: usize,
-    ) -> Result<Self, Error> {
-        let keys = Self::check_deferred(slots, starts, counts, pool_rows)?;
-        keys.status.check()?;
-        Ok(keys)
-    }
-
     /// Checks the runs (int32 or int64, one start and count per token) against pools of
     /// `pool_rows` rows, without any transfer to the host: the value rules stay in `status`.
     ///
@@ -66,7 +49,7 @@ impl KeyRuns {
     /// At once: `not_1d`, `dtype_mismatch`, `device_mismatch`, `run_count_mismatch` (`counts` and
     /// `starts` differ in length). Later, in `status` (value rules): `key_run_out_of_range`,
     /// `key_slot_out_of_range`, `index_range`.
-    pub fn check_deferred(
+    pub fn new(
         slots: Tensor<1, Int>,
         starts: Tensor<1, Int>,
         counts: Tensor<1, Int>,
@@ -84,10 +67,11 @@ impl KeyRuns {
 }
 
 impl<B: KvPlanBackend> KeyRuns<B> {
-    /// [`check_deferred`](KeyRuns::check_deferred) on primitives.
+    /// [`new`](KeyRuns::new) on primitives.
     ///
     /// # Errors
-    /// As [`check_deferred`](KeyRuns::check_deferred).
+    /// As [`new`](KeyRuns::new).
+    #[doc(hidden)]
     pub fn check_primitives(
         [slots, starts, counts]: [IntTensor<B>; 3],
         pool_rows: usize,
@@ -113,41 +97,17 @@ impl<B: KvPlanBackend> KeyRuns<B> {
         self.pool_rows
     }
 
-    /// The host rules of an attention of `q` over the pools through these runs, then what its
-    /// launch takes of them: the slots and the runs record.
+    /// The host rules of an attention of `q` over a joined pool through these runs, then what
+    /// its launch takes of them: the slots and the runs record.
     pub(crate) fn launch_args(
-        &self,
-        q: &validate::Arg<B::Device>,
-        k_pool: &FloatTensor<B>,
-        v_pool: &FloatTensor<B>,
-        heads: usize,
-    ) -> Result<[IntTensor<B>; 2], Error> {
-        validate::paged_attention(
-            q,
-            &arg("k_pool", k_pool),
-            &arg("v_pool", v_pool),
-            [&arg("slots", &self.slots), &arg("runs", &self.runs)],
-            heads,
-            [self.tokens, self.pool_rows],
-        )?;
-        Ok([self.slots.clone(), self.runs.clone()])
-    }
-
-    /// [`launch_args`](Self::launch_args) over a joined pool, whose halves are held to the K and
-    /// V pools' rules (an odd width is a `HeadShape` error naming both halves).
-    pub(crate) fn launch_args_kv(
         &self,
         q: &validate::Arg<B::Device>,
         kv_pool: &FloatTensor<B>,
         heads: usize,
     ) -> Result<[IntTensor<B>; 2], Error> {
-        let kv_pool = arg("kv_pool", kv_pool);
-        validate::require_rank(&kv_pool, 2, ATTENTION_CONTEXT)?;
-        let k_cols = kv_pool.dim(1) / 2;
         validate::paged_attention(
             q,
-            &kv_pool.columns(k_cols),
-            &kv_pool.columns(kv_pool.dim(1) - k_cols),
+            &arg("kv_pool", kv_pool),
             [&arg("slots", &self.slots), &arg("runs", &self.runs)],
             heads,
             [self.tokens, self.pool_rows],
@@ -162,8 +122,9 @@ impl<B: KvPlanBackend> KeyRuns<B> {
     }
 }
 
-/// The attention on any backend's primitives.
-pub mod backend {
+/// The attention on any backend's primitives (kvplan's own tools; not a stable API).
+#[doc(hidden)]
+pub mod generic {
     use super::*;
 
     /// [`paged_attention`](super::paged_attention) on primitives.
@@ -172,74 +133,34 @@ pub mod backend {
     /// As [`paged_attention`](super::paged_attention).
     pub fn paged_attention<B: KvPlanBackend>(
         q: FloatTensor<B>,
-        k_pool: FloatTensor<B>,
-        v_pool: FloatTensor<B>,
-        keys: &KeyRuns<B>,
-        heads: usize,
-    ) -> Result<FloatTensor<B>, Error> {
-        let [slots, runs] = keys.launch_args(&arg("q", &q), &k_pool, &v_pool, heads)?;
-        Ok(B::paged_attention(q, k_pool, v_pool, slots, runs, heads))
-    }
-
-    /// [`paged_attention_kv`](super::paged_attention_kv) on primitives.
-    ///
-    /// # Errors
-    /// As [`paged_attention_kv`](super::paged_attention_kv).
-    pub fn paged_attention_kv<B: KvPlanBackend>(
-        q: FloatTensor<B>,
         kv_pool: FloatTensor<B>,
         keys: &KeyRuns<B>,
         heads: usize,
     ) -> Result<FloatTensor<B>, Error> {
-        let [slots, runs] = keys.launch_args_kv(&arg("q", &q), &kv_pool, heads)?;
-        Ok(B::paged_attention_kv(q, kv_pool, slots, runs, heads))
+        let [slots, runs] = keys.launch_args(&arg("q", &q), &kv_pool, heads)?;
+        Ok(B::paged_attention(q, kv_pool, slots, runs, heads))
     }
 }
 
-/// Attention of `q` (`[tokens, heads * head_dim]`) over the K/V pools (`[pool_rows, kv_heads *
-/// head_dim]`, q's float dtype) at each token's run of `keys`: softmax of `q . K / sqrt(head_dim)`
-/// applied to V, query heads sharing K/V heads in groups. Nothing is read back: the runs' value
-/// rules are in `keys.status()` (on an error there, the output is NaN). The host rules (ranks,
-/// dtypes, devices, whole heads, the pools' rows) fail at once. A launch the device cannot index
-/// (q or the pools past 2^31 elements without 64-bit indexing) is NaN too, and so is f64 on
-/// Vulkan, whose SPIR-V computes exp in 32 bits only.
+/// Attention of `q` (`[tokens, heads * head_dim]`) over a layer's pool `kv_pool` (`[pool_rows,
+/// 2 * kv_heads * head_dim]`, q's float dtype; each row a slot's K, then its V: a page of
+/// FlashInfer's layout at one token a page) at each token's run of `keys`: softmax of
+/// `q . K / sqrt(head_dim)` applied to V, query heads sharing K/V heads in groups. Nothing is
+/// read back: the runs' value rules are in `keys.status()` (on an error there, the output is
+/// NaN). The host rules (ranks, dtypes, devices, whole heads, the pool's rows) fail at once. A
+/// launch the device cannot index (q or the pool past 2^31 elements without 64-bit indexing) is
+/// NaN too, and so is f64 on Vulkan, whose SPIR-V computes exp in 32 bits only.
 ///
 /// # Errors
 /// Host rules only, at once: `not_2d`, `dtype_mismatch` (not one float dtype), `device_mismatch`,
 /// `pool_rows_mismatch` (not the rows `keys` was checked against), `head_shape`,
-/// `run_count_mismatch` (`q`'s rows are not `keys`' tokens). The runs' value errors stay in
-/// `keys.status()`.
+/// `run_count_mismatch` (`q`'s rows are not `keys`' tokens). The runs' value errors stay in `keys.status()`.
 pub fn paged_attention(
-    q: Tensor<2>,
-    k_pool: Tensor<2>,
-    v_pool: Tensor<2>,
-    keys: &KeyRuns,
-    heads: usize,
-) -> Result<Tensor<2>, Error> {
-    backend::paged_attention::<Dispatch>(
-        q.into_dispatch(),
-        k_pool.into_dispatch(),
-        v_pool.into_dispatch(),
-        keys,
-        heads,
-    )
-    .map(Tensor::from_dispatch)
-}
-
-/// [`paged_attention`] over a joined pool `kv_pool` `[pool_rows, 2 * kv_heads * head_dim]`, each
-/// row a slot's K, then its V (a page of FlashInfer's layout at one token a page): the same
-/// output bits as over its halves as the K and V pools, one tensor fewer for the op to bind.
-/// The halves are held to the pools' rules.
-///
-/// # Errors
-/// As [`paged_attention`], and `not_2d` for `kv_pool`; its halves are the pools (an odd width is
-/// `head_shape`).
-pub fn paged_attention_kv(
     q: Tensor<2>,
     kv_pool: Tensor<2>,
     keys: &KeyRuns,
     heads: usize,
 ) -> Result<Tensor<2>, Error> {
-    backend::paged_attention_kv::<Dispatch>(q.into_dispatch(), kv_pool.into_dispatch(), keys, heads)
+    generic::paged_attention::<Dispatch>(q.into_dispatch(), kv_pool.into_dispatch(), keys, heads)
         .map(Tensor::from_dispatch)
 }

@@ -6,8 +6,9 @@ use burn_core::backend::{Backend, Dispatch};
 use crate::error::Error;
 use crate::status;
 
-/// The device-side status record of a deferred op.
+/// The device-side status record of an op: its count, or the value rule it broke.
 #[derive(Debug, Clone)]
+#[must_use = "an op's value errors are in its status: check it (with the step's others)"]
 pub struct Status<B: Backend = Dispatch> {
     words: IntTensor<B>,
     context: String,
@@ -22,14 +23,14 @@ impl<B: Backend> Status<B> {
     }
 
     /// Reads the status back (one transfer) and returns the op's count (a gather's number of
-    /// values, 0 for a plan), or the error the checked form would have returned.
+    /// values, 0 for a plan), or the error it holds.
     ///
     /// # Errors
     /// The op's deferred error: a value rule found on the device, `index_range`, or `execution` for
     /// an op that failed there. `execution` when the read-back fails; `corrupt_status` for a record
     /// kvplan never wrote.
     pub fn check(&self) -> Result<usize, Error> {
-        let words = crate::ops::read_status::<B>(self.words.clone())?;
+        let words = crate::backend::read_status::<B>(self.words.clone())?;
         status::decode(&words, &self.context)
     }
 
@@ -57,8 +58,8 @@ pub fn check_all<B: Backend>(
     let (mut parts, contexts) = split(statuses);
     let words = match parts.len() {
         0 => return Ok(Vec::new()),
-        1 => crate::ops::read_ints::<B>(parts.remove(0))?,
-        _ => crate::ops::read_ints::<B>(B::int_cat(parts, 0))?,
+        1 => crate::backend::read_ints::<B>(parts.remove(0))?,
+        _ => crate::backend::read_ints::<B>(B::int_cat(parts, 0))?,
     };
     decode_all(&contexts, &words)
 }

@@ -592,35 +592,31 @@ pub enum Error {
     },
 
     // ---- paged attention ----
-    /// `q`, the pools and `heads` do not make whole heads of one `head_dim`.
+    /// `q`, the pool and `heads` do not make whole heads of one `head_dim`.
     #[error(
-        "{context} q {q} with {heads} heads over pools {k_pool} and {v_pool} is not whole query heads over whole K/V heads of one head_dim <= {max_head_dim} (heads a multiple of K/V heads; K and V pools alike)."
+        "{context} q {q} with {heads} heads over kv_pool {kv_pool} is not whole query heads over whole K/V heads of one head_dim <= {max_head_dim} (heads a multiple of K/V heads; each pool row a K row, then a V row as wide)."
     )]
     HeadShape {
         /// Message prefix.
         context: String,
         /// The shape of `q`.
         q: Dims,
-        /// The shape of the K pool.
-        k_pool: Dims,
-        /// The shape of the V pool.
-        v_pool: Dims,
+        /// The shape of the joined K|V pool.
+        kv_pool: Dims,
         /// Query heads asked for.
         heads: usize,
         /// The widest head the kernels take.
         max_head_dim: usize,
     },
-    /// The pools do not have the rows their key runs were checked against.
+    /// The pool does not have the rows its key runs were checked against.
     #[error(
-        "{context} k_pool {k_pool} and v_pool {v_pool} must have the {pool_rows} rows the key runs were checked against."
+        "{context} kv_pool {kv_pool} must have the {pool_rows} rows the key runs were checked against."
     )]
     PoolRowsMismatch {
         /// Message prefix.
         context: String,
-        /// The shape of the K pool.
-        k_pool: Dims,
-        /// The shape of the V pool.
-        v_pool: Dims,
+        /// The shape of the joined K|V pool.
+        kv_pool: Dims,
         /// The rows of the check.
         pool_rows: usize,
     },

@@ -1,18 +1,16 @@
-//! Masked and segment gather over `req_to_token`.
-//!
-//! Each op comes as a pair: the plain form reads one status record back and returns exactly the
-//! gathered slots; the `_deferred` form only enqueues and returns a fixed-capacity output whose
-//! status the caller checks when it chooses (inside a decode step, prefer it).
+//! Masked and segment gather over `req_to_token`: each enqueues and returns a fixed-capacity
+//! output with its status, nothing read back (check the status with the step's others).
 //!
 //! ```no_run
 //! use burn_core::tensor::{Bool, Int, Tensor};
-//! use kvplan::gather::GatherOptions;
+//! use kvplan::ops::GatherOptions;
 //! # fn step(req_to_token: Tensor<2, Int>, req_pool_indices: Tensor<1, Int>,
 //! #     draft_positions: Tensor<2, Int>, draft_mask: Tensor<2, Bool>) -> Result<(), kvplan::Error> {
 //! let options = GatherOptions::new().context("draft window");
-//! let draft = kvplan::gather::masked_gather_deferred(req_to_token, req_pool_indices, draft_positions, draft_mask, &options)?;
-//! // ... later, once per step:
+//! let draft = kvplan::ops::masked_gather(req_to_token, req_pool_indices, draft_positions, draft_mask, &options)?;
+//! // ... later, once per step: the number of gathered slots, or the first error.
 //! let count = draft.status.check()?;
+//! let slots = draft.slots().slice([0..count]);
 //! # Ok(()) }
 //! ```
 
@@ -21,10 +19,10 @@ use burn_core::backend::tensor::{BoolTensor, IntTensor};
 use burn_core::backend::{Dispatch, TensorMetadata};
 use burn_core::tensor::{Bool, Int, Slice, Tensor};
 
+use crate::backend::{GatherPrimitive, KvPlanBackend, OptionalInt};
 use crate::deferred::Status;
 use crate::error::{Error, SEGMENT_CONTEXT};
 use crate::layout::COUNT;
-use crate::ops::{GatherPrimitive, KvPlanBackend, OptionalInt};
 use crate::room::{self, Buffer};
 use crate::validate::{self, Arg};
 
@@ -68,16 +66,16 @@ impl GatherOptions {
     }
 }
 
-/// The result of a deferred gather: nothing was read back and nothing synchronised.
+/// The result of a gather: nothing was read back and nothing synchronised.
 #[derive(Debug, Clone)]
-pub struct DeferredGather<B: Backend = Dispatch> {
+pub struct Gathered<B: Backend = Dispatch> {
     /// i64 `[capacity]`. `out[0..count]` are the gathered slots; the tail is unspecified.
     pub out: IntTensor<B>,
     /// The device-side validation status; its count word is the number of gathered values.
     pub status: Status<B>,
 }
 
-impl<B: Backend> DeferredGather<B> {
+impl<B: Backend> Gathered<B> {
     /// i64 `[1]` on the device: the number of gathered values, 0 after a deferred error. A view
     /// of the status record's count word: the op makes no separate count output (each output
     /// costs Fusion an operation when it is dropped).
@@ -98,22 +96,22 @@ pub(crate) fn arg<T: TensorMetadata>(name: &'static str, tensor: &T) -> Arg<T::D
     }
 }
 
-/// The gathers on any backend's primitives: what the `Tensor` API runs with `B = Dispatch`, and
-/// what backend-generic code (or a test of one backend without Fusion) calls directly.
-pub mod backend {
+/// The gathers on any backend's primitives (kvplan's own tools; not a stable API).
+#[doc(hidden)]
+pub mod generic {
     use super::*;
 
-    /// [`masked_gather_deferred`](super::masked_gather_deferred) on primitives.
+    /// [`masked_gather`](super::masked_gather) on primitives.
     ///
     /// # Errors
-    /// As [`masked_gather_deferred`](super::masked_gather_deferred).
-    pub fn masked_gather_deferred<B: KvPlanBackend>(
+    /// As [`masked_gather`](super::masked_gather).
+    pub fn masked_gather<B: KvPlanBackend>(
         req_to_token: IntTensor<B>,
         req_pool_indices: IntTensor<B>,
         pos2d: IntTensor<B>,
         mask: BoolTensor<B>,
         options: &GatherOptions,
-    ) -> Result<DeferredGather<B>, Error> {
+    ) -> Result<Gathered<B>, Error> {
         let context = options.context.as_str();
         validate::masked_gather(
             &arg("req_to_token", &req_to_token),
@@ -133,17 +131,17 @@ pub mod backend {
         Ok(deferred(output, context))
     }
 
-    /// [`segment_gather_deferred`](super::segment_gather_deferred) on primitives.
+    /// [`segment_gather`](super::segment_gather) on primitives.
     ///
     /// # Errors
-    /// As [`segment_gather_deferred`](super::segment_gather_deferred).
-    pub fn segment_gather_deferred<B: KvPlanBackend>(
+    /// As [`segment_gather`](super::segment_gather).
+    pub fn segment_gather<B: KvPlanBackend>(
         req_to_token: IntTensor<B>,
         req_pool_indices: IntTensor<B>,
         start: Option<IntTensor<B>>,
         lengths: IntTensor<B>,
         options: &GatherOptions,
-    ) -> Result<DeferredGather<B>, Error> {
+    ) -> Result<Gathered<B>, Error> {
         let context = options.segment_context();
         validate::segment_gather(
             &arg("req_to_token", &req_to_token),
@@ -175,54 +173,37 @@ pub mod backend {
     /// # Errors
     /// The error the gather's status holds (see [`Status::check`](crate::Status::check)), read back
     /// here; `execution` when the read-back fails.
-    pub fn exact<B: KvPlanBackend>(gathered: DeferredGather<B>) -> Result<IntTensor<B>, Error> {
+    pub fn exact<B: KvPlanBackend>(gathered: Gathered<B>) -> Result<IntTensor<B>, Error> {
         let count = gathered.status.check()?;
         Ok(B::int_view(gathered.out, 0, count))
     }
 
-    fn deferred<B: Backend>(output: GatherPrimitive<B>, context: &str) -> DeferredGather<B> {
-        DeferredGather {
+    fn deferred<B: Backend>(output: GatherPrimitive<B>, context: &str) -> Gathered<B> {
+        Gathered {
             out: output.out,
             status: Status::new(output.status, context),
         }
     }
 }
 
-/// `req_to_token[req_pool_indices[i], pos2d[i, j]]` for every true `mask[i, j]`, row-major, as a
-/// 1-D i64 tensor of exactly `count` values (spec `gather.md` §3).
-///
-/// One device-to-host transfer (count and status together). `req_pool_indices` may hold one index
-/// shared by every pos row. Every error message starts with the options' context.
-///
-/// # Errors
-/// As [`masked_gather_deferred`], with the status's errors read back here; `execution` when the
-/// read-back fails.
-pub fn masked_gather(
-    req_to_token: Tensor<2, Int>,
-    req_pool_indices: Tensor<1, Int>,
-    pos2d: Tensor<2, Int>,
-    mask: Tensor<2, Bool>,
-    options: &GatherOptions,
-) -> Result<Tensor<1, Int>, Error> {
-    let gathered = masked_gather_deferred(req_to_token, req_pool_indices, pos2d, mask, options)?;
-    backend::exact(gathered).map(Tensor::from_dispatch)
-}
-
-/// [`masked_gather`] into a fixed-capacity output, without any transfer to the host (spec §5).
+/// `req_to_token[req_pool_indices[i], pos2d[i, j]]` for every true `mask[i, j]`, row-major, into
+/// the first `count` values of a fixed-capacity i64 output (spec `gather.md` §3, §5); `count` is
+/// the status's. `req_pool_indices` may hold one index shared by every pos row. Every error
+/// message starts with the options' context. Nothing is read back.
 ///
 /// # Errors
 /// At once: `pos_not_2d`, `mask_shape_mismatch`, `not_1d` / `not_2d`, `dtype_mismatch`,
 /// `device_mismatch`, `index_shape_mismatch` / `mask_index_shape_mismatch` (a table with columns),
 /// `allocation_too_large`. In `status` (value rules): `empty_table_nonempty_mask`,
 /// `req_pool_index_out_of_range`, `position_out_of_range`, `capacity_exceeded`, `index_range`.
-pub fn masked_gather_deferred(
+pub fn masked_gather(
     req_to_token: Tensor<2, Int>,
     req_pool_indices: Tensor<1, Int>,
     pos2d: Tensor<2, Int>,
     mask: Tensor<2, Bool>,
     options: &GatherOptions,
-) -> Result<DeferredGather, Error> {
-    backend::masked_gather_deferred::<Dispatch>(
+) -> Result<Gathered, Error> {
+    generic::masked_gather::<Dispatch>(
         req_to_token.into_dispatch(),
         req_pool_indices.into_dispatch(),
         pos2d.into_dispatch(),
@@ -231,42 +212,24 @@ pub fn masked_gather_deferred(
     )
 }
 
-/// The slots of one run of consecutive positions per segment: `req_to_token[row(i)][start[i] + j]`
-/// for `j < lengths[i]`, as a 1-D i64 tensor of exactly `count` values (spec `gather.md` §4).
-///
-/// `start = None` starts every segment at position 0. Neither a position rectangle nor a mask is
-/// ever built.
-///
-/// # Errors
-/// As [`segment_gather_deferred`], with the status's errors read back here; `execution` when the
-/// read-back fails.
-pub fn segment_gather(
-    req_to_token: Tensor<2, Int>,
-    req_pool_indices: Tensor<1, Int>,
-    start: Option<Tensor<1, Int>>,
-    lengths: Tensor<1, Int>,
-    options: &GatherOptions,
-) -> Result<Tensor<1, Int>, Error> {
-    let gathered =
-        segment_gather_deferred(req_to_token, req_pool_indices, start, lengths, options)?;
-    backend::exact(gathered).map(Tensor::from_dispatch)
-}
-
-/// [`segment_gather`] into a fixed-capacity output, without any transfer to the host (spec §5).
+/// The slots of one run of consecutive positions per segment, `req_to_token[row(i)][start[i] + j]`
+/// for `j < lengths[i]`, into the first `count` values of a fixed-capacity i64 output (spec
+/// `gather.md` §4, §5). `start = None` starts every segment at position 0. Neither a position
+/// rectangle nor a mask is ever built. Nothing is read back.
 ///
 /// # Errors
 /// At once: `not_1d` / `not_2d`, `dtype_mismatch`, `device_mismatch`, `allocation_too_large`. In
 /// `status`, as every other rule hangs on `lengths`: `mask_shape_mismatch`,
 /// `empty_table_nonempty_mask`, `index_shape_mismatch` / `mask_index_shape_mismatch`,
 /// `req_pool_index_out_of_range`, `position_out_of_range`, `capacity_exceeded`, `index_range`.
-pub fn segment_gather_deferred(
+pub fn segment_gather(
     req_to_token: Tensor<2, Int>,
     req_pool_indices: Tensor<1, Int>,
     start: Option<Tensor<1, Int>>,
     lengths: Tensor<1, Int>,
     options: &GatherOptions,
-) -> Result<DeferredGather, Error> {
-    backend::segment_gather_deferred::<Dispatch>(
+) -> Result<Gathered, Error> {
+    generic::segment_gather::<Dispatch>(
         req_to_token.into_dispatch(),
         req_pool_indices.into_dispatch(),
         start.map(Tensor::into_dispatch),
@@ -275,13 +238,13 @@ pub fn segment_gather_deferred(
     )
 }
 
-impl DeferredGather {
-    /// `out` as a tensor.
-    pub fn out_tensor(&self) -> Tensor<1, Int> {
+impl Gathered {
+    /// The output, i64 `[capacity]`: its first `count` values (the status's) are the slots.
+    pub fn slots(&self) -> Tensor<1, Int> {
         Tensor::from_dispatch(self.out.clone())
     }
 
-    /// [`count`](DeferredGather::count) as a tensor.
+    /// [`count`](Gathered::count) as a tensor.
     pub fn count_tensor(&self) -> Tensor<1, Int> {
         Tensor::from_dispatch(self.count())
     }

@@ -7,10 +7,10 @@
 //! Most users touch one object, [`PagedKv`]: every layer's K|V pool, `req_to_token`, the slot
 //! and row allocators (shared prefixes), the store's scratch and the canary, with a begin /
 //! per-layer attend / end step ([`paged`], `examples/paged_kv.rs`). The ops it composes stay
-//! public for engines that keep their own state.
+//! public, with one convention, in [`ops`] for engines that keep their own state.
 //!
-//! Data flows one way: public API ([`paged`] over [`gather`], [`slots`], [`attention`],
-//! [`canary`]) -> host rules -> [`KvPlanBackend`] -> (kernels | [`reference`](mod@reference)).
+//! Data flows one way: [`PagedKv`] -> [`ops`] -> host rules -> [`KvPlanBackend`] -> (kernels |
+//! [`reference`](mod@reference)).
 
 #![warn(missing_docs)]
 
@@ -19,25 +19,34 @@
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-pub mod attention;
-pub mod canary;
+mod attention;
+pub mod backend;
+mod canary;
 mod deferred;
 pub mod error;
-pub mod gather;
+mod gather;
 mod layout;
-/// The backend extension trait's primitives and helpers, for backend-generic code.
 pub mod ops;
 pub mod paged;
 /// The host reference of every op, for tests and conformance.
 pub mod reference;
 mod room;
-pub mod slots;
+mod slots;
 mod status;
 mod validate;
 
+/// The ops on any backend's primitives, with their host rules (kvplan's own tools run them on
+/// unfused backends): not a stable API.
+#[doc(hidden)]
+pub mod generic {
+    pub use crate::attention::generic::*;
+    pub use crate::gather::generic::*;
+    pub use crate::slots::generic::*;
+}
+
+pub use backend::KvPlanBackend;
 pub use deferred::{Status, check_all};
 pub use error::{Error, Result};
-pub use ops::KvPlanBackend;
 pub use paged::{
     CanaryConfig, KvViolation, PagedKv, PagedKvConfig, RequestId, StepGraph, StepInputs, StepReport,
 };

@@ -8,23 +8,23 @@
 //! an `Err` returned at once (a host rule: ranks, dtypes, shapes, devices) has consumed the inputs.
 //!
 //! A model stores every layer at the same slots, so a step checks them once
-//! ([`KvStore::check_slots`]) and each layer's K and V are then one launch:
+//! ([`KvStore::slots`]) and each layer's store is then one launch:
 //!
 //! ```no_run
 //! use burn_core::tensor::{Device, Int, Tensor};
-//! use kvplan::slots::KvStore;
+//! use kvplan::ops::KvStore;
 //! # fn step(device: &Device, req_to_token: Tensor<2, Int>, rpi: Tensor<1, Int>,
 //! #     start: Tensor<1, Int>, lengths: Tensor<1, Int>, out_cache_loc: Tensor<1, Int>,
-//! #     k_pool: Tensor<2>, v_pool: Tensor<2>, k_rows: Tensor<2>, v_rows: Tensor<2>,
+//! #     kv_pool: Tensor<2>, kv_rows: Tensor<2>,
 //! # ) -> Result<(), kvplan::Error> {
 //! // Once, at start-up: the duplicate-slot scratch for caches of 2^20 slots.
 //! let mut store = KvStore::allocate(1 << 20, device)?;
 //! // Every step: no read-back until the step checks its statuses.
-//! let assigned = kvplan::slots::segment_assign_deferred(req_to_token, rpi, start, lengths, out_cache_loc.clone())?;
-//! let mut slots = store.check_slots(out_cache_loc, 1 << 20)?;
-//! // Every layer: its K and V pools move in and come back, one launch (a kept clone of a pool
-//! // would make the store copy it).
-//! let (k_pool, v_pool) = slots.store_kv(k_pool, v_pool, k_rows, v_rows)?;
+//! let assigned = kvplan::ops::segment_assign(req_to_token, rpi, start, lengths, out_cache_loc.clone())?;
+//! let mut slots = store.slots(out_cache_loc, 1 << 20)?;
+//! // Every layer: its pool moves in and comes back, one launch (a kept clone of a pool would
+//! // make the store copy it).
+//! let kv_pool = slots.store(kv_pool, kv_rows)?;
 //! kvplan::check_all([assigned.status, slots.into_status()])?;
 //! # Ok(()) }
 //! ```
@@ -32,21 +32,21 @@
 use burn_core::backend::tensor::{FloatTensor, IntTensor};
 use burn_core::backend::{Backend, Dispatch, TensorData, TensorMetadata};
 use burn_core::tensor::kind::Basic;
-use burn_core::tensor::{Device, Float, Int, IntDType, Shape, Tensor};
+use burn_core::tensor::{Device, Int, IntDType, Shape, Tensor};
 use kvplan_kernels::slots::{STORE_CLOCK, STORE_CLOCK_LIMIT, fresh_store_control};
 
 use crate::attention::KeyRuns;
+use crate::backend::{
+    self, AttendedPrimitive, KvPlanBackend, KvRows, NewRowsPrimitive, OneLaunch,
+    StoreScratchPrimitive, StoreTargets,
+};
 use crate::deferred::Status;
 use crate::error::{ASSIGN_CONTEXT, Error, STORE_CONTEXT};
 use crate::gather::arg;
-use crate::ops::{
-    self, AttendedKvPrimitive, AttendedPrimitive, KvPlanBackend, KvRows, NewRowsPrimitive,
-    OneLaunch, StoreScratchPrimitive, StoreTargets,
-};
 use crate::room::{self, Buffer};
 use crate::validate;
 
-/// The result of [`segment_assign_deferred`]: nothing was read back.
+/// The result of [`segment_assign`]: nothing was read back.
 #[derive(Debug, Clone)]
 pub struct Assigned {
     /// The table with the runs written, or, after an error the status holds, as it was.
@@ -55,19 +55,10 @@ pub struct Assigned {
     pub status: Status,
 }
 
-/// The result of [`KvStore::store_deferred`] (a float cache) or [`KvStore::store_int_deferred`]
-/// (`Stored<Int>`): nothing was read back.
-#[derive(Debug, Clone)]
-pub struct Stored<K: Basic = Float> {
-    /// The cache with the rows stored, or, after an error the status holds, as it was.
-    pub cache: Tensor<2, K>,
-    /// The device-side status; its count is the number of tokens stored.
-    pub status: Status,
-}
-
 /// The slot assignment ops on any backend's primitives: what the `Tensor` API runs with
-/// `B = Dispatch`, and what backend-generic code (or a test of one backend without Fusion) calls.
-pub mod backend {
+/// `B = Dispatch` (kvplan's own tools call them on unfused backends; not a stable API).
+#[doc(hidden)]
+pub mod generic {
     use super::*;
 
     /// A deferred `segment_assign` on primitives.
@@ -82,17 +73,17 @@ pub mod backend {
     /// A deferred store on primitives.
     #[derive(Debug, Clone)]
     pub struct DeferredStore<B: Backend = Dispatch> {
-        /// The cache (see [`Stored::cache`]).
+        /// The cache, with the rows stored (as it was after an error the status holds).
         pub cache: KvRows<B>,
         /// The device-side status.
         pub status: Status<B>,
     }
 
-    /// [`segment_assign_deferred`](super::segment_assign_deferred) on primitives.
+    /// [`segment_assign`](super::segment_assign) on primitives.
     ///
     /// # Errors
-    /// As [`segment_assign_deferred`](super::segment_assign_deferred).
-    pub fn segment_assign_deferred<B: KvPlanBackend>(
+    /// As [`segment_assign`](super::segment_assign).
+    pub fn segment_assign<B: KvPlanBackend>(
         req_to_token: IntTensor<B>,
         req_pool_indices: IntTensor<B>,
         start: IntTensor<B>,
@@ -119,33 +110,13 @@ pub mod backend {
         })
     }
 
-    /// [`segment_assign`](super::segment_assign) on primitives: one read-back of the status.
+    /// One cache's store on primitives (the slots' check, then the write), for a float or an
+    /// int cache.
     ///
     /// # Errors
-    /// As [`segment_assign`](super::segment_assign).
-    pub fn segment_assign<B: KvPlanBackend>(
-        req_to_token: IntTensor<B>,
-        req_pool_indices: IntTensor<B>,
-        start: IntTensor<B>,
-        lengths: IntTensor<B>,
-        out_cache_loc: IntTensor<B>,
-    ) -> Result<IntTensor<B>, Error> {
-        let assigned = segment_assign_deferred::<B>(
-            req_to_token,
-            req_pool_indices,
-            start,
-            lengths,
-            out_cache_loc,
-        )?;
-        assigned.status.check()?;
-        Ok(assigned.req_to_token)
-    }
-
-    /// [`KvStore::store_deferred`] on primitives, for a float or an int cache.
-    ///
-    /// # Errors
-    /// As [`KvStore::store_deferred`], and `not_1d` for a `loc` of another rank.
-    pub fn store_deferred<B: KvPlanBackend>(
+    /// As [`KvStore::slots`], then [`StoreSlots::store`], and `not_1d` for a `loc` of
+    /// another rank.
+    pub fn store<B: KvPlanBackend>(
         store: &mut KvStore<B>,
         cache: KvRows<B>,
         loc: IntTensor<B>,
@@ -153,68 +124,30 @@ pub mod backend {
     ) -> Result<DeferredStore<B>, Error> {
         store.store_rows(cache, loc, values)
     }
-
-    /// [`KvStore::store`] on primitives: one read-back of the status.
-    ///
-    /// # Errors
-    /// As [`KvStore::store`], and `not_1d` for a `loc` of another rank.
-    pub fn store<B: KvPlanBackend>(
-        store: &mut KvStore<B>,
-        cache: KvRows<B>,
-        loc: IntTensor<B>,
-        values: KvRows<B>,
-    ) -> Result<KvRows<B>, Error> {
-        let stored = store.store_rows(cache, loc, values)?;
-        stored.status.check()?;
-        Ok(stored.cache)
-    }
 }
 
 /// `req_to_token[req_pool_indices[i], start[i] + j] = out_cache_loc[offset(i) + j]` for
 /// `j < lengths[i]`, `offset(i) = sum(lengths[..i])` (spec `slots.md` §1): the inverse of
-/// [`segment_gather`](crate::gather::segment_gather). Reads its status back once.
+/// [`segment_gather`](crate::ops::segment_gather). Nothing is read back.
 ///
 /// Int inputs may be i32 or i64. A padding request has `req_pool_indices[i] == 0` and length 0.
 /// Every value rule (rows, padding, lengths, positions, the slot count, slots that do not fit the
-/// table, two requests writing one cell) is checked before any cell is written.
-///
-/// # Errors
-/// As [`segment_assign_deferred`], with the status's errors read back here (the table is then not
-/// handed back); `execution` when the read-back fails.
-pub fn segment_assign(
-    req_to_token: Tensor<2, Int>,
-    req_pool_indices: Tensor<1, Int>,
-    start: Tensor<1, Int>,
-    lengths: Tensor<1, Int>,
-    out_cache_loc: Tensor<1, Int>,
-) -> Result<Tensor<2, Int>, Error> {
-    let assigned = segment_assign_deferred(
-        req_to_token,
-        req_pool_indices,
-        start,
-        lengths,
-        out_cache_loc,
-    )?;
-    assigned.status.check()?;
-    Ok(assigned.req_to_token)
-}
-
-/// [`segment_assign`] without any transfer to the host: value errors stay in the status (and the
-/// table comes back unchanged) until `check()` or [`check_all`](crate::check_all).
+/// table, two requests writing one cell) is checked before any cell is written: after an error
+/// the status holds, the table comes back unchanged.
 ///
 /// # Errors
 /// At once, the inputs consumed: `not_1d` / `not_2d`, `dtype_mismatch`, `device_mismatch`,
 /// `segment_length_mismatch`. Later, in `status` (value rules, all checked before any write):
 /// `req_pool_index_out_of_range`, `padding_row_length`, `negative_length`, `position_out_of_range`,
 /// `slot_count_mismatch`, `slot_out_of_range`, `write_conflict`, `index_range`.
-pub fn segment_assign_deferred(
+pub fn segment_assign(
     req_to_token: Tensor<2, Int>,
     req_pool_indices: Tensor<1, Int>,
     start: Tensor<1, Int>,
     lengths: Tensor<1, Int>,
     out_cache_loc: Tensor<1, Int>,
 ) -> Result<Assigned, Error> {
-    let assigned = backend::segment_assign_deferred::<Dispatch>(
+    let assigned = generic::segment_assign::<Dispatch>(
         req_to_token.into_dispatch(),
         req_pool_indices.into_dispatch(),
         start.into_dispatch(),
@@ -235,11 +168,8 @@ pub fn segment_assign_deferred(
 /// call uploads nothing and allocates only its status. One store serves every cache of the model
 /// (K and V of every layer), one call at a time.
 ///
-/// Float caches go through [`store`](Self::store), int caches (raw bytes, quantized codes) through
-/// [`store_int`](Self::store_int); `values` has the cache's dtype and trailing shape. Each is two
-/// launches (the slots' check, then the write); a model that stores every layer at the same slots
-/// checks them once with [`check_slots`](Self::check_slots) and writes each layer's K and V with
-/// one launch.
+/// A step's slots are checked once ([`slots`](Self::slots)); each store through them
+/// ([`StoreSlots`]) is then one launch.
 #[derive(Debug)]
 pub struct KvStore<B: KvPlanBackend = Dispatch> {
     // `None` only while a store call has lent it to the op.
@@ -260,45 +190,6 @@ impl KvStore {
         Self::allocate_on(num_slots, device.as_dispatch())
     }
 
-    /// Stores `values [N, D]` at the slots `loc [N]` (i32 or i64) of a float `cache [S, D]`,
-    /// reading the status back once.
-    ///
-    /// # Errors
-    /// As [`store_deferred`](Self::store_deferred), with the status's errors read back here;
-    /// `execution` when the read-back fails.
-    pub fn store(
-        &mut self,
-        cache: Tensor<2>,
-        loc: Tensor<1, Int>,
-        values: Tensor<2>,
-    ) -> Result<Tensor<2>, Error> {
-        let stored = self.store_deferred(cache, loc, values)?;
-        stored.status.check()?;
-        Ok(stored.cache)
-    }
-
-    /// [`store`](Self::store) without any transfer to the host: value errors (a slot outside the
-    /// cache, a slot other than 0 named twice) stay in the status, and the cache comes back
-    /// unchanged, until `check()` or [`check_all`](crate::check_all).
-    ///
-    /// # Errors
-    /// At once: `value_shape_mismatch`, `value_dtype_mismatch`, `dtype_mismatch` (`loc` not int),
-    /// `device_mismatch`, `store_capacity` (a cache with more rows than the store's slots). Later,
-    /// in `status`: `loc_out_of_range`, `duplicate_slot`, `index_range`.
-    pub fn store_deferred(
-        &mut self,
-        cache: Tensor<2>,
-        loc: Tensor<1, Int>,
-        values: Tensor<2>,
-    ) -> Result<Stored, Error> {
-        let stored = self.store_rows(
-            KvRows::Float(cache.into_dispatch()),
-            loc.into_dispatch(),
-            KvRows::Float(values.into_dispatch()),
-        )?;
-        Ok(stored_tensor(stored))
-    }
-
     /// Checks the slots `loc [N]` (i32 or i64) once for any number of stores into caches of
     /// `cache_rows` rows (at most the store's slots), without any transfer to the host: value
     /// errors (a slot outside the caches, a slot other than 0 named twice) stay in the slots'
@@ -308,53 +199,8 @@ impl KvStore {
     /// At once: `dtype_mismatch` (`loc` not int), `device_mismatch` (`loc` off the store's device),
     /// `store_capacity` (`cache_rows` past the store's slots). Later, in the slots' status:
     /// `loc_out_of_range`, `duplicate_slot`, `index_range`.
-    pub fn check_slots(
-        &mut self,
-        loc: Tensor<1, Int>,
-        cache_rows: usize,
-    ) -> Result<StoreSlots, Error> {
+    pub fn slots(&mut self, loc: Tensor<1, Int>, cache_rows: usize) -> Result<StoreSlots, Error> {
         self.check_slot_primitives(loc.into_dispatch(), cache_rows)
-    }
-
-    /// [`store`](Self::store) for an int cache (any int dtype).
-    ///
-    /// # Errors
-    /// As [`store`](Self::store).
-    pub fn store_int(
-        &mut self,
-        cache: Tensor<2, Int>,
-        loc: Tensor<1, Int>,
-        values: Tensor<2, Int>,
-    ) -> Result<Tensor<2, Int>, Error> {
-        let stored = self.store_int_deferred(cache, loc, values)?;
-        stored.status.check()?;
-        Ok(stored.cache)
-    }
-
-    /// [`store_deferred`](Self::store_deferred) for an int cache (any int dtype).
-    ///
-    /// # Errors
-    /// As [`store_deferred`](Self::store_deferred).
-    pub fn store_int_deferred(
-        &mut self,
-        cache: Tensor<2, Int>,
-        loc: Tensor<1, Int>,
-        values: Tensor<2, Int>,
-    ) -> Result<Stored<Int>, Error> {
-        let stored = self.store_rows(
-            KvRows::Int(cache.into_dispatch()),
-            loc.into_dispatch(),
-            KvRows::Int(values.into_dispatch()),
-        )?;
-        Ok(stored_tensor(stored))
-    }
-}
-
-/// A deferred store's cache as a tensor of kind `K` (the kind it was given as).
-fn stored_tensor<K: Basic>(stored: backend::DeferredStore) -> Stored<K> {
-    Stored {
-        cache: cache_tensor(stored.cache),
-        status: stored.status,
     }
 }
 
@@ -370,6 +216,7 @@ impl<B: KvPlanBackend> KvStore<B> {
     ///
     /// # Errors
     /// As [`KvStore::allocate`].
+    #[doc(hidden)]
     pub fn allocate_on(num_slots: usize, device: &B::Device) -> Result<Self, Error> {
         let words = Buffer::new("KvStore slot words", num_slots.max(1), 4);
         room::on_device(device, &[words])?;
@@ -427,10 +274,11 @@ impl<B: KvPlanBackend> KvStore<B> {
         self.clock + tokens <= STORE_CLOCK_LIMIT
     }
 
-    /// [`check_slots`](KvStore::check_slots) on primitives.
+    /// [`slots`](KvStore::slots) on primitives.
     ///
     /// # Errors
-    /// As [`check_slots`](KvStore::check_slots), and `not_1d` for a `loc` of another rank.
+    /// As [`slots`](KvStore::slots), and `not_1d` for a `loc` of another rank.
+    #[doc(hidden)]
     pub fn check_slot_primitives(
         &mut self,
         loc: IntTensor<B>,
@@ -441,16 +289,17 @@ impl<B: KvPlanBackend> KvStore<B> {
     }
 
     /// One deferred store on primitives: the host rules, then the slots' check and the write (see
-    /// [`backend::store_deferred`]).
+    /// [`generic::store`]).
     ///
     /// # Errors
-    /// As [`KvStore::store_deferred`], and `not_1d` for a `loc` of another rank.
+    /// As [`generic::store`].
+    #[doc(hidden)]
     pub fn store_rows(
         &mut self,
         cache: KvRows<B>,
         loc: IntTensor<B>,
         values: KvRows<B>,
-    ) -> Result<backend::DeferredStore<B>, Error> {
+    ) -> Result<generic::DeferredStore<B>, Error> {
         validate::store_kv(
             &rows_arg("cache", &cache),
             &arg("loc", &loc),
@@ -465,7 +314,7 @@ impl<B: KvPlanBackend> KvStore<B> {
         else {
             unreachable!("a write hands back the targets it was given");
         };
-        Ok(backend::DeferredStore {
+        Ok(generic::DeferredStore {
             cache,
             status: slots.into_status(),
         })
@@ -498,7 +347,7 @@ impl<B: KvPlanBackend> KvStore<B> {
     }
 }
 
-/// A step's store slots, checked once by [`KvStore::check_slots`]: each store through them is
+/// A step's store slots, checked once by [`KvStore::slots`]: each store through them is
 /// one launch, for one cache or a layer's K and V together. Every cache must have the rows the
 /// slots were checked against.
 #[derive(Debug)]
@@ -509,7 +358,7 @@ pub struct StoreSlots<B: Backend = Dispatch> {
     // takes it (a tensor moved into an op costs Fusion no drop later) and sets the one it returns.
     status: Option<Status<B>>,
     // The store scratch's slot words after this check (with its first clock value, in the
-    // status): which new row holds a slot, for `store_kv_and_attend`.
+    // status): which new row holds a slot, for `store_and_attend`.
     claims: IntTensor<B>,
     one_launch: OneLaunch,
 }
@@ -547,108 +396,29 @@ impl StoreSlots {
         Ok(cache_tensor(one(caches)))
     }
 
-    /// Stores a layer's K and V rows (`[N, ...]` each) into its K and V caches in one launch.
-    ///
-    /// # Errors
-    /// As [`store`](Self::store), for each cache and its rows.
-    pub fn store_kv(
-        &mut self,
-        k_cache: Tensor<2>,
-        v_cache: Tensor<2>,
-        k: Tensor<2>,
-        v: Tensor<2>,
-    ) -> Result<(Tensor<2>, Tensor<2>), Error> {
-        let caches = self.store_primitives(
-            StoreTargets::Pair(
-                KvRows::Float(k_cache.into_dispatch()),
-                KvRows::Float(v_cache.into_dispatch()),
-            ),
-            StoreTargets::Pair(
-                KvRows::Float(k.into_dispatch()),
-                KvRows::Float(v.into_dispatch()),
-            ),
-        )?;
-        let StoreTargets::Pair(k_cache, v_cache) = caches else {
-            unreachable!("a write hands back the targets it was given");
-        };
-        Ok((cache_tensor(k_cache), cache_tensor(v_cache)))
-    }
-
-    /// [`store_kv`](Self::store_kv) of a layer's K and V rows into its pools, then
-    /// [`paged_attention`](crate::attention::paged_attention) of `q` over those pools through `keys`: the
-    /// same pools and the same output bits, in one launch on the Cube backend (a key this store
-    /// writes is read from the new rows), nothing read back. The store's status stays in
+    /// A layer's new K and V rows stored at the slots into its pool, then the paged attention of
+    /// its queries over that pool through `keys` ([`paged_attention`](crate::ops::paged_attention)),
+    /// nothing read back. `kv_pool` is `[rows, 2 * kv_heads * head_dim]` (each row a slot's K, then
+    /// its V); `qkv` `[N, heads * head_dim + kv_pool columns]` holds each token's queries, then its
+    /// K and V row (what one fused projection gives after RoPE), stored whole at its slot. One
+    /// launch on the Cube backend (a key this store writes is read from the new rows): the same
+    /// pool and output bits as the store, then the attention. The store's status stays in
     /// [`status`](Self::status), the runs' in `keys`. While these slots live a later check of
     /// the same store writes a copy of its scratch words (the op reads these).
     ///
     /// # Errors
-    /// At once: the store's errors, as [`store_kv`](Self::store_kv), then those of
-    /// [`paged_attention`](crate::attention::paged_attention) for `q` over the pools. Later: the store's in
-    /// [`status`](Self::status), the runs' in `keys.status()`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn store_kv_and_attend(
-        &mut self,
-        k_pool: Tensor<2>,
-        v_pool: Tensor<2>,
-        k: Tensor<2>,
-        v: Tensor<2>,
-        q: Tensor<2>,
-        keys: &KeyRuns,
-        heads: usize,
-    ) -> Result<Attended, Error> {
-        self.store_kv_and_attend_primitives(
-            [k_pool, v_pool, k, v, q].map(Tensor::into_dispatch),
-            keys,
-            heads,
-        )
-    }
-
-    /// [`store_kv_and_attend`](Self::store_kv_and_attend) with a layer's queries and new K rows
-    /// side by side in one tensor, `qk` `[N, heads * head_dim + K pool columns]` (what one fused
-    /// projection gives after RoPE): the same pools and output bits, one tensor fewer for the op
-    /// to bind, and none of the model's slices to take them apart.
-    ///
-    /// # Errors
-    /// `not_2d` for a `qk` of another rank; then as
-    /// [`store_kv_and_attend`](Self::store_kv_and_attend), with the key columns as the store's
-    /// values and the rest as `q`.
-    pub fn store_qk_and_attend(
-        &mut self,
-        k_pool: Tensor<2>,
-        v_pool: Tensor<2>,
-        qk: Tensor<2>,
-        v: Tensor<2>,
-        keys: &KeyRuns,
-        heads: usize,
-    ) -> Result<Attended, Error> {
-        self.store_qk_and_attend_primitives(
-            [k_pool, v_pool, qk, v].map(Tensor::into_dispatch),
-            keys,
-            heads,
-        )
-    }
-
-    /// The store and the attention over a layer's joined pool `kv_pool` `[rows, 2 * kv_heads *
-    /// head_dim]` (each row a slot's K, then its V, as
-    /// [`paged_attention_kv`](crate::attention::paged_attention_kv) reads it), with the queries, new K rows
-    /// and new V rows side by side in `qkv` `[N, heads * head_dim + kv_pool columns]`: each new
-    /// row's last `kv_pool` columns are stored whole at its slot. The same output bits as the split forms (its halves as the K and V pools), two
-    /// tensors for the op to bind where [`store_qk_and_attend`](Self::store_qk_and_attend)
-    /// binds four.
-    ///
-    /// # Errors
-    /// `not_2d` for a `qkv` of another rank; then the store's errors, as [`store`](Self::store)
-    /// with `qkv`'s last `kv_pool` columns as its values, and those of
-    /// [`paged_attention_kv`](crate::attention::paged_attention_kv) with the rest as `q`. Later: as
-    /// [`store_kv_and_attend`](Self::store_kv_and_attend).
-    pub fn store_qkv_and_attend(
+    /// At once: `not_2d` for a `qkv` of another rank; the store's errors, as
+    /// [`store`](Self::store) with `qkv`'s last `kv_pool` columns as its values; those of
+    /// [`paged_attention`](crate::ops::paged_attention) with the rest as `q`. Later: the store's
+    /// in [`status`](Self::status), the runs' in `keys.status()`.
+    pub fn store_and_attend(
         &mut self,
         kv_pool: Tensor<2>,
         qkv: Tensor<2>,
         keys: &KeyRuns,
         heads: usize,
-    ) -> Result<AttendedKv, Error> {
-        self.store_qkv_and_attend_primitives(
+    ) -> Result<Attended, Error> {
+        self.store_and_attend_primitives(
             [kv_pool.into_dispatch(), qkv.into_dispatch()],
             keys,
             heads,
@@ -656,49 +426,17 @@ impl StoreSlots {
     }
 }
 
-/// What [`StoreSlots::store_kv_and_attend`] hands back.
+/// What [`StoreSlots::store_and_attend`] hands back.
 #[derive(Debug, Clone)]
 pub struct Attended<B: Backend = Dispatch> {
     /// The attention's output, `[tokens, heads * head_dim]`.
     pub out: FloatTensor<B>,
-    /// The K pool, with the layer's K rows stored (unchanged after an error the slots' status holds).
-    pub k_pool: FloatTensor<B>,
-    /// The V pool, likewise.
-    pub v_pool: FloatTensor<B>,
-}
-
-impl Attended {
-    /// The output and the pools as `Tensor`s: `(out, k_pool, v_pool)`.
-    pub fn into_tensors(self) -> (Tensor<2>, Tensor<2>, Tensor<2>) {
-        (
-            Tensor::from_dispatch(self.out),
-            Tensor::from_dispatch(self.k_pool),
-            Tensor::from_dispatch(self.v_pool),
-        )
-    }
-}
-
-impl<B: Backend> From<AttendedPrimitive<B>> for Attended<B> {
-    fn from(output: AttendedPrimitive<B>) -> Self {
-        Self {
-            out: output.out,
-            k_pool: output.k_pool,
-            v_pool: output.v_pool,
-        }
-    }
-}
-
-/// What [`StoreSlots::store_qkv_and_attend`] hands back.
-#[derive(Debug, Clone)]
-pub struct AttendedKv<B: Backend = Dispatch> {
-    /// The attention's output, `[tokens, heads * head_dim]`.
-    pub out: FloatTensor<B>,
-    /// The joined pool, with the layer's K and V rows stored (unchanged after an error the
-    /// slots' status holds).
+    /// The pool, with the layer's K and V rows stored (unchanged after an error the slots'
+    /// status holds).
     pub kv_pool: FloatTensor<B>,
 }
 
-impl AttendedKv {
+impl Attended {
     /// The output and the pool as `Tensor`s: `(out, kv_pool)`.
     pub fn into_tensors(self) -> (Tensor<2>, Tensor<2>) {
         (
@@ -708,8 +446,8 @@ impl AttendedKv {
     }
 }
 
-impl<B: Backend> From<AttendedKvPrimitive<B>> for AttendedKv<B> {
-    fn from(output: AttendedKvPrimitive<B>) -> Self {
+impl<B: Backend> From<AttendedPrimitive<B>> for Attended<B> {
+    fn from(output: AttendedPrimitive<B>) -> Self {
         Self {
             out: output.out,
             kv_pool: output.kv_pool,
@@ -726,12 +464,13 @@ fn one(caches: StoreTargets<Dispatch>) -> KvRows<Dispatch> {
 }
 
 impl<B: KvPlanBackend> StoreSlots<B> {
-    /// [`store`](StoreSlots::store) or [`store_kv`](StoreSlots::store_kv) on primitives: the
-    /// host rules of each cache and its rows, then one launch.
+    /// [`store`](StoreSlots::store) on primitives, for one cache or two written by one launch:
+    /// the host rules of each cache and its rows, then the launch.
     ///
     /// # Errors
     /// As [`store`](StoreSlots::store) for each cache; `store_targets_mismatch` when `caches` and
     /// `values` hold different numbers of tensors.
+    #[doc(hidden)]
     pub fn store_primitives(
         &mut self,
         caches: StoreTargets<B>,
@@ -757,104 +496,37 @@ impl<B: KvPlanBackend> StoreSlots<B> {
         Ok(self.write(caches, values))
     }
 
-    /// [`store_kv_and_attend`](StoreSlots::store_kv_and_attend) on primitives: the host rules of
-    /// the store and of the attention, then one op.
+    /// [`store_and_attend`](StoreSlots::store_and_attend) on primitives.
     ///
     /// # Errors
-    /// As [`store_kv_and_attend`](StoreSlots::store_kv_and_attend).
-    pub fn store_kv_and_attend_primitives(
-        &mut self,
-        [k_pool, v_pool, k, v, q]: [FloatTensor<B>; 5],
-        keys: &KeyRuns<B>,
-        heads: usize,
-    ) -> Result<Attended<B>, Error> {
-        let [slots, runs] = self.check_store_and_attend(
-            [&arg("q", &q), &arg("k", &k)],
-            [&k_pool, &v_pool],
-            &v,
-            keys,
-            heads,
-        )?;
-        if !self.one_launch.runs(q.dtype()) {
-            return Ok(self.apart([k_pool, v_pool, k, v, q], [slots, runs], heads));
-        }
-        let rows = self.new_rows();
-        let output = B::store_and_attend(q, k_pool, v_pool, k, v, rows, slots, runs, heads);
-        Ok(Attended::from(output))
-    }
-
-    /// [`store_qk_and_attend`](StoreSlots::store_qk_and_attend) on primitives.
-    ///
-    /// # Errors
-    /// As [`store_qk_and_attend`](StoreSlots::store_qk_and_attend).
-    pub fn store_qk_and_attend_primitives(
-        &mut self,
-        [k_pool, v_pool, qk, v]: [FloatTensor<B>; 4],
-        keys: &KeyRuns<B>,
-        heads: usize,
-    ) -> Result<Attended<B>, Error> {
-        let qk_arg = arg("qk", &qk);
-        validate::require_rank(&qk_arg, 2, STORE_CONTEXT)?;
-        // The K rows are the last K pool's width of columns; the queries the rest.
-        let k_cols = k_pool.shape().get(1).copied().unwrap_or(0);
-        let q_cols = qk_arg.dim(1).saturating_sub(k_cols);
-        let (q, k) = (qk_arg.columns(q_cols), qk_arg.columns(k_cols));
-        let [slots, runs] =
-            self.check_store_and_attend([&q, &k], [&k_pool, &v_pool], &v, keys, heads)?;
-        if !self.one_launch.runs(qk.dtype()) {
-            let [q, k] = ops::split_columns::<B>(qk, q_cols);
-            return Ok(self.apart([k_pool, v_pool, k, v, q], [slots, runs], heads));
-        }
-        let rows = self.new_rows();
-        let output = B::store_qk_and_attend(qk, k_pool, v_pool, v, rows, slots, runs, heads);
-        Ok(Attended::from(output))
-    }
-
-    /// [`store_qkv_and_attend`](StoreSlots::store_qkv_and_attend) on primitives.
-    ///
-    /// # Errors
-    /// As [`store_qkv_and_attend`](StoreSlots::store_qkv_and_attend).
-    pub fn store_qkv_and_attend_primitives(
+    /// As [`store_and_attend`](StoreSlots::store_and_attend).
+    #[doc(hidden)]
+    pub fn store_and_attend_primitives(
         &mut self,
         [kv_pool, qkv]: [FloatTensor<B>; 2],
         keys: &KeyRuns<B>,
         heads: usize,
-    ) -> Result<AttendedKv<B>, Error> {
+    ) -> Result<Attended<B>, Error> {
         let qkv_arg = arg("qkv", &qkv);
         validate::require_rank(&qkv_arg, 2, STORE_CONTEXT)?;
         // The new rows are the last pool's width of columns; the queries the rest.
         let kv_cols = kv_pool.shape().get(1).copied().unwrap_or(0);
         let q_cols = qkv_arg.dim(1).saturating_sub(kv_cols);
         self.check_write(arg("kv_pool", &kv_pool), qkv_arg.columns(kv_cols))?;
-        let [slots, runs] = keys.launch_args_kv(&qkv_arg.columns(q_cols), &kv_pool, heads)?;
+        let [slots, runs] = keys.launch_args(&qkv_arg.columns(q_cols), &kv_pool, heads)?;
         if !self.one_launch.runs(qkv.dtype()) {
-            let [q, kv] = ops::split_columns::<B>(qkv, q_cols);
+            let [q, kv] = backend::split_columns::<B>(qkv, q_cols);
             let one = |rows| StoreTargets::One(KvRows::Float(rows));
             let StoreTargets::One(KvRows::Float(kv_pool)) = self.write(one(kv_pool), one(kv))
             else {
                 unreachable!("a write hands back the targets it was given");
             };
-            let out = B::paged_attention_kv(q, kv_pool.clone(), slots, runs, heads);
-            return Ok(AttendedKv { out, kv_pool });
+            let out = B::paged_attention(q, kv_pool.clone(), slots, runs, heads);
+            return Ok(Attended { out, kv_pool });
         }
         let rows = self.new_rows();
-        let output = B::store_qkv_and_attend(qkv, kv_pool, rows, slots, runs, heads);
-        Ok(AttendedKv::from(output))
-    }
-
-    /// The host rules of a store of `k` and `v` into the pools and of the attention of `q` over
-    /// them, then the attention's launch arguments.
-    fn check_store_and_attend(
-        &self,
-        [q, k]: [&validate::Arg<B::Device>; 2],
-        [k_pool, v_pool]: [&FloatTensor<B>; 2],
-        v: &FloatTensor<B>,
-        keys: &KeyRuns<B>,
-        heads: usize,
-    ) -> Result<[IntTensor<B>; 2], Error> {
-        self.check_write(arg("k_pool", k_pool), k.clone())?;
-        self.check_write(arg("v_pool", v_pool), arg("v", v))?;
-        keys.launch_args(q, k_pool, v_pool, heads)
+        let output = B::store_and_attend(qkv, kv_pool, rows, slots, runs, heads);
+        Ok(Attended::from(output))
     }
 
     /// These slots, for one store-and-attend, which reads their status.
@@ -863,28 +535,6 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             loc: self.loc.clone(),
             status: self.status().words().clone(),
             claims: self.claims.clone(),
-        }
-    }
-
-    /// A store-and-attend as the store, then the attention: where the one launch could be
-    /// refused (`OneLaunch`), the store reports a refusal in the status.
-    fn apart(
-        &mut self,
-        [k_pool, v_pool, k, v, q]: [FloatTensor<B>; 5],
-        [slots, runs]: [IntTensor<B>; 2],
-        heads: usize,
-    ) -> Attended<B> {
-        let pair = |a, b| StoreTargets::Pair(KvRows::Float(a), KvRows::Float(b));
-        let StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)) =
-            self.write(pair(k_pool, v_pool), pair(k, v))
-        else {
-            unreachable!("a write hands back the targets it was given");
-        };
-        let out = B::paged_attention(q, k_pool.clone(), v_pool.clone(), slots, runs, heads);
-        Attended {
-            out,
-            k_pool,
-            v_pool,
         }
     }
 

@@ -974,14 +974,15 @@ impl Engine {
                     return Ok(());
                 };
                 let row = self.kv.row(self.running[victim].kv)?;
-                let table = kvplan::slots::segment_assign(
+                let assigned = kvplan::ops::segment_assign(
                     self.kv.req_to_token(),
                     ints([row].into_iter(), &device),
                     ints([position as i64].into_iter(), &device),
                     ints([1].into_iter(), &device),
                     ints([stolen].into_iter(), &device),
                 )?;
-                self.kv.set_req_to_token(table)?;
+                assigned.status.check()?;
+                self.kv.set_req_to_token(assigned.req_to_token)?;
                 stolen
             }
         };
@@ -1011,7 +1012,7 @@ impl Engine {
 
     fn read_tokens(&mut self, tokens: Tensor<1, Int>) -> Result<Vec<u32>> {
         let timer = Instant::now();
-        let values = kvplan::ops::data_to_i64(&tokens.into_data());
+        let values = kvplan::backend::data_to_i64(&tokens.into_data());
         self.times.readback += timer.elapsed();
         Ok(values.into_iter().map(|t| t as u32).collect())
     }

@@ -7,7 +7,7 @@ mod state;
 pub use crate::layout::SourceLayout;
 pub use crate::reference::RealKvHashMode;
 pub use crate::reference::canary::CanaryState;
-pub use plan::{PlanInputs, StepPlan, VerifyPlan, WritePlan, plan, plan_deferred, read_plans};
+pub use plan::{PlanInputs, StepPlan, VerifyPlan, WritePlan, plan, read_plans};
 pub use state::{
     Canary, CanaryLaunch, FailReasons, KernelKind, RealKvSource, SourceBytes, Violation,
     Violations, WriteInputs,

@@ -2,13 +2,13 @@
 //!
 //! ```no_run
 //! use burn_core::tensor::{Device, Int, Tensor};
-//! use kvplan::canary::{PlanInputs, StepPlan};
+//! use kvplan::ops::{PlanInputs, StepPlan};
 //! # fn step(device: &Device, rpi: Tensor<1, Int>, prefix: Tensor<1, Int>,
 //! #     extend: Tensor<1, Int>, req_to_token: Tensor<2, Int>) -> Result<(), kvplan::Error> {
 //! // Once, at start-up: room for 2^20 verify entries and 256 requests.
 //! let mut plan = StepPlan::allocate(1 << 20, 256, device)?;
 //! // Every step: filled in place on the device, no read-back.
-//! let status = kvplan::canary::plan_deferred(&mut plan, PlanInputs::new(rpi, prefix, extend, req_to_token))?;
+//! let status = kvplan::ops::plan(&mut plan, PlanInputs::new(rpi, prefix, extend, req_to_token))?;
 //! // Once per step, when the host chooses to look:
 //! status.check()?;
 //! # Ok(()) }
@@ -18,12 +18,12 @@ use burn_core::backend::tensor::IntTensor;
 use burn_core::backend::{Dispatch, TensorData, TensorMetadata};
 use burn_core::tensor::{Device, Int, Tensor};
 
+use crate::backend::{
+    KvPlanBackend, OptionalInt, PlanInputsPrimitive, VerifyPlanPrimitive, WritePlanPrimitive,
+};
 use crate::deferred::Status;
 use crate::error::{Error, PLAN_CONTEXT};
 use crate::gather::arg;
-use crate::ops::{
-    KvPlanBackend, OptionalInt, PlanInputsPrimitive, VerifyPlanPrimitive, WritePlanPrimitive,
-};
 use crate::reference::PlanBuffers;
 use crate::room::{self, Buffer};
 use crate::validate;
@@ -58,6 +58,7 @@ impl<B: KvPlanBackend> StepPlan<B> {
     ///
     /// # Errors
     /// As [`StepPlan::allocate`].
+    #[doc(hidden)]
     pub fn allocate_on(
         verify_capacity: usize,
         write_req_capacity: usize,
@@ -108,6 +109,7 @@ impl<B: KvPlanBackend> VerifyPlan<B> {
     }
 
     /// The plan's tensors.
+    #[doc(hidden)]
     pub fn primitive(&self) -> &VerifyPlanPrimitive<B> {
         self.tensors()
     }
@@ -118,6 +120,7 @@ impl<B: KvPlanBackend> VerifyPlan<B> {
     /// # Errors
     /// At once: `canary_argument` for an array that is not i64 `[n]` or a count that is not i32
     /// `[1]`; `verify_plan_length` when the arrays differ in length.
+    #[doc(hidden)]
     pub fn from_primitives(
         slot_indices: IntTensor<B>,
         expected_tokens: IntTensor<B>,
@@ -195,6 +198,7 @@ impl<B: KvPlanBackend> WritePlan<B> {
     }
 
     /// The plan's tensors.
+    #[doc(hidden)]
     pub fn primitive(&self) -> &WritePlanPrimitive<B> {
         self.tensors()
     }
@@ -206,6 +210,7 @@ impl<B: KvPlanBackend> WritePlan<B> {
     /// # Errors
     /// At once: `canary_argument` for an array that is not i64 `[n]` or a count that is not i32
     /// `[1]`; `write_offsets_length` when `write_offsets` is not `K + 1` long.
+    #[doc(hidden)]
     pub fn from_primitives(
         offsets: IntTensor<B>,
         seed_slot_indices: IntTensor<B>,
@@ -279,7 +284,7 @@ fn fresh<B: KvPlanBackend>(
     write_req_capacity: usize,
     device: &B::Device,
 ) -> StepPlan<B> {
-    let (verify, write) = crate::ops::upload_plans::<B>(
+    let (verify, write) = crate::backend::upload_plans::<B>(
         PlanBuffers::fresh(verify_capacity, write_req_capacity),
         fresh_scratch::<B>(write_req_capacity, device),
         device,
@@ -343,6 +348,7 @@ impl PlanInputs {
 
 impl<B: KvPlanBackend> PlanInputs<B> {
     /// [`PlanInputs::new`] on a backend's primitives.
+    #[doc(hidden)]
     pub fn from_primitives(
         req_pool_indices: IntTensor<B>,
         prefix_lens: IntTensor<B>,
@@ -370,12 +376,14 @@ impl<B: KvPlanBackend> PlanInputs<B> {
     }
 
     /// [`PlanInputs::full_to_swa_index_mapping`] on a primitive.
+    #[doc(hidden)]
     pub fn full_to_swa_index_mapping_primitive(mut self, lut: IntTensor<B>) -> Self {
         self.full_to_swa = Some(lut);
         self
     }
 
     /// [`PlanInputs::expected_tokens`] on primitives.
+    #[doc(hidden)]
     pub fn expected_tokens_primitive(
         mut self,
         pool: IntTensor<B>,
@@ -388,12 +396,14 @@ impl<B: KvPlanBackend> PlanInputs<B> {
 
     /// Only the pool (a caller that gives the valid lengths apart, or not at all: tests of the
     /// pairing rule).
+    #[doc(hidden)]
     pub fn expected_tokens_pool_primitive(mut self, pool: IntTensor<B>) -> Self {
         self.expected_tokens = Some(pool);
         self
     }
 
     /// Only the valid lengths (see [`PlanInputs::expected_tokens_pool_primitive`]).
+    #[doc(hidden)]
     pub fn expected_tokens_valid_lens_primitive(mut self, valid_lens: IntTensor<B>) -> Self {
         self.valid_lens = Some(valid_lens);
         self
@@ -465,20 +475,10 @@ impl<B: KvPlanBackend> PlanInputs<B> {
     }
 }
 
-/// One plan step, checked: fills both plans in place, then reads one status record back.
-///
-/// Host-rule errors leave both plans unchanged; a device-checked error leaves them disabled
-/// (`enable = 0`, `verify_num_valid = 0`, `write_num_valid_reqs = 0`).
-///
-/// # Errors
-/// As [`plan_deferred`], with the status's errors read back here; `execution` when the read-back
-/// fails.
-pub fn plan<B: KvPlanBackend>(plan: &mut StepPlan<B>, inputs: PlanInputs<B>) -> Result<(), Error> {
-    plan_deferred(plan, inputs)?.check().map(drop)
-}
-
-/// One plan step without any transfer to the host: device-checked errors stay in the returned
-/// status until `check()`. Until then the disabled plan keeps downstream consumers safe.
+/// One plan step, filling both plans in place, without any transfer to the host: device-checked
+/// errors stay in the returned status until `check()`, and leave both plans disabled
+/// (`enable = 0`, `verify_num_valid = 0`, `write_num_valid_reqs = 0`), which keeps downstream
+/// consumers safe. Host-rule errors leave both plans unchanged.
 ///
 /// # Errors
 /// At once, plans unchanged: the capacity errors of [`StepPlan::allocate`], `missing_lut_for_swa`,
@@ -488,7 +488,7 @@ pub fn plan<B: KvPlanBackend>(plan: &mut StepPlan<B>, inputs: PlanInputs<B>) -> 
 /// `position_out_of_range`, `swa_slot_outside_lut`, `expected_pool_row_out_of_range` /
 /// `expected_pool_position_out_of_range`, `write_offsets_overflow`, `req_to_token_stride` (the true
 /// stride is known only where the op runs), `index_range`.
-pub fn plan_deferred<B: KvPlanBackend>(
+pub fn plan<B: KvPlanBackend>(
     plan: &mut StepPlan<B>,
     inputs: PlanInputs<B>,
 ) -> Result<Status<B>, Error> {
@@ -512,7 +512,7 @@ pub fn plan_deferred<B: KvPlanBackend>(
 /// # Errors
 /// `execution` when a read-back fails.
 pub fn read_plans<B: KvPlanBackend>(plan: &StepPlan<B>) -> Result<PlanBuffers, Error> {
-    let values = |tensor: IntTensor<B>| crate::ops::read_ints::<B>(tensor);
+    let values = |tensor: IntTensor<B>| crate::backend::read_ints::<B>(tensor);
     let scalar =
         |tensor| -> Result<i32, Error> { Ok(values(tensor)?.first().copied().unwrap_or(0) as i32) };
     let (verify, write) = (plan.verify.primitive(), plan.write.primitive());

@@ -3,8 +3,8 @@
 //!
 //! ```no_run
 //! use burn_core::tensor::{Device, Int, Tensor};
-//! use kvplan::canary::{Canary, CanaryLaunch, KernelKind, WriteInputs};
-//! # fn step(device: &Device, plan: &kvplan::canary::StepPlan, ids: Tensor<1, Int>,
+//! use kvplan::ops::{Canary, CanaryLaunch, KernelKind, WriteInputs};
+//! # fn step(device: &Device, plan: &kvplan::ops::StepPlan, ids: Tensor<1, Int>,
 //! #     positions: Tensor<1, Int>, out_cache_loc: Tensor<1, Int>) -> Result<(), kvplan::Error> {
 //! // Once: one 32-byte record per KV slot, room for 1024 violation rows.
 //! let mut canary = Canary::allocate(1 << 20, 32, 1024, device)?;
@@ -26,14 +26,14 @@ use burn_core::backend::{Backend, Dispatch, TensorMetadata};
 use burn_core::tensor::{DType, Device, Float, Int, Tensor};
 
 use super::{VerifyPlan, WritePlan};
+use crate::backend::{
+    CanaryLaunchPrimitive, CanaryPrimitive, KvBytes, KvPlanBackend, LaunchMeta,
+    WriteInputsPrimitive, read_ints,
+};
 use crate::deferred::Status;
 use crate::error::Error;
 use crate::gather::arg;
 use crate::layout::{COUNTERS, MAX_SOURCES, ROW_WORDS, STATUS_LEN, SourceLayout, WRITE_INDEX};
-use crate::ops::{
-    CanaryLaunchPrimitive, CanaryPrimitive, KvBytes, KvPlanBackend, LaunchMeta,
-    WriteInputsPrimitive, read_ints,
-};
 use crate::reference::canary::{ViolationRow, fail};
 use crate::reference::{CanaryState, RealKvHashMode};
 use crate::room::{self, Buffer};
@@ -97,6 +97,7 @@ impl<B: Backend> RealKvSource<B> {
     /// # Errors
     /// At once: `source_page_size`, `source_num_bytes_per_token`, `source_read_bytes`,
     /// `source_not_2d`, `source_row_stride` (a row that is not a multiple of 16 bytes).
+    #[doc(hidden)]
     pub fn from_primitive(tensor: KvBytes<B>, layout: SourceBytes) -> Result<Self, Error> {
         let (shape, dtype) = match &tensor {
             KvBytes::Float(t) => (t.shape(), t.dtype()),
@@ -253,6 +254,7 @@ impl WriteInputs {
 
 impl<B: KvPlanBackend> WriteInputs<B> {
     /// [`WriteInputs::new`] on a backend's primitives.
+    #[doc(hidden)]
     pub fn from_primitives(
         input_ids: IntTensor<B>,
         positions: IntTensor<B>,
@@ -277,18 +279,21 @@ impl<B: KvPlanBackend> WriteInputs<B> {
     }
 
     /// [`WriteInputs::expected_input_tokens`] on a primitive.
+    #[doc(hidden)]
     pub fn expected_input_tokens_primitive(mut self, tokens: IntTensor<B>) -> Self {
         self.expected_input_tokens = Some(tokens);
         self
     }
 
     /// [`WriteInputs::expected_input_positions`] on a primitive.
+    #[doc(hidden)]
     pub fn expected_input_positions_primitive(mut self, positions: IntTensor<B>) -> Self {
         self.expected_input_positions = Some(positions);
         self
     }
 
     /// [`WriteInputs::chain_position_assert`] on a primitive.
+    #[doc(hidden)]
     pub fn chain_position_assert_primitive(mut self, flag: IntTensor<B>) -> Self {
         self.chain_position_assert = Some(flag);
         self
@@ -487,6 +492,7 @@ impl<B: KvPlanBackend> Canary<B> {
     ///
     /// # Errors
     /// As [`Canary::allocate`].
+    #[doc(hidden)]
     pub fn allocate_on(
         num_slots: usize,
         slot_stride_bytes: usize,
@@ -504,6 +510,7 @@ impl<B: KvPlanBackend> Canary<B> {
     /// # Errors
     /// `slot_stride_too_small`; `allocation_too_large` when the device cannot hold the records or
     /// the ring.
+    #[doc(hidden)]
     pub fn from_state(state: &CanaryState, device: &B::Device) -> Result<Self, Error> {
         validate::canary::slot_stride(state.slot_stride_words * 8)?;
         let buffers = canary_buffers(
@@ -513,7 +520,7 @@ impl<B: KvPlanBackend> Canary<B> {
         );
         room::on_device(device, &buffers)?;
         Ok(Self {
-            state: Some(crate::ops::upload_canary::<B>(
+            state: Some(crate::backend::upload_canary::<B>(
                 state,
                 [0; STATUS_LEN],
                 device,
@@ -529,6 +536,7 @@ impl<B: KvPlanBackend> Canary<B> {
     }
 
     /// The canary's tensors.
+    #[doc(hidden)]
     pub fn primitives(&self) -> &CanaryPrimitive<B> {
         self.primitive()
     }
@@ -539,7 +547,7 @@ impl<B: KvPlanBackend> Canary<B> {
     /// As [`Canary::check`]; `execution` when reading the state back fails.
     pub fn state(&self) -> Result<CanaryState, Error> {
         self.check()?;
-        crate::ops::canary_state::<B>(self.primitive())
+        crate::backend::canary_state::<B>(self.primitive())
     }
 
     /// The error of a write or verify whose launch failed (one small read-back). The ops only
@@ -551,7 +559,7 @@ impl<B: KvPlanBackend> Canary<B> {
     /// `execution` from a fused stream. `execution` when the read-back fails; `corrupt_status` for
     /// a record kvplan never wrote.
     pub fn check(&self) -> Result<(), Error> {
-        let words = crate::ops::read_status::<B>(self.primitive().status.clone())?;
+        let words = crate::backend::read_status::<B>(self.primitive().status.clone())?;
         crate::status::decode(&words, "kv-canary").map(drop)
     }
 
@@ -665,7 +673,7 @@ impl<B: KvPlanBackend> Canary<B> {
         let rows = state.ring_capacity.max(1);
         state.ring = B::write_i64(state.ring, vec![0i64; rows * ROW_WORDS]);
         // Moved, not cloned: a unique handle is updated in place.
-        let zero = crate::ops::upload_i64::<B>(vec![0i64], &self.device);
+        let zero = crate::backend::upload_i64::<B>(vec![0i64], &self.device);
         state.counters = B::int_slice_assign(
             state.counters,
             &[burn_core::tensor::Slice::from(WRITE_INDEX..WRITE_INDEX + 1)],

@@ -37,6 +37,7 @@ use burn_core::backend::{Dispatch, DispatchDevice};
 use burn_core::tensor::{DType, Device, Int, Tensor};
 
 use crate::attention::KeyRuns;
+use crate::backend::KvPlanBackend;
 use crate::canary::{
     Canary, CanaryLaunch, FailReasons, KernelKind, PlanInputs, RealKvSource, SourceBytes, StepPlan,
     WriteInputs,
@@ -44,7 +45,6 @@ use crate::canary::{
 use crate::deferred::Status;
 use crate::error::{Dims, Error};
 use crate::gather::GatherOptions;
-use crate::ops::KvPlanBackend;
 use crate::reference::RealKvHashMode;
 use crate::slots::{KvStore, StoreSlots};
 
@@ -685,7 +685,7 @@ impl PagedKv {
         // Moved, not cloned: the assignment writes the table in place. (Its at-once errors cannot
         // come from a record the host rules passed.)
         let table = std::mem::replace(&mut self.req_to_token, self.placeholder_table.clone());
-        let assigned = crate::slots::segment_assign_deferred(
+        let assigned = crate::slots::segment_assign(
             table,
             rows.clone(),
             record.get(Part::AssignStart),
@@ -693,7 +693,7 @@ impl PagedKv {
             record.get(Part::AssignSlots),
         )?;
         self.req_to_token = assigned.req_to_token;
-        let window = crate::gather::segment_gather_deferred(
+        let window = crate::gather::segment_gather(
             self.req_to_token.clone(),
             rows.clone(),
             Some(window_start.clone()),
@@ -702,7 +702,7 @@ impl PagedKv {
                 .capacity(tokens)
                 .context("paged KV step window"),
         )?;
-        let context = crate::gather::segment_gather_deferred(
+        let context = crate::gather::segment_gather(
             self.req_to_token.clone(),
             rows.clone(),
             None,
@@ -710,16 +710,16 @@ impl PagedKv {
             &GatherOptions::new().context("paged KV step context"),
         )?;
         let pool_rows = self.config.slots + 1;
-        let keys = KeyRuns::check_deferred(
-            context.out_tensor(),
+        let keys = KeyRuns::new(
+            context.slots(),
             record.get(Part::KeyStart),
             record.get(Part::KeyCount),
             pool_rows,
         )?;
-        let store = self.store.check_slots(window.out_tensor(), pool_rows)?;
+        let store = self.store.slots(window.slots(), pool_rows)?;
         let padded = self
             .flex
-            .then(|| padded::Padded::new(&record.windows, context.out_tensor(), &self.device));
+            .then(|| padded::Padded::new(&record.windows, context.slots(), &self.device));
         let statuses = vec![
             assigned.status,
             window.status,
@@ -789,7 +789,7 @@ impl PagedKv {
         let attended = if launched.padded.is_none() && tokens <= ONE_LAUNCH_TOKENS {
             launched
                 .store
-                .store_qkv_and_attend(pool, qkv, &launched.keys, heads)
+                .store_and_attend(pool, qkv, &launched.keys, heads)
                 .map(|attended| attended.into_tensors())
         } else {
             // The store, then the attention: Burn ops over padded K/V on Flex, the op elsewhere.
@@ -806,12 +806,9 @@ impl PagedKv {
                         };
                         layout.attend(q, pool.clone(), shape)
                     }
-                    None => crate::attention::paged_attention_kv(
-                        q,
-                        pool.clone(),
-                        &launched.keys,
-                        heads,
-                    )?,
+                    None => {
+                        crate::attention::paged_attention(q, pool.clone(), &launched.keys, heads)?
+                    }
                 };
                 Ok((out, pool))
             })
@@ -907,7 +904,7 @@ impl PagedKv {
         };
         let pools = self.fingerprinted();
         let (canary, plan) = self.canary.as_mut().expect("a kept record needs a canary");
-        let accepted = crate::gather::segment_gather_deferred(
+        let accepted = crate::gather::segment_gather(
             self.req_to_token.clone(),
             rows.clone(),
             Some(prefix.clone()),
@@ -916,7 +913,7 @@ impl PagedKv {
                 .capacity(kept.window)
                 .context("paged KV kept tokens"),
         )?;
-        let planned = crate::canary::plan_deferred(
+        let planned = crate::canary::plan(
             plan,
             PlanInputs::new(rows, prefix, extend, self.req_to_token.clone()),
         )?;
@@ -1132,7 +1129,7 @@ impl PagedKv {
         &self,
         violations: &[crate::canary::Violation],
     ) -> Result<Vec<KvViolation>, Error> {
-        let table = crate::ops::data_to_i64(&self.req_to_token.clone().into_data());
+        let table = crate::backend::data_to_i64(&self.req_to_token.clone().into_data());
         let cols = self.config.max_context;
         let mut found: Vec<KvViolation> = Vec::new();
         for violation in violations {

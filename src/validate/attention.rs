@@ -34,57 +34,54 @@ pub fn key_runs<D: PartialEq + Debug>(
     Ok(())
 }
 
-/// `q` `[tokens, heads * head_dim]` and the pools `[pool_rows, kv_heads * head_dim]` alike (the
-/// rows the runs were checked against), one float dtype; one run per token (`runs` holds
+/// `q` `[tokens, heads * head_dim]` and the joined pool `[pool_rows, 2 * kv_heads * head_dim]`
+/// (the rows the runs were checked against), one float dtype; one run per token (`runs` holds
 /// `tokens`); one device. Returns the heads.
 pub fn paged_attention<D: PartialEq + Debug>(
     q: &Arg<D>,
-    k_pool: &Arg<D>,
-    v_pool: &Arg<D>,
+    kv_pool: &Arg<D>,
     [slots, runs]: [&Arg<D>; 2],
     heads: usize,
     [tokens, pool_rows]: [usize; 2],
 ) -> Result<Heads, Error> {
     let context = ATTENTION_CONTEXT;
-    for arg in [q, k_pool, v_pool] {
+    for arg in [q, kv_pool] {
         require_rank(arg, 2, context)?;
     }
-    for arg in [q, k_pool, v_pool] {
+    for arg in [q, kv_pool] {
         if !arg.dtype.is_float() || arg.dtype != q.dtype {
             return Err(Error::DtypeMismatch {
                 context: context.into(),
                 name: arg.name,
                 got: dtype_name(arg.dtype),
-                accepted: "a float dtype, the same for q, k_pool and v_pool",
+                accepted: "a float dtype, the same for q and kv_pool",
             });
         }
     }
-    for arg in [k_pool, v_pool, slots, runs] {
+    for arg in [kv_pool, slots, runs] {
         require_device(arg, &q.device, context)?;
     }
-    let head_dim = q.dim(1).checked_div(heads).unwrap_or(0);
-    let kv_heads = k_pool.dim(1).checked_div(head_dim).unwrap_or(0);
-    if k_pool.dim(0) != pool_rows || v_pool.dim(0) != pool_rows {
+    if kv_pool.dim(0) != pool_rows {
         return Err(Error::PoolRowsMismatch {
             context: context.into(),
-            k_pool: k_pool.dims(),
-            v_pool: v_pool.dims(),
+            kv_pool: kv_pool.dims(),
             pool_rows,
         });
     }
+    let head_dim = q.dim(1).checked_div(heads).unwrap_or(0);
+    let k_cols = kv_pool.dim(1) / 2;
+    let kv_heads = k_cols.checked_div(head_dim).unwrap_or(0);
     let whole = head_dim > 0
         && head_dim <= MAX_HEAD_DIM
         && heads * head_dim == q.dim(1)
         && kv_heads > 0
-        && kv_heads * head_dim == k_pool.dim(1)
-        && heads % kv_heads == 0
-        && k_pool.shape == v_pool.shape;
+        && 2 * kv_heads * head_dim == kv_pool.dim(1)
+        && heads % kv_heads == 0;
     if !whole {
         return Err(Error::HeadShape {
             context: context.into(),
             q: q.dims(),
-            k_pool: k_pool.dims(),
-            v_pool: v_pool.dims(),
+            kv_pool: kv_pool.dims(),
             heads,
             max_head_dim: MAX_HEAD_DIM,
         });

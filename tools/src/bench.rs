@@ -12,17 +12,17 @@ use burn_core::backend::tensor::IntTensor;
 use burn_core::backend::{Scalar, TensorData};
 use burn_core::tensor::DType;
 use kvplan::KvPlanBackend;
-use kvplan::attention::KeyRuns;
-use kvplan::attention::backend::{paged_attention, paged_attention_kv};
-use kvplan::canary::{
+use kvplan::backend::{KvBytes, KvRows, StoreTargets};
+use kvplan::generic::paged_attention;
+use kvplan::generic::{exact, masked_gather, segment_gather};
+use kvplan::ops::GatherOptions;
+use kvplan::ops::KeyRuns;
+use kvplan::ops::KvStore;
+use kvplan::ops::{
     Canary, CanaryLaunch, KernelKind, PlanInputs, RealKvHashMode, RealKvSource, SourceBytes,
     StepPlan, VerifyPlan, WriteInputs, WritePlan, read_plans,
 };
-use kvplan::gather::GatherOptions;
-use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
-use kvplan::ops::{KvBytes, KvRows, StoreTargets};
 use kvplan::reference::{self, PlanArgs, PlanBuffers, Table};
-use kvplan::slots::KvStore;
 
 use crate::prim;
 
@@ -230,10 +230,10 @@ pub fn gather<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), S
         let l = int::<B, 1>(lengths, [bs], DType::I32, device);
         let options = GatherOptions::new().context("bench");
         let masked = |options: &GatherOptions| {
-            masked_gather_deferred::<B>(t.clone(), q.clone(), p.clone(), m.clone(), options)
+            masked_gather::<B>(t.clone(), q.clone(), p.clone(), m.clone(), options)
         };
         let segments = |options: &GatherOptions| {
-            segment_gather_deferred::<B>(t.clone(), q.clone(), Some(s.clone()), l.clone(), options)
+            segment_gather::<B>(t.clone(), q.clone(), Some(s.clone()), l.clone(), options)
         };
         let got = read::<B>(
             masked(&options)
@@ -362,7 +362,9 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
             for (capacity, launches) in [(one_launch, "V any batch"), (counted, "V exact")] {
                 let mut step =
                     StepPlan::<B>::allocate_on(capacity, bs, device).map_err(|e| e.to_string())?;
-                kvplan::canary::plan(&mut step, inputs()).map_err(|e| e.to_string())?;
+                kvplan::ops::plan(&mut step, inputs())
+                    .and_then(|status| status.check().map(drop))
+                    .map_err(|e| e.to_string())?;
                 let got = read_plans(&step).map_err(|e| e.to_string())?;
                 if got.verify_slot_indices[..entries] != want.verify_slot_indices[..entries]
                     || got.verify_prev_slot_indices[..entries]
@@ -376,12 +378,15 @@ pub fn plan<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
                     ));
                 }
                 let timing = timed::<B>(device, reps, || {
-                    kvplan::canary::plan_deferred(&mut step, inputs()).map(drop)
+                    kvplan::ops::plan(&mut step, inputs()).map(drop)
                 })
                 .map_err(|e| e.to_string())?;
                 row(&format!("{label} {launches}, deferred"), timing, bytes);
-                let (h, _) = time::<B>(device, reps, || kvplan::canary::plan(&mut step, inputs()))
-                    .map_err(|e| e.to_string())?;
+                let (h, _) = time::<B>(device, reps, || {
+                    kvplan::ops::plan(&mut step, inputs())
+                        .and_then(|status| status.check().map(drop))
+                })
+                .map_err(|e| e.to_string())?;
                 println!("| {label} {launches}, checked | - | - | - | {h:.1} | - |");
             }
         }
@@ -689,10 +694,9 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     .map_err(e)?;
 
     let options = GatherOptions::new().context("host");
-    let masked =
-        || masked_gather_deferred::<B>(t.clone(), q.clone(), p.clone(), m.clone(), &options);
+    let masked = || masked_gather::<B>(t.clone(), q.clone(), p.clone(), m.clone(), &options);
     let segments = || {
-        segment_gather_deferred::<B>(
+        segment_gather::<B>(
             t.clone(),
             q.clone(),
             Some(starts.clone()),
@@ -732,7 +736,7 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     let mut store = KvStore::<B>::allocate_on(1024, device).map_err(e)?;
     let mut assign = |checked: bool| -> Result<(), kvplan::Error> {
         let table = assigned_table.take().expect("the table is handed back");
-        let assigned = kvplan::slots::backend::segment_assign_deferred::<B>(
+        let assigned = kvplan::generic::segment_assign::<B>(
             table,
             q.clone(),
             starts.clone(),
@@ -747,12 +751,7 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
     };
     let mut stores = |checked: bool| -> Result<(), kvplan::Error> {
         let rows = cache.take().expect("the cache is handed back");
-        let stored = kvplan::slots::backend::store_deferred::<B>(
-            &mut store,
-            rows,
-            loc.clone(),
-            k_rows.clone(),
-        )?;
+        let stored = kvplan::generic::store::<B>(&mut store, rows, loc.clone(), k_rows.clone())?;
         cache = Some(stored.cache);
         if checked {
             stored.status.check()?;
@@ -797,10 +796,10 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
         Some(exact_us.map_err(e)?.0),
     );
     let exact_us = time::<B>(device, reps, || {
-        kvplan::canary::plan(&mut step, plan_inputs())
+        kvplan::ops::plan(&mut step, plan_inputs()).and_then(|status| status.check().map(drop))
     });
     let deferred = timed::<B>(device, reps, || {
-        kvplan::canary::plan_deferred(&mut step, plan_inputs()).map(drop)
+        kvplan::ops::plan(&mut step, plan_inputs()).map(drop)
     })
     .map_err(e)?;
     report(
@@ -871,55 +870,26 @@ pub fn host<B: KvPlanBackend>(device: &B::Device, reps: usize) -> Result<(), Str
         _ => unreachable!("float pools"),
     };
     let (k_pool, v_pool) = float_pools(pools.take().expect("the pools are handed back"));
-    let deferred = timed::<B>(device, reps, || {
-        paged_attention::<B>(q.clone(), k_pool.clone(), v_pool.clone(), &keys, 9).map(drop)
-    })
-    .map_err(e)?;
-    report("paged attention (256 tokens x 16 keys)", deferred, None);
-    let mut pools = Some((k_pool, v_pool));
     let KvRows::Float(k_rows) = k_rows else {
         unreachable!("float rows")
     };
-    // The second row passes the queries and keys as one tensor, as the decoder does.
-    let qk = B::float_cat(vec![q.clone(), k_rows.clone()], 1);
-    for (row, one_tensor) in [
-        ("store K and V + attention, one launch", false),
-        ("the same, queries and keys as one tensor", true),
-    ] {
-        let deferred = timed::<B>(device, reps, || {
-            let (k_pool, v_pool) = pools.take().expect("the pools are handed back");
-            let attended = if one_tensor {
-                let parts = [k_pool, v_pool, qk.clone(), k_rows.clone()];
-                slots.store_qk_and_attend_primitives(parts, &keys, 9)
-            } else {
-                let parts = [k_pool, v_pool, k_rows.clone(), k_rows.clone(), q.clone()];
-                slots.store_kv_and_attend_primitives(parts, &keys, 9)
-            }?;
-            pools = Some((attended.k_pool, attended.v_pool));
-            Ok(())
-        })
-        .map_err(e)?;
-        report(row, deferred, None);
-    }
-    // The decoder's form: a layer's K and V in one joined pool, its queries, keys and values in
-    // one tensor.
-    let (k_pool, v_pool) = pools.take().expect("the pools are handed back");
+    // A layer's K and V in one joined pool, its queries, keys and values in one tensor.
     let mut kv_pool = Some(B::float_cat(vec![k_pool, v_pool], 1));
     let qkv = B::float_cat(vec![q.clone(), k_rows.clone(), k_rows.clone()], 1);
     let deferred = timed::<B>(device, reps, || {
         let pool = kv_pool.clone().expect("the pool is handed back");
-        paged_attention_kv::<B>(q.clone(), pool, &keys, 9).map(drop)
+        paged_attention::<B>(q.clone(), pool, &keys, 9).map(drop)
     })
     .map_err(e)?;
-    report("paged attention, joined K/V pool", deferred, None);
+    report("paged attention (256 tokens x 16 keys)", deferred, None);
     let deferred = timed::<B>(device, reps, || {
         let pool = kv_pool.take().expect("the pool is handed back");
-        let attended = slots.store_qkv_and_attend_primitives([pool, qkv.clone()], &keys, 9)?;
+        let attended = slots.store_and_attend_primitives([pool, qkv.clone()], &keys, 9)?;
         kv_pool = Some(attended.kv_pool);
         Ok(())
     })
     .map_err(e)?;
-    report("the one launch, joined pool and qkv", deferred, None);
+    report("store K and V + attention, one launch", deferred, None);
     slots.status().check().map_err(e)?;
     keys.status().check().map_err(e)?;
 

@@ -5,7 +5,7 @@ use burn_core::backend::tensor::{BoolTensor, IntTensor};
 use burn_core::backend::{Backend, TensorData, TensorMetadata, get_device_settings, try_read_sync};
 use burn_core::tensor::{DType, Slice};
 
-pub use kvplan::ops::data_to_i64;
+pub use kvplan::backend::data_to_i64;
 
 /// An int primitive of `shape` holding `values` in `dtype` (values must fit it).
 ///

@@ -1,5 +1,5 @@
 //! Integration tests of kvplan's ops on every backend, through the backend API
-//! (`kvplan::gather::backend`, `StepPlan<B>`, `Canary<B>`, primitives of `B: KvPlanBackend`):
+//! (`kvplan::generic`, `StepPlan<B>`, `Canary<B>`, primitives of `B: KvPlanBackend`):
 //! `Dispatch` on `Device::flex()` (the reference path), and, with the default `vulkan` feature,
 //! `Dispatch` on `Device::vulkan` (fused: with the `fusion` feature the dispatched Cube backend is
 //! `Fusion<CubeBackend>`) and `CubeBackend` itself (unfused, at the primitive level: the `Tensor`

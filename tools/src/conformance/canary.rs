@@ -3,11 +3,11 @@
 
 use burn_core::backend::tensor::IntTensor;
 use burn_core::tensor::DType;
-use kvplan::canary::{
+use kvplan::backend::KvBytes;
+use kvplan::ops::{
     Canary, CanaryLaunch, CanaryState, KernelKind, RealKvHashMode, RealKvSource, SourceBytes,
     VerifyPlan, WriteInputs, WritePlan,
 };
-use kvplan::ops::KvBytes;
 use kvplan::reference::canary::ViolationRow;
 use kvplan::{Error, KvPlanBackend};
 use serde_json::Value;

@@ -2,8 +2,8 @@
 
 use burn_core::backend::TensorMetadata;
 use burn_core::tensor::DType;
-use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
-use kvplan::gather::{DeferredGather, GatherOptions};
+use kvplan::generic::{exact, masked_gather, segment_gather};
+use kvplan::ops::{GatherOptions, Gathered};
 use kvplan::{Error, KvPlanBackend};
 use serde_json::Value;
 
@@ -45,7 +45,7 @@ impl Case {
 
     /// Runs the case in deferred mode with the default capacity: nothing is read back. The
     /// primitives carry the record's shapes as given (rank errors are the op's to report).
-    fn run<B: KvPlanBackend>(&self, device: &B::Device) -> Result<DeferredGather<B>, Error> {
+    fn run<B: KvPlanBackend>(&self, device: &B::Device) -> Result<Gathered<B>, Error> {
         let table = self.table.int::<B>(DType::I32, device);
         let rows = self.req_pool_indices.int::<B>(DType::I64, device);
         if !self.masked {
@@ -59,13 +59,7 @@ impl Case {
                 .as_ref()
                 .unwrap_or(&no_lengths)
                 .int::<B>(DType::I64, device);
-            return segment_gather_deferred::<B>(
-                table,
-                rows,
-                start,
-                lengths,
-                &GatherOptions::new(),
-            );
+            return segment_gather::<B>(table, rows, start, lengths, &GatherOptions::new());
         }
         let empty = Dense {
             field: "pos2d".into(),
@@ -74,7 +68,7 @@ impl Case {
         };
         let pos2d = self.pos2d.as_ref().unwrap_or(&empty);
         let mask = self.mask.as_ref().unwrap_or(&empty);
-        masked_gather_deferred::<B>(
+        masked_gather::<B>(
             table,
             rows,
             pos2d.int::<B>(DType::I64, device),

@@ -2,7 +2,7 @@
 //! deferred.
 
 use burn_core::tensor::DType;
-use kvplan::canary::{PlanInputs, StepPlan, read_plans};
+use kvplan::ops::{PlanInputs, StepPlan, read_plans};
 use kvplan::reference::PlanBuffers;
 use kvplan::{Error, KvPlanBackend};
 use serde_json::Value;
@@ -138,8 +138,10 @@ fn run<B: KvPlanBackend>(
     let call = |step: &mut StepPlan<B>, batch: &Value| {
         let inputs = build::<B>(inputs, batch, device)?;
         Ok(match mode {
-            "checked" => kvplan::canary::plan(step, inputs),
-            _ => kvplan::canary::plan_deferred(step, inputs)
+            "checked" => {
+                kvplan::ops::plan(step, inputs).and_then(|status| status.check().map(drop))
+            }
+            _ => kvplan::ops::plan(step, inputs)
                 .and_then(|status| status.check())
                 .map(drop),
         })

@@ -6,11 +6,11 @@
 use burn_core::backend::tensor::IntTensor;
 use burn_core::backend::{TensorData, try_read_sync};
 use burn_core::tensor::DType;
-use kvplan::gather::GatherOptions;
-use kvplan::gather::backend::segment_gather_deferred;
-use kvplan::ops::KvRows;
-use kvplan::slots::KvStore;
-use kvplan::slots::backend::{self, DeferredAssign};
+use kvplan::backend::KvRows;
+use kvplan::generic::segment_gather;
+use kvplan::generic::{self, DeferredAssign};
+use kvplan::ops::GatherOptions;
+use kvplan::ops::KvStore;
 use kvplan::{Error, KvPlanBackend};
 use serde_json::Value;
 
@@ -143,7 +143,7 @@ impl AssignCase {
 
     fn deferred<B: KvPlanBackend>(&self, device: &B::Device) -> Result<DeferredAssign<B>, Error> {
         let [table, rpi, start, lengths, loc] = self.tensors::<B>(device);
-        backend::segment_assign_deferred::<B>(table, rpi, start, lengths, loc)
+        generic::segment_assign::<B>(table, rpi, start, lengths, loc)
     }
 }
 
@@ -159,7 +159,9 @@ fn assign<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Result<(), Mi
     // Checked: the deferred call, then its one read-back.
     let mode = "checked";
     let [table, rpi, start, lengths, loc] = case.tensors::<B>(device);
-    match backend::segment_assign::<B>(table, rpi, start, lengths, loc) {
+    let checked = generic::segment_assign::<B>(table, rpi, start, lengths, loc)
+        .and_then(|assigned| assigned.status.check().map(|_| assigned.req_to_token));
+    match checked {
         Ok(table) => {
             expected.ok(mode)?;
             expect_slice(
@@ -206,7 +208,7 @@ fn assign_gather<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Result
     let failed = |error: Error| mismatch_kind(mode, "Ok", error.to_string());
     let assigned = case.deferred::<B>(device).map_err(failed)?;
     let [_, rpi, start, lengths, _] = case.tensors::<B>(device);
-    let gathered = segment_gather_deferred::<B>(
+    let gathered = segment_gather::<B>(
         assigned.req_to_token,
         rpi,
         Some(start),
@@ -394,12 +396,14 @@ fn store<B: KvPlanBackend>(record: &Value, device: &B::Device) -> Result<(), Mis
             let failing = call.expected.kind.is_some();
             let kept = failing.then(|| current.clone());
             let outcome = if deferred {
-                backend::store_deferred::<B>(&mut store, current, loc, values).and_then(|stored| {
+                generic::store::<B>(&mut store, current, loc, values).and_then(|stored| {
                     let checked = stored.status.check();
                     Ok((stored.cache, checked))
                 })
             } else {
-                match backend::store::<B>(&mut store, current, loc, values) {
+                let checked = generic::store::<B>(&mut store, current, loc, values)
+                    .and_then(|stored| stored.status.check().map(|_| stored.cache));
+                match checked {
                     Ok(cache) => Ok((cache, Ok(call.loc.data.len()))),
                     Err(error) => Err(error),
                 }

@@ -250,14 +250,9 @@ impl CrossCheck {
         }
         match masked(Some(batch * step.draft_cols)) {
             Ok(expected) => {
-                tally.capacity(
-                    n,
-                    "masked_gather_deferred",
-                    &expected,
-                    &got.draft_slots_capacity,
-                );
+                tally.capacity(n, "masked_gather", &expected, &got.draft_slots_capacity);
             }
-            Err(error) => tally.reference_error(n, "masked_gather_deferred", error),
+            Err(error) => tally.reference_error(n, "masked_gather", error),
         }
 
         // Accepted suffix, both modes.
@@ -291,14 +286,9 @@ impl CrossCheck {
         }
         match segments(Some(step.accepted_capacity())) {
             Ok(expected) => {
-                tally.capacity(
-                    n,
-                    "segment_gather_deferred",
-                    &expected,
-                    &got.accepted_slots_capacity,
-                );
+                tally.capacity(n, "segment_gather", &expected, &got.accepted_slots_capacity);
             }
-            Err(error) => tally.reference_error(n, "segment_gather_deferred", error),
+            Err(error) => tally.reference_error(n, "segment_gather", error),
         }
 
         // Plans: the same inputs the engine passed, into reference buffers that carry the same

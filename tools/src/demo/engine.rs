@@ -5,12 +5,12 @@ use std::time::Instant;
 
 use burn_core::backend::tensor::IntTensor;
 use burn_core::tensor::DType;
-use kvplan::canary::{
+use kvplan::generic::{exact, masked_gather, segment_gather};
+use kvplan::ops::{
     Canary, CanaryLaunch, KernelKind, PlanInputs, StepPlan, Violations, WriteInputs, WritePlan,
-    plan, plan_deferred, read_plans,
+    plan, read_plans,
 };
-use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
-use kvplan::gather::{DeferredGather, GatherOptions};
+use kvplan::ops::{GatherOptions, Gathered};
 use kvplan::reference::PlanBuffers;
 use kvplan::{Error, KvPlanBackend};
 
@@ -37,15 +37,15 @@ pub struct CapacityResult {
 pub struct StepOutputs {
     /// `masked_gather` over the draft window.
     pub draft_slots: Vec<i64>,
-    /// `masked_gather_deferred` over the draft window (default capacity `R * C`).
+    /// `masked_gather` over the draft window (default capacity `R * C`).
     pub draft_slots_capacity: CapacityResult,
     /// `segment_gather` over the accepted suffix.
     pub accepted_slots: Vec<i64>,
-    /// `segment_gather_deferred` over the accepted suffix (capacity: the step's extends).
+    /// `segment_gather` over the accepted suffix (capacity: the step's extends).
     pub accepted_slots_capacity: CapacityResult,
     /// The full group's plans after `plan`.
     pub full_plan: PlanBuffers,
-    /// The SWA group's plans after `plan_deferred`.
+    /// The SWA group's plans after `plan` (its status checked with the step's others).
     pub swa_plan: PlanBuffers,
 }
 
@@ -175,7 +175,7 @@ impl<B: KvPlanBackend> Engine<B> {
         // Draft window: exact mode (one read-back), then deferred mode at the static
         // CUDA-graph shape (no read-back until its status is checked).
         let draft_slots = timed::<B, _>(timings, device, Op::MaskedGather, || {
-            masked_gather_deferred::<B>(
+            masked_gather::<B>(
                 req_to_token.clone(),
                 req_pool_indices.clone(),
                 draft_pos2d.clone(),
@@ -185,7 +185,7 @@ impl<B: KvPlanBackend> Engine<B> {
             .and_then(exact::<B>)
         })?;
         let draft_capacity = timed::<B, _>(timings, device, Op::MaskedGatherCapacity, || {
-            masked_gather_deferred::<B>(
+            masked_gather::<B>(
                 req_to_token.clone(),
                 req_pool_indices.clone(),
                 draft_pos2d,
@@ -196,7 +196,7 @@ impl<B: KvPlanBackend> Engine<B> {
 
         // Accepted suffix: one run per request starting at its prefix length.
         let accepted_slots = timed::<B, _>(timings, device, Op::SegmentGather, || {
-            segment_gather_deferred::<B>(
+            segment_gather::<B>(
                 req_to_token.clone(),
                 req_pool_indices.clone(),
                 Some(accepted_start.clone()),
@@ -206,7 +206,7 @@ impl<B: KvPlanBackend> Engine<B> {
             .and_then(exact::<B>)
         })?;
         let accepted_capacity = timed::<B, _>(timings, device, Op::SegmentGatherCapacity, || {
-            segment_gather_deferred::<B>(
+            segment_gather::<B>(
                 req_to_token.clone(),
                 req_pool_indices.clone(),
                 Some(accepted_start),
@@ -224,7 +224,7 @@ impl<B: KvPlanBackend> Engine<B> {
                 req_to_token.clone(),
             )
             .expected_tokens_primitive(expected_tokens, valid_lens);
-            plan(full, inputs)
+            plan(full, inputs).and_then(|status| status.check().map(drop))
         })?;
         // The canary of the full pool: records for the new tokens (chained from the write plan's
         // seeds, positions asserted), then a check of every slot the verify plan lists. Both
@@ -247,7 +247,7 @@ impl<B: KvPlanBackend> Engine<B> {
             )
             .swa_window_size(*swa_window)
             .full_to_swa_index_mapping_primitive(full_to_swa);
-            plan_deferred(swa, inputs)
+            plan(swa, inputs)
         })?;
 
         // End of step: the deferred statuses, one transfer each.
@@ -335,7 +335,7 @@ fn host_values<B: KvPlanBackend>(tensor: IntTensor<B>) -> Result<Vec<i64>, Strin
 }
 
 fn read_capacity<B: KvPlanBackend>(
-    gathered: DeferredGather<B>,
+    gathered: Gathered<B>,
     checked_count: usize,
 ) -> Result<CapacityResult, String> {
     let count_tensor = host_values::<B>(gathered.count())?

@@ -21,7 +21,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use kvplan::KvPlanBackend;
-use kvplan::canary::Violations;
+use kvplan::ops::Violations;
 
 use crate::backends::{BackendName, OnBackend, with_backend};
 use check::CrossCheck;

@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex};
 
 use burn_core::tensor::DType;
 use kvplan::KvPlanBackend;
-use kvplan::gather::GatherOptions;
-use kvplan::gather::backend::{exact, masked_gather_deferred};
+use kvplan::generic::{exact, masked_gather};
+use kvplan::ops::GatherOptions;
 
 use crate::backends::{BackendName, OnBackend, with_backend};
 use crate::prim;
@@ -205,7 +205,7 @@ fn probe_gather<B: KvPlanBackend>(device: &B::Device) -> Result<(), String> {
     let pos2d = prim::ints::<B>(&[2, 0], &[1, 2], DType::I64, device);
     let mask = prim::bools::<B>(&[true, true], &[1, 2], device);
     let options = GatherOptions::new().context("probe");
-    let gathered = masked_gather_deferred::<B>(table, rows, pos2d, mask, &options)
+    let gathered = masked_gather::<B>(table, rows, pos2d, mask, &options)
         .and_then(exact::<B>)
         .map_err(|error| error.to_string())?;
     let values = prim::read_ints::<B>(gathered)?;

@@ -8,11 +8,11 @@ use std::time::Duration;
 pub enum Op {
     /// `masked_gather` on the draft window (exact mode: includes its status read-back).
     MaskedGather,
-    /// `masked_gather_deferred` on the draft window, launch + `B::sync`.
+    /// `masked_gather` on the draft window, launch + `B::sync`.
     MaskedGatherCapacity,
     /// `segment_gather` on the accepted suffix (exact mode: includes its status read-back).
     SegmentGather,
-    /// `segment_gather_deferred` on the accepted suffix, launch + `B::sync`.
+    /// `segment_gather` on the accepted suffix, launch + `B::sync`.
     SegmentGatherCapacity,
     /// `plan` for the full group (checked: includes its status read-back).
     PlanFull,
@@ -43,9 +43,9 @@ impl Op {
     pub fn name(self) -> &'static str {
         match self {
             Op::MaskedGather => "masked_gather",
-            Op::MaskedGatherCapacity => "masked_gather_deferred",
+            Op::MaskedGatherCapacity => "masked_gather",
             Op::SegmentGather => "segment_gather",
-            Op::SegmentGatherCapacity => "segment_gather_deferred",
+            Op::SegmentGatherCapacity => "segment_gather",
             Op::PlanFull => "plan [full]",
             Op::PlanDeferredSwa => "plan_deferred [swa]",
             Op::StatusCheck => "status.check",

@@ -7,11 +7,11 @@
 
 use burn_core::backend::tensor::IntTensor;
 use burn_core::tensor::{DType, TensorData};
-use kvplan::canary::{
+use kvplan::backend::KvBytes;
+use kvplan::ops::{
     Canary, CanaryLaunch, CanaryState, KernelKind, RealKvHashMode, RealKvSource, SourceBytes,
     VerifyPlan, WriteInputs, WritePlan,
 };
-use kvplan::ops::KvBytes;
 use kvplan::reference::canary::{self as oracle, ViolationRow};
 use kvplan::{Error, KvPlanBackend};
 use proptest::prelude::*;

@@ -3,8 +3,8 @@
 
 use burn_core::backend::TensorMetadata;
 use burn_core::tensor::{BoolStore, DType};
-use kvplan::gather::backend::{exact, masked_gather_deferred, segment_gather_deferred};
-use kvplan::gather::{DeferredGather, GatherOptions};
+use kvplan::generic::{exact, masked_gather, segment_gather};
+use kvplan::ops::{GatherOptions, Gathered};
 use kvplan::{Error, KvPlanBackend};
 use proptest::prelude::*;
 use serde_json::{Value, json};
@@ -186,18 +186,18 @@ impl GatherCase {
         }
     }
 
-    fn deferred<B: KvPlanBackend>(&self, device: &B::Device) -> Result<DeferredGather<B>, Error> {
+    fn deferred<B: KvPlanBackend>(&self, device: &B::Device) -> Result<Gathered<B>, Error> {
         let table = self.table.int::<B>(device);
         let rows = self.req_pool_indices.int::<B>(device);
         match &self.ops {
-            GatherOp::Masked { pos2d, mask, .. } => masked_gather_deferred::<B>(
+            GatherOp::Masked { pos2d, mask, .. } => masked_gather::<B>(
                 table,
                 rows,
                 pos2d.int::<B>(device),
                 mask.bool::<B>(device),
                 &self.options(),
             ),
-            GatherOp::Segments { start, lengths } => segment_gather_deferred::<B>(
+            GatherOp::Segments { start, lengths } => segment_gather::<B>(
                 table,
                 rows,
                 start.as_ref().map(|start| start.int::<B>(device)),

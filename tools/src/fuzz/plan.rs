@@ -4,7 +4,7 @@
 
 use burn_core::tensor::DType;
 use kvplan::KvPlanBackend;
-use kvplan::canary::{PlanInputs, StepPlan, read_plans};
+use kvplan::ops::{PlanInputs, StepPlan, read_plans};
 use kvplan::reference::PlanBuffers;
 use proptest::prelude::*;
 use serde_json::{Value, json};
@@ -290,9 +290,10 @@ impl Step {
         let call = |plans: &mut StepPlan<B>, batch: &[Input; 3]| -> Outcome<()> {
             let inputs = self.inputs::<B>(batch, device);
             let result = match mode {
-                "checked" => kvplan::canary::plan(plans, inputs),
-                _ => kvplan::canary::plan_deferred(plans, inputs)
-                    .and_then(|status| status.check().map(drop)),
+                "checked" => {
+                    kvplan::ops::plan(plans, inputs).and_then(|status| status.check().map(drop))
+                }
+                _ => kvplan::ops::plan(plans, inputs).and_then(|status| status.check().map(drop)),
             };
             result.map_err(Failure::from)
         };

@@ -5,8 +5,9 @@
 use burn_core::backend::{TensorData, try_read_sync};
 use burn_core::tensor::DType;
 use kvplan::KvPlanBackend;
-use kvplan::ops::KvRows;
-use kvplan::slots::{KvStore, backend};
+use kvplan::backend::KvRows;
+use kvplan::generic;
+use kvplan::ops::KvStore;
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -280,11 +281,13 @@ fn run_assign<B: KvPlanBackend>(table: &Input, inputs: &[Input; 4], device: &B::
         (table.int::<B>(device), rpi, start, lengths, loc)
     };
     let (t, rpi, start, lengths, loc) = tensors();
-    let checked = backend::segment_assign::<B>(t, rpi, start, lengths, loc)
+    // Checked: the status read back, then the table (only where it is clear).
+    let checked = generic::segment_assign::<B>(t, rpi, start, lengths, loc)
+        .and_then(|assigned| assigned.status.check().map(|_| assigned.req_to_token))
         .map_err(Failure::from)
         .and_then(read::<B>);
     let (t, rpi, start, lengths, loc) = tensors();
-    let deferred = backend::segment_assign_deferred::<B>(t, rpi, start, lengths, loc)
+    let deferred = generic::segment_assign::<B>(t, rpi, start, lengths, loc)
         .map_err(Failure::from)
         .map(|assigned| {
             (
@@ -312,16 +315,15 @@ fn run_stores<B: KvPlanBackend>(
     for (loc, values) in calls {
         let (loc_tensor, values_tensor) = (loc.int::<B>(device), values.tensor::<B>(device));
         let outcome = if deferred {
-            backend::store_deferred::<B>(&mut store, current, loc_tensor, values_tensor).map(
-                |stored| {
-                    (
-                        stored.status.check().map_err(Failure::from),
-                        Some(stored.cache),
-                    )
-                },
-            )
+            generic::store::<B>(&mut store, current, loc_tensor, values_tensor).map(|stored| {
+                (
+                    stored.status.check().map_err(Failure::from),
+                    Some(stored.cache),
+                )
+            })
         } else {
-            backend::store::<B>(&mut store, current, loc_tensor, values_tensor)
+            generic::store::<B>(&mut store, current, loc_tensor, values_tensor)
+                .and_then(|stored| stored.status.check().map(|_| stored.cache))
                 .map(|cache| (Ok(loc.data.len()), Some(cache)))
         };
         let (result, stored) = outcome.unwrap_or_else(|error| (Err(error.into()), None));

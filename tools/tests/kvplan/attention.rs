@@ -4,12 +4,12 @@
 use burn_core::backend::tensor::FloatTensor;
 use burn_core::backend::{TensorData, read_sync};
 use burn_core::tensor::{DType, Shape, Slice};
-use kvplan::attention::KeyRuns;
-use kvplan::attention::backend::{paged_attention, paged_attention_kv};
+use kvplan::backend::{KvRows, StoreTargets};
 use kvplan::error::Dims;
-use kvplan::ops::{KvRows, StoreTargets};
+use kvplan::generic::paged_attention;
+use kvplan::ops::KeyRuns;
+use kvplan::ops::KvStore;
 use kvplan::reference::{self, Heads};
-use kvplan::slots::KvStore;
 use kvplan::{Error, KvPlanBackend};
 
 use crate::common::{Rng, list};
@@ -116,8 +116,9 @@ impl Case {
         } else {
             floats::<B>(&self.q, [self.tokens, self.q_cols()], float, device)
         };
-        let pool =
-            |values: &[f64]| floats::<B>(values, [self.pool_rows, self.kv_cols()], float, device);
+        let cols = self.kv_cols();
+        let kv_pool = join(&self.k, &self.v, cols);
+        let kv_pool = floats::<B>(&kv_pool, [self.pool_rows, 2 * cols], float, device);
         let keys = KeyRuns::<B>::check_primitives(
             [
                 list::<B>(&self.slots, int, device),
@@ -127,8 +128,8 @@ impl Case {
             self.pool_rows,
         )
         .expect("host rules hold");
-        let out = paged_attention::<B>(q, pool(&self.k), pool(&self.v), &keys, self.heads.heads)
-            .expect("host rules hold");
+        let out =
+            paged_attention::<B>(q, kv_pool, &keys, self.heads.heads).expect("host rules hold");
         (float_values::<B>(out), keys.status().check())
     }
 }
@@ -360,33 +361,31 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         )
         .unwrap()
     };
-    let run = |qs: [usize; 2], ks: [usize; 2], vs: [usize; 2], heads: usize, tokens: usize| {
-        paged_attention::<B>(q(qs), q(ks), q(vs), &keys(DType::I64, tokens, ks[0]), heads)
+    let run = |qs: [usize; 2], kvs: [usize; 2], heads: usize, tokens: usize| {
+        paged_attention::<B>(q(qs), q(kvs), &keys(DType::I64, tokens, kvs[0]), heads)
     };
-    let head_shape =
-        |qs: [usize; 2], ks: [usize; 2], vs: [usize; 2], heads: usize| Error::HeadShape {
-            context: context(),
-            q: Dims(qs.to_vec()),
-            k_pool: Dims(ks.to_vec()),
-            v_pool: Dims(vs.to_vec()),
-            heads,
-            max_head_dim: 256,
-        };
-    for (qs, ks, vs, heads) in [
-        ([2, 30], [5, 16], [5, 16], 4),    // q not whole heads
-        ([2, 32], [5, 12], [5, 12], 4),    // the pool not whole heads
-        ([2, 24], [5, 16], [5, 16], 3),    // 3 query heads over 2 K/V heads
-        ([2, 32], [5, 16], [5, 8], 4),     // V unlike K
-        ([2, 32], [5, 16], [5, 16], 0),    // no heads
-        ([2, 514], [5, 514], [5, 514], 1), // head_dim past 256
+    let head_shape = |qs: [usize; 2], kvs: [usize; 2], heads: usize| Error::HeadShape {
+        context: context(),
+        q: Dims(qs.to_vec()),
+        kv_pool: Dims(kvs.to_vec()),
+        heads,
+        max_head_dim: 256,
+    };
+    for (qs, kvs, heads) in [
+        ([2, 30], [5, 32], 4),    // q not whole heads
+        ([2, 32], [5, 24], 4),    // the pool not whole heads
+        ([2, 24], [5, 32], 3),    // 3 query heads over 2 K/V heads
+        ([2, 32], [5, 33], 4),    // an odd width: V unlike K
+        ([2, 32], [5, 32], 0),    // no heads
+        ([2, 514], [5, 1028], 1), // head_dim past 256
     ] {
         assert_eq!(
-            run(qs, ks, vs, heads, 2).unwrap_err(),
-            head_shape(qs, ks, vs, heads)
+            run(qs, kvs, heads, 2).unwrap_err(),
+            head_shape(qs, kvs, heads)
         );
     }
     assert_eq!(
-        run([3, 32], [5, 16], [5, 16], 4, 2).unwrap_err(),
+        run([3, 32], [5, 32], 4, 2).unwrap_err(),
         Error::RunCountMismatch {
             context: context(),
             name: "starts",
@@ -395,40 +394,39 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         }
     );
     assert_eq!(
-        paged_attention::<B>(
-            q([2, 32]),
-            q([6, 16]),
-            q([6, 16]),
-            &keys(DType::I32, 2, 5),
-            4
-        )
-        .unwrap_err(),
+        paged_attention::<B>(q([2, 32]), q([6, 32]), &keys(DType::I32, 2, 5), 4).unwrap_err(),
         Error::PoolRowsMismatch {
             context: context(),
-            k_pool: Dims(vec![6, 16]),
-            v_pool: Dims(vec![6, 16]),
+            kv_pool: Dims(vec![6, 32]),
             pool_rows: 5,
         }
     );
     let rank3 = B::float_reshape(q([2, 32]), Shape::new([2, 4, 8]));
     assert_eq!(
-        paged_attention::<B>(rank3, q([5, 16]), q([5, 16]), &keys(DType::I64, 2, 5), 4)
-            .unwrap_err(),
+        paged_attention::<B>(rank3, q([5, 32]), &keys(DType::I64, 2, 5), 4).unwrap_err(),
         Error::Not2d {
             context: context(),
             name: "q",
             shape: Dims(vec![2, 4, 8]),
         }
     );
-    let f64_pool = B::float_from_data(TensorData::new(vec![0.0f64; 80], [5, 16]), device);
+    let pool_1d = B::float_from_data(TensorData::new(vec![0f32; 160], [160]), device);
     assert_eq!(
-        paged_attention::<B>(q([2, 32]), f64_pool, q([5, 16]), &keys(DType::I64, 2, 5), 4)
-            .unwrap_err(),
+        paged_attention::<B>(q([2, 32]), pool_1d, &keys(DType::I64, 2, 5), 4).unwrap_err(),
+        Error::Not2d {
+            context: context(),
+            name: "kv_pool",
+            shape: Dims(vec![160]),
+        }
+    );
+    let f64_pool = B::float_from_data(TensorData::new(vec![0.0f64; 160], [5, 32]), device);
+    assert_eq!(
+        paged_attention::<B>(q([2, 32]), f64_pool, &keys(DType::I64, 2, 5), 4).unwrap_err(),
         Error::DtypeMismatch {
             context: context(),
-            name: "k_pool",
+            name: "kv_pool",
             got: "f64".into(),
-            accepted: "a float dtype, the same for q, k_pool and v_pool",
+            accepted: "a float dtype, the same for q and kv_pool",
         }
     );
     let two_d = crate::common::ints::<B, 2>(&[0, 1], [1, 2], DType::I64, device);
@@ -463,14 +461,12 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
     );
 }
 
-/// `store_kv_and_attend`: the pools hold what a separate `store_kv` leaves, exactly, and the
-/// output is the bits of a separate attention over them (the reference's values), as do the
-/// one-tensor forms (`store_qk_and_attend`; `store_qkv_and_attend` over the joined pool, and
-/// `paged_attention_kv` over it); a duplicate
-/// store slot leaves the pools unchanged and reports the store's error; every host rule of the
+/// `store_and_attend`: the joined pool holds what a separate store leaves, exactly, and the
+/// output is the bits of a separate attention over it (the reference's values); a duplicate
+/// store slot leaves the pool unchanged and reports the store's error; every host rule of the
 /// store and of the attention fails as in the separate op; no new rows leave the attention over
-/// the pools as they are. Case 6 runs in f64: NaN out where
-/// exp is 32-bit only (`exp_64` false), the pools stored all the same.
+/// the pool as it is. Case 6 runs in f64: NaN out where exp is 32-bit only (`exp_64` false), the
+/// pool stored all the same.
 pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
     let mut rng = Rng::new(0x5707E);
     let shapes = [(9, 3, 64), (4, 2, 80), (1, 1, 8), (2, 2, 128)];
@@ -480,15 +476,10 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
             kv_heads,
             head_dim,
         };
-        // The last case stores two tokens at one slot; odd cases store more or fewer rows than
-        // there are queries.
+        // The last case stores two tokens at one slot. The new rows are the queries' tokens.
         let duplicate = case_index == 7;
-        let tokens = rng.urange(1, 12);
-        let new = if case_index % 2 == 1 {
-            rng.urange(1 + usize::from(duplicate), 12)
-        } else {
-            tokens.max(1 + usize::from(duplicate))
-        };
+        let tokens = rng.urange(1 + usize::from(duplicate), 12);
+        let new = tokens;
         let pool_rows = rng.urange(new + 2, 200);
         let mut case = Case::random(&mut rng, layout, tokens, pool_rows, 40);
         let mut free: Vec<i64> = (1..pool_rows as i64).collect();
@@ -526,142 +517,76 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
             DType::F32
         };
         let what = format!(
-            "case {case_index}: {layout:?}, {tokens} tokens, {new} new rows over {pool_rows} rows, {float:?}"
+            "case {case_index}: {layout:?}, {tokens} tokens over {pool_rows} rows, {float:?}"
         );
         let int = rng.int_dtype();
+        let q_cols = case.q_cols();
+        let new_rows = join(&k_new, &v_new, cols);
         let inputs = || {
-            let pool = |values: &[f64]| floats::<B>(values, [pool_rows, cols], float, device);
-            let rows = |values: &[f64]| floats::<B>(values, [new, cols], float, device);
-            let q = floats::<B>(&case.q, [tokens, case.q_cols()], float, device);
+            let kv_pool = join(&case.k, &case.v, cols);
+            let kv_pool = floats::<B>(&kv_pool, [pool_rows, 2 * cols], float, device);
             let keys = KeyRuns::<B>::check_primitives(
                 [&case.slots, &case.starts, &case.counts].map(|v| list::<B>(v, int, device)),
                 pool_rows,
             )
             .expect("host rules hold");
             let store = KvStore::<B>::allocate_on(pool_rows, device).unwrap();
-            let parts = [pool(&case.k), pool(&case.v), rows(&k_new), rows(&v_new), q];
-            (parts, keys, store)
+            (kv_pool, keys, store)
         };
         // Together; a later check of other slots through the same store sits between.
-        let ([k_pool, v_pool, k, v, q], keys, mut store) = inputs();
+        let (kv_pool, keys, mut store) = inputs();
+        let qkv: Vec<f64> = (0..tokens)
+            .flat_map(|t| {
+                let q = &case.q[t * q_cols..][..q_cols];
+                q.iter()
+                    .chain(&new_rows[t * 2 * cols..][..2 * cols])
+                    .copied()
+            })
+            .collect();
+        let qkv = floats::<B>(&qkv, [tokens, q_cols + 2 * cols], float, device);
         let mut slots = store
             .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
             .unwrap();
         let later: Vec<i64> = free[free.len() - 3..].iter().chain(&loc).copied().collect();
         let later = store.check_slot_primitives(list::<B>(&later, int, device), pool_rows);
         let attended = slots
-            .store_kv_and_attend_primitives([k_pool, v_pool, k, v, q], &keys, heads)
+            .store_and_attend_primitives([kv_pool, qkv], &keys, heads)
             .expect("host rules hold");
         let status = slots.status().check();
         drop(later);
-        let (out, k_got, v_got) = (
+        let (out, pool_got) = (
             float_values::<B>(attended.out),
-            float_values::<B>(attended.k_pool),
-            float_values::<B>(attended.v_pool),
+            float_values::<B>(attended.kv_pool),
         );
         let bits = |values: &[f64]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        // The queries and keys as one tensor, where there is a key row per query: the same.
-        if new == tokens {
-            let ([k_pool, v_pool, _, v, _], keys, mut store) = inputs();
-            let q_cols = case.q_cols();
-            let qk: Vec<f64> = (0..tokens)
-                .flat_map(|t| {
-                    let key = &k_new[t * cols..][..cols];
-                    case.q[t * q_cols..][..q_cols].iter().chain(key).copied()
-                })
-                .collect();
-            let qk = floats::<B>(&qk, [tokens, q_cols + cols], float, device);
-            let mut slots = store
-                .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
-                .unwrap();
-            let attended = slots
-                .store_qk_and_attend_primitives([k_pool, v_pool, qk, v], &keys, heads)
-                .expect("host rules hold");
-            assert_eq!(slots.status().check(), status, "{what}: qk status");
-            let got = float_values::<B>(attended.out);
-            assert_eq!(bits(&got), bits(&out), "{what}: qk output");
-            assert_eq!(
-                float_values::<B>(attended.k_pool),
-                k_got,
-                "{what}: qk K pool"
-            );
-            assert_eq!(
-                float_values::<B>(attended.v_pool),
-                v_got,
-                "{what}: qk V pool"
-            );
-        }
-        // One joined pool, the queries, keys and values as one tensor: the same.
-        if new == tokens {
-            let (_, keys, mut store) = inputs();
-            let q_cols = case.q_cols();
-            let qkv: Vec<f64> = (0..tokens)
-                .flat_map(|t| {
-                    let q = &case.q[t * q_cols..][..q_cols];
-                    let kv = join(&k_new[t * cols..][..cols], &v_new[t * cols..][..cols], cols);
-                    q.iter().copied().chain(kv).collect::<Vec<_>>()
-                })
-                .collect();
-            let qkv = floats::<B>(&qkv, [tokens, q_cols + 2 * cols], float, device);
-            let kv_pool = join(&case.k, &case.v, cols);
-            let kv_pool = floats::<B>(&kv_pool, [pool_rows, 2 * cols], float, device);
-            let mut slots = store
-                .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
-                .unwrap();
-            let attended = slots
-                .store_qkv_and_attend_primitives([kv_pool, qkv], &keys, heads)
-                .expect("host rules hold");
-            assert_eq!(slots.status().check(), status, "{what}: qkv status");
-            let got = float_values::<B>(attended.out);
-            assert_eq!(bits(&got), bits(&out), "{what}: qkv output");
-            assert_eq!(
-                float_values::<B>(attended.kv_pool),
-                join(&k_got, &v_got, cols),
-                "{what}: joined pool"
-            );
-        }
-        // Apart.
-        let ([k_pool, v_pool, k, v, q], keys, mut store) = inputs();
+        // Apart: the store, then the attention.
+        let (kv_pool, keys, mut store) = inputs();
         let mut slots = store
             .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
             .unwrap();
-        let pair = |a, b| StoreTargets::Pair(KvRows::Float(a), KvRows::Float(b));
-        let StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)) = slots
-            .store_primitives(pair(k_pool, v_pool), pair(k, v))
+        let rows = floats::<B>(&new_rows, [new, 2 * cols], float, device);
+        let one = |rows| StoreTargets::One(KvRows::Float(rows));
+        let StoreTargets::One(KvRows::Float(kv_pool)) = slots
+            .store_primitives(one(kv_pool), one(rows))
             .expect("host rules hold")
         else {
-            unreachable!("a pair comes back")
+            unreachable!("one cache comes back")
         };
-        let kv_pool = B::float_cat(vec![k_pool.clone(), v_pool.clone()], 1);
-        let joined = paged_attention_kv::<B>(q.clone(), kv_pool, &keys, heads).unwrap();
-        let apart = paged_attention::<B>(q, k_pool.clone(), v_pool.clone(), &keys, heads).unwrap();
+        let q = floats::<B>(&case.q, [tokens, q_cols], float, device);
+        let apart = paged_attention::<B>(q, kv_pool.clone(), &keys, heads).unwrap();
         assert_eq!(status, slots.status().check(), "{what}: status");
         assert_eq!(
             bits(&out),
             bits(&float_values::<B>(apart)),
             "{what}: output"
         );
-        assert_eq!(
-            bits(&out),
-            bits(&float_values::<B>(joined)),
-            "{what}: over the joined pool"
-        );
-        assert_eq!(k_got, float_values::<B>(k_pool), "{what}: K pool");
-        assert_eq!(v_got, float_values::<B>(v_pool), "{what}: V pool");
+        assert_eq!(pool_got, float_values::<B>(kv_pool), "{what}: pool");
         if duplicate {
             assert!(status.is_err(), "{what}: a duplicate slot");
-            assert_eq!(
-                (k_got, v_got),
-                (case.k.clone(), case.v.clone()),
-                "{what}: unchanged"
-            );
+            assert_eq!(pool_got, join(&case.k, &case.v, cols), "{what}: unchanged");
         } else {
             assert_eq!(status, Ok(new), "{what}: status");
-            assert_eq!(
-                (k_got, v_got),
-                (stored.k.clone(), stored.v.clone()),
-                "{what}: pools"
-            );
+            assert_eq!(pool_got, join(&stored.k, &stored.v, cols), "{what}: pool");
             if float == DType::F32 || exp_64 {
                 assert_close(&out, &stored.reference().unwrap(), &what);
             } else {
@@ -669,7 +594,8 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
             }
         }
     }
-    // Host rules: the store's, then the attention's, each as its own op reports it.
+    // Host rules: `qkv`'s rank, then the store's (its last pool-width columns as the values, the
+    // pool as the cache), then the attention's (the rest as `q`); the slots' status stays theirs.
     let zeros =
         |shape: [usize; 2]| floats::<B>(&vec![0.0; shape[0] * shape[1]], shape, DType::F32, device);
     let keys = KeyRuns::<B>::check_primitives(
@@ -678,136 +604,14 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
     )
     .unwrap();
     let mut store = KvStore::<B>::allocate_on(5, device).unwrap();
-    let run = |store: &mut KvStore<B>, [q, k_pool, k]: [[usize; 2]; 3], heads: usize| {
-        let mut slots = store
-            .check_slot_primitives(list::<B>(&[3, 4], DType::I64, device), 5)
-            .unwrap();
-        let together = slots
-            .store_kv_and_attend_primitives(
-                [zeros(k_pool), zeros(k_pool), zeros(k), zeros(k), zeros(q)],
-                &keys,
-                heads,
-            )
-            .map(drop);
-        let pair = |a, b| StoreTargets::Pair(KvRows::Float(a), KvRows::Float(b));
-        let apart = slots
-            .store_primitives(pair(zeros(k_pool), zeros(k_pool)), pair(zeros(k), zeros(k)))
-            .and_then(|_| {
-                paged_attention::<B>(zeros(q), zeros(k_pool), zeros(k_pool), &keys, heads)
-            })
-            .map(drop);
-        (together, apart)
-    };
-    for (shapes, heads) in [
-        ([[2, 32], [5, 16], [3, 16]], 4), // three K rows for two slots
-        ([[2, 32], [5, 16], [2, 8]], 4),  // K rows narrower than the pool
-        ([[2, 32], [4, 16], [2, 16]], 4), // a pool of fewer rows than the slots were checked for
-        ([[2, 30], [5, 16], [2, 16]], 4), // q not whole heads
-        ([[3, 32], [5, 16], [2, 16]], 4), // a query more than the runs
-        ([[2, 24], [5, 16], [2, 16]], 3), // 3 query heads over 2 K/V heads
-    ] {
-        let (together, apart) = run(&mut store, shapes, heads);
-        assert!(together.is_err(), "{shapes:?}: refused");
-        // The pools are named as this op's arguments, where `store_kv` names caches.
-        let apart = apart.map_err(|error| match error {
-            Error::CacheRowsMismatch {
-                context,
-                name: "k_cache",
-                cache,
-                cache_rows,
-            } => Error::CacheRowsMismatch {
-                context,
-                name: "k_pool",
-                cache,
-                cache_rows,
-            },
-            error => error,
-        });
-        assert_eq!(together, apart, "{shapes:?}");
-    }
-    // The one-tensor form's rules: its rank (named `qk`), then its parts' as the other form
-    // reports them (the key columns as the store's values, the rest as `q`); the slots' status
-    // stays theirs.
     let mut slots = store
         .check_slot_primitives(list::<B>(&[3, 4], DType::I64, device), 5)
         .unwrap();
     let (store_kv, attention) = ("store_kv:".to_string(), "paged_attention:".to_string());
-    let head_shape = |q: Vec<usize>| Error::HeadShape {
+    let head_shape = |q: Vec<usize>, kv_pool: Vec<usize>| Error::HeadShape {
         context: attention.clone(),
         q: Dims(q),
-        k_pool: Dims(vec![5, 16]),
-        v_pool: Dims(vec![5, 16]),
-        heads: 4,
-        max_head_dim: 256,
-    };
-    for (qk, expected) in [
-        (
-            B::float_from_data(TensorData::new(vec![0f32; 4], [4]), device),
-            Error::Not2d {
-                context: store_kv.clone(),
-                name: "qk",
-                shape: Dims(vec![4]),
-            },
-        ),
-        (
-            zeros([3, 48]), // three K rows for two slots
-            Error::ValueShapeMismatch {
-                context: store_kv.clone(),
-                values: Dims(vec![3, 16]),
-                expected: Dims(vec![2, 16]),
-                cache: Dims(vec![5, 16]),
-            },
-        ),
-        (zeros([2, 16]), head_shape(vec![2, 0])), // no query columns
-        (zeros([2, 46]), head_shape(vec![2, 30])), // queries not whole heads
-        (
-            floats::<B>(&[0.0; 96], [2, 48], DType::F64, device),
-            Error::ValueDtypeMismatch {
-                context: store_kv.clone(),
-                values: "f64".into(),
-                cache: "f32".into(),
-            },
-        ),
-    ] {
-        let error = slots
-            .store_qk_and_attend_primitives(
-                [zeros([5, 16]), zeros([5, 16]), qk, zeros([2, 16])],
-                &keys,
-                4,
-            )
-            .map(drop);
-        assert_eq!(error, Err(expected.clone()));
-        assert_eq!(
-            slots.status().check(),
-            Ok(2),
-            "{expected}: the status stays"
-        );
-    }
-    let attended = slots
-        .store_qk_and_attend_primitives(
-            [
-                zeros([5, 16]),
-                zeros([5, 16]),
-                zeros([2, 48]),
-                zeros([2, 16]),
-            ],
-            &keys,
-            4,
-        )
-        .unwrap();
-    assert_eq!(
-        float_values::<B>(attended.out),
-        vec![0.0; 2 * 32],
-        "zeros attend to zeros"
-    );
-    // The joined form's rules: `qkv`'s rank, then the store's (its last pool-width columns as
-    // the values, the pool as the cache), then the attention's (the rest as `q`, the pool's halves
-    // as the K and V pools); the slots' status stays theirs.
-    let halves = |cols: [usize; 2]| Error::HeadShape {
-        context: attention.clone(),
-        q: Dims(vec![2, 32]),
-        k_pool: Dims(vec![5, cols[0]]),
-        v_pool: Dims(vec![5, cols[1]]),
+        kv_pool: Dims(kv_pool),
         heads: 4,
         max_head_dim: 256,
     };
@@ -860,22 +664,24 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
                 cache: "f32".into(),
             },
         ),
-        (zeros([5, 33]), zeros([2, 65]), halves([16, 17])), // an odd width: unequal halves
+        (
+            zeros([5, 33]),
+            zeros([2, 65]),
+            head_shape(vec![2, 32], vec![5, 33]),
+        ), // odd width
         (
             zeros([5, 32]),
-            zeros([2, 62]), // queries not whole heads
-            Error::HeadShape {
-                context: attention.clone(),
-                q: Dims(vec![2, 30]),
-                k_pool: Dims(vec![5, 16]),
-                v_pool: Dims(vec![5, 16]),
-                heads: 4,
-                max_head_dim: 256,
-            },
-        ),
+            zeros([2, 62]),
+            head_shape(vec![2, 30], vec![5, 32]),
+        ), // q not whole heads
+        (
+            zeros([5, 32]),
+            zeros([2, 32]),
+            head_shape(vec![2, 0], vec![5, 32]),
+        ), // no query columns
     ] {
         let error = slots
-            .store_qkv_and_attend_primitives([kv_pool, qkv], &keys, 4)
+            .store_and_attend_primitives([kv_pool, qkv], &keys, 4)
             .map(drop);
         assert_eq!(error, Err(expected.clone()));
         assert_eq!(
@@ -884,41 +690,16 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
             "{expected}: the status stays"
         );
     }
-    assert_eq!(
-        paged_attention_kv::<B>(zeros([2, 32]), zeros([5, 33]), &keys, 4).unwrap_err(),
-        halves([16, 17]),
-        "the attention over an odd-width pool"
-    );
-    let pool_1d = B::float_from_data(TensorData::new(vec![0f32; 160], [160]), device);
-    assert_eq!(
-        paged_attention_kv::<B>(zeros([2, 32]), pool_1d, &keys, 4).unwrap_err(),
-        Error::Not2d {
-            context: attention.clone(),
-            name: "kv_pool",
-            shape: Dims(vec![160]),
-        },
-        "the attention over a pool of rank 1"
-    );
-    assert_eq!(
-        paged_attention_kv::<B>(zeros([2, 32]), zeros([4, 32]), &keys, 4).unwrap_err(),
-        Error::PoolRowsMismatch {
-            context: attention.clone(),
-            k_pool: Dims(vec![4, 16]),
-            v_pool: Dims(vec![4, 16]),
-            pool_rows: 5,
-        },
-        "the attention over a pool of fewer rows than the runs were checked against"
-    );
     let attended = slots
-        .store_qkv_and_attend_primitives([zeros([5, 32]), zeros([2, 64])], &keys, 4)
+        .store_and_attend_primitives([zeros([5, 32]), zeros([2, 64])], &keys, 4)
         .unwrap();
     assert_eq!(
         float_values::<B>(attended.out),
         vec![0.0; 2 * 32],
-        "zeros attend to zeros (joined)"
+        "zeros attend to zeros"
     );
 
-    // A key outside the pools: the runs' error, NaN out, and the rows stored all the same.
+    // A key outside the pool: the runs' error, NaN out, and the rows stored all the same.
     let keys = KeyRuns::<B>::check_primitives(
         [&[1, 9][..], &[0, 0], &[1, 2]].map(|v| list::<B>(v, DType::I64, device)),
         5,
@@ -927,15 +708,15 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
     let mut slots = store
         .check_slot_primitives(list::<B>(&[3, 4], DType::I64, device), 5)
         .unwrap();
-    let rows: Vec<f64> = (0..32).map(f64::from).collect();
+    let rows: Vec<f64> = (0..64).map(f64::from).collect();
+    let mut qkv = vec![0.0; 2 * 32];
+    qkv.splice(32..32, rows[..32].iter().copied());
+    qkv.extend(&rows[32..]);
     let attended = slots
-        .store_kv_and_attend_primitives(
+        .store_and_attend_primitives(
             [
-                zeros([5, 16]),
-                zeros([5, 16]),
-                floats::<B>(&rows, [2, 16], DType::F32, device),
-                floats::<B>(&rows, [2, 16], DType::F32, device),
-                zeros([2, 32]),
+                zeros([5, 32]),
+                floats::<B>(&qkv, [2, 64], DType::F32, device),
             ],
             &keys,
             4,
@@ -953,70 +734,21 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
     );
     assert_eq!(slots.status().check(), Ok(2));
     assert!(float_values::<B>(attended.out).iter().all(|v| v.is_nan()));
-    let mut stored = vec![0.0; 3 * 16];
+    let mut stored = vec![0.0; 3 * 32];
     stored.extend(&rows);
-    assert_eq!(float_values::<B>(attended.k_pool), stored);
-    assert_eq!(float_values::<B>(attended.v_pool), stored);
-
-    // No new rows (no store slots): the attention over the pools as they are, bit for bit.
-    let pool: Vec<f64> = (0..5 * 16).map(|i| f64::from(i % 7) / 8.0).collect();
-    let keys = KeyRuns::<B>::check_primitives(
-        [&[1, 2, 3][..], &[0, 1], &[2, 2]].map(|v| list::<B>(v, DType::I64, device)),
-        5,
-    )
-    .unwrap();
-    let mut slots = store
-        .check_slot_primitives(list::<B>(&[], DType::I64, device), 5)
-        .unwrap();
-    let q: Vec<f64> = (0..2 * 32).map(|i| f64::from(i % 5) / 4.0).collect();
-    let attended = slots
-        .store_kv_and_attend_primitives(
-            [
-                floats::<B>(&pool, [5, 16], DType::F32, device),
-                floats::<B>(&pool, [5, 16], DType::F32, device),
-                zeros([0, 16]),
-                zeros([0, 16]),
-                floats::<B>(&q, [2, 32], DType::F32, device),
-            ],
-            &keys,
-            4,
-        )
-        .unwrap();
-    let alone = paged_attention::<B>(
-        floats::<B>(&q, [2, 32], DType::F32, device),
-        floats::<B>(&pool, [5, 16], DType::F32, device),
-        floats::<B>(&pool, [5, 16], DType::F32, device),
-        &keys,
-        4,
-    )
-    .unwrap();
-    let bits = |values: &[f64]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-    assert_eq!(slots.status().check(), Ok(0));
-    assert_eq!(keys.status().check(), Ok(2));
-    assert_eq!(
-        bits(&float_values::<B>(attended.out)),
-        bits(&float_values::<B>(alone)),
-        "no new rows: output"
-    );
-    assert_eq!(
-        float_values::<B>(attended.k_pool),
-        pool,
-        "no new rows: K pool"
-    );
+    assert_eq!(float_values::<B>(attended.kv_pool), stored);
 }
 
 /// On a device whose 32-bit indexes reach `span` elements (`crate::narrow`): a key runs' check
 /// over a slot list past the span is refused with `index_range` in its status, and an attention
-/// through those runs (which binds that list too) is NaN; runs within the span over pools past it pass their check,
-/// and the attention, which cannot index the pools, is NaN (as after an error, never wrapped).
-/// A store and attention in one launch over such pools falls back to the two launchers: the
-/// store's refusal in the slots' status, the pools unchanged, the attention NaN; so do the forms
-/// with the queries and keys in one tensor (the keys then a copy of their columns) and with a
-/// joined pool.
+/// through those runs (which binds that list too) is NaN; runs within the span over a pool past
+/// it pass their check, and the attention, which cannot index the pool, is NaN (as after an
+/// error, never wrapped). A store and attention in one launch over such a pool falls back to the
+/// two launchers: the store's refusal in the slots' status, the pool unchanged, the attention NaN.
 pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
     let l = |values: &[i64]| list::<B>(values, DType::I64, device);
     let q = || floats::<B>(&[0.5; 2 * 16], [2, 16], DType::F32, device);
-    let pool = |rows: usize| floats::<B>(&vec![0.25; rows * 16], [rows, 16], DType::F32, device);
+    let pool = |rows: usize| floats::<B>(&vec![0.25; rows * 32], [rows, 32], DType::F32, device);
     let slots = list::<B>(&vec![1; span + 1], DType::I64, device);
     let keys = KeyRuns::<B>::check_primitives([slots, l(&[0, 1]), l(&[1, 2])], 4).unwrap();
     match keys.status().check() {
@@ -1026,52 +758,36 @@ pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
         }
         other => panic!("runs' check: expected index_range, got {other:?}"),
     }
-    let out = paged_attention::<B>(q(), pool(4), pool(4), &keys, 1).unwrap();
+    let out = paged_attention::<B>(q(), pool(4), &keys, 1).unwrap();
     assert!(
         float_values::<B>(out).iter().all(|v| v.is_nan()),
         "attention through refused runs"
     );
-    let rows = span / 16 + 1;
+    let rows = span / 32 + 1;
     let keys = KeyRuns::<B>::check_primitives([l(&[1, 2]), l(&[0, 1]), l(&[1, 1])], rows).unwrap();
     assert_eq!(keys.status().check(), Ok(2), "runs within the span");
-    let out = paged_attention::<B>(q(), pool(rows), pool(rows), &keys, 1).unwrap();
+    let out = paged_attention::<B>(q(), pool(rows), &keys, 1).unwrap();
     assert!(
         float_values::<B>(out).iter().all(|v| v.is_nan()),
-        "attention over pools past the span"
+        "attention over a pool past the span"
     );
     let mut store = KvStore::<B>::allocate_on(rows, device).unwrap();
-    for what in ["q, k", "qk", "qkv"] {
-        let mut slots = store.check_slot_primitives(l(&[1, 2]), rows).unwrap();
-        let new = || floats::<B>(&[0.75; 2 * 16], [2, 16], DType::F32, device);
-        let wide = |cols: usize| floats::<B>(&vec![0.5; 2 * cols], [2, cols], DType::F32, device);
-        // The output and the pools' values (a joined pool's as the K pool's and the V pool's).
-        let (out, pools) = match what {
-            "q, k" => {
-                let parts = [pool(rows), pool(rows), new(), new(), q()];
-                let attended = slots.store_kv_and_attend_primitives(parts, &keys, 1);
-                attended.map(|a| (a.out, vec![a.k_pool, a.v_pool]))
-            }
-            "qk" => {
-                let parts = [pool(rows), pool(rows), wide(32), new()];
-                let attended = slots.store_qk_and_attend_primitives(parts, &keys, 1);
-                attended.map(|a| (a.out, vec![a.k_pool, a.v_pool]))
-            }
-            _ => {
-                let kv_pool = floats::<B>(&vec![0.25; rows * 32], [rows, 32], DType::F32, device);
-                let attended = slots.store_qkv_and_attend_primitives([kv_pool, wide(48)], &keys, 1);
-                attended.map(|a| (a.out, vec![a.kv_pool]))
-            }
-        }
+    let mut slots = store.check_slot_primitives(l(&[1, 2]), rows).unwrap();
+    let qkv = floats::<B>(&[0.5; 2 * 48], [2, 48], DType::F32, device);
+    let attended = slots
+        .store_and_attend_primitives([pool(rows), qkv], &keys, 1)
         .unwrap();
-        match slots.status().check() {
-            Err(Error::IndexRange { limit, .. }) => assert_eq!(limit, span as u64, "{what}"),
-            other => panic!("{what}: expected index_range, got {other:?}"),
-        }
-        assert!(
-            float_values::<B>(out).iter().all(|v| v.is_nan()),
-            "{what}: attention over pools past the span"
-        );
-        let pool_values: Vec<f64> = pools.into_iter().flat_map(float_values::<B>).collect();
-        assert_eq!(pool_values, vec![0.25; 2 * rows * 16], "{what}: unchanged");
+    match slots.status().check() {
+        Err(Error::IndexRange { limit, .. }) => assert_eq!(limit, span as u64),
+        other => panic!("expected index_range, got {other:?}"),
     }
+    assert!(
+        float_values::<B>(attended.out).iter().all(|v| v.is_nan()),
+        "store and attention over a pool past the span"
+    );
+    assert_eq!(
+        float_values::<B>(attended.kv_pool),
+        vec![0.25; rows * 32],
+        "unchanged"
+    );
 }

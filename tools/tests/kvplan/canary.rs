@@ -5,23 +5,19 @@
 use burn_core::backend::tensor::IntTensor;
 use burn_core::tensor::{DType, TensorData};
 use kvplan::KvPlanBackend;
-use kvplan::canary::{
+use kvplan::backend::KvBytes;
+use kvplan::ops::{
     Canary, CanaryLaunch, CanaryState, FailReasons, KernelKind, PlanInputs, RealKvHashMode,
     RealKvSource, StepPlan, VerifyPlan, WriteInputs, WritePlan,
 };
-use kvplan::ops::KvBytes;
 use kvplan::reference::canary::{self as oracle, Launch, SourceBytes, ViolationRow};
 
 use crate::common::{Rng, bytes as u8_bytes, conformance_file, ints, list};
 
-/// A source's byte layout as the library takes it (`kvplan::canary::SourceBytes`; the oracle's
+/// A source's byte layout as the library takes it (`kvplan::ops::SourceBytes`; the oracle's
 /// `SourceBytes` is the host view of the bytes themselves).
-fn layout(
-    page_size: i64,
-    num_bytes_per_token: i64,
-    read_bytes: i64,
-) -> kvplan::canary::SourceBytes {
-    kvplan::canary::SourceBytes {
+fn layout(page_size: i64, num_bytes_per_token: i64, read_bytes: i64) -> kvplan::ops::SourceBytes {
+    kvplan::ops::SourceBytes {
         page_size,
         num_bytes_per_token,
         read_bytes,
@@ -831,7 +827,9 @@ fn plan<B: KvPlanBackend>(
         i64s::<B>(extend, d),
         table.clone(),
     );
-    kvplan::canary::plan(plans, inputs).unwrap();
+    kvplan::ops::plan(plans, inputs)
+        .and_then(|status| status.check().map(drop))
+        .unwrap();
 }
 
 /// Every host rule returns its kind and changes nothing.
@@ -1024,12 +1022,14 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
         verify: no_entries,
         write,
     };
-    let planned = kvplan::canary::plan(&mut plans, inputs());
+    let planned =
+        kvplan::ops::plan(&mut plans, inputs()).and_then(|status| status.check().map(drop));
     assert_eq!(kind(planned), Some("non_positive_verify_capacity"));
     let mut plans = StepPlan {
         verify,
         write: no_requests,
     };
-    let planned = kvplan::canary::plan(&mut plans, inputs());
+    let planned =
+        kvplan::ops::plan(&mut plans, inputs()).and_then(|status| status.check().map(drop));
     assert_eq!(kind(planned), Some("non_positive_write_capacity"));
 }

@@ -114,7 +114,7 @@ pub fn bytes<B: KvPlanBackend, const D: usize>(
     B::int_from_data(TensorData::new(data, shape), device)
 }
 
-pub use kvplan::ops::data_to_i64;
+pub use kvplan::backend::data_to_i64;
 
 /// The values of an int primitive, as i64, row-major.
 pub fn values<B: Backend>(tensor: IntTensor<B>) -> Vec<i64> {
@@ -304,4 +304,35 @@ pub fn exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
     DEVICES
         .write()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// `segment_assign` on primitives with its status read back: the table, or the first error.
+pub fn checked_assign<B: KvPlanBackend>(
+    req_to_token: IntTensor<B>,
+    req_pool_indices: IntTensor<B>,
+    start: IntTensor<B>,
+    lengths: IntTensor<B>,
+    out_cache_loc: IntTensor<B>,
+) -> Result<IntTensor<B>, kvplan::Error> {
+    let assigned = kvplan::generic::segment_assign::<B>(
+        req_to_token,
+        req_pool_indices,
+        start,
+        lengths,
+        out_cache_loc,
+    )?;
+    assigned.status.check()?;
+    Ok(assigned.req_to_token)
+}
+
+/// One cache's store on primitives with its status read back: the cache, or the first error.
+pub fn checked_store<B: KvPlanBackend>(
+    store: &mut kvplan::ops::KvStore<B>,
+    cache: kvplan::backend::KvRows<B>,
+    loc: IntTensor<B>,
+    values: kvplan::backend::KvRows<B>,
+) -> Result<kvplan::backend::KvRows<B>, kvplan::Error> {
+    let stored = kvplan::generic::store::<B>(store, cache, loc, values)?;
+    stored.status.check()?;
+    Ok(stored.cache)
 }

@@ -7,8 +7,8 @@
 use burn_core::backend::TensorMetadata;
 use burn_core::backend::tensor::{BoolTensor, IntTensor};
 use burn_core::tensor::{DType, TensorData};
-use kvplan::canary::{PlanInputs, StepPlan};
 use kvplan::error::{Dims, Site};
+use kvplan::ops::{PlanInputs, StepPlan};
 use kvplan::reference::PlanBuffers;
 use kvplan::{Error, KvPlanBackend};
 
@@ -619,10 +619,9 @@ fn host_error<B: KvPlanBackend>(
     for mode in MODES {
         let before = mirror.read();
         let got = match mode {
-            Mode::Checked => kvplan::canary::plan(&mut mirror.plans, inputs()),
-            Mode::Deferred => {
-                kvplan::canary::plan_deferred(&mut mirror.plans, inputs()).map(|_| ())
-            }
+            Mode::Checked => kvplan::ops::plan(&mut mirror.plans, inputs())
+                .and_then(|status| status.check().map(drop)),
+            Mode::Deferred => kvplan::ops::plan(&mut mirror.plans, inputs()).map(|_| ()),
         };
         assert_eq!(got, Err(want.clone()), "{mode:?}");
         assert_plans_eq(
@@ -957,7 +956,7 @@ pub fn allocation_errors<B: KvPlanBackend>(device: &B::Device) {
         );
     }
     let plans = StepPlan::<B>::allocate_on(1, 1, device).unwrap();
-    let fresh = kvplan::canary::read_plans(&plans).unwrap();
+    let fresh = kvplan::ops::read_plans(&plans).unwrap();
     assert_eq!(fresh, PlanBuffers::fresh(1, 1));
     assert_eq!(values::<B>(plans.verify.enable()), vec![1]);
     assert_eq!(plans.verify.num_valid().dtype(), DType::I32);
@@ -1005,11 +1004,11 @@ pub fn allocation_too_large<B: KvPlanBackend>(device: &B::Device) {
         assert_too_large(got.err(), "gather output", huge, 8);
         let got = segments_deferred::<B>(table, rpi, None, l::<B>(&[2], d), Some(huge));
         assert_too_large(got.err(), "gather output", huge, 8);
-        let got = kvplan::canary::Canary::<B>::allocate_on(huge, 32, 1, d);
+        let got = kvplan::ops::Canary::<B>::allocate_on(huge, 32, 1, d);
         assert_too_large(got.err(), "canary record buffer", huge, 32);
-        let got = kvplan::canary::Canary::<B>::allocate_on(1, 32, huge, d);
+        let got = kvplan::ops::Canary::<B>::allocate_on(1, 32, huge, d);
         assert_too_large(got.err(), "violation ring", huge, 64);
-        let got = kvplan::slots::KvStore::<B>::allocate_on(huge, d);
+        let got = kvplan::ops::KvStore::<B>::allocate_on(huge, d);
         assert_too_large(got.err(), "KvStore slot words", huge, 4);
     }
     let (table, rpi) = (
@@ -1060,10 +1059,11 @@ pub fn stride<B: KvPlanBackend>(device: &B::Device, expect: Broadcast) {
         Broadcast::DeviceRefused => {
             let mut mirror = primed::<B>(d);
             let before = mirror.read();
-            let got = kvplan::canary::plan(&mut mirror.plans, inputs());
+            let got = kvplan::ops::plan(&mut mirror.plans, inputs())
+                .and_then(|status| status.check().map(drop));
             assert_eq!(got, Err(want.clone()), "checked");
             assert_plans_eq(&mirror.read(), &before, "rule 11 on the device (checked)");
-            let status = kvplan::canary::plan_deferred(&mut mirror.plans, inputs())
+            let status = kvplan::ops::plan(&mut mirror.plans, inputs())
                 .expect("the host cannot see the stride");
             assert_plans_eq(&mirror.read(), &before, "rule 11 on the device (deferred)");
             assert_eq!(status.check(), Err(want.clone()), "deferred");
@@ -1079,7 +1079,9 @@ pub fn stride<B: KvPlanBackend>(device: &B::Device, expect: Broadcast) {
     }
     if expect != Broadcast::Accepted {
         let mut mirror = primed::<B>(d);
-        let error = kvplan::canary::plan(&mut mirror.plans, inputs()).unwrap_err();
+        let error = kvplan::ops::plan(&mut mirror.plans, inputs())
+            .and_then(|status| status.check().map(drop))
+            .unwrap_err();
         assert_eq!(
             error.to_string(),
             "kv-canary: req_to_token_stride0 must be positive, got 0"

@@ -36,8 +36,8 @@ pub fn family<B: KvPlanBackend>(op: Op, device: &B::Device) {
 pub fn bf16_views<B: KvPlanBackend>(device: &B::Device) {
     use burn_core::backend::TensorData;
     use burn_core::tensor::DType;
-    use kvplan::ops::KvRows;
-    use kvplan::slots::KvStore;
+    use kvplan::backend::KvRows;
+    use kvplan::ops::KvStore;
     let bf16 = |values: Vec<f32>, shape: [usize; 2]| {
         B::float_from_data(
             TensorData::new(values, shape).convert_dtype(DType::BF16),
@@ -53,7 +53,7 @@ pub fn bf16_views<B: KvPlanBackend>(device: &B::Device) {
     let values_view = B::float_swap_dims(bf16(stored_values, [3, 3]), 0, 1);
     let loc = kvplan_tools::prim::i64s::<B>(&[3, 4, 6], device);
     let mut store = KvStore::<B>::allocate_on(8, device).unwrap();
-    let stored = kvplan::slots::backend::store::<B>(
+    let stored = crate::common::checked_store::<B>(
         &mut store,
         KvRows::Float(cache_view),
         loc,

@@ -1,10 +1,11 @@
-//! Masked and segment gather through the backend API (`kvplan::gather::backend`, the form the
+//! Masked and segment gather through the backend API (`kvplan::generic`, the form the
 //! `Tensor` API runs on `Dispatch`), against the host reference.
 
 use burn_core::backend::TensorMetadata;
 use burn_core::backend::tensor::{BoolTensor, IntTensor};
 use burn_core::tensor::DType;
-use kvplan::gather::{DeferredGather, GatherOptions, backend};
+use kvplan::generic;
+use kvplan::ops::{GatherOptions, Gathered};
 use kvplan::reference::{self, Table};
 use kvplan::{Error, KvPlanBackend};
 use kvplan_tools::prim::read_prefix;
@@ -42,8 +43,7 @@ pub fn masked<B: KvPlanBackend>(
     pos2d: IntTensor<B>,
     mask: BoolTensor<B>,
 ) -> Result<IntTensor<B>, Error> {
-    backend::masked_gather_deferred::<B>(table, rpi, pos2d, mask, &options(None))
-        .and_then(backend::exact)
+    generic::masked_gather::<B>(table, rpi, pos2d, mask, &options(None)).and_then(generic::exact)
 }
 
 /// Masked gather, deferred mode with `capacity` (`None`: the default `R * C`).
@@ -53,8 +53,8 @@ pub fn masked_deferred<B: KvPlanBackend>(
     pos2d: IntTensor<B>,
     mask: BoolTensor<B>,
     capacity: Option<usize>,
-) -> Result<DeferredGather<B>, Error> {
-    backend::masked_gather_deferred::<B>(table, rpi, pos2d, mask, &options(capacity))
+) -> Result<Gathered<B>, Error> {
+    generic::masked_gather::<B>(table, rpi, pos2d, mask, &options(capacity))
 }
 
 /// Segment gather, exact mode.
@@ -64,8 +64,8 @@ pub fn segments<B: KvPlanBackend>(
     start: Option<IntTensor<B>>,
     lengths: IntTensor<B>,
 ) -> Result<IntTensor<B>, Error> {
-    backend::segment_gather_deferred::<B>(table, rpi, start, lengths, &segment_options(None))
-        .and_then(backend::exact)
+    generic::segment_gather::<B>(table, rpi, start, lengths, &segment_options(None))
+        .and_then(generic::exact)
 }
 
 /// Segment gather, deferred mode with `capacity` (`None`: the default `S * cols`).
@@ -75,8 +75,8 @@ pub fn segments_deferred<B: KvPlanBackend>(
     start: Option<IntTensor<B>>,
     lengths: IntTensor<B>,
     capacity: Option<usize>,
-) -> Result<DeferredGather<B>, Error> {
-    backend::segment_gather_deferred::<B>(table, rpi, start, lengths, &segment_options(capacity))
+) -> Result<Gathered<B>, Error> {
+    generic::segment_gather::<B>(table, rpi, start, lengths, &segment_options(capacity))
 }
 
 /// One masked gather: host data plus the dtypes of the three int inputs.
@@ -191,7 +191,7 @@ pub fn check_exact<B: KvPlanBackend>(
 /// Capacity mode against the reference: `check()`, the count tensor, the out length, the prefix.
 #[track_caller]
 pub fn check_capacity<B: KvPlanBackend>(
-    got: DeferredGather<B>,
+    got: Gathered<B>,
     want: &Result<Vec<i64>, Error>,
     capacity: usize,
     what: &str,

@@ -10,10 +10,10 @@
 
 use burn_core::backend::tensor::IntTensor;
 use burn_core::tensor::DType;
-use kvplan::canary::{
+use kvplan::error::Site;
+use kvplan::ops::{
     Canary, CanaryLaunch, KernelKind, PlanInputs, StepPlan, VerifyPlan, WriteInputs, WritePlan,
 };
-use kvplan::error::Site;
 use kvplan::{Error, KvPlanBackend};
 
 use crate::common::{bools, ints, list, values};
@@ -89,10 +89,11 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
         PlanInputs::<B>::from_primitives(l(rows), l(&[3, 3]), l(&[1, 1]), table)
     };
     index_range(
-        kvplan::canary::plan(&mut plans, inputs(wide(), &[1, 1])),
+        kvplan::ops::plan(&mut plans, inputs(wide(), &[1, 1]))
+            .and_then(|status| status.check().map(drop)),
         "plan checked",
     );
-    let status = kvplan::canary::plan_deferred(&mut plans, inputs(wide(), &[1, 1]))
+    let status = kvplan::ops::plan(&mut plans, inputs(wide(), &[1, 1]))
         .expect("host rules pass: the refusal is the launch's");
     index_range(status.check(), "plan deferred");
     assert_eq!(
@@ -101,7 +102,9 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
         "a refused plan is disabled"
     );
     // Request 1's row is outside the small table (2 rows): the error names request 1.
-    let error = kvplan::canary::plan(&mut plans, inputs(small(), &[1, 5])).unwrap_err();
+    let error = kvplan::ops::plan(&mut plans, inputs(small(), &[1, 5]))
+        .and_then(|status| status.check().map(drop))
+        .unwrap_err();
     assert!(
         matches!(
             error,
@@ -114,7 +117,9 @@ pub fn checks<B: KvPlanBackend>(device: &B::Device) {
         ),
         "the error names request 1: {error}"
     );
-    kvplan::canary::plan(&mut plans, inputs(small(), &[1, 1])).expect("a plan within the span");
+    kvplan::ops::plan(&mut plans, inputs(small(), &[1, 1]))
+        .and_then(|status| status.check().map(drop))
+        .expect("a plan within the span");
     assert_eq!(values::<B>(plans.verify.num_valid()), vec![6]);
     canary_checks::<B>(&plans.verify, &plans.write, device);
     crate::slots::narrow_checks::<B>(device, SPAN);

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use burn_core::tensor::{DType, Device, Int, Tensor, TensorData};
-use kvplan::canary::FailReasons;
+use kvplan::ops::FailReasons;
 use kvplan::reference::{Heads, paged_attention};
 use kvplan::{CanaryConfig, Error, PagedKv, PagedKvConfig, RequestId, StepInputs};
 
@@ -47,7 +47,7 @@ fn floats(tensor: Tensor<2>) -> Vec<f32> {
 }
 
 fn table(kv: &PagedKv) -> Vec<i64> {
-    kvplan::ops::data_to_i64(&kv.req_to_token().into_data())
+    kvplan::backend::data_to_i64(&kv.req_to_token().into_data())
 }
 
 /// The host's view of what each slot of each layer holds (K|V rows last stored there).
@@ -80,11 +80,11 @@ fn step(
     assert_eq!(inputs.tokens, tokens);
     let want_ids: Vec<i64> = ids.iter().flatten().map(|&id| i64::from(id)).collect();
     assert_eq!(
-        kvplan::ops::data_to_i64(&inputs.ids.into_data()),
+        kvplan::backend::data_to_i64(&inputs.ids.into_data()),
         want_ids,
         "ids"
     );
-    let positions = kvplan::ops::data_to_i64(&inputs.positions.into_data());
+    let positions = kvplan::backend::data_to_i64(&inputs.positions.into_data());
     let expected: Vec<i64> = windows
         .iter()
         .zip(&starts)
@@ -472,12 +472,14 @@ pub fn errors(device: &Device) {
         Tensor::<1, Int>::from_data(TensorData::new(values, [n]), (device, DType::I64))
     };
     let table = || Tensor::<2, Int>::zeros([2, 4], (device, DType::I64));
-    let options = kvplan::gather::GatherOptions::new().context("paged step");
-    let error = kvplan::gather::segment_gather(table(), int(vec![5]), None, int(vec![1]), &options)
+    let options = kvplan::ops::GatherOptions::new().context("paged step");
+    let error = kvplan::ops::segment_gather(table(), int(vec![5]), None, int(vec![1]), &options)
+        .and_then(|gathered| gathered.status.check())
         .unwrap_err();
     assert!(error.to_string().starts_with("paged step "), "{error}");
-    let options = kvplan::gather::GatherOptions::new();
-    let error = kvplan::gather::segment_gather(table(), int(vec![5]), None, int(vec![1]), &options)
+    let options = kvplan::ops::GatherOptions::new();
+    let error = kvplan::ops::segment_gather(table(), int(vec![5]), None, int(vec![1]), &options)
+        .and_then(|gathered| gathered.status.check())
         .unwrap_err();
     assert!(
         error
@@ -777,7 +779,7 @@ fn device_state(kv: &PagedKv) -> (DeviceState, [i64; 2]) {
 }
 
 fn ints(tensor: Tensor<1, Int>) -> Vec<u32> {
-    kvplan::ops::data_to_i64(&tensor.into_data())
+    kvplan::backend::data_to_i64(&tensor.into_data())
         .into_iter()
         .map(|v| v as u32)
         .collect()

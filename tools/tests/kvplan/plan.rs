@@ -2,7 +2,7 @@
 //! compared buffer-for-buffer with the host reference run on a host copy of the same prior state.
 
 use burn_core::tensor::DType;
-use kvplan::canary::{PlanInputs, StepPlan, read_plans};
+use kvplan::ops::{PlanInputs, StepPlan, read_plans};
 use kvplan::reference::{self, ExpectedTokens, PlanArgs, PlanBuffers, Table};
 use kvplan::{Error, KvPlanBackend};
 
@@ -209,11 +209,12 @@ impl<B: KvPlanBackend> Mirror<B> {
         let mut want = self.host.clone();
         let want_result = step.reference(&mut want);
         let got_result = match mode {
-            Mode::Checked => kvplan::canary::plan(&mut self.plans, inputs),
+            Mode::Checked => kvplan::ops::plan(&mut self.plans, inputs)
+                .and_then(|status| status.check().map(drop)),
             Mode::Deferred => {
-                let status = kvplan::canary::plan_deferred(&mut self.plans, inputs).unwrap_or_else(
-                    |error| panic!("{what}: deferred plan refused at once: {error}"),
-                );
+                let status = kvplan::ops::plan(&mut self.plans, inputs).unwrap_or_else(|error| {
+                    panic!("{what}: deferred plan refused at once: {error}")
+                });
                 // The plans are final before anyone looks at the status.
                 let before = self.read();
                 match &want_result {

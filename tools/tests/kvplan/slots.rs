@@ -1,4 +1,4 @@
-//! `segment_assign` and `store_kv` through the backend API (`kvplan::slots::backend`,
+//! `segment_assign` and `store_kv` through the backend API (`kvplan::generic`,
 //! `KvStore<B>`), against the host reference: random cases with poisoned outputs (every cell
 //! compared, written or not), every error kind with its exact facts in checked and deferred mode,
 //! outputs unchanged after an error, shared and strided inputs, the store's clock, and stores
@@ -7,12 +7,13 @@
 use burn_core::backend::tensor::IntTensor;
 use burn_core::backend::{TensorData, read_sync};
 use burn_core::tensor::DType;
+use kvplan::backend::{KvRows, StoreTargets};
 use kvplan::error::{Dims, Site};
-use kvplan::gather::GatherOptions;
-use kvplan::gather::backend::segment_gather_deferred;
-use kvplan::ops::{KvRows, StoreTargets};
+use kvplan::generic;
+use kvplan::generic::segment_gather;
+use kvplan::ops::GatherOptions;
+use kvplan::ops::KvStore;
 use kvplan::reference::{Segments, segment_assign, store_kv};
-use kvplan::slots::{KvStore, backend};
 use kvplan::{Error, KvPlanBackend};
 use kvplan_tools::conformance::check_file;
 use kvplan_tools::prim::read_prefix;
@@ -115,7 +116,7 @@ pub fn run_assign<B: KvPlanBackend>(case: &AssignCase, device: &B::Device, what:
     let want = case.reference();
     let [table, rpi, start, lengths, loc] = case.tensors::<B>(device);
     match (
-        backend::segment_assign::<B>(table, rpi, start, lengths, loc),
+        crate::common::checked_assign::<B>(table, rpi, start, lengths, loc),
         &want,
     ) {
         (Ok(table), Ok(want)) => assert_eq!(&values::<B>(table), want, "{what}: checked table"),
@@ -123,7 +124,7 @@ pub fn run_assign<B: KvPlanBackend>(case: &AssignCase, device: &B::Device, what:
         (got, want) => panic!("{what}: checked gave {:?}, want {want:?}", got.map(drop)),
     }
     let [table, rpi, start, lengths, loc] = case.tensors::<B>(device);
-    let assigned = backend::segment_assign_deferred::<B>(table, rpi, start, lengths, loc)
+    let assigned = generic::segment_assign::<B>(table, rpi, start, lengths, loc)
         .unwrap_or_else(|error| panic!("{what}: host rules pass, got {error}"));
     let table = values::<B>(assigned.req_to_token);
     match (assigned.status.check(), &want) {
@@ -275,15 +276,10 @@ pub fn assign_then_gather<B: KvPlanBackend>(device: &B::Device) {
     for (bs, rows, cols) in [(3, 4, 8), (64, 70, 32), (513, 600, 24)] {
         let case = random_assign(&mut rng, bs, rows, cols);
         let [table, rpi, start, lengths, loc] = case.tensors::<B>(device);
-        let assigned = backend::segment_assign_deferred::<B>(
-            table,
-            rpi.clone(),
-            start.clone(),
-            lengths.clone(),
-            loc,
-        )
-        .unwrap();
-        let gathered = segment_gather_deferred::<B>(
+        let assigned =
+            generic::segment_assign::<B>(table, rpi.clone(), start.clone(), lengths.clone(), loc)
+                .unwrap();
+        let gathered = segment_gather::<B>(
             assigned.req_to_token,
             rpi,
             Some(start),
@@ -422,7 +418,7 @@ pub fn assign_host_errors<B: KvPlanBackend>(device: &B::Device) {
         assert_eq!(got.err(), Some(want), "checked");
     };
     let run = |t: IntTensor<B>, rpi, start, lengths, loc, want: Error| {
-        let deferred = backend::segment_assign_deferred::<B>(
+        let deferred = generic::segment_assign::<B>(
             t.clone(),
             IntTensor::<B>::clone(&rpi),
             IntTensor::<B>::clone(&start),
@@ -431,7 +427,7 @@ pub fn assign_host_errors<B: KvPlanBackend>(device: &B::Device) {
         );
         assert_eq!(deferred.err(), Some(want.clone()), "deferred");
         expect(
-            backend::segment_assign::<B>(t, rpi, start, lengths, loc),
+            crate::common::checked_assign::<B>(t, rpi, start, lengths, loc),
             want,
         );
     };
@@ -494,7 +490,8 @@ pub fn assign_layouts<B: KvPlanBackend>(device: &B::Device) {
     let data: Vec<i64> = (0..24).map(|k| 100 + k).collect();
     let table = ints::<B, 2>(&data, [4, 6], DType::I32, device);
     let kept = table.clone();
-    let got = backend::segment_assign::<B>(table, l(&[2]), l(&[1]), l(&[2]), l(&[7, 8])).unwrap();
+    let got =
+        crate::common::checked_assign::<B>(table, l(&[2]), l(&[1]), l(&[2]), l(&[7, 8])).unwrap();
     let mut want = data.clone();
     want[13] = 7;
     want[14] = 8;
@@ -504,7 +501,8 @@ pub fn assign_layouts<B: KvPlanBackend>(device: &B::Device) {
     // [6, 4] transposed to [4, 6]: cell (r, c) lives at c * 4 + r.
     let transposed = int_transpose::<B>(ints::<B, 2>(&data, [6, 4], DType::I64, device));
     let got =
-        backend::segment_assign::<B>(transposed, l(&[3]), l(&[4]), l(&[2]), l(&[9, 10])).unwrap();
+        crate::common::checked_assign::<B>(transposed, l(&[3]), l(&[4]), l(&[2]), l(&[9, 10]))
+            .unwrap();
     let mut want: Vec<i64> = (0..24).map(|k| data[(k % 6) * 4 + k / 6]).collect();
     want[3 * 6 + 4] = 9;
     want[3 * 6 + 5] = 10;
@@ -513,7 +511,8 @@ pub fn assign_layouts<B: KvPlanBackend>(device: &B::Device) {
     // One row broadcast to four: only row 1 changes.
     let row = ints::<B, 2>(&data[..6], [1, 6], DType::I32, device);
     let broadcast = int_expand::<B, 2>(row, [4, 6]);
-    let got = backend::segment_assign::<B>(broadcast, l(&[1]), l(&[0]), l(&[1]), l(&[55])).unwrap();
+    let got =
+        crate::common::checked_assign::<B>(broadcast, l(&[1]), l(&[0]), l(&[1]), l(&[55])).unwrap();
     let mut want: Vec<i64> = (0..24).map(|k| data[k % 6]).collect();
     want[6] = 55;
     assert_eq!(values::<B>(got), want, "a broadcast table");
@@ -621,11 +620,11 @@ pub fn run_store<B: KvPlanBackend>(
     // The checked form consumes the cache on `Err`: a failing call is handed a clone.
     let kept = failing.then(|| current.clone());
     let got = if deferred {
-        let stored = backend::store_deferred::<B>(store, current, loc, values.primitive(device))
+        let stored = generic::store::<B>(store, current, loc, values.primitive(device))
             .unwrap_or_else(|error| panic!("{what}: host rules pass, got {error}"));
         (stored.cache, stored.status.check())
     } else {
-        match backend::store::<B>(store, current, loc, values.primitive(device)) {
+        match crate::common::checked_store::<B>(store, current, loc, values.primitive(device)) {
             Ok(cache) => (cache, Ok(values.shape[0])),
             Err(error) => (kept.expect("a failing call keeps its cache"), Err(error)),
         }
@@ -856,14 +855,9 @@ pub fn store_errors<B: KvPlanBackend>(device: &B::Device) {
     let l = |values: &[i64]| list::<B>(values, DType::I64, device);
     let mut store = KvStore::<B>::allocate_on(8, device).unwrap();
     let host = |loc: IntTensor<B>, values: KvRows<B>, want: Error, store: &mut KvStore<B>| {
-        let got = backend::store_deferred::<B>(
-            store,
-            cache.primitive(device),
-            loc.clone(),
-            values.clone(),
-        );
+        let got = generic::store::<B>(store, cache.primitive(device), loc.clone(), values.clone());
         assert_eq!(got.err(), Some(want.clone()), "deferred");
-        let got = backend::store::<B>(store, cache.primitive(device), loc, values);
+        let got = generic::store::<B>(store, cache.primitive(device), loc, values);
         assert_eq!(got.err(), Some(want), "checked");
     };
     host(
@@ -922,7 +916,7 @@ pub fn store_errors<B: KvPlanBackend>(device: &B::Device) {
     // Value rules with their facts; the caller's clone is never written.
     let primitive = cache.primitive::<B>(device);
     for (loc, want) in value_errors() {
-        let stored = backend::store_deferred::<B>(
+        let stored = generic::store::<B>(
             &mut store,
             primitive.clone(),
             l(&loc),
@@ -931,7 +925,7 @@ pub fn store_errors<B: KvPlanBackend>(device: &B::Device) {
         .unwrap();
         assert_eq!(stored.status.check(), Err(want.clone()), "deferred");
         assert_eq!(read_bytes::<B>(stored.cache), cache.bytes(), "unchanged");
-        let got = backend::store::<B>(
+        let got = crate::common::checked_store::<B>(
             &mut store,
             primitive.clone(),
             l(&loc),
@@ -939,7 +933,7 @@ pub fn store_errors<B: KvPlanBackend>(device: &B::Device) {
         );
         assert_eq!(got.err(), Some(want), "checked");
     }
-    let stored = backend::store::<B>(
+    let stored = crate::common::checked_store::<B>(
         &mut store,
         primitive.clone(),
         l(&[2]),
@@ -1114,7 +1108,9 @@ pub fn store_layouts<B: KvPlanBackend>(device: &B::Device) {
         DType::I32,
         device,
     )));
-    let got = backend::store::<B>(&mut store, cache.primitive(device), l(&[4, 9]), values).unwrap();
+    let got =
+        crate::common::checked_store::<B>(&mut store, cache.primitive(device), l(&[4, 9]), values)
+            .unwrap();
     let mut want = cache.clone();
     for (slot, i) in [(4, 0), (9, 1)] {
         for c in 0..3 {
@@ -1128,7 +1124,7 @@ pub fn store_layouts<B: KvPlanBackend>(device: &B::Device) {
         ints::<B, 2>(&big, [5, 3], DType::I32, device),
         &[2..4, 0..3],
     );
-    let got = backend::store::<B>(
+    let got = crate::common::checked_store::<B>(
         &mut store,
         want.primitive(device),
         l(&[1, 0]),
@@ -1144,7 +1140,7 @@ pub fn store_layouts<B: KvPlanBackend>(device: &B::Device) {
     // One value per slot.
     let flat = Rows::random(&mut rng, DType::F16, vec![16]);
     let values = Rows::random(&mut rng, DType::F16, vec![3]);
-    let got = backend::store::<B>(
+    let got = crate::common::checked_store::<B>(
         &mut store,
         flat.primitive(device),
         l(&[0, 15, 0]),
@@ -1199,7 +1195,7 @@ pub fn device_errors<B: KvPlanBackend>(device: &B::Device, other: &B::Device) {
     };
     let l = |values: &[i64], on: &B::Device| list::<B>(values, DType::I64, on);
     let table = ints::<B, 2>(&[0; 24], [4, 6], DType::I32, device);
-    let got = backend::segment_assign::<B>(
+    let got = generic::segment_assign::<B>(
         table,
         l(&[1], device),
         l(&[0], device),
@@ -1210,7 +1206,7 @@ pub fn device_errors<B: KvPlanBackend>(device: &B::Device, other: &B::Device) {
     let mut store = KvStore::<B>::allocate_on(8, device).unwrap();
     let cache = Rows::random(&mut Rng::new(1), DType::F32, vec![8, 2]);
     let values = Rows::random(&mut Rng::new(2), DType::F32, vec![1, 2]);
-    let got = backend::store::<B>(
+    let got = generic::store::<B>(
         &mut store,
         cache.primitive(device),
         l(&[1], other),
@@ -1218,7 +1214,7 @@ pub fn device_errors<B: KvPlanBackend>(device: &B::Device, other: &B::Device) {
     );
     assert_eq!(got.err(), Some(want(STORE, "loc")));
     // Everything on the other device but the store (its scratch).
-    let got = backend::store::<B>(
+    let got = generic::store::<B>(
         &mut store,
         cache.primitive(other),
         l(&[1], other),
@@ -1249,9 +1245,8 @@ pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
     };
     let l = |values: &[i64]| list::<B>(values, DType::I64, device);
     let table = ints::<B, 2>(&vec![7; 2 * span], [2, span], DType::I32, device);
-    let assigned =
-        backend::segment_assign_deferred::<B>(table, l(&[1]), l(&[0]), l(&[2]), l(&[5, 6]))
-            .expect("host rules pass: the refusal is the launch's");
+    let assigned = generic::segment_assign::<B>(table, l(&[1]), l(&[0]), l(&[2]), l(&[5, 6]))
+        .expect("host rules pass: the refusal is the launch's");
     refused(assigned.status.check(), "segment_assign");
     assert_eq!(
         values::<B>(assigned.req_to_token),
@@ -1261,7 +1256,7 @@ pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
     let mut store = KvStore::<B>::allocate_on(span, device).unwrap();
     let cache = Rows::random(&mut Rng::new(3), DType::F32, vec![span, 2]);
     let rows = Rows::random(&mut Rng::new(4), DType::F32, vec![1, 2]);
-    let stored = backend::store_deferred::<B>(
+    let stored = generic::store::<B>(
         &mut store,
         cache.primitive(device),
         l(&[1]),
@@ -1307,6 +1302,7 @@ pub fn narrow_checks<B: KvPlanBackend>(device: &B::Device, span: usize) {
     refused(slots.status().check(), "a store through checked slots");
     // Within the span both run.
     let small = ints::<B, 2>(&[0; 8], [2, 4], DType::I32, device);
-    let got = backend::segment_assign::<B>(small, l(&[1]), l(&[1]), l(&[2]), l(&[5, 6])).unwrap();
+    let got =
+        crate::common::checked_assign::<B>(small, l(&[1]), l(&[1]), l(&[2]), l(&[5, 6])).unwrap();
     assert_eq!(values::<B>(got), vec![0, 0, 0, 0, 0, 5, 6, 0]);
 }

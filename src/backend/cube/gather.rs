@@ -21,8 +21,8 @@ use super::{
 };
 use burn_cubecl::CubeBackend;
 
-use crate::ops::GatherPrimitive;
-use crate::ops::host::gather_output;
+use crate::backend::GatherPrimitive;
+use crate::backend::host::gather_output;
 
 /// Segment gather cubes per streaming multiprocessor, at most. The kernel's 40 registers let 6
 /// of its cubes stay resident; on the H200 4 per SM were fastest ((4096, 2048): 22.8 us against

@@ -14,7 +14,7 @@ use super::{
 };
 use burn_cubecl::CubeBackend;
 
-use crate::ops::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
+use crate::backend::{PlanInputsPrimitive, PlanOutput, VerifyPlanPrimitive, WritePlanPrimitive};
 
 /// Cubes per streaming multiprocessor of a lone tile (bs <= 256), at most. Each of its cubes
 /// scans the whole tile and bisects it for its entries' holders; past two per SM that repeated
@@ -271,5 +271,5 @@ fn refused(
     write: WritePlanPrimitive<CubeBackend>,
     error: crate::Error,
 ) -> PlanOutput<CubeBackend> {
-    crate::ops::host::refused_plan::<CubeBackend>(verify, write, error)
+    crate::backend::host::refused_plan::<CubeBackend>(verify, write, error)
 }

@@ -18,7 +18,7 @@ use super::{
     CUBES_PER_SM, address_type, bindable, contiguous, dims2, fixed_planes, grid, output_i64,
     resident_cubes, storage, stride, upload_i64, widened, writable,
 };
-use crate::ops::{
+use crate::backend::{
     AssignPrimitive, KvRows, StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets,
     StoreWritePrimitive,
 };
@@ -55,7 +55,7 @@ pub(crate) fn segment_assign(
     let (rows, cols) = dims2(&req_to_token);
     let requests = req_pool_indices.shape()[0];
     let slots = out_cache_loc.shape()[0];
-    let slot_max = crate::ops::slot_max(req_to_token.dtype);
+    let slot_max = crate::backend::slot_max(req_to_token.dtype);
     let table = owned(req_to_token);
     let status = output_i64(&table, STATUS_LEN);
     let offsets = output_i64(&table, requests + 1);

@@ -10,11 +10,10 @@ use burn_core::backend::tensor::FloatTensor;
 use burn_core::backend::{Autodiff, AutodiffBackend, Backend};
 
 use super::{
-    AssignPrimitive, AttendedKvPrimitive, AttendedPrimitive, CanaryLaunchPrimitive,
-    CanaryPrimitive, GatherPrimitive, KeyRunsPrimitive, KvBytes, KvPlanBackend, KvRows,
-    NewRowsPrimitive, OptionalInt, PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive,
-    StoreScratchPrimitive, StoreTargets, StoreWritePrimitive, VerifyPlanPrimitive,
-    WriteInputsPrimitive, WritePlanPrimitive,
+    AssignPrimitive, AttendedPrimitive, CanaryLaunchPrimitive, CanaryPrimitive, GatherPrimitive,
+    KeyRunsPrimitive, KvBytes, KvPlanBackend, KvRows, NewRowsPrimitive, OptionalInt,
+    PlanInputsPrimitive, PlanOutput, StoreCheckPrimitive, StoreScratchPrimitive, StoreTargets,
+    StoreWritePrimitive, VerifyPlanPrimitive, WriteInputsPrimitive, WritePlanPrimitive,
 };
 
 impl KvPlanBackend for Flex {}
@@ -131,65 +130,23 @@ impl KvPlanBackend for burn_cubecl::CubeBackend {
 
     fn paged_attention(
         q: burn_cubecl::tensor::CubeTensor,
-        k_pool: burn_cubecl::tensor::CubeTensor,
-        v_pool: burn_cubecl::tensor::CubeTensor,
-        slots: burn_cubecl::tensor::CubeTensor,
-        runs: burn_cubecl::tensor::CubeTensor,
-        heads: usize,
-    ) -> burn_cubecl::tensor::CubeTensor {
-        super::cube::paged_attention(q, k_pool, v_pool, [slots, runs], heads)
-    }
-
-    fn paged_attention_kv(
-        q: burn_cubecl::tensor::CubeTensor,
         kv_pool: burn_cubecl::tensor::CubeTensor,
         slots: burn_cubecl::tensor::CubeTensor,
         runs: burn_cubecl::tensor::CubeTensor,
         heads: usize,
     ) -> burn_cubecl::tensor::CubeTensor {
-        super::cube::paged_attention_kv(q, kv_pool, [slots, runs], heads)
+        super::cube::paged_attention(q, kv_pool, [slots, runs], heads)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn store_and_attend(
-        q: burn_cubecl::tensor::CubeTensor,
-        k_pool: burn_cubecl::tensor::CubeTensor,
-        v_pool: burn_cubecl::tensor::CubeTensor,
-        k: burn_cubecl::tensor::CubeTensor,
-        v: burn_cubecl::tensor::CubeTensor,
-        rows: NewRowsPrimitive<Self>,
-        slots: burn_cubecl::tensor::CubeTensor,
-        runs: burn_cubecl::tensor::CubeTensor,
-        heads: usize,
-    ) -> AttendedPrimitive<Self> {
-        let tensors = [q, k_pool, v_pool, k, v];
-        super::cube::store_and_attend(tensors, rows, [slots, runs], heads)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn store_qk_and_attend(
-        qk: burn_cubecl::tensor::CubeTensor,
-        k_pool: burn_cubecl::tensor::CubeTensor,
-        v_pool: burn_cubecl::tensor::CubeTensor,
-        v: burn_cubecl::tensor::CubeTensor,
-        rows: NewRowsPrimitive<Self>,
-        slots: burn_cubecl::tensor::CubeTensor,
-        runs: burn_cubecl::tensor::CubeTensor,
-        heads: usize,
-    ) -> AttendedPrimitive<Self> {
-        let tensors = [qk, k_pool, v_pool, v];
-        super::cube::store_qk_and_attend(tensors, rows, [slots, runs], heads)
-    }
-
-    fn store_qkv_and_attend(
         qkv: burn_cubecl::tensor::CubeTensor,
         kv_pool: burn_cubecl::tensor::CubeTensor,
         rows: NewRowsPrimitive<Self>,
         slots: burn_cubecl::tensor::CubeTensor,
         runs: burn_cubecl::tensor::CubeTensor,
         heads: usize,
-    ) -> AttendedKvPrimitive<Self> {
-        super::cube::store_qkv_and_attend([qkv, kv_pool], rows, [slots, runs], heads)
+    ) -> AttendedPrimitive<Self> {
+        super::cube::store_and_attend([qkv, kv_pool], rows, [slots, runs], heads)
     }
 }
 
@@ -478,31 +435,13 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
 
     fn paged_attention(
         q: FloatTensor<Self>,
-        k_pool: FloatTensor<Self>,
-        v_pool: FloatTensor<Self>,
-        slots: B::IntTensorPrimitive,
-        runs: B::IntTensorPrimitive,
-        heads: usize,
-    ) -> FloatTensor<Self> {
-        // The pools are constants; no gradient flows through the attention (inference only).
-        Autodiff::<B, C>::from_inner(B::paged_attention(
-            q.into_primitive(),
-            k_pool.into_primitive(),
-            v_pool.into_primitive(),
-            slots,
-            runs,
-            heads,
-        ))
-    }
-
-    fn paged_attention_kv(
-        q: FloatTensor<Self>,
         kv_pool: FloatTensor<Self>,
         slots: B::IntTensorPrimitive,
         runs: B::IntTensorPrimitive,
         heads: usize,
     ) -> FloatTensor<Self> {
-        Autodiff::<B, C>::from_inner(B::paged_attention_kv(
+        // The pool is a constant; no gradient flows through the attention (inference only).
+        Autodiff::<B, C>::from_inner(B::paged_attention(
             q.into_primitive(),
             kv_pool.into_primitive(),
             slots,
@@ -511,13 +450,9 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
         ))
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn store_and_attend(
-        q: FloatTensor<Self>,
-        k_pool: FloatTensor<Self>,
-        v_pool: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
+        qkv: FloatTensor<Self>,
+        kv_pool: FloatTensor<Self>,
         rows: NewRowsPrimitive<Self>,
         slots: B::IntTensorPrimitive,
         runs: B::IntTensorPrimitive,
@@ -525,52 +460,6 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
     ) -> AttendedPrimitive<Self> {
         // As the store and the attention alone: constants, no gradient (inference only).
         let inner = B::store_and_attend(
-            q.into_primitive(),
-            k_pool.into_primitive(),
-            v_pool.into_primitive(),
-            k.into_primitive(),
-            v.into_primitive(),
-            inner_rows(rows),
-            slots,
-            runs,
-            heads,
-        );
-        outer_attended(inner)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn store_qk_and_attend(
-        qk: FloatTensor<Self>,
-        k_pool: FloatTensor<Self>,
-        v_pool: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        rows: NewRowsPrimitive<Self>,
-        slots: B::IntTensorPrimitive,
-        runs: B::IntTensorPrimitive,
-        heads: usize,
-    ) -> AttendedPrimitive<Self> {
-        let inner = B::store_qk_and_attend(
-            qk.into_primitive(),
-            k_pool.into_primitive(),
-            v_pool.into_primitive(),
-            v.into_primitive(),
-            inner_rows(rows),
-            slots,
-            runs,
-            heads,
-        );
-        outer_attended(inner)
-    }
-
-    fn store_qkv_and_attend(
-        qkv: FloatTensor<Self>,
-        kv_pool: FloatTensor<Self>,
-        rows: NewRowsPrimitive<Self>,
-        slots: B::IntTensorPrimitive,
-        runs: B::IntTensorPrimitive,
-        heads: usize,
-    ) -> AttendedKvPrimitive<Self> {
-        let inner = B::store_qkv_and_attend(
             qkv.into_primitive(),
             kv_pool.into_primitive(),
             inner_rows(rows),
@@ -578,7 +467,7 @@ impl<B: KvPlanBackend, C: CheckpointStrategy> KvPlanBackend for Autodiff<B, C> {
             runs,
             heads,
         );
-        AttendedKvPrimitive {
+        AttendedPrimitive {
             out: Autodiff::<B, C>::from_inner(inner.out),
             kv_pool: Autodiff::<B, C>::from_inner(inner.kv_pool),
         }
@@ -593,16 +482,5 @@ fn inner_rows<B: Backend, C: CheckpointStrategy>(
         loc: rows.loc,
         status: rows.status,
         claims: rows.claims,
-    }
-}
-
-/// The inner backend's store-and-attend result under Autodiff.
-fn outer_attended<B: Backend, C: CheckpointStrategy>(
-    inner: AttendedPrimitive<B>,
-) -> AttendedPrimitive<Autodiff<B, C>> {
-    AttendedPrimitive {
-        out: Autodiff::<B, C>::from_inner(inner.out),
-        k_pool: Autodiff::<B, C>::from_inner(inner.k_pool),
-        v_pool: Autodiff::<B, C>::from_inner(inner.v_pool),
     }
 }

@@ -325,8 +325,7 @@ pub struct StoreWritePrimitive<B: Backend> {
     pub status: IntTensor<B>,
 }
 
-/// The checked slots a layer's new K and V rows are stored at, for `store_and_attend` and its
-/// forms. The status is read, never written: the op runs only where it cannot be refused.
+/// The checked slots a layer's new K and V rows are stored at, for `store_and_attend`. The status is read, never written: the op runs only where it cannot be refused.
 #[derive(ExtensionType, Debug, Clone)]
 #[extension_type(fusion: cfg(feature = "fusion"))]
 pub struct NewRowsPrimitive<B: Backend> {
@@ -339,22 +338,10 @@ pub struct NewRowsPrimitive<B: Backend> {
     pub claims: IntTensor<B>,
 }
 
-/// The device-side result of a store followed by the attention over the pools it wrote.
-#[derive(ExtensionType, Debug, Clone)]
-#[extension_type(fusion: cfg(feature = "fusion"))]
-pub struct AttendedPrimitive<B: Backend> {
-    /// The attention's output, `[tokens, heads * head_dim]`.
-    pub out: FloatTensor<B>,
-    /// The K pool: written in place where its buffer was unique; as it was after an error.
-    pub k_pool: FloatTensor<B>,
-    /// The V pool, likewise.
-    pub v_pool: FloatTensor<B>,
-}
-
 /// The device-side result of a store into a joined pool followed by the attention over it.
 #[derive(ExtensionType, Debug, Clone)]
 #[extension_type(fusion: cfg(feature = "fusion"))]
-pub struct AttendedKvPrimitive<B: Backend> {
+pub struct AttendedPrimitive<B: Backend> {
     /// The attention's output, `[tokens, heads * head_dim]`.
     pub out: FloatTensor<B>,
     /// The joined pool: written in place where its buffer was unique; as it was after an error.
@@ -533,28 +520,14 @@ pub trait KvPlanBackend: Backend {
         host::check_key_runs::<Self>(slots, starts, counts, pool_rows)
     }
 
-    /// Paged attention: each row `t` of `q` (`heads` query heads) attends over the K/V pools' rows
-    /// at `slots[start_t .. start_t + count_t]`, the start and count of `runs` (the runs' check,
-    /// `check_key_runs`), scaled by `1 / sqrt(head_dim)`; query heads share K/V heads in groups.
-    /// On an error the runs' status holds, the output is NaN. The host rules have been checked by
-    /// the caller.
-    #[fusion(meta = |q, _k, _v, _slots, _runs, _heads| q.clone())]
-    fn paged_attention(
-        q: FloatTensor<Self>,
-        k_pool: FloatTensor<Self>,
-        v_pool: FloatTensor<Self>,
-        slots: IntTensor<Self>,
-        runs: IntTensor<Self>,
-        heads: usize,
-    ) -> FloatTensor<Self> {
-        host::paged_attention::<Self>(q, k_pool, v_pool, [slots, runs], heads)
-    }
-
-    /// `paged_attention` over a joined pool `kv_pool` `[pool_rows, 2 * kv_heads * head_dim]`:
-    /// each row a slot's K, then its V (one tensor for the op to bind where a layer's K and V
-    /// pools are two). The host rules have been checked by the caller.
+    /// Paged attention: each row `t` of `q` (`heads` query heads) attends over the rows of the
+    /// joined pool `kv_pool` `[pool_rows, 2 * kv_heads * head_dim]` (each row a slot's K, then its
+    /// V) at `slots[start_t .. start_t + count_t]`, the start and count of `runs` (the runs'
+    /// check, `check_key_runs`), scaled by `1 / sqrt(head_dim)`; query heads share K/V heads in
+    /// groups. On an error the runs' status holds, the output is NaN. The host rules have been
+    /// checked by the caller.
     #[fusion(meta = |q, _kv_pool, _slots, _runs, _heads| q.clone())]
-    fn paged_attention_kv(
+    fn paged_attention(
         q: FloatTensor<Self>,
         kv_pool: FloatTensor<Self>,
         slots: IntTensor<Self>,
@@ -563,98 +536,32 @@ pub trait KvPlanBackend: Backend {
     ) -> FloatTensor<Self> {
         let kv_cols = kv_pool.shape()[1] / 2;
         let [k_pool, v_pool] = host::split_columns::<Self>(kv_pool, kv_cols);
-        Self::paged_attention(q, k_pool, v_pool, slots, runs, heads)
+        host::paged_attention::<Self>(q, k_pool, v_pool, [slots, runs], heads)
     }
 
-    /// A layer's new K and V rows stored at their slots (`store_rows` with the pair), then the
-    /// paged attention of `q` over the pools they were stored in (`paged_attention`), as one op.
-    /// The Cube backend reads the keys this store writes from the new rows, through the claims
-    /// and the check's first clock value (in its status), and makes both in one launch. The host rules
-    /// of both have been checked by the caller, and it calls the op only where its launch cannot
-    /// be refused (`OneLaunch`): the slots' status is read, not handed back.
-    #[fusion(meta = |q, k_pool, v_pool, _k, _v, _rows, _slots, _runs, _heads| AttendedPrimitiveMetadata {
-        out: q.clone(),
-        k_pool: k_pool.clone(),
-        v_pool: v_pool.clone(),
-    })]
-    #[allow(clippy::too_many_arguments)]
-    fn store_and_attend(
-        q: FloatTensor<Self>,
-        k_pool: FloatTensor<Self>,
-        v_pool: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        #[extension_type] rows: NewRowsPrimitive<Self>,
-        slots: IntTensor<Self>,
-        runs: IntTensor<Self>,
-        heads: usize,
-    ) -> AttendedPrimitive<Self> {
-        let written = Self::store_rows(
-            StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)),
-            StoreTargets::Pair(KvRows::Float(k), KvRows::Float(v)),
-            rows.loc,
-            rows.status,
-        );
-        let StoreTargets::Pair(KvRows::Float(k_pool), KvRows::Float(v_pool)) = written.caches
-        else {
-            unreachable!("a write hands back the targets it was given");
-        };
-        let out = Self::paged_attention(q, k_pool.clone(), v_pool.clone(), slots, runs, heads);
-        AttendedPrimitive {
-            out,
-            k_pool,
-            v_pool,
-        }
-    }
-
-    /// `store_and_attend` with the queries and the new K rows side by side in one tensor, `qk`
-    /// `[N, heads * head_dim + K pool columns]`, as one fused projection makes them: one tensor
-    /// fewer for the op to bind. Both are views of `qk` where the backend makes views.
-    #[fusion(meta = |qk, k_pool, v_pool, _v, _rows, _slots, _runs, _heads| AttendedPrimitiveMetadata {
-        out: TensorSpec::new(
-            [qk.shape[0], qk.shape[1] - k_pool.shape[1]].into(),
-            qk.dtype,
-        ),
-        k_pool: k_pool.clone(),
-        v_pool: v_pool.clone(),
-    })]
-    #[allow(clippy::too_many_arguments)]
-    fn store_qk_and_attend(
-        qk: FloatTensor<Self>,
-        k_pool: FloatTensor<Self>,
-        v_pool: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        #[extension_type] rows: NewRowsPrimitive<Self>,
-        slots: IntTensor<Self>,
-        runs: IntTensor<Self>,
-        heads: usize,
-    ) -> AttendedPrimitive<Self> {
-        let q_cols = qk.shape()[1] - k_pool.shape()[1];
-        let [q, k] = host::split_columns::<Self>(qk, q_cols);
-        Self::store_and_attend(q, k_pool, v_pool, k, v, rows, slots, runs, heads)
-    }
-
-    /// The store and the attention over a joined pool `kv_pool` `[rows, 2 * kv_heads * head_dim]`
-    /// (each row a slot's K, then its V), the queries, new K rows and new V rows side by side in
-    /// `qkv` `[N, heads * head_dim + kv_pool columns]`: each new row's K and V are the last
-    /// columns of `qkv`, stored whole at its slot. Two tensors for the op to bind where the split
-    /// form binds five.
-    #[fusion(meta = |qkv, kv_pool, _rows, _slots, _runs, _heads| AttendedKvPrimitiveMetadata {
+    /// A layer's new rows stored at their slots of the joined pool (`store_rows`), then the paged
+    /// attention over it (`paged_attention`), as one op: the queries, new K rows and new V rows
+    /// side by side in `qkv` `[N, heads * head_dim + kv_pool columns]`, each new row's K and V
+    /// (its last `kv_pool` columns) stored whole at its slot. The Cube backend reads the keys this
+    /// store writes from the new rows, through the claims and the check's first clock value (in
+    /// its status), and makes both in one launch. The host rules of both have been checked by the
+    /// caller, and it calls the op only where its launch cannot be refused (`OneLaunch`): the
+    /// slots' status is read, not handed back.
+    #[fusion(meta = |qkv, kv_pool, _rows, _slots, _runs, _heads| AttendedPrimitiveMetadata {
         out: TensorSpec::new(
             [qkv.shape[0], qkv.shape[1] - kv_pool.shape[1]].into(),
             qkv.dtype,
         ),
         kv_pool: kv_pool.clone(),
     })]
-    #[allow(clippy::too_many_arguments)]
-    fn store_qkv_and_attend(
+    fn store_and_attend(
         qkv: FloatTensor<Self>,
         kv_pool: FloatTensor<Self>,
         #[extension_type] rows: NewRowsPrimitive<Self>,
         slots: IntTensor<Self>,
         runs: IntTensor<Self>,
         heads: usize,
-    ) -> AttendedKvPrimitive<Self> {
+    ) -> AttendedPrimitive<Self> {
         let q_cols = qkv.shape()[1] - kv_pool.shape()[1];
         let [q, kv] = host::split_columns::<Self>(qkv, q_cols);
         let written = Self::store_rows(
@@ -666,8 +573,8 @@ pub trait KvPlanBackend: Backend {
         let StoreTargets::One(KvRows::Float(kv_pool)) = written.caches else {
             unreachable!("a write hands back the targets it was given");
         };
-        let out = Self::paged_attention_kv(q, kv_pool.clone(), slots, runs, heads);
-        AttendedKvPrimitive { out, kv_pool }
+        let out = Self::paged_attention(q, kv_pool.clone(), slots, runs, heads);
+        AttendedPrimitive { out, kv_pool }
     }
 
     /// Values `offset..offset + len` of a contiguous 1-D i64 tensor (a gather's output, a

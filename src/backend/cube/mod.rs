@@ -16,10 +16,7 @@ use cubecl::client::Client;
 use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
-pub(crate) use attention::{
-    check_key_runs, launch_traits, paged_attention, paged_attention_kv, store_and_attend,
-    store_qk_and_attend, store_qkv_and_attend,
-};
+pub(crate) use attention::{check_key_runs, launch_traits, paged_attention, store_and_attend};
 pub(crate) use canary::{canary_verify, canary_write};
 pub(crate) use gather::{masked_gather, segment_gather};
 pub(crate) use plan::canary_plan;

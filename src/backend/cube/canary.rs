@@ -17,11 +17,11 @@ use super::{
 };
 use burn_cubecl::CubeBackend;
 
-use crate::layout::SourceLayout;
-use crate::ops::{
+use crate::backend::{
     CanaryLaunchPrimitive, CanaryPrimitive, KvBytes, OptionalInt, VerifyPlanPrimitive,
     WriteInputsPrimitive, WritePlanPrimitive,
 };
+use crate::layout::SourceLayout;
 use crate::reference::RealKvHashMode;
 
 type Launch = CanaryLaunchPrimitive<CubeBackend>;
@@ -394,7 +394,7 @@ impl Shape3 {
 
 /// A launch the device cannot run: a zeroed canary holding the failure.
 fn refused(canary: &Shape3, error: crate::Error) -> CanaryPrimitive<CubeBackend> {
-    crate::ops::host::failed_canary::<CubeBackend>(
+    crate::backend::host::failed_canary::<CubeBackend>(
         canary.num_slots,
         canary.slot_words,
         canary.ring_capacity,
