@@ -74,8 +74,10 @@ impl LlamaConfig {
     }
 }
 
-/// One transformer block's weights; matrices are stored `[in, out]` so that `x.matmul(w)` applies them,
-/// and each RMSNorm's weight is folded into the rows of the matrices that read its output.
+/// One transformer block's weights: each matrix `[in, out]` as `x.matmul(w)` applies it, a
+/// transposed view of its `[out, in]` rows (the layout GPU vector-matrix kernels read fastest:
+/// each output a dot product over contiguous weights), and each RMSNorm's weight folded into the
+/// matrices that read its output.
 struct Block {
     /// Q, K and V projections side by side, then Q and K again with the columns of each RoPE
     /// pair swapped: one matmul yields Q, K, V and the swapped Q, K that RoPE mixes in.
@@ -93,8 +95,8 @@ pub struct Llama {
     device: Device,
     embed: Tensor<2>,
     blocks: Vec<Block>,
-    /// The LM head, `[hidden, vocab]` (the tied embedding, transposed once), the final norm's
-    /// weight folded in.
+    /// The LM head, `[hidden, vocab]` (a view of the `[vocab, hidden]` rows: the tied embedding),
+    /// the final norm's weight folded in.
     lm_head: Tensor<2>,
     /// RoPE per position and column of `[q | k | v]`: `[context_length, (heads + 2 * kv_heads) *
     /// head_dim]`; in each Q and K head `cos` of the pair's angle in both columns, `sin` as `-sin,
@@ -136,8 +138,8 @@ impl Llama {
         let upload = |data: Vec<f32>, shape: [usize; 2]| -> Tensor<2> {
             Tensor::from_data(TensorData::new(data, shape), (device, dtype))
         };
-        // GGUF stores torch `[out, in]` matrices; `x.matmul(w)` wants `[in, out]`, and matrices
-        // that read the same input go side by side (one matmul instead of two or three).
+        // GGUF stores torch `[out, in]` matrices, kept so: `x.matmul(w)` takes their transposed
+        // view. Matrices that read the same input are stacked (one matmul instead of two or three).
         let read = |names: &[(String, usize)], inner: usize| -> Result<Vec<(Vec<f32>, usize)>> {
             names
                 .iter()
@@ -146,7 +148,8 @@ impl Llama {
         };
         let side_by_side = |parts: &[(Vec<f32>, usize)], inner: usize| -> Tensor<2> {
             let width: usize = parts.iter().map(|(_, out)| out).sum();
-            upload(side_by_side_transposed(parts, inner), [inner, width])
+            let rows = parts.iter().flat_map(|(rows, _)| rows).copied().collect();
+            upload(rows, [width, inner]).transpose()
         };
         let matrices = |names: &[(String, usize)], inner: usize| -> Result<Tensor<2>> {
             Ok(side_by_side(&read(names, inner)?, inner))
@@ -345,18 +348,3 @@ fn rope_tables(config: &LlamaConfig, device: &Device, dtype: DType) -> (Tensor<2
     (table(cos), table(sin))
 }
 
-/// Row-major `[inner, sum of outs]`: each `[out, inner]` part transposed, the parts side by side.
-fn side_by_side_transposed(parts: &[(Vec<f32>, usize)], inner: usize) -> Vec<f32> {
-    let width: usize = parts.iter().map(|(_, out)| out).sum();
-    let mut data = vec![0.0; inner * width];
-    let mut column = 0;
-    for (part, out) in parts {
-        for o in 0..*out {
-            for i in 0..inner {
-                data[i * width + column + o] = part[o * inner + i];
-            }
-        }
-        column += out;
-    }
-    data
-}
