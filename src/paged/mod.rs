@@ -58,9 +58,9 @@ const RECORD_ALIGN: usize = 64;
 const CANARY_RECORD_BYTES: usize = 32;
 /// Real-KV sources a canary launch folds at most.
 const MAX_FINGERPRINTED_LAYERS: usize = 4;
-/// A capture runs a step's device half this many times (Burn's warm-up runs, then the recorded
-/// one): the store's clock must have room for all of them.
-const CAPTURE_RUNS: u64 = 4;
+/// A capture runs a step's device half this many times (Burn's three warm-up runs, the recorded
+/// one, and one replay that fills the graph's outputs): the store's clock must have room for all.
+const CAPTURE_RUNS: u64 = 5;
 
 static NEXT_INSTANCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -524,6 +524,13 @@ impl PagedKv {
     /// The requests held, in the order they were added.
     pub fn requests(&self) -> impl Iterator<Item = RequestId> + '_ {
         self.requests.keys().copied()
+    }
+
+    /// Moves the store's clock on as if `tokens` more tokens had been stored (tests of its end:
+    /// the next step starts it again on fresh scratch).
+    #[doc(hidden)]
+    pub fn advance_clock(&mut self, tokens: u64) {
+        self.store.advance_clock(tokens);
     }
 
     /// KV slots free now (of `config.slots`).
@@ -991,7 +998,15 @@ impl PagedKv {
         });
         let device = self.device.clone();
         target.set(self);
-        let graph = burn_core::tensor::capture(&device, closure);
+        let mut graph = burn_core::tensor::capture(&device, closure);
+        if graph.is_hardware() {
+            // The recorded run only recorded: its outputs are buffers no kernel has written yet
+            // (they hold whatever the pool's memory held). One replay writes them; the step's
+            // device half runs again on the same record, which leaves the same state.
+            // SAFETY: as in `replay`: this `PagedKv`'s buffers and the staged record, on the
+            // capture's stream and thread.
+            unsafe { graph.replay() };
+        }
         target.set(std::ptr::null_mut());
         self.staged = None;
         let report = self.read_output(graph.output())?;

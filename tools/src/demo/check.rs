@@ -324,7 +324,7 @@ impl CrossCheck {
         };
         match reference::plan(&swa_args, &mut self.swa) {
             Ok(()) => {
-                tally.plan(n, "plan_deferred [swa]", &self.swa, &got.swa_plan, batch);
+                tally.plan(n, "plan [swa]", &self.swa, &got.swa_plan, batch);
                 // Every token inside a window still has its SWA slot: the scheduler's eviction
                 // never outruns the plan.
                 let valid = usize::try_from(self.swa.verify_num_valid).unwrap_or(0);
@@ -334,7 +334,7 @@ impl CrossCheck {
                     .count();
                 tally.scalar(n, "trace", "SWA verify slots already evicted", 0, evicted);
             }
-            Err(error) => tally.reference_error(n, "plan_deferred [swa]", error),
+            Err(error) => tally.reference_error(n, "plan [swa]", error),
         }
     }
 

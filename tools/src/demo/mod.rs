@@ -59,11 +59,9 @@ pub fn run(backend: Option<BackendName>, inject_corruption: bool) -> Result<Exit
     println!();
     print!("{}", outcome.timings.table());
     println!(
-        "(host wall time per call: exact-mode gathers and `plan` include their one status read-back;"
+        "(host wall time per call: the `+ check` rows include their one status read-back; the"
     );
-    println!(
-        " deferred gathers and `plan_deferred` are launch + sync, their status.check() has its own row)"
-    );
+    println!(" others are launch + sync, their status.check() has its own row)");
     let check = &outcome.check;
     println!(
         "trace ran in {:.2} s; {} values compared with the reference; the full-group verify plan \

@@ -6,17 +6,17 @@ use std::time::Duration;
 /// The timed public calls of one step, in table order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
-    /// `masked_gather` on the draft window (exact mode: includes its status read-back).
+    /// `masked_gather` on the draft window, its status read back (the exact slots).
     MaskedGather,
-    /// `masked_gather` on the draft window, launch + `B::sync`.
+    /// `masked_gather` on the draft window into a capacity, launch + `B::sync`.
     MaskedGatherCapacity,
-    /// `segment_gather` on the accepted suffix (exact mode: includes its status read-back).
+    /// `segment_gather` on the accepted suffix, its status read back (the exact slots).
     SegmentGather,
-    /// `segment_gather` on the accepted suffix, launch + `B::sync`.
+    /// `segment_gather` on the accepted suffix into a capacity, launch + `B::sync`.
     SegmentGatherCapacity,
-    /// `plan` for the full group (checked: includes its status read-back).
+    /// `plan` for the full group, its status read back.
     PlanFull,
-    /// `plan_deferred` for the SWA group, launch + `B::sync`.
+    /// `plan` for the SWA group, launch + `B::sync` (its status read with the others).
     PlanDeferredSwa,
     /// `status.check()` of the three capacity/deferred calls above (one transfer each).
     StatusCheck,
@@ -42,12 +42,12 @@ impl Op {
     /// The name in the table and in error messages.
     pub fn name(self) -> &'static str {
         match self {
-            Op::MaskedGather => "masked_gather",
-            Op::MaskedGatherCapacity => "masked_gather",
-            Op::SegmentGather => "segment_gather",
-            Op::SegmentGatherCapacity => "segment_gather",
-            Op::PlanFull => "plan [full]",
-            Op::PlanDeferredSwa => "plan_deferred [swa]",
+            Op::MaskedGather => "masked_gather + check",
+            Op::MaskedGatherCapacity => "masked_gather [capacity]",
+            Op::SegmentGather => "segment_gather + check",
+            Op::SegmentGatherCapacity => "segment_gather [capacity]",
+            Op::PlanFull => "plan + check [full]",
+            Op::PlanDeferredSwa => "plan [swa]",
             Op::StatusCheck => "status.check",
             Op::CanaryWrite => "canary.write [full]",
             Op::CanaryVerify => "canary.verify [full]",

@@ -397,7 +397,7 @@ impl Family for Plan {
         };
         if checked.result != deferred.result {
             return Some(format!(
-                "plan gave {:?}, plan_deferred + check() {:?}",
+                "plan + check() gave {:?}, plan then check() {:?}",
                 checked.result, deferred.result
             ));
         }

@@ -937,5 +937,26 @@ pub fn capture(device: &Device) {
         "after the fault",
     );
     assert_eq!(report.violations.len(), 2, "still reported: {report:?}");
-    let _ = next;
+
+    // The store's clock at its end: the next step starts it again on fresh scratch (buffers the
+    // graph replays into), so the replay is refused with nothing changed, an eager step runs,
+    // and the graph stays refused after it.
+    graphed.advance_clock(u64::MAX >> 1);
+    let windows = [(a, &next[..1]), (b, &next[1..])];
+    let free = graphed.free_slots();
+    assert_kind(graphed.replay(&mut graph, &windows), "graph_mismatch");
+    assert_eq!(
+        graphed.free_slots(),
+        free,
+        "a refused replay takes no slots"
+    );
+    let (want, want_report) = step(&mut eager, &windows);
+    let (got, report) = step(&mut graphed, &windows);
+    assert_eq!(
+        (got, report),
+        (want.clone(), want_report),
+        "the eager step after"
+    );
+    let windows = [(a, &want[..1]), (b, &want[1..])];
+    assert_kind(graphed.replay(&mut graph, &windows), "graph_mismatch");
 }
