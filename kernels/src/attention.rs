@@ -187,26 +187,10 @@ pub fn attention_check_kernel<S: Int, A: Int, C: Int>(
     }
 }
 
-/// The attention: cube `(t, h)` (flattened over a 2-D grid) writes `out[t, h]`, the softmax of
-/// `q[t, h] . K[slot] / sqrt(head_dim)` over the token's keys, applied to their V rows. Unit `u`
-/// scores key `u` of each chunk of `units` keys and accumulates dimension `u` of the output.
-#[cube(launch_unchecked, address_type = "dynamic")]
-pub fn attention_kernel<F: Float, S: Int>(
-    q: &Tensor<F>,
-    k_pool: &Tensor<F>,
-    v_pool: &Tensor<F>,
-    slots: &Tensor<S>,
-    runs: &Tensor<i64>,
-    out: &mut Tensor<F>,
-    shape: AttentionShape,
-    #[comptime] head_dim: usize,
-    #[comptime] units: usize,
-    #[define(F, S)] _dtypes: [ElemType; 2],
-) {
-    attend_pools::<F, S>(q, k_pool, v_pool, slots, runs, out, shape, head_dim, units);
-}
-
-/// `attention_kernel` over a joined pool: each row a slot's K, then its V (`shape.v_offset`).
+/// The attention over a joined pool (each row a slot's K, then its V at `shape.v_offset`): cube
+/// `(t, h)` (flattened over a 2-D grid) writes `out[t, h]`, the softmax of `q[t, h] . K[slot] /
+/// sqrt(head_dim)` over the token's keys, applied to their V rows. Unit `u` scores key `u` of each
+/// chunk of `units` keys and accumulates dimension `u` of the output.
 #[cube(launch_unchecked, address_type = "dynamic")]
 pub fn attention_kv_kernel<F: Float, S: Int>(
     q: &Tensor<F>,
@@ -258,54 +242,13 @@ fn attend_pools<F: Float, S: Int>(
     }
 }
 
-/// The store and the attention in one launch: cube `(t, h)` stores the columns of K/V head
-/// `h / groups` of new row `t` at `loc[t]` when `h` is its group's first query head and the slots'
-/// status is clear (of the rows naming slot 0 only the last, as the store does), then attends as
-/// `attention_kernel` does. A key whose slot this store claims
-/// reads the new row instead of the pools (whose rows other cubes are writing), so the output is
-/// the attention over the pools after the store, bit for bit.
-#[cube(launch_unchecked, address_type = "dynamic")]
-#[allow(clippy::too_many_arguments)]
-pub fn store_attention_kernel<F: Float, S: Int, L: Int>(
-    q: &Tensor<F>,
-    k_pool: &mut Tensor<F>,
-    v_pool: &mut Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    loc: &Tensor<L>,
-    claims: &Tensor<u32>,
-    stored: &Tensor<i64>,
-    slots: &Tensor<S>,
-    runs: &Tensor<i64>,
-    out: &mut Tensor<F>,
-    shape: AttentionShape,
-    new_rows: NewRowsShape,
-    #[comptime] head_dim: usize,
-    #[comptime] units: usize,
-    #[define(F, S, L)] _dtypes: [ElemType; 3],
-) {
-    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
-    let t = cube / shape.heads;
-    let rows = stored_rows(stored, new_rows);
-    let zero_row = stored_zero_row(stored);
-    let slot = store_slot::<L>(loc, rows, shape, zero_row, cube, head_dim);
-    if slot != NEW_ROW {
-        let column = ((cube % shape.heads) / shape.groups) * head_dim as u64 + UNIT_POS as u64;
-        k_pool[(slot * shape.k_stride + column) as usize] =
-            k[(rows.k_offset + t * rows.k_stride + column) as usize];
-        v_pool[(slot * shape.v_stride + shape.v_offset + column) as usize] =
-            v[(rows.v_offset + t * rows.v_stride + column) as usize];
-    }
-    if t < shape.tokens {
-        attend::<F, S, u32>(
-            q, &*k_pool, &*v_pool, k, v, slots, claims, runs, out, shape, rows, zero_row, cube,
-            head_dim, units, true,
-        );
-    }
-}
-
-/// `store_attention_kernel` over a joined pool (each row a slot's K, then its V), the queries,
-/// the new K rows and the new V rows side by side in `qkv` (at `new_rows`' offsets).
+/// The store and the attention in one launch, over a joined pool (each row a slot's K, then its
+/// V), the queries, the new K rows and the new V rows side by side in `qkv` (at `new_rows`'
+/// offsets): cube `(t, h)` stores the columns of K/V head `h / groups` of new row `t` at `loc[t]`
+/// when `h` is its group's first query head and the slots' status is clear (of the rows naming
+/// slot 0 only the last, as the store does), then attends as `attention_kv_kernel` does. A key
+/// whose slot this store claims reads the new row instead of the pool (whose rows other cubes are
+/// writing), so the output is the attention over the pool after the store, bit for bit.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
