@@ -170,6 +170,10 @@ pub struct Outcome {
 pub struct StepTimes {
     /// Steps run.
     pub steps: usize,
+    /// Steps replayed from a graph ([`EngineOptions::graphs`]).
+    pub replayed: usize,
+    /// Steps captured into a graph (a batch size's first, or again after a mismatch).
+    pub captured: usize,
     /// Whole steps.
     pub total: Duration,
     /// The caller's time inside kvplan's calls, by kind (see [`crate::clock`]).
@@ -615,7 +619,10 @@ impl Engine {
             work.iter().map(|w| (w.kv, w.input.as_slice())).collect();
         let replayed = match self.graphs.get_mut(&batch) {
             Some(graph) => match self.kv.replay(graph, &windows) {
-                Ok((out, report)) => Some((out.clone(), report)),
+                Ok((out, report)) => {
+                    self.times.replayed += 1;
+                    Some((out.clone(), report))
+                }
                 // A pool or the table was replaced (an injected fault): capture again.
                 Err(kvplan::Error::GraphMismatch { .. }) => None,
                 Err(error) => return Err(error.into()),
@@ -638,6 +645,7 @@ impl Engine {
                     .cloned()
                     .unwrap_or_else(|| Err("a capture that returned has its output".to_string()));
                 self.graphs.insert(batch, graph);
+                self.times.captured += 1;
                 (out, report)
             }
         };

@@ -347,4 +347,3 @@ fn rope_tables(config: &LlamaConfig, device: &Device, dtype: DType) -> (Tensor<2
     };
     (table(cos), table(sin))
 }
-

@@ -330,7 +330,8 @@ fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64) {
         "generate: {} requests, {tokens} tokens in {seconds:.2} s: {:.1} tokens/s; {} steps, {:.2} ms/step \
          (kvplan bookkeeping {:.1}%, stores and attention {:.1}%, rest of the model {:.1}%: \
          the caller's time in kvplan's calls, --repeat-ops measures their cost); \
-         drafts accepted {accepted}/{drafted} ({:.0}%); {:.2} tokens/step/request",
+         drafts accepted {accepted}/{drafted} ({:.0}%); {:.2} tokens/step/request; \
+         graphs: {} steps replayed, {} captured",
         outcomes.len(),
         tokens as f64 / seconds,
         times.steps,
@@ -344,6 +345,8 @@ fn summary(engine: &Engine, outcomes: &[Outcome], seconds: f64) {
             0.0
         },
         tokens as f64 / outcomes.iter().map(|o| o.steps).sum::<usize>().max(1) as f64,
+        times.replayed,
+        times.captured,
     );
 }
 
