@@ -365,10 +365,39 @@ fn dot<F: Float>(
     #[comptime] head_dim: usize,
 ) -> F {
     let mut sum = F::new(0.0);
+    // Unrolled: every load of the row is issued before the sums wait on them (the order of the
+    // sum is the dimensions' all the same).
+    #[unroll]
     for e in 0..head_dim {
         sum += q_row[e] * keys[at + e];
     }
     sum
+}
+
+/// Dimension `u` of the V row at `at` (a new row's where `at` is marked `NEW_ROW`); 0 past the
+/// head, whose units keep no output.
+#[cube]
+fn v_value<F: Float>(
+    v_pool: &Tensor<F>,
+    v: &Tensor<F>,
+    at: u64,
+    u: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] with_new_rows: bool,
+) -> F {
+    let mut value = F::new(0.0);
+    if u < head_dim {
+        if comptime![with_new_rows] {
+            if at >= NEW_ROW {
+                value = v[(at - NEW_ROW) as usize + u];
+            } else {
+                value = v_pool[at as usize + u];
+            }
+        } else {
+            value = v_pool[at as usize + u];
+        }
+    }
+    value
 }
 
 #[cube]
@@ -456,22 +485,33 @@ fn attend<F: Float, S: Int, W: Int>(
         let rescale = select(first > 0, (max - next_max).exp(), F::new(1.0));
         sum *= rescale;
         acc *= rescale;
+        // Four keys at a time: their V loads are in flight together; the sums still add key
+        // by key, in order.
         let mut j = 0u32;
+        while j + 4 <= keys {
+            let at = j as usize;
+            let v0 = v_value::<F>(v_pool, v, key_rows[at], u, head_dim, with_new_rows);
+            let v1 = v_value::<F>(v_pool, v, key_rows[at + 1], u, head_dim, with_new_rows);
+            let v2 = v_value::<F>(v_pool, v, key_rows[at + 2], u, head_dim, with_new_rows);
+            let v3 = v_value::<F>(v_pool, v, key_rows[at + 3], u, head_dim, with_new_rows);
+            let w0 = (scores[at] - next_max).exp();
+            let w1 = (scores[at + 1] - next_max).exp();
+            let w2 = (scores[at + 2] - next_max).exp();
+            let w3 = (scores[at + 3] - next_max).exp();
+            sum += w0;
+            acc += w0 * v0;
+            sum += w1;
+            acc += w1 * v1;
+            sum += w2;
+            acc += w2 * v2;
+            sum += w3;
+            acc += w3 * v3;
+            j += 4;
+        }
         while j < keys {
             let weight = (scores[j as usize] - next_max).exp();
             sum += weight;
-            if u < head_dim {
-                let at = key_rows[j as usize];
-                if comptime![with_new_rows] {
-                    if at >= NEW_ROW {
-                        acc += weight * v[(at - NEW_ROW) as usize + u];
-                    } else {
-                        acc += weight * v_pool[at as usize + u];
-                    }
-                } else {
-                    acc += weight * v_pool[at as usize + u];
-                }
-            }
+            acc += weight * v_value::<F>(v_pool, v, key_rows[j as usize], u, head_dim, with_new_rows);
             j += 1;
         }
         max = next_max;
