@@ -511,7 +511,8 @@ fn attend<F: Float, S: Int, W: Int>(
         while j < keys {
             let weight = (scores[j as usize] - next_max).exp();
             sum += weight;
-            acc += weight * v_value::<F>(v_pool, v, key_rows[j as usize], u, head_dim, with_new_rows);
+            acc +=
+                weight * v_value::<F>(v_pool, v, key_rows[j as usize], u, head_dim, with_new_rows);
             j += 1;
         }
         max = next_max;

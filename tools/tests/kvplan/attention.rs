@@ -191,7 +191,8 @@ pub fn random_cases<B: KvPlanBackend>(device: &B::Device) {
         };
         let tokens = rng.urange(1, 24);
         let pool_rows = rng.urange(1, 300);
-        let longest = rng.pick(&[1, 5, 63, 64, 65, 200]);
+        // Runs of one chunk of keys, a few, and many.
+        let longest = rng.pick(&[1, 5, 63, 64, 65, 200, 1100]);
         let case = Case::random(&mut rng, layout, tokens, pool_rows, longest);
         let what = format!("case {case_index}: {layout:?}, {tokens} tokens, runs <= {longest}");
         let expected = case.reference().expect("valid runs");
@@ -481,7 +482,9 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         let tokens = rng.urange(1 + usize::from(duplicate), 12);
         let new = tokens;
         let pool_rows = rng.urange(new + 2, 200);
-        let mut case = Case::random(&mut rng, layout, tokens, pool_rows, 40);
+        // Odd cases' runs span many chunks of keys.
+        let longest = if case_index % 2 == 1 { 1100 } else { 40 };
+        let mut case = Case::random(&mut rng, layout, tokens, pool_rows, longest);
         let mut free: Vec<i64> = (1..pool_rows as i64).collect();
         rng.shuffle(&mut free);
         let mut loc = free[..new].to_vec();
@@ -547,7 +550,11 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         let mut slots = store
             .check_slot_primitives(list::<B>(&loc, int, device), pool_rows)
             .unwrap();
-        let later: Vec<i64> = free[free.len() - 3..].iter().chain(&loc).copied().collect();
+        let later: Vec<i64> = free[free.len().saturating_sub(3)..]
+            .iter()
+            .chain(&loc)
+            .copied()
+            .collect();
         let later = store.check_slot_primitives(list::<B>(&later, int, device), pool_rows);
         let attended = slots
             .store_and_attend_primitives([kv_pool, qkv], &keys, heads)
