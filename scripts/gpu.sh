@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|gputime|sanitize-graphs|repeat|repeat-ab|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|gputime|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
 set -uo pipefail
 BIN=/tmp/kvplan-bin/kvplan
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -192,6 +192,18 @@ PY
             # A capture that fell back (its replays run the step again) is an error in a benchmark.
             if grep -q '^graphs:' "$log.err"; then echo "ERROR: $tag,$spec,$bs: a capture fell back"; fi
           done
+        done
+      done
+      ;;
+    profile-ab)
+      # Where an eager n-gram step's time goes on both builds (issue 42's gate: n-gram against
+      # a737faa): each step phase's host enqueue and device wait (--profile), graphs off.
+      for bs in ${BATCHES:-32}; do
+        for build in old new; do
+          bin="$BIN"; args=(--graphs off); [ "$build" = old ] && bin="$BINOLD" && args=()
+          "$bin" generate --backend cuda --spec ngram --draft-tokens 10 "${args[@]}" --batch "$bs" --limit "$bs" \
+            --max-new-tokens 128 --ignore-eos --profile --file benches/prompts.txt > /dev/null 2> "$OUT/profile-ab-$build-$bs.err"
+          echo "== $build, n-gram k=10, batch $bs"; grep -E "^(generate: [0-9]|profile:)" "$OUT/profile-ab-$build-$bs.err" | cut -c1-160
         done
       done
       ;;
