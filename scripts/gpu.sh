@@ -4,9 +4,9 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-check|gputime|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-builds|decode-check|gputime|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
 set -uo pipefail
-BIN=/tmp/kvplan-bin/kvplan
+BIN=${BIN:-/tmp/kvplan-bin/kvplan}
 TESTS=/tmp/kvplan-bin/kvplan-tests
 OUT=${OUT:-/tmp/kvplan-gpu}
 mkdir -p "$OUT" /tmp/kvplan-bin
@@ -18,6 +18,12 @@ BIN021=/tmp/kvplan-bin/kvplan-021
 # A baseline build for `decode-ab` (`scripts/pack-gpu.sh old REV`).
 BINOLD=/tmp/kvplan-bin/kvplan-old
 [ -f gpu/binold.xz ] && xz -dc gpu/binold.xz > "$BINOLD" && chmod +x "$BINOLD"
+# Named builds for `decode-builds` (gpu/bin-NAME.xz -> /tmp/kvplan-bin/kvplan-NAME).
+for packed in gpu/bin-*.xz; do
+  [ -f "$packed" ] || continue
+  name=${packed#gpu/bin-}; name=${name%.xz}
+  xz -dc "$packed" > "/tmp/kvplan-bin/kvplan-$name" && chmod +x "/tmp/kvplan-bin/kvplan-$name"
+done
 for part in gpu/model.part-*; do [ -f "$part" ] && cp "$part" /tmp/kvplan-bin/; done
 MODEL=/tmp/kvplan-bin/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$MODEL" ] && [ -f /tmp/kvplan-bin/model.part-aa ] && [ -f /tmp/kvplan-bin/model.part-ab ]; then
@@ -160,6 +166,29 @@ for c, h in zip(clean, hit):
 PY
       done
       "$BIN" generate --backend cuda --no-warm-up "What is the capital of France?" 2>&1 | tail -3
+      ;;
+    decode-builds)
+      # Tokens/s of several builds side by side (BUILDS names /tmp/kvplan-bin/kvplan-NAME), the
+      # order rotated row by row; 128 new tokens, graphs as each build defaults (on, on CUDA).
+      [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
+      read -ra names <<< "${BUILDS:-main}"
+      row=0
+      for bs in ${BATCHES:-1 8 32}; do
+        limit=$bs; [ "$bs" = 1 ] && limit=4
+        for spec in ${SPECS:-off ngram10}; do
+          k=4; mode=$spec; [ "$spec" = ngram10 ] && k=10 && mode=ngram
+          count=${#names[@]}
+          for ((i = 0; i < count; i++)); do
+            name=${names[$(((i + row) % count))]}
+            log="$OUT/builds-$name-$spec-$bs"
+            "/tmp/kvplan-bin/kvplan-$name" generate --backend cuda --spec "$mode" --draft-tokens "$k" ${ARGS:-} --batch "$bs" \
+              --limit "$limit" --max-new-tokens 128 --ignore-eos --json --file benches/prompts.txt > "$log.jsonl" 2> "$log.err"
+            echo "$name,$spec,$bs,$(grep -h '^generate: [0-9]* requests' "$log.err" | cut -c1-150)"
+            if grep -q '^graphs:' "$log.err"; then echo "ERROR: $name,$spec,$bs: a capture fell back"; fi
+          done
+          row=$((row + 1))
+        done
+      done
       ;;
     decode|decode-ab)
       # Tokens/s, 128 new tokens, batch 1 (4 prompts one at a time), 8 and 32; spec off, n-gram

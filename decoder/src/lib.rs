@@ -9,6 +9,7 @@ pub mod clock;
 pub mod draft;
 pub mod engine;
 pub mod gguf;
+pub mod linear;
 pub mod model;
 pub mod model_file;
 pub mod sample;

@@ -8,6 +8,7 @@ use burn_core::tensor::activation::silu;
 use burn_core::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::gguf::Gguf;
+use crate::linear::linear;
 use crate::{DecoderError, Result};
 
 /// The shape of a Llama, read from a GGUF's `llama.*` metadata.
@@ -74,16 +75,15 @@ impl LlamaConfig {
     }
 }
 
-/// One transformer block's weights: each matrix `[in, out]` as `x.matmul(w)` applies it, a
-/// transposed view of its `[out, in]` rows (the layout GPU vector-matrix kernels read fastest:
-/// each output a dot product over contiguous weights), and each RMSNorm's weight folded into the
-/// matrices that read its output.
+/// One transformer block's weights, each matrix its `[out, in]` rows (GGUF's layout, the one the
+/// projection kernel reads: each output a dot product over contiguous weights), and each
+/// RMSNorm's weight folded into the matrices that read its output.
 struct Block {
-    /// Q, K and V projections side by side, then Q and K again with the columns of each RoPE
-    /// pair swapped: one matmul yields Q, K, V and the swapped Q, K that RoPE mixes in.
+    /// Q, K and V projections stacked, then Q and K again with the rows of each RoPE pair
+    /// swapped: one projection yields Q, K, V and the swapped Q, K that RoPE mixes in.
     wqkv: Tensor<2>,
     wo: Tensor<2>,
-    /// Gate and up projections side by side.
+    /// Gate and up projections stacked.
     w_gate_up: Tensor<2>,
     w_down: Tensor<2>,
 }
@@ -95,8 +95,8 @@ pub struct Llama {
     device: Device,
     embed: Tensor<2>,
     blocks: Vec<Block>,
-    /// The LM head, `[hidden, vocab]` (a view of the `[vocab, hidden]` rows: the tied embedding),
-    /// the final norm's weight folded in.
+    /// The LM head's `[vocab, hidden]` rows (the tied embedding), the final norm's weight folded
+    /// in.
     lm_head: Tensor<2>,
     /// RoPE per position and column of `[q | k | v]`: `[context_length, (heads + 2 * kv_heads) *
     /// head_dim]`; in each Q and K head `cos` of the pair's angle in both columns, `sin` as `-sin,
@@ -138,8 +138,8 @@ impl Llama {
         let upload = |data: Vec<f32>, shape: [usize; 2]| -> Tensor<2> {
             Tensor::from_data(TensorData::new(data, shape), (device, dtype))
         };
-        // GGUF stores torch `[out, in]` matrices, kept so: `x.matmul(w)` takes their transposed
-        // view. Matrices that read the same input are stacked (one matmul instead of two or three).
+        // GGUF stores torch `[out, in]` matrices, kept so. Matrices that read the same input are
+        // stacked (one projection instead of two or three).
         let read = |names: &[(String, usize)], inner: usize| -> Result<Vec<(Vec<f32>, usize)>> {
             names
                 .iter()
@@ -149,7 +149,7 @@ impl Llama {
         let side_by_side = |parts: &[(Vec<f32>, usize)], inner: usize| -> Tensor<2> {
             let width: usize = parts.iter().map(|(_, out)| out).sum();
             let rows = parts.iter().flat_map(|(rows, _)| rows).copied().collect();
-            upload(rows, [width, inner]).transpose()
+            upload(rows, [width, inner])
         };
         let matrices = |names: &[(String, usize)], inner: usize| -> Result<Tensor<2>> {
             Ok(side_by_side(&read(names, inner)?, inner))
@@ -265,8 +265,7 @@ impl Llama {
         let width = c.hidden + 2 * c.kv_dim();
         for layer in layers {
             let block = &self.blocks[layer];
-            let h = rms_norm(x.clone(), c.rms_eps);
-            let qkv = h.matmul(block.wqkv.clone());
+            let qkv = linear(x.clone(), &block.wqkv, None, Some(c.rms_eps));
             // RoPE on Q and K at once: `x * cos + swapped(x) * sin` per head; the swapped
             // values of Q and K come first, the plain ones after them.
             let plain = qkv.clone().narrow(1, rotated_heads * hd, width);
@@ -275,26 +274,19 @@ impl Llama {
             let qkv = (plain * cos.clone() + swapped * sin.clone()).reshape([tokens, width]);
             // Queries, keys and values go in as the one tensor they are: no slices.
             let attended = attend(layer, qkv)?;
-            x = x + attended.matmul(block.wo.clone());
-            let h = rms_norm(x.clone(), c.rms_eps);
-            let gate_up = h.matmul(block.w_gate_up.clone());
+            x = linear(attended, &block.wo, Some(x), None);
+            let gate_up = linear(x.clone(), &block.w_gate_up, None, Some(c.rms_eps));
             let gate = gate_up.clone().narrow(1, 0, c.ffn);
             let up = gate_up.narrow(1, c.ffn, c.ffn);
-            x = x + (silu(gate) * up).matmul(block.w_down.clone());
+            x = linear(silu(gate) * up, &block.w_down, Some(x), None);
         }
         Ok(x)
     }
 
     /// Logits `[n, vocab]` of the hidden states `[n, hidden]`: final norm, then the LM head.
     pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
-        rms_norm(hidden, self.config.rms_eps).matmul(self.lm_head.clone())
+        linear(hidden, &self.lm_head, None, Some(self.config.rms_eps))
     }
-}
-
-/// `x / rms(x)` over the last dim (the norm's weight is folded into the next matrices).
-fn rms_norm(x: Tensor<2>, eps: f64) -> Tensor<2> {
-    let rms = x.clone().powi_scalar(2).mean_dim(1).add_scalar(eps).sqrt();
-    x / rms
 }
 
 /// `[out, inner]` rows with each input column `i` scaled by `scale[i]`.

@@ -1,0 +1,105 @@
+//! The projection's launcher on the Cube backend (CUDA, wgpu/Vulkan).
+
+use burn_core::backend::TensorMetadata;
+use burn_core::tensor::Shape;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::ir::features::Plane;
+use cubecl::prelude::*;
+
+use super::Around;
+use super::kernel::{LANES, LinearShapeLaunch, MAX_ROWS, PLANES, linear_kernel};
+
+/// One launch: a cube for each `PLANES * columns` output columns and each block of up to
+/// `MAX_ROWS` tokens (the fewest rows a cube that holds every token, below that).
+pub(super) fn linear(
+    x: CubeTensor,
+    w: CubeTensor,
+    residual: CubeTensor,
+    around: Around,
+) -> CubeTensor {
+    let [x, w, residual] = [x, w, residual].map(rows_of_unit_stride);
+    let (tokens, inner) = (x.shape()[0], x.shape()[1]);
+    let outputs = w.shape()[0];
+    let out = empty_device_contiguous_dtype(
+        x.client.clone(),
+        x.device.clone(),
+        Shape::new([tokens, outputs]),
+        x.dtype,
+    );
+    if tokens == 0 || outputs == 0 {
+        return out;
+    }
+    let rows = tokens.next_power_of_two().min(MAX_ROWS);
+    // Past a few tokens a plane makes two columns: each input load feeds two sums.
+    let columns = if rows >= 4 { 2 } else { 1 };
+    let shape = LinearShapeLaunch::new(
+        tokens as u64,
+        outputs as u64,
+        inner as u64,
+        row_stride(&x),
+        row_stride(&w),
+        if around.add { row_stride(&residual) } else { 0 },
+    );
+    let cubes = CubeCount::Static(
+        outputs.div_ceil(PLANES * columns) as u32,
+        tokens.div_ceil(rows) as u32,
+        1,
+    );
+    let dim = CubeDim::new_2d(LANES as u32, PLANES as u32);
+    let widest = [&x, &w, &residual, &out]
+        .iter()
+        .map(|tensor| tensor.handle.size() as usize / tensor.dtype.size())
+        .max()
+        .unwrap_or(0);
+    let address = if widest < (1 << 31) {
+        AddressType::U32
+    } else {
+        AddressType::U64
+    };
+    let dtype = burn_core::backend::cubecl::dtype_to_storage_type(x.dtype);
+    let properties = x.client.properties();
+    let planes = properties.features.plane.contains(Plane::Ops)
+        && properties.hardware.plane_size_min == LANES as u32
+        && properties.hardware.plane_size_max == LANES as u32;
+    let client = x.client.clone();
+    // SAFETY: every read is inside `x`, `w` and `residual` (rows of unit column stride at the row
+    // strides given; loads past `tokens`, `outputs` or `inner` are skipped), each output written
+    // by one unit.
+    unsafe {
+        linear_kernel::launch_unchecked(
+            &client,
+            cubes,
+            dim,
+            address,
+            x.into_tensor_arg(),
+            w.into_tensor_arg(),
+            residual.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            shape,
+            around.norm_eps.unwrap_or(0.0) as f32,
+            rows,
+            columns,
+            around.norm_eps.is_some(),
+            around.add,
+            planes,
+            dtype,
+        );
+    }
+    out
+}
+
+/// `tensor` as rows of unit column stride: as it is when it already is (CUDA pitches a matrix's
+/// rows, so a weight's row stride is often past its width), else a contiguous copy.
+fn rows_of_unit_stride(tensor: CubeTensor) -> CubeTensor {
+    let strides = tensor.meta.strides();
+    if !tensor.meta.is_tiled() && strides.len() == 2 && strides[1] == 1 {
+        tensor
+    } else {
+        burn_cubecl::kernel::into_contiguous(tensor)
+    }
+}
+
+fn row_stride(tensor: &CubeTensor) -> u64 {
+    tensor.meta.strides()[0] as u64
+}
