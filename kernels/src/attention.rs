@@ -19,6 +19,18 @@ pub const MIN_UNITS: usize = 64;
 /// The widest head an attention cube holds (one unit per dimension).
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// A token's keys are split into this many parts, each attended by a cube of its own into a
+/// partial (its max score, sum of weights and weighted V row), which one more cube a head folds
+/// in order (`attention_combine_kernel`). Every part is a run of whole chunks of `units` keys
+/// fixed by the token's key count alone, so a row is the same bits alone or in any batch.
+pub const SPLITS: usize = 8;
+
+/// Values of one partial: the max score, the sum of weights, then the weighted V row (kernels
+/// write `head_dim + 2` inline).
+pub fn partial_len(head_dim: usize) -> usize {
+    head_dim + 2
+}
+
 /// Units of the attention cube of heads of `head_dim` (at most `MAX_HEAD_DIM`).
 pub fn attention_units(head_dim: usize) -> usize {
     head_dim.next_multiple_of(32).max(MIN_UNITS)
@@ -187,25 +199,86 @@ pub fn attention_check_kernel<S: Int, A: Int, C: Int>(
     }
 }
 
-/// The attention over a joined pool (each row a slot's K, then its V at `shape.v_offset`): cube
-/// `(t, h)` (flattened over a 2-D grid) writes `out[t, h]`, the softmax of `q[t, h] . K[slot] /
-/// sqrt(head_dim)` over the token's keys, applied to their V rows. Unit `u` scores key `u` of each
-/// chunk of `units` keys and accumulates dimension `u` of the output.
+/// The attention over a joined pool (each row a slot's K, then its V at `shape.v_offset`), part
+/// by part: cube `((t, h), part)` (flattened over a 2-D grid) writes the partial of its part of
+/// token `t`'s keys for query head `h`: the softmax of `q[t, h] . K[slot] / sqrt(head_dim)`
+/// relative to the part's max, applied to their V rows. Unit `u` scores key `u` of each chunk of
+/// `units` keys and accumulates dimension `u`. `attention_combine_kernel` folds the parts.
 #[cube(launch_unchecked, address_type = "dynamic")]
 pub fn attention_kv_kernel<F: Float, S: Int>(
     q: &Tensor<F>,
     kv_pool: &Tensor<F>,
     slots: &Tensor<S>,
     runs: &Tensor<i64>,
-    out: &mut Tensor<F>,
+    partials: &mut Tensor<F>,
     shape: AttentionShape,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
     #[define(F, S)] _dtypes: [ElemType; 2],
 ) {
     attend_pools::<F, S>(
-        q, kv_pool, kv_pool, slots, runs, out, shape, head_dim, units,
+        q, kv_pool, kv_pool, slots, runs, partials, shape, head_dim, units,
     );
+}
+
+/// Folds the parts' partials of cube `(t, h)` in order into `out[t, h]`: zeros for a token
+/// without keys, NaN on the runs' failed check.
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn attention_combine_kernel<F: Float>(
+    partials: &Tensor<F>,
+    runs: &Tensor<i64>,
+    out: &mut Tensor<F>,
+    shape: AttentionShape,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    let u = UNIT_POS as usize;
+    if cube < shape.tokens * shape.heads && u < head_dim {
+        let t = cube / shape.heads;
+        let clear = runs[CODE] == OK;
+        let count = select(
+            clear,
+            runs[STATUS_LEN + (shape.tokens + t) as usize] as u64,
+            0u64,
+        );
+        let per = part_chunks(count, units);
+        let width = head_dim + 2;
+        let first = cube as usize * SPLITS * width;
+        let mut max = partials[first];
+        let mut sum = partials[first + 1];
+        let mut acc = partials[first + 2 + u];
+        let mut part = 1u64;
+        while part * per * (units as u64) < count {
+            let at = first + part as usize * width;
+            let score = partials[at];
+            let next_max = select(score > max, score, max);
+            let before = (max - next_max).exp();
+            let this = (score - next_max).exp();
+            sum = sum * before + partials[at + 1] * this;
+            acc = acc * before + partials[at + 2 + u] * this;
+            max = next_max;
+            part += 1;
+        }
+        // A store of NaN, not a select: cubecl 0.11's LLVM path types a selected `F::NAN` as
+        // f32, which does not verify in f64 kernels.
+        let at = cube as usize * head_dim + u;
+        if clear {
+            out[at] = select(count > 0, acc / sum, F::new(0.0));
+        } else {
+            out[at] = F::NAN;
+        }
+    }
+}
+
+/// Chunks of `units` keys each part of `count` keys holds: the chunks shared out over `SPLITS`
+/// parts, rounded up (at least 1).
+#[cube]
+fn part_chunks(count: u64, #[comptime] units: usize) -> u64 {
+    let chunks = (count + units as u64 - 1) / units as u64;
+    let per = (chunks + SPLITS as u64 - 1) / SPLITS as u64;
+    select(per > 0, per, 1u64)
 }
 
 /// The attention of cube `(t, h)` over the pools alone (no new rows).
@@ -217,13 +290,13 @@ fn attend_pools<F: Float, S: Int>(
     v_pool: &Tensor<F>,
     slots: &Tensor<S>,
     runs: &Tensor<i64>,
-    out: &mut Tensor<F>,
+    partials: &mut Tensor<F>,
     shape: AttentionShape,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
-    if cube < shape.tokens * shape.heads {
+    if cube < shape.tokens * shape.heads * SPLITS as u64 {
         // No new rows: the pools stand in for them, never read (`with_new_rows` is false).
         let none = NewRowsShape {
             rows: 0,
@@ -236,8 +309,8 @@ fn attend_pools<F: Float, S: Int>(
             newest: 0,
         };
         attend::<F, S, S>(
-            q, k_pool, v_pool, k_pool, v_pool, slots, slots, runs, out, shape, none, NEW_ROW, cube,
-            head_dim, units, false,
+            q, k_pool, v_pool, k_pool, v_pool, slots, slots, runs, partials, shape, none, NEW_ROW,
+            cube, head_dim, units, false,
         );
     }
 }
@@ -245,8 +318,9 @@ fn attend_pools<F: Float, S: Int>(
 /// The store and the attention in one launch, over a joined pool (each row a slot's K, then its
 /// V), the queries, the new K rows and the new V rows side by side in `qkv` (at `new_rows`'
 /// offsets): cube `(t, h)` stores the columns of K/V head `h / groups` of new row `t` at `loc[t]`
-/// when `h` is its group's first query head and the slots' status is clear (of the rows naming
-/// slot 0 only the last, as the store does), then attends as `attention_kv_kernel` does. A key
+/// when `h` is its group's first query head, its part is the first and the slots' status is
+/// clear (of the rows naming slot 0 only the last, as the store does), then attends its part as
+/// `attention_kv_kernel` does (`attention_combine_kernel` folds the parts). A key
 /// whose slot this store claims reads the new row instead of the pool (whose rows other cubes are
 /// writing), so the output is the attention over the pool after the store, bit for bit.
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -259,7 +333,7 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
     stored: &Tensor<i64>,
     slots: &Tensor<S>,
     runs: &Tensor<i64>,
-    out: &mut Tensor<F>,
+    partials: &mut Tensor<F>,
     shape: AttentionShape,
     new_rows: NewRowsShape,
     #[comptime] head_dim: usize,
@@ -267,12 +341,16 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
     #[define(F, S, L)] _dtypes: [ElemType; 3],
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
-    let t = cube / shape.heads;
+    let head = cube / SPLITS as u64;
+    let t = head / shape.heads;
     let rows = stored_rows(stored, new_rows);
     let zero_row = stored_zero_row(stored);
-    let slot = store_slot::<L>(loc, rows, shape, zero_row, cube, head_dim);
+    let mut slot = NEW_ROW.runtime();
+    if cube % SPLITS as u64 == 0 {
+        slot = store_slot::<L>(loc, rows, shape, zero_row, head, head_dim);
+    }
     if slot != NEW_ROW {
-        let column = ((cube % shape.heads) / shape.groups) * head_dim as u64 + UNIT_POS as u64;
+        let column = ((head % shape.heads) / shape.groups) * head_dim as u64 + UNIT_POS as u64;
         kv_pool[(slot * shape.k_stride + column) as usize] =
             qkv[(rows.k_offset + t * rows.k_stride + column) as usize];
         kv_pool[(slot * shape.v_stride + shape.v_offset + column) as usize] =
@@ -280,8 +358,8 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
     }
     if t < shape.tokens {
         attend::<F, S, u32>(
-            qkv, &*kv_pool, &*kv_pool, qkv, qkv, slots, claims, runs, out, shape, rows, zero_row,
-            cube, head_dim, units, true,
+            qkv, &*kv_pool, &*kv_pool, qkv, qkv, slots, claims, runs, partials, shape, rows,
+            zero_row, cube, head_dim, units, true,
         );
     }
 }
@@ -312,7 +390,7 @@ fn stored_zero_row(stored: &Tensor<i64>) -> u64 {
     row
 }
 
-/// The slot unit `UNIT_POS` of cube `(t, h)` stores new row `t`'s column at: one unit per
+/// The slot unit `UNIT_POS` of head `(t, h)` (flattened) stores new row `t`'s column at: one unit per
 /// column of K/V head `h / groups`, in the group's first query head, on a clear status; else
 /// `NEW_ROW`.
 #[cube]
@@ -411,7 +489,7 @@ fn attend<F: Float, S: Int, W: Int>(
     slots: &Tensor<S>,
     claims: &Tensor<W>,
     runs: &Tensor<i64>,
-    out: &mut Tensor<F>,
+    partials: &mut Tensor<F>,
     shape: AttentionShape,
     rows: NewRowsShape,
     zero_row: u64,
@@ -420,8 +498,10 @@ fn attend<F: Float, S: Int, W: Int>(
     #[comptime] units: usize,
     #[comptime] with_new_rows: bool,
 ) {
-    let t = cube / shape.heads;
-    let h = cube % shape.heads;
+    let head = cube / SPLITS as u64;
+    let part = cube % SPLITS as u64;
+    let t = head / shape.heads;
+    let h = head % shape.heads;
     let chunk = units as u64;
     let u = UNIT_POS as usize;
     // On the runs' failed check no key is read (no run is walked) and the output is NaN.
@@ -446,9 +526,13 @@ fn attend<F: Float, S: Int, W: Int>(
     let mut sum = F::new(0.0);
     let mut acc = F::new(0.0);
     sync_cube();
-    let mut first = 0u64;
-    while first < count {
-        let keys = select(count - first < chunk, count - first, chunk) as u32;
+    // This part's keys: whole chunks, fixed by the token's key count alone.
+    let per = part_chunks(count, units) * chunk;
+    let begin = part * per;
+    let end = select(begin + per < count, begin + per, count);
+    let mut first = begin;
+    while first < end {
+        let keys = select(end - first < chunk, end - first, chunk) as u32;
         if (u as u32) < keys {
             let slot =
                 i64::cast_from(slots[((start + first + u as u64) * shape.slots_stride) as usize])
@@ -479,10 +563,10 @@ fn attend<F: Float, S: Int, W: Int>(
             j += 1;
         }
         let mut next_max = chunk_max;
-        if first > 0 && max > chunk_max {
+        if first > begin && max > chunk_max {
             next_max = max;
         }
-        let rescale = select(first > 0, (max - next_max).exp(), F::new(1.0));
+        let rescale = select(first > begin, (max - next_max).exp(), F::new(1.0));
         sum *= rescale;
         acc *= rescale;
         // Four keys at a time: their V loads are in flight together; the sums still add key
@@ -519,14 +603,14 @@ fn attend<F: Float, S: Int, W: Int>(
         first += chunk;
         sync_cube();
     }
-    if u < head_dim {
-        let at = (t * shape.heads + h) as usize * head_dim + u;
-        // A store of NaN, not a select: cubecl 0.11's LLVM path types a selected `F::NAN` as
-        // f32, which does not verify in f64 kernels.
-        if clear {
-            out[at] = select(count > 0, acc / sum, F::new(0.0));
-        } else {
-            out[at] = F::NAN;
+    if begin < end {
+        let at = cube as usize * (head_dim + 2);
+        if u == 0 {
+            partials[at] = max;
+            partials[at + 1] = sum;
+        }
+        if u < head_dim {
+            partials[at + 2 + u] = acc;
         }
     }
 }

@@ -9,8 +9,9 @@ use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, full_device_dtype
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use kvplan_kernels::attention::{
-    AttentionShapeLaunch, NewRowsShapeLaunch, attention_check_kernel, attention_kv_kernel,
-    attention_units, runs_len, store_attention_kv_kernel,
+    AttentionShapeLaunch, NewRowsShapeLaunch, SPLITS, attention_check_kernel,
+    attention_combine_kernel, attention_kv_kernel, attention_units, partial_len, runs_len,
+    store_attention_kv_kernel,
 };
 use kvplan_kernels::scan::CUBE_SIZE;
 use kvplan_kernels::status::STATUS_LEN;
@@ -169,24 +170,33 @@ pub(crate) fn paged_attention(
     }
     // Pools past what the device indexes: NaN, as after an error (a launch never wraps an index).
     // So is f64 through SPIR-V, whose exp is 32-bit only (GLSL.std.450): never silently wrong.
-    let address = address_type([&q, &kv_pool, &slots, &runs, &out], &[tokens * heads]);
+    let partials = empty_partials(&q, tokens * heads, head_dim);
+    let address = address_type(
+        [&q, &kv_pool, &slots, &runs, &out, &partials],
+        &[tokens * heads * SPLITS],
+    );
     let (Ok(address), false) = (address, f64_on_spirv(&q)) else {
         return nan_output(q, out.shape());
     };
     let slots = bindable(widened(slots));
-    let shape = attention_shape(
-        &slots,
-        [1, 1],
-        [tokens, heads, groups, pool_rows],
-        (Some(&q), Some(&kv_pool)),
-    );
+    // Two launches read the shape: the parts, then their fold.
+    let [shape, folded] = [(); 2].map(|_| {
+        attention_shape(
+            &slots,
+            [1, 1],
+            [tokens, heads, groups, pool_rows],
+            (Some(&q), Some(&kv_pool)),
+        )
+    });
     let dtypes = [storage(&q), storage(&slots)];
     let units = attention_units(head_dim);
-    let (cubes, _) = grid(tokens * heads);
+    let (cubes, _) = grid(tokens * heads * SPLITS);
     let client = q.client.clone();
     let dim = CubeDim::new_1d(units as u32);
+    let dtype = storage(&q);
     // SAFETY: the kernel runs only on the check's clear status: every run inside the slot list
-    // and every slot inside the pool, whose rows and strides are the shape's.
+    // and every slot inside the pool, whose rows and strides are the shape's; each cube writes
+    // its own partial.
     unsafe {
         attention_kv_kernel::launch_unchecked(
             &client,
@@ -196,15 +206,67 @@ pub(crate) fn paged_attention(
             bindable(q).into_tensor_arg(),
             bindable(kv_pool).into_tensor_arg(),
             slots.into_tensor_arg(),
-            runs.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
+            runs.clone().into_tensor_arg(),
+            partials.clone().into_tensor_arg(),
             shape,
             head_dim,
             units,
             dtypes,
         );
     }
+    combine(
+        partials,
+        runs,
+        &out,
+        folded,
+        [head_dim, units],
+        address,
+        dtype,
+    );
     out
+}
+
+/// Room for the partials of `heads` (token, query head) pairs, `SPLITS` each.
+fn empty_partials(q: &CubeTensor, heads: usize, head_dim: usize) -> CubeTensor {
+    let len = (heads * SPLITS * partial_len(head_dim)).max(1);
+    empty_device_contiguous_dtype(
+        q.client.clone(),
+        q.device.clone(),
+        Shape::new([len]),
+        q.dtype,
+    )
+}
+
+/// Folds the parts' partials into `out` (`attention_combine_kernel`): a cube a (token, query
+/// head), a unit a dimension.
+fn combine(
+    partials: CubeTensor,
+    runs: CubeTensor,
+    out: &CubeTensor,
+    shape: AttentionShapeLaunch,
+    [head_dim, units]: [usize; 2],
+    address: cubecl::ir::AddressType,
+    dtype: ElemType,
+) {
+    let heads = out.shape()[0] * (out.shape()[1] / head_dim);
+    let (cubes, _) = grid(heads);
+    // SAFETY: each cube reads the partials of its own pair, those the parts wrote (the runs'
+    // counts say which), and writes its row of `out`.
+    unsafe {
+        attention_combine_kernel::launch_unchecked(
+            &out.client,
+            cubes,
+            CubeDim::new_1d(units as u32),
+            address,
+            partials.into_tensor_arg(),
+            runs.into_tensor_arg(),
+            bindable(out.clone()).into_tensor_arg(),
+            shape,
+            head_dim,
+            units,
+            dtype,
+        );
+    }
 }
 
 /// A layer's store and attention in one launch (`store_attention_kv_kernel`), the queries, K
@@ -225,9 +287,18 @@ pub(crate) fn store_and_attend(
     let q = columns(qkv.clone(), q_cols);
     let [tokens, _, head_dim, groups, pool_rows] = sizes(&q, &kv_pool, heads);
     let new = rows.loc.shape()[0];
-    let cubes = tokens.max(new) * heads;
+    let cubes = tokens.max(new) * heads * SPLITS;
+    let partials = empty_partials(&q, tokens * heads, head_dim);
     let address = address_type(
-        [&qkv, &kv_pool, &rows.loc, &rows.claims, &slots, &runs],
+        [
+            &qkv,
+            &kv_pool,
+            &rows.loc,
+            &rows.claims,
+            &slots,
+            &runs,
+            &partials,
+        ],
         &[cubes, tokens * q_cols],
     );
     let (Ok(address), false) = (address, f64_on_spirv(&q)) else {
@@ -242,12 +313,15 @@ pub(crate) fn store_and_attend(
     }
     let loc = bindable(widened(rows.loc));
     let slots = bindable(widened(slots));
-    let shape = attention_shape(
-        &slots,
-        [1, 1],
-        [tokens, heads, groups, pool_rows],
-        (Some(&q), Some(&kv_pool)),
-    );
+    // Two launches read the shape: the parts, then their fold.
+    let [shape, folded] = [(); 2].map(|_| {
+        attention_shape(
+            &slots,
+            [1, 1],
+            [tokens, heads, groups, pool_rows],
+            (Some(&q), Some(&kv_pool)),
+        )
+    });
     let row_stride = stride(&qkv, 0);
     let new_rows = NewRowsShapeLaunch::new(
         new as u64,
@@ -282,13 +356,25 @@ pub(crate) fn store_and_attend(
             claims.into_tensor_arg(),
             rows.status.into_tensor_arg(),
             slots.into_tensor_arg(),
-            runs.into_tensor_arg(),
-            bindable(out.clone()).into_tensor_arg(),
+            runs.clone().into_tensor_arg(),
+            partials.clone().into_tensor_arg(),
             shape,
             new_rows,
             head_dim,
             units,
             dtypes,
+        );
+    }
+    if tokens > 0 {
+        let dtype = storage(&out);
+        combine(
+            partials,
+            runs,
+            &out,
+            folded,
+            [head_dim, units],
+            address,
+            dtype,
         );
     }
     AttendedPrimitive { out, kv_pool }

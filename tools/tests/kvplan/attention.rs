@@ -191,7 +191,7 @@ pub fn random_cases<B: KvPlanBackend>(device: &B::Device) {
         };
         let tokens = rng.urange(1, 24);
         let pool_rows = rng.urange(1, 300);
-        // Runs of one chunk of keys, a few, and many.
+        // Runs of one chunk, a few, and more chunks than the attention's parts (several a part).
         let longest = rng.pick(&[1, 5, 63, 64, 65, 200, 1100]);
         let case = Case::random(&mut rng, layout, tokens, pool_rows, longest);
         let what = format!("case {case_index}: {layout:?}, {tokens} tokens, runs <= {longest}");
@@ -482,7 +482,7 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         let tokens = rng.urange(1 + usize::from(duplicate), 12);
         let new = tokens;
         let pool_rows = rng.urange(new + 2, 200);
-        // Odd cases' runs span many chunks of keys.
+        // Odd cases' runs span the attention's parts, several chunks each.
         let longest = if case_index % 2 == 1 { 1100 } else { 40 };
         let mut case = Case::random(&mut rng, layout, tokens, pool_rows, longest);
         let mut free: Vec<i64> = (1..pool_rows as i64).collect();
