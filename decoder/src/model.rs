@@ -8,7 +8,7 @@ use burn_core::tensor::activation::silu;
 use burn_core::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::gguf::Gguf;
-use crate::linear::linear;
+use crate::linear::{Weight, linear};
 use crate::{DecoderError, Result};
 
 /// The shape of a Llama, read from a GGUF's `llama.*` metadata.
@@ -81,11 +81,11 @@ impl LlamaConfig {
 struct Block {
     /// Q, K and V projections stacked, then Q and K again with the rows of each RoPE pair
     /// swapped: one projection yields Q, K, V and the swapped Q, K that RoPE mixes in.
-    wqkv: Tensor<2>,
-    wo: Tensor<2>,
+    wqkv: Weight,
+    wo: Weight,
     /// Gate and up projections stacked.
-    w_gate_up: Tensor<2>,
-    w_down: Tensor<2>,
+    w_gate_up: Weight,
+    w_down: Weight,
 }
 
 /// A Llama's weights on one device, ready to run steps over a paged KV cache.
@@ -97,7 +97,7 @@ pub struct Llama {
     blocks: Vec<Block>,
     /// The LM head's `[vocab, hidden]` rows (the tied embedding), the final norm's weight folded
     /// in.
-    lm_head: Tensor<2>,
+    lm_head: Weight,
     /// RoPE per position and column of `[q | k | v]`: `[context_length, (heads + 2 * kv_heads) *
     /// head_dim]`; in each Q and K head `cos` of the pair's angle in both columns, `sin` as `-sin,
     /// +sin` (applied to the pair-swapped values); in V's, cos 1 and sin 0 (V stays as it is).
@@ -146,12 +146,12 @@ impl Llama {
                 .map(|(name, out)| Ok((weight(name, &[*out, inner])?, *out)))
                 .collect()
         };
-        let side_by_side = |parts: &[(Vec<f32>, usize)], inner: usize| -> Tensor<2> {
+        let side_by_side = |parts: &[(Vec<f32>, usize)], inner: usize| -> Weight {
             let width: usize = parts.iter().map(|(_, out)| out).sum();
             let rows = parts.iter().flat_map(|(rows, _)| rows).copied().collect();
-            upload(rows, [width, inner])
+            Weight::new(upload(rows, [width, inner]))
         };
-        let matrices = |names: &[(String, usize)], inner: usize| -> Result<Tensor<2>> {
+        let matrices = |names: &[(String, usize)], inner: usize| -> Result<Weight> {
             Ok(side_by_side(&read(names, inner)?, inner))
         };
         let (hidden, ffn, kv_dim) = (config.hidden, config.ffn, config.kv_dim());

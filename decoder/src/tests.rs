@@ -369,14 +369,6 @@ fn f64_is_refused_on_vulkan() {
     );
 }
 
-/// The projection kernel against its reference (f32: the dtype served on Vulkan).
-#[cfg(feature = "vulkan")]
-#[test]
-fn linear_matches_reference_vulkan() {
-    let _device = shared();
-    crate::linear::tests::matches_reference(&vulkan(), DType::F32);
-}
-
 #[test]
 fn greedy_parity_flex() {
     greedy_parity(&Device::flex());

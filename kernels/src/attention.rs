@@ -19,6 +19,9 @@ pub const MIN_UNITS: usize = 64;
 /// The widest head an attention cube holds (one unit per dimension).
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// Keys whose V rows a unit loads together before it folds them in.
+const FOLD: usize = 16;
+
 /// A token's keys are split into this many parts, each attended by a cube of its own into a
 /// partial (its max score, sum of weights and weighted V row), which one more cube a head folds
 /// in order (`attention_combine_kernel`). Every part is a run of whole chunks of `units` keys
@@ -569,28 +572,29 @@ fn attend<F: Float, S: Int, W: Int>(
         let rescale = select(first > begin, (max - next_max).exp(), F::new(1.0));
         sum *= rescale;
         acc *= rescale;
-        // Four keys at a time: their V loads are in flight together; the sums still add key
-        // by key, in order.
+        // `FOLD` keys at a time: their V loads are in flight together (the fold waits on one
+        // round trip a group, not one a key); the sums still add key by key, in order.
+        let mut values = Array::<F>::new(FOLD);
         let mut j = 0u32;
-        while j + 4 <= keys {
-            let at = j as usize;
-            let v0 = v_value::<F>(v_pool, v, key_rows[at], u, head_dim, with_new_rows);
-            let v1 = v_value::<F>(v_pool, v, key_rows[at + 1], u, head_dim, with_new_rows);
-            let v2 = v_value::<F>(v_pool, v, key_rows[at + 2], u, head_dim, with_new_rows);
-            let v3 = v_value::<F>(v_pool, v, key_rows[at + 3], u, head_dim, with_new_rows);
-            let w0 = (scores[at] - next_max).exp();
-            let w1 = (scores[at + 1] - next_max).exp();
-            let w2 = (scores[at + 2] - next_max).exp();
-            let w3 = (scores[at + 3] - next_max).exp();
-            sum += w0;
-            acc += w0 * v0;
-            sum += w1;
-            acc += w1 * v1;
-            sum += w2;
-            acc += w2 * v2;
-            sum += w3;
-            acc += w3 * v3;
-            j += 4;
+        while j + FOLD as u32 <= keys {
+            #[unroll]
+            for i in 0..FOLD {
+                values[i] = v_value::<F>(
+                    v_pool,
+                    v,
+                    key_rows[j as usize + i],
+                    u,
+                    head_dim,
+                    with_new_rows,
+                );
+            }
+            #[unroll]
+            for i in 0..FOLD {
+                let weight = (scores[j as usize + i] - next_max).exp();
+                sum += weight;
+                acc += weight * values[i];
+            }
+            j += FOLD as u32;
         }
         while j < keys {
             let weight = (scores[j as usize] - next_max).exp();

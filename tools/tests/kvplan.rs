@@ -3,7 +3,8 @@
 //! `Dispatch` on `Device::flex()` (the reference path), and, with the default `vulkan` feature,
 //! `Dispatch` on `Device::vulkan` (fused: with the `fusion` feature the dispatched Cube backend is
 //! `Fusion<CubeBackend>`) and `CubeBackend` itself (unfused, at the primitive level: the `Tensor`
-//! API cannot reach it in a fused build). A smaller suite covers the `Tensor` façade on `Dispatch`.
+//! API cannot reach it in a fused build). A smaller suite covers the `Tensor` façade on `Dispatch`
+//! (and the decoder's projection kernel, which lives beside kvplan's on the same devices).
 //! The Vulkan suites need a Vulkan adapter (Mesa's lavapipe in CI): without one they fail, they do
 //! not skip.
 //!
@@ -27,6 +28,8 @@ mod errors;
 mod fuzz;
 #[path = "kvplan/gather.rs"]
 mod gather;
+#[path = "kvplan/linear.rs"]
+mod linear;
 #[cfg(feature = "vulkan")]
 #[path = "kvplan/narrow.rs"]
 mod narrow;
@@ -577,6 +580,12 @@ macro_rules! tensor_suite {
             fn paged_faults() {
                 let _device = crate::common::shared();
                 crate::paged::faults(&device());
+            }
+
+            #[test]
+            fn decoder_projection() {
+                let _device = crate::common::shared();
+                crate::linear::matches_reference(&device());
             }
 
             #[test]

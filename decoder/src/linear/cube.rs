@@ -33,6 +33,8 @@ pub(super) fn linear(
     let rows = tokens.next_power_of_two().min(MAX_ROWS);
     // Past a few tokens a plane makes two columns: each input load feeds two sums.
     let columns = if rows >= 4 { 2 } else { 1 };
+    // A lane's loads in flight at once: one round trip covers most of a row of up to 576.
+    let unroll = if rows <= 2 { 16 } else { 8 };
     let shape = LinearShapeLaunch::new(
         tokens as u64,
         outputs as u64,
@@ -80,6 +82,7 @@ pub(super) fn linear(
             around.norm_eps.unwrap_or(0.0) as f32,
             rows,
             columns,
+            unroll,
             around.norm_eps.is_some(),
             around.add,
             planes,

@@ -14,8 +14,6 @@ pub const LANES: usize = 32;
 pub const PLANES: usize = 8;
 /// The most tokens a cube makes its columns for (more tokens: more cubes along y).
 pub const MAX_ROWS: usize = 8;
-/// Columns a lane loads before it adds them (their loads in flight together).
-const UNROLL: usize = 4;
 
 /// Scalars of one projection.
 #[derive(CubeType, CubeLaunch, Clone, Copy)]
@@ -38,7 +36,8 @@ pub struct LinearShape {
 /// Cube `(c, b)` makes output columns `(c * PLANES + p) * columns ..` (plane `p` of the cube
 /// `columns` of them) of tokens `b * rows ..`. With `norm`, each token's dot products are divided
 /// by its input's RMS (`sqrt(mean(x^2) + eps)`: an RMSNorm whose weight is folded into `w`); with
-/// `add`, `residual` is added. With `planes` (planes exactly `LANES` wide: CUDA) the lanes fold by
+/// `add`, `residual` is added. A lane loads `unroll` of its input columns at once (their loads in
+/// flight together) before it adds them. With `planes` (planes exactly `LANES` wide: CUDA) the lanes fold by
 /// plane sums, else in shared memory.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
@@ -51,6 +50,7 @@ pub fn linear_kernel<F: Float>(
     eps: f32,
     #[comptime] rows: usize,
     #[comptime] columns: usize,
+    #[comptime] unroll: usize,
     #[comptime] norm: bool,
     #[comptime] add: bool,
     #[comptime] planes: bool,
@@ -70,14 +70,14 @@ pub fn linear_kernel<F: Float>(
     for r in 0..rows {
         squares[r] = F::new(0.0);
     }
-    let mut weights = Array::<F>::new(UNROLL * columns);
-    let mut inputs = Array::<F>::new(UNROLL * rows);
-    let step = (LANES * UNROLL) as u64;
+    let mut weights = Array::<F>::new(unroll * columns);
+    let mut inputs = Array::<F>::new(unroll * rows);
+    let step = (LANES * unroll) as u64;
     let mut k = lane;
     while k < shape.inner {
         // Every load of the step first, then the sums in column order.
         #[unroll]
-        for i in 0..UNROLL {
+        for i in 0..unroll {
             let at = k + (i * LANES) as u64;
             let inside = at < shape.inner;
             #[unroll]
@@ -98,7 +98,7 @@ pub fn linear_kernel<F: Float>(
             }
         }
         #[unroll]
-        for i in 0..UNROLL {
+        for i in 0..unroll {
             #[unroll]
             for r in 0..rows {
                 let value = inputs[i * rows + r];

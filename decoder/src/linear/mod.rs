@@ -109,12 +109,29 @@ pub fn reference(
     out
 }
 
-/// `[residual +] (x [/ rms(x)]) w^T` on `x`'s device (`w` the `[outputs, inner]` rows): the
-/// extension's one launch up to [`MAX_TOKENS`] tokens, Burn's ops past them. Shapes are the
-/// model's own (checked at load), so nothing here fails.
+/// A projection's matrix: its `[outputs, inner]` rows, which the kernel reads, and their
+/// transposed view, which Burn's matmul takes (made once: a view made in every step would sit
+/// between the norm's ops and the matmul and keep Burn's fusion from joining them).
+#[derive(Debug, Clone)]
+pub struct Weight {
+    rows: Tensor<2>,
+    columns: Tensor<2>,
+}
+
+impl Weight {
+    /// The matrix of `rows` (`[outputs, inner]`).
+    pub fn new(rows: Tensor<2>) -> Self {
+        let columns = rows.clone().transpose();
+        Self { rows, columns }
+    }
+}
+
+/// `[residual +] (x [/ rms(x)]) w^T` on `x`'s device: the extension's one launch up to
+/// [`MAX_TOKENS`] tokens, Burn's ops past them. Shapes are the model's own (checked at load), so
+/// nothing here fails.
 pub fn linear(
     x: Tensor<2>,
-    w: &Tensor<2>,
+    w: &Weight,
     residual: Option<Tensor<2>>,
     norm_eps: Option<f64>,
 ) -> Tensor<2> {
@@ -127,7 +144,7 @@ pub fn linear(
             }
             None => x,
         };
-        let y = x.matmul(w.clone().transpose());
+        let y = x.matmul(w.columns.clone());
         return residual.map_or(y.clone(), |residual| residual + y);
     }
     let around = Around {
@@ -138,7 +155,7 @@ pub fn linear(
     let residual = residual.unwrap_or_else(|| x.clone());
     Tensor::from_dispatch(<Dispatch as LinearBackend>::linear(
         x.into_dispatch(),
-        w.clone().into_dispatch(),
+        w.rows.clone().into_dispatch(),
         residual.into_dispatch(),
         around,
     ))
@@ -157,6 +174,3 @@ impl LinearBackend for burn_cubecl::CubeBackend {
         cube::linear(x, w, residual, around)
     }
 }
-
-#[cfg(test)]
-pub(crate) mod tests;
