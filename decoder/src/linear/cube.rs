@@ -10,8 +10,8 @@ use cubecl::prelude::*;
 use super::Around;
 use super::kernel::{LANES, LinearShapeLaunch, MAX_ROWS, PLANES, linear_kernel};
 
-/// One launch: a cube for each `PLANES * columns` output columns and each block of up to
-/// `MAX_ROWS` tokens (the fewest rows a cube that holds every token, below that).
+/// One launch: a cube for each `columns` output columns and each block of up to `MAX_ROWS`
+/// tokens (the fewest rows a cube that holds every token, below that).
 pub(super) fn linear(
     x: CubeTensor,
     w: CubeTensor,
@@ -31,10 +31,19 @@ pub(super) fn linear(
         return out;
     }
     let rows = tokens.next_power_of_two().min(MAX_ROWS);
-    // Past a few tokens a plane makes two columns: each input load feeds two sums.
-    let columns = if rows >= 4 { 2 } else { 1 };
-    // A lane's loads in flight at once: one round trip covers most of a row of up to 576.
-    let unroll = if rows <= 2 { 16 } else { 8 };
+    let properties = x.client.properties();
+    let planes = properties.features.plane.contains(Plane::Ops)
+        && properties.hardware.plane_size_min == LANES as u32
+        && properties.hardware.plane_size_max == LANES as u32;
+    // Columns a cube: each input load feeds that many sums. Where the lanes fold in shared memory
+    // one, so the fold's buffer stays small.
+    let columns = match (planes, rows) {
+        (false, _) => 1,
+        (true, 1 | 2) => 2,
+        (true, _) => 4,
+    };
+    // A unit's loads in flight at once: a round covers 1,024 (or 2,048) columns of a row.
+    let unroll = if rows <= 2 { 8 } else { 4 };
     let shape = LinearShapeLaunch::new(
         tokens as u64,
         outputs as u64,
@@ -43,10 +52,12 @@ pub(super) fn linear(
         row_stride(&w),
         if around.add { row_stride(&residual) } else { 0 },
     );
+    let column_cubes = outputs.div_ceil(columns);
+    let x_cubes = column_cubes.min(65_535);
     let cubes = CubeCount::Static(
-        outputs.div_ceil(PLANES * columns) as u32,
+        x_cubes as u32,
+        column_cubes.div_ceil(x_cubes) as u32,
         tokens.div_ceil(rows) as u32,
-        1,
     );
     let dim = CubeDim::new_2d(LANES as u32, PLANES as u32);
     let widest = [&x, &w, &residual, &out]
@@ -60,10 +71,6 @@ pub(super) fn linear(
         AddressType::U64
     };
     let dtype = burn_core::backend::cubecl::dtype_to_storage_type(x.dtype);
-    let properties = x.client.properties();
-    let planes = properties.features.plane.contains(Plane::Ops)
-        && properties.hardware.plane_size_min == LANES as u32
-        && properties.hardware.plane_size_max == LANES as u32;
     let client = x.client.clone();
     // SAFETY: every read is inside `x`, `w` and `residual` (rows of unit column stride at the row
     // strides given; loads past `tokens`, `outputs` or `inner` are skipped), each output written

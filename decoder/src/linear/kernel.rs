@@ -1,17 +1,21 @@
 //! The projection kernel for a step's few tokens: `out = [residual +] (x [/ rms(x)]) W^T`, over
 //! weights kept as `[out, in]` rows.
 //!
-//! A plane of `LANES` units makes a few output columns for a block of `rows` tokens: lane `l` reads
-//! the weight rows at `l, l + LANES, ..` (the plane's loads coalesced) and each token's input at the
-//! same columns, then the lanes' sums fold in a fixed tree. A token's value is the same sums in the
+//! A cube makes a few output columns for a block of up to `MAX_ROWS` tokens, its `UNITS` units
+//! sharing out each weight row: unit `g` reads columns `g, g + UNITS, ..` of the cube's weight rows
+//! (coalesced) and of each token's input, a round of loads in flight at once, so a row takes one
+//! or two round trips and a projection has a cube for every few columns. Each plane's lanes fold
+//! their sums, then the planes' sums add in plane order. A token's value is the same sums in the
 //! same order whatever else is in the launch: a row is the same bits alone or in a verify window.
 
 use cubecl::prelude::*;
 
-/// Units a plane of the cube: the lanes that share one output column's dot product.
+/// Units of a plane.
 pub const LANES: usize = 32;
-/// Planes of a cube: output columns a cube makes.
+/// Planes of a cube.
 pub const PLANES: usize = 8;
+/// Units of a cube, all on the cube's columns.
+const UNITS: usize = LANES * PLANES;
 /// The most tokens a cube makes its columns for (more tokens: more cubes along y).
 pub const MAX_ROWS: usize = 8;
 
@@ -33,12 +37,12 @@ pub struct LinearShape {
     pub residual_stride: u64,
 }
 
-/// Cube `(c, b)` makes output columns `(c * PLANES + p) * columns ..` (plane `p` of the cube
-/// `columns` of them) of tokens `b * rows ..`. With `norm`, each token's dot products are divided
-/// by its input's RMS (`sqrt(mean(x^2) + eps)`: an RMSNorm whose weight is folded into `w`); with
-/// `add`, `residual` is added. A lane loads `unroll` of its input columns at once (their loads in
-/// flight together) before it adds them. With `planes` (planes exactly `LANES` wide: CUDA) the lanes fold by
-/// plane sums, else in shared memory.
+/// Cube `(c, b)` (`c` flattened over x and y) makes output columns `c * columns ..` of tokens
+/// `b * rows ..` (`b` on z). With `norm`,
+/// each token's dot products are divided by its input's RMS (`sqrt(mean(x^2) + eps)`: an RMSNorm
+/// whose weight is folded into `w`); with `add`, `residual` is added. A unit loads `unroll` of its
+/// columns at once before it adds them. With `planes` (planes exactly `LANES` wide: CUDA) the lanes
+/// fold by plane sums, else in shared memory.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_kernel<F: Float>(
@@ -56,29 +60,27 @@ pub fn linear_kernel<F: Float>(
     #[comptime] planes: bool,
     #[define(F)] _dtype: ElemType,
 ) {
-    let lane = UNIT_POS_X as u64;
-    let plane = UNIT_POS_Y as u64;
-    let first_column = (CUBE_POS_X as u64 * PLANES as u64 + plane) * columns as u64;
-    let first_row = CUBE_POS_Y as u64 * rows as u64;
-    let mut dots = Array::<F>::new(rows * columns);
-    let mut squares = Array::<F>::new(rows);
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    let first_column = cube * columns as u64;
+    let first_row = CUBE_POS_Z as u64 * rows as u64;
+    // The values a unit sums: each (token, column)'s dot product, then each token's squares.
+    let values = comptime!(rows * columns + if norm { rows } else { 0 });
+    let mut sums = Array::<F>::new(values);
     #[unroll]
-    for j in 0..rows * columns {
-        dots[j] = F::new(0.0);
-    }
-    #[unroll]
-    for r in 0..rows {
-        squares[r] = F::new(0.0);
+    for j in 0..values {
+        sums[j] = F::new(0.0);
     }
     let mut weights = Array::<F>::new(unroll * columns);
     let mut inputs = Array::<F>::new(unroll * rows);
-    let step = (LANES * unroll) as u64;
-    let mut k = lane;
+    let step = (UNITS * unroll) as u64;
+    let mut k = (plane * LANES + lane) as u64;
     while k < shape.inner {
-        // Every load of the step first, then the sums in column order.
+        // Every load of the round first, then the sums in column order.
         #[unroll]
         for i in 0..unroll {
-            let at = k + (i * LANES) as u64;
+            let at = k + (i * UNITS) as u64;
             let inside = at < shape.inner;
             #[unroll]
             for c in 0..columns {
@@ -103,105 +105,92 @@ pub fn linear_kernel<F: Float>(
             for r in 0..rows {
                 let value = inputs[i * rows + r];
                 if comptime![norm] {
-                    squares[r] += value * value;
+                    sums[rows * columns + r] += value * value;
                 }
                 #[unroll]
                 for c in 0..columns {
-                    dots[r * columns + c] += value * weights[i * columns + c];
+                    sums[r * columns + c] += value * weights[i * columns + c];
                 }
             }
         }
         k += step;
     }
+    // Each plane's sums, then the planes' in order.
+    let mut planes_sums = Shared::<[F]>::new_slice(PLANES * values);
     if comptime![planes] {
         #[unroll]
-        for j in 0..rows * columns {
-            dots[j] = plane_sum(dots[j]);
-        }
-        if comptime![norm] {
-            #[unroll]
-            for r in 0..rows {
-                squares[r] = plane_sum(squares[r]);
+        for j in 0..values {
+            let total = plane_sum(sums[j]);
+            if lane == 0 {
+                planes_sums[plane * values + j] = total;
             }
         }
     } else {
-        fold_lanes::<F>(&mut dots, &mut squares, lane, plane, rows, columns, norm);
+        fold_lanes::<F>(&sums, &mut planes_sums, lane, plane, values);
     }
-    // Lane 0 writes the plane's columns of every token.
-    if lane == 0 {
-        #[unroll]
-        for r in 0..rows {
-            let row = first_row + r as u64;
-            let mut scale = F::new(1.0);
-            if comptime![norm] {
-                let mean = squares[r] / F::cast_from(shape.inner);
-                scale = (mean + F::cast_from(eps)).sqrt();
-            }
+    sync_cube();
+    // Unit `j` writes value `j`: token `j / columns`, column `j % columns`.
+    let j = plane * LANES + lane;
+    if j < rows * columns {
+        let r = j / columns;
+        let row = first_row + r as u64;
+        let column = first_column + (j % columns) as u64;
+        if row < shape.tokens && column < shape.outputs {
+            let mut value = F::new(0.0);
+            let mut squares = F::new(0.0);
             #[unroll]
-            for c in 0..columns {
-                let column = first_column + c as u64;
-                if row < shape.tokens && column < shape.outputs {
-                    let mut value = dots[r * columns + c];
-                    if comptime![norm] {
-                        value /= scale;
-                    }
-                    if comptime![add] {
-                        value += residual[(row * shape.residual_stride + column) as usize];
-                    }
-                    out[(row * shape.outputs + column) as usize] = value;
+            for p in 0..PLANES {
+                value += planes_sums[p * values + j];
+                if comptime![norm] {
+                    squares += planes_sums[p * values + rows * columns + r];
                 }
             }
+            if comptime![norm] {
+                let mean = squares / F::cast_from(shape.inner);
+                value /= (mean + F::cast_from(eps)).sqrt();
+            }
+            if comptime![add] {
+                value += residual[(row * shape.residual_stride + column) as usize];
+            }
+            out[(row * shape.outputs + column) as usize] = value;
         }
     }
 }
 
-/// The lanes' sums folded in shared memory, in a fixed tree (lane 0 ends with `((l0 + l16) +
-/// (l8 + l24)) + ..`, as a plane sum by halves), left in lane 0's `dots` and `squares`.
+/// Each plane's lane sums folded in shared memory, in a fixed tree (lane 0 ends with `((l0 + l16)
+/// + (l8 + l24)) + ..`, as a plane sum by halves), into `planes_sums[plane * values + j]`.
 #[cube]
 fn fold_lanes<F: Float>(
-    dots: &mut Array<F>,
-    squares: &mut Array<F>,
-    lane: u64,
-    plane: u64,
-    #[comptime] rows: usize,
-    #[comptime] columns: usize,
-    #[comptime] norm: bool,
+    sums: &Array<F>,
+    planes_sums: &mut Shared<[F]>,
+    lane: usize,
+    plane: usize,
+    #[comptime] values: usize,
 ) {
-    let values = comptime!(rows * columns + if norm { rows } else { 0 });
-    let mut sums = Shared::<[F]>::new_slice(PLANES * values * LANES);
-    let base = (plane * (values * LANES) as u64) as usize;
+    let mut lanes = Shared::<[F]>::new_slice(PLANES * values * LANES);
+    let base = plane * values * LANES;
     #[unroll]
-    for j in 0..rows * columns {
-        sums[base + j * LANES + lane as usize] = dots[j];
-    }
-    if comptime![norm] {
-        #[unroll]
-        for r in 0..rows {
-            sums[base + (rows * columns + r) * LANES + lane as usize] = squares[r];
-        }
+    for j in 0..values {
+        lanes[base + j * LANES + lane] = sums[j];
     }
     #[unroll]
     for level in 0..5u32 {
         let half = comptime!(LANES >> (level + 1));
         sync_cube();
-        if (lane as usize) < half {
+        if lane < half {
             #[unroll]
             for j in 0..values {
-                let at = base + j * LANES + lane as usize;
-                let other = sums[at + half];
-                sums[at] += other;
+                let at = base + j * LANES + lane;
+                let other = lanes[at + half];
+                lanes[at] += other;
             }
         }
     }
     sync_cube();
-    #[unroll]
-    for j in 0..rows * columns {
-        dots[j] = sums[base + j * LANES];
-    }
-    if comptime![norm] {
+    if lane == 0 {
         #[unroll]
-        for r in 0..rows {
-            squares[r] = sums[base + (rows * columns + r) * LANES];
+        for j in 0..values {
+            planes_sums[plane * values + j] = lanes[base + j * LANES];
         }
     }
 }

@@ -15,8 +15,19 @@ use burn_core::backend::{
 use burn_core::tensor::Tensor;
 
 /// Tokens up to which a projection runs the extension's kernel; more take Burn's matmul, whose
-/// tiles pay off there.
+/// tiles pay off there. `KVPLAN_PROJECTION_MAX_TOKENS` overrides it (a benchmark's knob: where
+/// the two cross depends on the device).
 pub const MAX_TOKENS: usize = 16;
+
+fn max_tokens() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("KVPLAN_PROJECTION_MAX_TOKENS")
+            .ok()
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(MAX_TOKENS)
+    })
+}
 
 /// What rides with a projection: an RMSNorm of its input before, a residual after.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -136,7 +147,7 @@ pub fn linear(
     norm_eps: Option<f64>,
 ) -> Tensor<2> {
     let tokens = x.dims()[0];
-    if tokens > MAX_TOKENS {
+    if tokens > max_tokens() {
         let x = match norm_eps {
             Some(eps) => {
                 let rms = x.clone().powi_scalar(2).mean_dim(1).add_scalar(eps).sqrt();
