@@ -20,7 +20,7 @@ pub const MIN_UNITS: usize = 64;
 pub const MAX_HEAD_DIM: usize = 256;
 
 /// Keys whose V rows a unit loads together before it folds them in.
-const FOLD: usize = 16;
+const FOLD: usize = 32;
 
 /// A token's keys are split into this many parts, each attended by a cube of its own into a
 /// partial (its max score, sum of weights and weighted V row), which one more cube a head folds
@@ -572,36 +572,35 @@ fn attend<F: Float, S: Int, W: Int>(
         let rescale = select(first > begin, (max - next_max).exp(), F::new(1.0));
         sum *= rescale;
         acc *= rescale;
-        // `FOLD` keys at a time: their V loads are in flight together (the fold waits on one
-        // round trip a group, not one a key); the sums still add key by key, in order.
+        // `FOLD` keys at a time, the last group of a chunk too: their V loads are in flight
+        // together (a chunk waits on a round trip or two, not one a key); the sums still add key
+        // by key, in order.
         let mut values = Array::<F>::new(FOLD);
         let mut j = 0u32;
-        while j + FOLD as u32 <= keys {
+        while j < keys {
             #[unroll]
             for i in 0..FOLD {
-                values[i] = v_value::<F>(
-                    v_pool,
-                    v,
-                    key_rows[j as usize + i],
-                    u,
-                    head_dim,
-                    with_new_rows,
-                );
+                values[i] = F::new(0.0);
+                if j + (i as u32) < keys {
+                    values[i] = v_value::<F>(
+                        v_pool,
+                        v,
+                        key_rows[j as usize + i],
+                        u,
+                        head_dim,
+                        with_new_rows,
+                    );
+                }
             }
             #[unroll]
             for i in 0..FOLD {
-                let weight = (scores[j as usize + i] - next_max).exp();
-                sum += weight;
-                acc += weight * values[i];
+                if j + (i as u32) < keys {
+                    let weight = (scores[j as usize + i] - next_max).exp();
+                    sum += weight;
+                    acc += weight * values[i];
+                }
             }
             j += FOLD as u32;
-        }
-        while j < keys {
-            let weight = (scores[j as usize] - next_max).exp();
-            sum += weight;
-            acc +=
-                weight * v_value::<F>(v_pool, v, key_rows[j as usize], u, head_dim, with_new_rows);
-            j += 1;
         }
         max = next_max;
         first += chunk;
