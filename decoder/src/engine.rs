@@ -284,12 +284,13 @@ pub struct Engine {
     graphs: HashMap<usize, DecodeGraph>,
 }
 
-/// A decode step's forward inside a graph: each row's greedy next token.
+/// A decode step's forward inside a graph: each row's greedy next token, attached to the step's
+/// report (read with its statuses, one transfer a step).
 fn decode_tokens(
     model: &Llama,
     kv: &mut PagedKv,
     inputs: &StepInputs,
-) -> std::result::Result<Tensor<1, Int>, String> {
+) -> std::result::Result<(), String> {
     let layers = model.config().layers;
     let hidden = model
         .forward(
@@ -299,11 +300,12 @@ fn decode_tokens(
             |layer, qkv| Ok(kv.attend(layer, qkv)?),
         )
         .map_err(|error| error.to_string())?;
-    Ok(model.logits(hidden).argmax(1).reshape([inputs.tokens]))
+    let tokens = model.logits(hidden).argmax(1).reshape([inputs.tokens]);
+    kv.attach(tokens).map_err(|error| error.to_string())
 }
 
-/// A captured decode step: each row's next token (or why the forward failed).
-type DecodeGraph = StepGraph<'static, std::result::Result<Tensor<1, Int>, String>>;
+/// A captured decode step (or why its forward failed); its tokens come with the step's report.
+type DecodeGraph = StepGraph<'static, std::result::Result<(), String>>;
 
 impl Engine {
     /// An engine over `model` with an empty cache; `eos` are the token ids that end a request.
@@ -649,10 +651,11 @@ impl Engine {
                 (out, report)
             }
         };
-        let tokens = self.read_tokens(out.map_err(DecoderError::Model)?)?;
-        let targets = tokens
-            .into_iter()
-            .map(|t| Target::Tokens(vec![t]))
+        out.map_err(DecoderError::Model)?;
+        let targets = report
+            .attached
+            .iter()
+            .map(|&t| Target::Tokens(vec![t as u32]))
             .collect();
         Ok(Some((targets, report)))
     }

@@ -634,12 +634,26 @@ impl<B: KvPlanBackend> Canary<B> {
         &self,
         statuses: impl IntoIterator<Item = Status<B>>,
     ) -> Result<(Vec<usize>, Violations), Error> {
-        let state = self.primitive();
         let (mut parts, contexts) = crate::deferred::split(statuses);
-        parts.extend([state.status.clone(), state.counters.clone()]);
+        parts.extend(self.record_words());
         let words = read_ints::<B>(B::int_cat(parts, 0))?;
         let counts = crate::deferred::decode_all(&contexts, &words)?;
-        let words = &words[(contexts.len() * STATUS_LEN).min(words.len())..];
+        let violations =
+            self.violations_in(&words[(contexts.len() * STATUS_LEN).min(words.len())..])?;
+        Ok((counts, violations))
+    }
+
+    /// The canary's status record and health counters, the words [`violations_in`] reads (for a
+    /// caller that reads them with other words in one transfer).
+    pub(crate) fn record_words(&self) -> [IntTensor<B>; 2] {
+        let state = self.primitive();
+        [state.status.clone(), state.counters.clone()]
+    }
+
+    /// The violations of the canary's status record and counters read back as `words` (from
+    /// [`record_words`]); the ring is read only when it holds rows.
+    pub(crate) fn violations_in(&self, words: &[i64]) -> Result<Violations, Error> {
+        let state = self.primitive();
         let (status, counters) = words.split_at(STATUS_LEN.min(words.len()));
         let status: crate::status::StatusWords = status.try_into().unwrap_or_default();
         crate::status::decode(&status, "kv-canary")?;
@@ -654,12 +668,11 @@ impl<B: KvPlanBackend> Canary<B> {
                 .map(|row| Violation::from(<ViolationRow>::try_from(row).unwrap_or_default()))
                 .collect()
         };
-        let violations = Violations {
+        Ok(Violations {
             rows,
             recorded,
             dropped: recorded - stored as u64,
-        };
-        Ok((counts, violations))
+        })
     }
 
     /// Empties the ring and resets its write index; the health counters keep counting. Forgets the

@@ -222,6 +222,9 @@ pub struct StepReport {
     pub violations: Vec<KvViolation>,
     /// Violation rows the canary's ring had no room for.
     pub dropped: u64,
+    /// The ints the step attached ([`PagedKv::attach`]), read in the same transfer as its
+    /// statuses (empty when it attached none).
+    pub attached: Vec<i64>,
 }
 
 #[derive(Debug, Clone)]
@@ -352,6 +355,8 @@ pub struct PagedKv {
     /// The per-step host values' buffers, one per step shape, written in place each step.
     records: HashMap<(&'static str, Vec<usize>), Tensor<1, Int>>,
     step: Option<OpenStep>,
+    /// Ints the open step hands back with its report (`attach`).
+    attached: Option<Tensor<1, Int>>,
     /// The step a graph's capture or replay runs.
     staged: Option<StagedStep>,
     /// This object, and its buffers' generation (a graph replays only into the buffers it saw).
@@ -402,6 +407,7 @@ impl PagedKv {
             canary,
             records: HashMap::new(),
             step: None,
+            attached: None,
             staged: None,
             instance: NEXT_INSTANCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             generation: 0,
@@ -559,6 +565,7 @@ impl PagedKv {
     /// Nothing changes on an error.
     pub fn begin(&mut self, windows: &[(RequestId, &[u32])]) -> Result<StepInputs, Error> {
         let (entries, record) = self.open(windows)?;
+        self.attached = None;
         match self.launch(&record) {
             Ok(launched) => {
                 self.mark_written(&entries);
@@ -857,7 +864,40 @@ impl PagedKv {
         let step = self.step.take().expect("checked above");
         let kept = self.commit(&step.entries, keep);
         let statuses = self.launch_end(step.launched, kept.as_ref())?;
-        self.report(statuses)
+        let packed = self.pack(statuses);
+        self.report(&packed)
+    }
+
+    /// Hands `ints` (a decode step's next tokens, say) back with the step's report
+    /// ([`StepReport::attached`]), read in the one transfer that reads its statuses: call it
+    /// between [`begin`](Self::begin) and [`end`](Self::end), or inside a captured step's
+    /// forward, whose replays then hand back each run's values. A later call replaces them.
+    ///
+    /// # Errors
+    /// `step_order` outside a step.
+    pub fn attach(&mut self, ints: Tensor<1, Int>) -> Result<(), Error> {
+        if self.step.is_none() {
+            return Err(step_order("attach", "needs a step begun"));
+        }
+        self.attached = Some(ints.cast(DType::I64));
+        Ok(())
+    }
+
+    /// The step's status records, the canary's and the attached ints side by side in one i64
+    /// tensor (made inside a captured step, so a replay rewrites it): one read for the report.
+    fn pack(&mut self, statuses: Vec<Status>) -> Packed {
+        let (mut parts, contexts) = crate::deferred::split(statuses);
+        if let Some((canary, _)) = &self.canary {
+            parts.extend(canary.record_words());
+        }
+        let attached = self.attached.take();
+        let attached_len = attached.as_ref().map_or(0, |ints| ints.dims()[0]);
+        parts.extend(attached.map(Tensor::into_dispatch));
+        Packed {
+            words: Tensor::cat(parts.into_iter().map(Tensor::from_dispatch).collect(), 0),
+            contexts,
+            attached: attached_len,
+        }
     }
 
     /// The host half of `end`: rejected slots back, kept ones committed, and what the canary
@@ -945,12 +985,19 @@ impl PagedKv {
 
     /// One read-back of a step's statuses and the canary's violations (its ring emptied after),
     /// the violations attributed.
-    fn report(&mut self, statuses: Vec<Status>) -> Result<StepReport, Error> {
+    fn report(&mut self, packed: &Packed) -> Result<StepReport, Error> {
+        let words = crate::backend::data_to_i64(&packed.words.clone().into_data());
+        crate::deferred::decode_all(&packed.contexts, &words)?;
+        let rest = &words[(packed.contexts.len() * crate::layout::STATUS_LEN).min(words.len())..];
+        let (record, attached) = rest.split_at(rest.len().saturating_sub(packed.attached));
+        let attached = attached.to_vec();
         let Some((canary, _)) = self.canary.as_mut() else {
-            crate::deferred::check_all(statuses)?;
-            return Ok(StepReport::default());
+            return Ok(StepReport {
+                attached,
+                ..StepReport::default()
+            });
         };
-        let (_, violations) = canary.violations_after(statuses)?;
+        let violations = canary.violations_in(record)?;
         if violations.recorded > 0 {
             canary.clear();
         }
@@ -961,6 +1008,7 @@ impl PagedKv {
                 self.attribute(&violations.rows)?
             },
             dropped: violations.dropped,
+            attached,
         })
     }
 
@@ -1099,7 +1147,7 @@ impl PagedKv {
     fn device_step<T>(
         &mut self,
         forward: &mut dyn FnMut(&mut PagedKv, &StepInputs) -> T,
-    ) -> Result<(T, Vec<Status>), Error> {
+    ) -> Result<(T, Packed), Error> {
         let staged = self.staged.clone().expect("a graph runs a staged step");
         let launched = self.launch(&staged.record)?;
         let inputs = launched.inputs.clone();
@@ -1112,13 +1160,13 @@ impl PagedKv {
             return Err(step_order("end", "cannot run inside a captured step"));
         };
         let statuses = self.launch_end(step.launched, staged.kept.as_ref())?;
-        Ok((out, statuses))
+        Ok((out, self.pack(statuses)))
     }
 
     /// The report of a graph's step from its output's statuses.
     fn read_output<T>(&mut self, output: &StepOutput<T>) -> Result<StepReport, Error> {
         match output {
-            Ok((_, statuses)) => self.report(statuses.clone()),
+            Ok((_, packed)) => self.report(packed),
             Err(error) => Err(error.clone()),
         }
     }
@@ -1316,7 +1364,17 @@ impl PagedKv {
 }
 
 /// What a graph's step returns: the forward's outputs and the step's statuses.
-type StepOutput<T> = Result<(T, Vec<Status>), Error>;
+type StepOutput<T> = Result<(T, Packed), Error>;
+
+/// A step's statuses and attached ints in one i64 tensor (`PagedKv::pack`).
+#[derive(Debug, Clone)]
+struct Packed {
+    words: Tensor<1, Int>,
+    /// Each status record's context, in order.
+    contexts: Vec<String>,
+    /// The attached ints at the end.
+    attached: usize,
+}
 type StepClosure<'f, T> = Box<dyn FnMut() -> StepOutput<T> + 'f>;
 
 /// A step's device work, the model's forward inside, captured once by [`PagedKv::capture`] and

@@ -399,6 +399,10 @@ pub fn errors(device: &Device) {
     let qkv = || Tensor::<2>::zeros([2, config.qkv_width()], device);
     assert_kind(kv.attend(0, qkv()), "step_order");
     assert_kind(kv.end(&[]), "step_order");
+    assert_kind(
+        kv.attach(Tensor::from_data(TensorData::new(vec![1i64], [1]), device)),
+        "step_order",
+    );
 
     // Inside a step.
     kv.begin(&[(a, &[5, 6])]).unwrap();
@@ -797,11 +801,17 @@ pub fn capture(device: &Device) {
         device.as_dispatch(),
         burn_core::backend::DispatchDevice::Flex(_)
     );
+    // Each step attaches its next tokens: they come back in its report, read with its statuses.
     let step = |kv: &mut PagedKv, windows: &[(RequestId, &[u32])]| {
         let inputs = kv.begin(windows).unwrap();
-        let next = ints(tiny.forward(kv, &inputs));
+        let next = tiny.forward(kv, &inputs);
+        kv.attach(next.clone()).unwrap();
+        let next = ints(next);
         let keep: Vec<usize> = windows.iter().map(|(_, ids)| ids.len()).collect();
-        (next, kv.end(&keep).unwrap())
+        let report = kv.end(&keep).unwrap();
+        let attached: Vec<u32> = report.attached.iter().map(|&v| v as u32).collect();
+        assert_eq!(attached, next, "attached tokens");
+        (next, report)
     };
     // Prefill two requests (the second shares the first's prefix), then one eager decode step:
     // every kernel of the decode shape compiled before the capture.
@@ -821,7 +831,9 @@ pub fn capture(device: &Device) {
 
     let (mut graph, report) = graphed
         .capture(&[(a, &tokens[..1]), (b, &tokens[1..])], |kv, inputs| {
-            tiny.forward(kv, inputs)
+            let next = tiny.forward(kv, inputs);
+            kv.attach(next.clone()).unwrap();
+            next
         })
         .unwrap();
     assert_eq!(graph.is_hardware(), hardware, "{graph:?}");
@@ -913,7 +925,11 @@ pub fn capture(device: &Device) {
     assert_ne!(after, before, "the injected bit (only)");
     drop(graph);
     let (mut graph, report) = graphed
-        .capture(&windows, |kv, inputs| tiny.forward(kv, inputs))
+        .capture(&windows, |kv, inputs| {
+            let next = tiny.forward(kv, inputs);
+            kv.attach(next.clone()).unwrap();
+            next
+        })
         .unwrap();
     let (want, want_report) = step(&mut eager, &windows);
     assert_eq!(report, want_report, "the fault's report");
