@@ -8,7 +8,7 @@ use burn_core::tensor::activation::silu;
 use burn_core::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::gguf::Gguf;
-use crate::linear::{Weight, linear};
+use crate::linear::{Rope, RopeShape, Weight, linear, linear_rope};
 use crate::{DecoderError, Result};
 
 /// The shape of a Llama, read from a GGUF's `llama.*` metadata.
@@ -54,6 +54,12 @@ impl LlamaConfig {
                 "heads {heads} / kv heads {kv_heads} do not divide hidden {hidden}"
             )));
         }
+        if (hidden / heads) % 2 != 0 {
+            return Err(DecoderError::Model(format!(
+                "head dim {} is odd: RoPE turns pairs of columns",
+                hidden / heads
+            )));
+        }
         let vocab = gguf.tensor_info("token_embd.weight")?.shape[0];
         Ok(Self {
             layers: get("block_count")?,
@@ -79,8 +85,7 @@ impl LlamaConfig {
 /// projection kernel reads: each output a dot product over contiguous weights), and each
 /// RMSNorm's weight folded into the matrices that read its output.
 struct Block {
-    /// Q, K and V projections stacked, then Q and K again with the rows of each RoPE pair
-    /// swapped: one projection yields Q, K, V and the swapped Q, K that RoPE mixes in.
+    /// Q, K and V projections stacked (RoPE turns the Q and K columns in the same launch).
     wqkv: Weight,
     wo: Weight,
     /// Gate and up projections stacked.
@@ -98,9 +103,8 @@ pub struct Llama {
     /// The LM head's `[vocab, hidden]` rows (the tied embedding), the final norm's weight folded
     /// in.
     lm_head: Weight,
-    /// RoPE per position and column of `[q | k | v]`: `[context_length, (heads + 2 * kv_heads) *
-    /// head_dim]`; in each Q and K head `cos` of the pair's angle in both columns, `sin` as `-sin,
-    /// +sin` (applied to the pair-swapped values); in V's, cos 1 and sin 0 (V stays as it is).
+    /// RoPE's `cos` and `sin` of each position's angle for each pair: `[context_length,
+    /// head_dim / 2]`.
     rope_cos: Tensor<2>,
     rope_sin: Tensor<2>,
 }
@@ -169,26 +173,18 @@ impl Llama {
         for layer in 0..config.layers {
             let name = |part: &str| format!("blk.{layer}.{part}.weight");
             blocks.push(Block {
-                wqkv: {
-                    let mut parts = read_normed(
+                // Q and K rows as llama.cpp's converter permutes them: each RoPE pair adjacent.
+                wqkv: side_by_side(
+                    &read_normed(
                         &[
                             (name("attn_q"), hidden),
                             (name("attn_k"), kv_dim),
                             (name("attn_v"), kv_dim),
                         ],
                         &name("attn_norm"),
-                    )?;
-                    // [swapped q | swapped k | q | k | v]: RoPE of the last `hidden + 2 *
-                    // kv_dim` columns with the first as their pair-swapped values leaves the
-                    // queries, keys and values side by side (V's cos 1, sin 0: the columns
-                    // facing it, q's first, count for nothing).
-                    let mut swapped: Vec<_> = parts[..2]
-                        .iter()
-                        .map(|(rows, out)| (swap_pair_rows(rows, hidden), *out))
-                        .collect();
-                    swapped.append(&mut parts);
-                    side_by_side(&swapped, hidden)
-                },
+                    )?,
+                    hidden,
+                ),
                 wo: matrices(&[(name("attn_output"), hidden)], hidden)?,
                 w_gate_up: side_by_side(
                     &read_normed(
@@ -252,26 +248,20 @@ impl Llama {
         mut attend: impl FnMut(usize, Tensor<2>) -> Result<Tensor<2>>,
     ) -> Result<Tensor<2>> {
         let c = &self.config;
-        let tokens = input_ids.dims()[0];
         let mut x = self.embed.clone().select(0, input_ids);
-        let hd = c.head_dim;
-        let rotated_heads = c.heads + c.kv_heads;
-        let heads = rotated_heads + c.kv_heads;
-        let rope = |table: &Tensor<2>| {
-            let rows = table.clone().select(0, positions.clone());
-            rows.reshape([tokens, heads, hd])
+        // The step's angles, gathered once for every layer.
+        let angles = |table: &Tensor<2>| table.clone().select(0, positions.clone());
+        let rope = Rope {
+            cos: angles(&self.rope_cos),
+            sin: angles(&self.rope_sin),
+            shape: RopeShape {
+                rotated: (c.heads + c.kv_heads) * c.head_dim,
+                head_dim: c.head_dim,
+            },
         };
-        let (cos, sin) = (rope(&self.rope_cos), rope(&self.rope_sin));
-        let width = c.hidden + 2 * c.kv_dim();
         for layer in layers {
             let block = &self.blocks[layer];
-            let qkv = linear(x.clone(), &block.wqkv, None, Some(c.rms_eps));
-            // RoPE on Q and K at once: `x * cos + swapped(x) * sin` per head; the swapped
-            // values of Q and K come first, the plain ones after them.
-            let plain = qkv.clone().narrow(1, rotated_heads * hd, width);
-            let plain = plain.reshape([tokens, heads, hd]);
-            let swapped = qkv.narrow(1, 0, width).reshape([tokens, heads, hd]);
-            let qkv = (plain * cos.clone() + swapped * sin.clone()).reshape([tokens, width]);
+            let qkv = linear_rope(x.clone(), &block.wqkv, &rope, Some(c.rms_eps));
             // Queries, keys and values go in as the one tensor they are: no slices.
             let attended = attend(layer, qkv)?;
             x = linear(attended, &block.wo, Some(x), None);
@@ -298,44 +288,25 @@ fn scale_inputs(rows: &mut [f32], scale: &[f32]) {
     }
 }
 
-/// `[out, inner]` rows with each adjacent pair swapped: the projection whose outputs are the
-/// RoPE partners (llama.cpp's converter permutes Q/K rows so that RoPE pairs are adjacent).
-fn swap_pair_rows(rows: &[f32], inner: usize) -> Vec<f32> {
-    let mut swapped = Vec::with_capacity(rows.len());
-    for pair in rows.chunks_exact(2 * inner) {
-        swapped.extend_from_slice(&pair[inner..]);
-        swapped.extend_from_slice(&pair[..inner]);
-    }
-    swapped
-}
-
-/// RoPE of `position * base^(-2i / head_dim)` for pair `i`, computed in f64 on the host: `cos`
-/// in both columns of the pair, and `-sin, +sin`, so that the rotated pair is
-/// `(x0 cos - x1 sin, x1 cos + x0 sin) = x * cos + swapped(x) * sin`.
+/// RoPE's `cos` and `sin` of `position * base^(-2i / head_dim)` for each position and pair `i`,
+/// computed in f64 on the host: `[context_length, head_dim / 2]` each.
 fn rope_tables(config: &LlamaConfig, device: &Device, dtype: DType) -> (Tensor<2>, Tensor<2>) {
-    let hd = config.head_dim;
-    let (rotated, kept) = (config.heads + config.kv_heads, config.kv_heads);
-    let width = (rotated + kept) * hd;
+    let pairs = config.head_dim / 2;
     let positions = config.context_length;
-    let mut cos = Vec::with_capacity(positions * width);
-    let mut sin = Vec::with_capacity(positions * width);
+    let mut cos = Vec::with_capacity(positions * pairs);
+    let mut sin = Vec::with_capacity(positions * pairs);
     for position in 0..positions {
-        let (mut head_cos, mut head_sin) = (Vec::with_capacity(hd), Vec::with_capacity(hd));
-        for i in 0..hd / 2 {
-            let inv_freq = config.rope_base.powf(-2.0 * i as f64 / hd as f64);
+        for i in 0..pairs {
+            let inv_freq = config
+                .rope_base
+                .powf(-2.0 * i as f64 / config.head_dim as f64);
             let angle = position as f64 * inv_freq;
-            head_cos.extend([angle.cos(), angle.cos()]);
-            head_sin.extend([-angle.sin(), angle.sin()]);
+            cos.push(angle.cos());
+            sin.push(angle.sin());
         }
-        for _ in 0..rotated {
-            cos.extend(&head_cos);
-            sin.extend(&head_sin);
-        }
-        cos.extend(std::iter::repeat_n(1.0, kept * hd));
-        sin.extend(std::iter::repeat_n(0.0, kept * hd));
     }
     let table = |values: Vec<f64>| {
-        Tensor::from_data(TensorData::new(values, [positions, width]), (device, dtype))
+        Tensor::from_data(TensorData::new(values, [positions, pairs]), (device, dtype))
     };
     (table(cos), table(sin))
 }

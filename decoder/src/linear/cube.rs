@@ -16,9 +16,14 @@ pub(super) fn linear(
     x: CubeTensor,
     w: CubeTensor,
     residual: CubeTensor,
+    angles: Option<[CubeTensor; 2]>,
     around: Around,
 ) -> CubeTensor {
     let [x, w, residual] = [x, w, residual].map(rows_of_unit_stride);
+    // Without RoPE, `x` stands in for the angles (bound, never read).
+    let [cos, sin] = angles
+        .map(|angles| angles.map(rows_of_unit_stride))
+        .unwrap_or_else(|| [x.clone(), x.clone()]);
     let (tokens, inner) = (x.shape()[0], x.shape()[1]);
     let outputs = w.shape()[0];
     let out = empty_device_contiguous_dtype(
@@ -38,6 +43,8 @@ pub(super) fn linear(
     // Columns a cube: each input load feeds that many sums. Where the lanes fold in shared memory
     // one, so the fold's buffer stays small.
     let columns = match (planes, rows) {
+        // RoPE turns pairs of adjacent columns: both in one cube.
+        (false, _) if around.rope.is_some() => 2,
         (false, _) => 1,
         (true, 1 | 2) => 2,
         (true, _) => 4,
@@ -51,6 +58,13 @@ pub(super) fn linear(
         row_stride(&x),
         row_stride(&w),
         if around.add { row_stride(&residual) } else { 0 },
+        around.rope.map_or(0, |rope| rope.rotated as u64),
+        around.rope.map_or(0, |rope| (rope.head_dim / 2) as u64),
+        if around.rope.is_some() {
+            row_stride(&cos)
+        } else {
+            0
+        },
     );
     let column_cubes = outputs.div_ceil(columns);
     let x_cubes = column_cubes.min(65_535);
@@ -60,7 +74,7 @@ pub(super) fn linear(
         tokens.div_ceil(rows) as u32,
     );
     let dim = CubeDim::new_2d(LANES as u32, PLANES as u32);
-    let widest = [&x, &w, &residual, &out]
+    let widest = [&x, &w, &residual, &cos, &sin, &out]
         .iter()
         .map(|tensor| tensor.handle.size() as usize / tensor.dtype.size())
         .max()
@@ -84,6 +98,8 @@ pub(super) fn linear(
             x.into_tensor_arg(),
             w.into_tensor_arg(),
             residual.into_tensor_arg(),
+            cos.into_tensor_arg(),
+            sin.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             shape,
             around.norm_eps.unwrap_or(0.0) as f32,
@@ -92,6 +108,7 @@ pub(super) fn linear(
             unroll,
             around.norm_eps.is_some(),
             around.add,
+            around.rope.is_some(),
             planes,
             dtype,
         );

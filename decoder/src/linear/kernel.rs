@@ -35,12 +35,20 @@ pub struct LinearShape {
     pub w_stride: u64,
     /// Row stride of `residual` (0 when it is not read).
     pub residual_stride: u64,
+    /// Output columns RoPE rotates (the queries' and keys'), in heads of `2 * pairs` columns.
+    pub rotated: u64,
+    /// RoPE pairs a head (`head_dim / 2`): the columns of `cos` and `sin`.
+    pub pairs: u64,
+    /// Row stride of `cos` and `sin`.
+    pub angle_stride: u64,
 }
 
 /// Cube `(c, b)` (`c` flattened over x and y) makes output columns `c * columns ..` of tokens
 /// `b * rows ..` (`b` on z). With `norm`,
 /// each token's dot products are divided by its input's RMS (`sqrt(mean(x^2) + eps)`: an RMSNorm
-/// whose weight is folded into `w`); with `add`, `residual` is added. A unit loads `unroll` of its
+/// whose weight is folded into `w`); with `add`, `residual` is added; with `rope`, each pair of
+/// columns `(2i, 2i + 1)` of a head below `rotated` is rotated by its token's angle of pair `i`
+/// (`cos`, `sin`: `[tokens, pairs]`), which needs `columns` even. A unit loads `unroll` of its
 /// columns at once before it adds them. With `planes` (planes exactly `LANES` wide: CUDA) the lanes
 /// fold by plane sums, else in shared memory.
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -49,6 +57,8 @@ pub fn linear_kernel<F: Float>(
     x: &Tensor<F>,
     w: &Tensor<F>,
     residual: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
     out: &mut Tensor<F>,
     shape: LinearShape,
     eps: f32,
@@ -57,6 +67,7 @@ pub fn linear_kernel<F: Float>(
     #[comptime] unroll: usize,
     #[comptime] norm: bool,
     #[comptime] add: bool,
+    #[comptime] rope: bool,
     #[comptime] planes: bool,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -137,17 +148,33 @@ pub fn linear_kernel<F: Float>(
         let column = first_column + (j % columns) as u64;
         if row < shape.tokens && column < shape.outputs {
             let mut value = F::new(0.0);
+            let mut partner = F::new(0.0);
             let mut squares = F::new(0.0);
             #[unroll]
             for p in 0..PLANES {
                 value += planes_sums[p * values + j];
+                if comptime![rope] {
+                    partner += planes_sums[p * values + (j ^ 1)];
+                }
                 if comptime![norm] {
                     squares += planes_sums[p * values + rows * columns + r];
                 }
             }
             if comptime![norm] {
                 let mean = squares / F::cast_from(shape.inner);
-                value /= (mean + F::cast_from(eps)).sqrt();
+                let scale = (mean + F::cast_from(eps)).sqrt();
+                value /= scale;
+                partner /= scale;
+            }
+            if comptime![rope] {
+                if column < shape.rotated {
+                    // `(a, b)` -> `(a cos - b sin, b cos + a sin)`: the even column takes the
+                    // first, the odd one the second.
+                    let pair = (column % (2 * shape.pairs)) / 2;
+                    let at = (row * shape.angle_stride + pair) as usize;
+                    let turn = select(column % 2 == 0, -sin[at], sin[at]);
+                    value = value * cos[at] + partner * turn;
+                }
             }
             if comptime![add] {
                 value += residual[(row * shape.residual_stride + column) as usize];

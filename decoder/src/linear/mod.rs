@@ -1,6 +1,7 @@
-//! The model's projections at a step's few tokens, as one Burn backend extension op: the RMSNorm
-//! before a projection and the residual after it ride in the same launch, over the weights'
-//! `[out, in]` rows. Steps of more tokens (prefill, wide verify windows) take Burn's matmul.
+//! The model's projections at a step's few tokens, as Burn backend extension ops: the RMSNorm
+//! before a projection, and the residual or RoPE after it, ride in the same launch, over the
+//! weights' `[out, in]` rows. Steps of more tokens (prefill, wide verify windows) take Burn's
+//! matmul and ops.
 
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
 mod cube;
@@ -29,7 +30,7 @@ fn max_tokens() -> usize {
     })
 }
 
-/// What rides with a projection: an RMSNorm of its input before, a residual after.
+/// What rides with a projection: an RMSNorm of its input before; a residual, or RoPE, after.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Around {
     /// `Some(eps)`: each token's output divided by `sqrt(mean(x^2) + eps)` of its input (the
@@ -37,10 +38,22 @@ pub struct Around {
     pub norm_eps: Option<f64>,
     /// The residual (the third input) added to the output.
     pub add: bool,
+    /// RoPE of the first output columns (`linear_rope`).
+    pub rope: Option<RopeShape>,
+}
+
+/// Which output columns RoPE rotates: the first `rotated` (the queries' and keys'), in heads of
+/// `head_dim` (even) whose adjacent columns `(2i, 2i + 1)` are a pair at angle `i`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RopeShape {
+    /// Rotated output columns, a multiple of `head_dim`.
+    pub rotated: usize,
+    /// Columns a head.
+    pub head_dim: usize,
 }
 
 /// The projection as a backend extension: the Cube backend's kernel (`kernel`), the host
-/// reference (default body) everywhere else.
+/// reference (default bodies) everywhere else.
 #[backend_extension(Fusion, Flex, Cube: cfg(any(feature = "vulkan", feature = "cuda")))]
 pub trait LinearBackend: Backend {
     /// `[residual +] (x [/ rms(x)]) w^T` for `x` `[tokens, inner]`, `w` `[outputs, inner]` and
@@ -52,47 +65,80 @@ pub trait LinearBackend: Backend {
         residual: FloatTensor<Self>,
         around: Around,
     ) -> FloatTensor<Self> {
-        let device = x.device();
-        let dtype = x.dtype();
-        let read = |tensor: FloatTensor<Self>| -> (Vec<usize>, Vec<f64>) {
-            let shape = tensor.shape().to_vec();
-            let data = try_read_sync(Self::float_into_data(tensor))
-                .and_then(Result::ok)
-                .map(|data| {
-                    data.convert::<f64>()
-                        .try_to_vec::<f64>()
-                        .unwrap_or_default()
-                })
-                .unwrap_or_default();
-            (shape, data)
-        };
-        let ((x_shape, x), (w_shape, w)) = (read(x), read(w));
-        let residual = if around.add {
-            read(residual).1
-        } else {
-            Vec::new()
-        };
-        let (tokens, inner, outputs) = (x_shape[0], x_shape[1], w_shape[0]);
-        let values = reference(&x, &w, &residual, [tokens, inner, outputs], around);
-        Self::float_from_data(
-            TensorData::new(values, [tokens, outputs]).convert_dtype(dtype),
-            &device,
-        )
+        host_linear::<Self>(x, w, Some(residual), None, around)
+    }
+
+    /// `(x [/ rms(x)]) w^T` with RoPE of its first `around.rope` columns: pair `i` of each
+    /// token's heads turned by `cos[t, i]`, `sin[t, i]` (`[tokens, head_dim / 2]`).
+    #[fusion(meta = |x, w, _cos, _sin, _around| TensorSpec::new([x.shape[0], w.shape[0]].into(), x.dtype))]
+    fn linear_rope(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        around: Around,
+    ) -> FloatTensor<Self> {
+        host_linear::<Self>(x, w, None, Some([cos, sin]), around)
     }
 }
 
+/// The default bodies: inputs read back, [`reference`], the result uploaded.
+fn host_linear<B: Backend>(
+    x: FloatTensor<B>,
+    w: FloatTensor<B>,
+    residual: Option<FloatTensor<B>>,
+    angles: Option<[FloatTensor<B>; 2]>,
+    around: Around,
+) -> FloatTensor<B> {
+    let device = x.device();
+    let dtype = x.dtype();
+    let read = |tensor: FloatTensor<B>| -> (Vec<usize>, Vec<f64>) {
+        let shape = tensor.shape().to_vec();
+        let data = try_read_sync(B::float_into_data(tensor))
+            .and_then(Result::ok)
+            .map(|data| {
+                data.convert::<f64>()
+                    .try_to_vec::<f64>()
+                    .unwrap_or_default()
+            })
+            .unwrap_or_default();
+        (shape, data)
+    };
+    let ((x_shape, x), (w_shape, w)) = (read(x), read(w));
+    let residual = match residual.filter(|_| around.add) {
+        Some(residual) => read(residual).1,
+        None => Vec::new(),
+    };
+    let angles = angles.map(|[cos, sin]| [read(cos).1, read(sin).1]);
+    let (tokens, inner, outputs) = (x_shape[0], x_shape[1], w_shape[0]);
+    let angles = angles
+        .as_ref()
+        .map(|[cos, sin]| [cos.as_slice(), sin.as_slice()]);
+    let values = reference(&x, &w, &residual, angles, [tokens, inner, outputs], around);
+    B::float_from_data(
+        TensorData::new(values, [tokens, outputs]).convert_dtype(dtype),
+        &device,
+    )
+}
+
 /// The projection on the host, in f64: what the kernel computes, summed in plain order (NaN where
-/// an input could not be read).
+/// an input could not be read). `angles`: RoPE's `cos` and `sin`, `[tokens, head_dim / 2]` each.
 pub fn reference(
     x: &[f64],
     w: &[f64],
     residual: &[f64],
+    angles: Option<[&[f64]; 2]>,
     [tokens, inner, outputs]: [usize; 3],
     around: Around,
 ) -> Vec<f64> {
+    let pairs = around.rope.map_or(0, |rope| rope.head_dim / 2);
     let readable = x.len() == tokens * inner
         && w.len() == outputs * inner
-        && (!around.add || residual.len() == tokens * outputs);
+        && (!around.add || residual.len() == tokens * outputs)
+        && (around.rope.is_none()
+            || angles.is_some_and(|[cos, sin]| {
+                cos.len() == tokens * pairs && sin.len() == tokens * pairs
+            }));
     let mut out = vec![f64::NAN; tokens * outputs];
     if !readable {
         return out;
@@ -103,18 +149,32 @@ pub fn reference(
             let mean = row.iter().map(|v| v * v).sum::<f64>() / inner as f64;
             1.0 / (mean + eps).sqrt()
         });
-        for n in 0..outputs {
+        let dot = |n: usize| -> f64 {
             let dot: f64 = row
                 .iter()
                 .zip(&w[n * inner..][..inner])
                 .map(|(a, b)| a * b)
                 .sum();
+            dot * scale
+        };
+        for n in 0..outputs {
             let add = if around.add {
                 residual[t * outputs + n]
             } else {
                 0.0
             };
-            out[t * outputs + n] = add + dot * scale;
+            let mut value = dot(n);
+            if let (Some(rope), Some([cos, sin])) = (around.rope, angles) {
+                if n < rope.rotated {
+                    let at = t * pairs + (n % rope.head_dim) / 2;
+                    value = if n % 2 == 0 {
+                        value * cos[at] - dot(n + 1) * sin[at]
+                    } else {
+                        value * cos[at] + dot(n - 1) * sin[at]
+                    };
+                }
+            }
+            out[t * outputs + n] = add + value;
         }
     }
     out
@@ -137,6 +197,18 @@ impl Weight {
     }
 }
 
+/// A step's RoPE angles: `cos` and `sin` of each token's angle for each pair, `[tokens, head_dim
+/// / 2]`, and the columns they turn.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    /// `cos` of each token's pair angles.
+    pub cos: Tensor<2>,
+    /// `sin` of each token's pair angles.
+    pub sin: Tensor<2>,
+    /// The columns turned.
+    pub shape: RopeShape,
+}
+
 /// `[residual +] (x [/ rms(x)]) w^T` on `x`'s device: the extension's one launch up to
 /// [`MAX_TOKENS`] tokens, Burn's ops past them. Shapes are the model's own (checked at load), so
 /// nothing here fails.
@@ -146,21 +218,14 @@ pub fn linear(
     residual: Option<Tensor<2>>,
     norm_eps: Option<f64>,
 ) -> Tensor<2> {
-    let tokens = x.dims()[0];
-    if tokens > max_tokens() {
-        let x = match norm_eps {
-            Some(eps) => {
-                let rms = x.clone().powi_scalar(2).mean_dim(1).add_scalar(eps).sqrt();
-                x / rms
-            }
-            None => x,
-        };
-        let y = x.matmul(w.columns.clone());
+    if x.dims()[0] > max_tokens() {
+        let y = normed(x, norm_eps).matmul(w.columns.clone());
         return residual.map_or(y.clone(), |residual| residual + y);
     }
     let around = Around {
         norm_eps,
         add: residual.is_some(),
+        rope: None,
     };
     // Without a residual, `x` stands in for it (bound, never read).
     let residual = residual.unwrap_or_else(|| x.clone());
@@ -170,6 +235,58 @@ pub fn linear(
         residual.into_dispatch(),
         around,
     ))
+}
+
+/// `(x [/ rms(x)]) w^T` with RoPE of its first `rope.shape.rotated` columns, on `x`'s device: the
+/// extension's one launch up to [`MAX_TOKENS`] tokens, Burn's ops past them.
+pub fn linear_rope(x: Tensor<2>, w: &Weight, rope: &Rope, norm_eps: Option<f64>) -> Tensor<2> {
+    if x.dims()[0] > max_tokens() {
+        return turned(normed(x, norm_eps).matmul(w.columns.clone()), rope);
+    }
+    let around = Around {
+        norm_eps,
+        add: false,
+        rope: Some(rope.shape),
+    };
+    Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_rope(
+        x.into_dispatch(),
+        w.rows.clone().into_dispatch(),
+        rope.cos.clone().into_dispatch(),
+        rope.sin.clone().into_dispatch(),
+        around,
+    ))
+}
+
+/// `x / rms(x)` with `Some(eps)`, else `x`.
+fn normed(x: Tensor<2>, norm_eps: Option<f64>) -> Tensor<2> {
+    match norm_eps {
+        Some(eps) => {
+            let rms = x.clone().powi_scalar(2).mean_dim(1).add_scalar(eps).sqrt();
+            x / rms
+        }
+        None => x,
+    }
+}
+
+/// RoPE of `y`'s first `rope.shape.rotated` columns, in Burn's ops: each pair `(a, b)` to `(a cos
+/// - b sin, b cos + a sin)`.
+fn turned(y: Tensor<2>, rope: &Rope) -> Tensor<2> {
+    let [tokens, width] = y.dims();
+    let RopeShape { rotated, head_dim } = rope.shape;
+    let pairs = head_dim / 2;
+    let heads = rotated / head_dim;
+    let turned_part = y
+        .clone()
+        .narrow(1, 0, rotated)
+        .reshape([tokens, heads, pairs, 2]);
+    let a = turned_part.clone().narrow(3, 0, 1);
+    let b = turned_part.narrow(3, 1, 1);
+    let cos = rope.cos.clone().reshape([tokens, 1, pairs, 1]);
+    let sin = rope.sin.clone().reshape([tokens, 1, pairs, 1]);
+    let first = a.clone() * cos.clone() - b.clone() * sin.clone();
+    let second = b * cos + a * sin;
+    let turned_part = Tensor::cat(vec![first, second], 3).reshape([tokens, rotated]);
+    Tensor::cat(vec![turned_part, y.narrow(1, rotated, width - rotated)], 1)
 }
 
 impl LinearBackend for Flex {}
@@ -182,6 +299,17 @@ impl LinearBackend for burn_cubecl::CubeBackend {
         residual: burn_cubecl::tensor::CubeTensor,
         around: Around,
     ) -> burn_cubecl::tensor::CubeTensor {
-        cube::linear(x, w, residual, around)
+        cube::linear(x, w, residual, None, around)
+    }
+
+    fn linear_rope(
+        x: burn_cubecl::tensor::CubeTensor,
+        w: burn_cubecl::tensor::CubeTensor,
+        cos: burn_cubecl::tensor::CubeTensor,
+        sin: burn_cubecl::tensor::CubeTensor,
+        around: Around,
+    ) -> burn_cubecl::tensor::CubeTensor {
+        let residual = x.clone();
+        cube::linear(x, w, residual, Some([cos, sin]), around)
     }
 }

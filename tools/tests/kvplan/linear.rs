@@ -1,14 +1,20 @@
 //! The decoder's projection (`kvplan_decoder::linear`) against its host reference, on Flex (the
-//! reference body), Vulkan and CUDA (the kernel; f64 where the device's f64 is exact, and f32): random inputs from a fixed seed, every combination of norm and residual, token counts
-//! across the kernel's row blocks and past `MAX_TOKENS` (Burn's matmul), shapes off every tile
-//! multiple, weights whose rows are strided past their width; and each token's output the same
-//! bits alone as beside others.
+//! reference body), Vulkan and CUDA (the kernel; f64 where the device's f64 is exact, and f32):
+//! random inputs from a fixed seed, with and without the norm, each of nothing, a residual and
+//! RoPE after; token counts across the kernel's row blocks and past `MAX_TOKENS` (Burn's ops),
+//! shapes off every tile multiple, weights whose rows are strided past their width; and each
+//! token's output the same bits alone as beside others.
 
 use burn_core::tensor::{DType, Device, Tensor, TensorData};
 
-use kvplan_decoder::linear::{Around, MAX_TOKENS, Weight, linear, reference};
+use kvplan_decoder::linear::{
+    Around, MAX_TOKENS, Rope, RopeShape, Weight, linear, linear_rope, reference,
+};
 use kvplan_decoder::model::exp_is_64_bit;
 use kvplan_decoder::sample::Rng;
+
+/// RoPE's head in these cases: two pairs.
+const HEAD_DIM: usize = 4;
 
 fn random(rng: &mut Rng, len: usize) -> Vec<f64> {
     (0..len).map(|_| rng.uniform() * 2.0 - 1.0).collect()
@@ -26,18 +32,54 @@ fn values(tensor: Tensor<2>) -> Vec<f64> {
         .unwrap()
 }
 
-/// Runs `linear` after a NaN tensor of the output's size has been freed (its memory is what the
-/// output most likely gets: an element the kernel misses stays NaN).
-fn run([x, w, residual]: [&Tensor<2>; 3], add: bool, norm_eps: Option<f64>) -> Vec<f64> {
-    let [tokens, outputs] = [x.dims()[0], w.dims()[0]];
-    let poison = Tensor::<2>::full([tokens, outputs], f64::NAN, (&x.device(), x.dtype()));
-    drop(poison.into_data());
-    values(linear(
-        x.clone(),
-        &Weight::new(w.clone()),
-        add.then(|| residual.clone()),
-        norm_eps,
-    ))
+/// What follows the projection.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum After {
+    Nothing,
+    Residual,
+    Rope,
+}
+
+/// One case's device inputs: `x`, the weight's rows, the residual, RoPE's angles.
+struct Inputs {
+    x: Tensor<2>,
+    w: Tensor<2>,
+    residual: Tensor<2>,
+    rope: Rope,
+}
+
+impl Inputs {
+    /// Token `t`'s rows alone.
+    fn token(&self, t: usize) -> Self {
+        Self {
+            x: self.x.clone().narrow(0, t, 1),
+            w: self.w.clone(),
+            residual: self.residual.clone().narrow(0, t, 1),
+            rope: Rope {
+                cos: self.rope.cos.clone().narrow(0, t, 1),
+                sin: self.rope.sin.clone().narrow(0, t, 1),
+                shape: self.rope.shape,
+            },
+        }
+    }
+
+    /// The projection, after a NaN tensor of the output's size has been freed (its memory is what
+    /// the output most likely gets: an element the kernel misses stays NaN).
+    fn run(&self, after: After, norm_eps: Option<f64>) -> Vec<f64> {
+        let [tokens, outputs] = [self.x.dims()[0], self.w.dims()[0]];
+        let poison = Tensor::<2>::full(
+            [tokens, outputs],
+            f64::NAN,
+            (&self.x.device(), self.x.dtype()),
+        );
+        drop(poison.into_data());
+        let (x, w) = (self.x.clone(), Weight::new(self.w.clone()));
+        values(match after {
+            After::Nothing => linear(x, &w, None, norm_eps),
+            After::Residual => linear(x, &w, Some(self.residual.clone()), norm_eps),
+            After::Rope => linear_rope(x, &w, &self.rope, norm_eps),
+        })
+    }
 }
 
 /// The projection in f32, and in f64 where the device computes f64 exactly (not Vulkan's SPIR-V).
@@ -67,54 +109,69 @@ fn matches_reference_in(device: &Device, dtype: DType) {
             random(&mut rng, outputs * inner),
         );
         let residual = random(&mut rng, tokens * outputs);
-        let x_t = upload(&x, [tokens, inner], device, dtype);
-        // Odd cases' weights are a view of wider rows (as CUDA pitches a matrix's rows).
-        let w_t = if case % 2 == 1 {
-            let wide: Vec<f64> = w
-                .chunks(inner)
-                .flat_map(|row| row.iter().copied().chain([f64::NAN; 3]))
-                .collect();
-            upload(&wide, [outputs, inner + 3], device, dtype).narrow(1, 0, inner)
-        } else {
-            upload(&w, [outputs, inner], device, dtype)
+        let pairs = HEAD_DIM / 2;
+        let (cos, sin) = (
+            random(&mut rng, tokens * pairs),
+            random(&mut rng, tokens * pairs),
+        );
+        // Half the columns turned, in whole heads (as the queries and keys before the values).
+        let shape = RopeShape {
+            rotated: outputs / 2 / HEAD_DIM * HEAD_DIM,
+            head_dim: HEAD_DIM,
         };
-        let r_t = upload(&residual, [tokens, outputs], device, dtype);
-        for (norm_eps, add) in [
-            (None, false),
-            (Some(1e-5), false),
-            (None, true),
-            (Some(1e-2), true),
-        ] {
-            let what = format!(
-                "case {case} ({tokens} x {inner} -> {outputs}), norm {norm_eps:?}, add {add}"
-            );
-            let around = Around { norm_eps, add };
-            let expected = reference(&x, &w, &residual, [tokens, inner, outputs], around);
-            let got = run([&x_t, &w_t, &r_t], add, norm_eps);
-            assert_eq!(got.len(), expected.len(), "{what}: length");
-            for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-                assert!(
-                    (g - e).abs() <= tolerance * (1.0 + e.abs()),
-                    "{what}: element {i}: {g} against {e}"
+        let inputs = Inputs {
+            x: upload(&x, [tokens, inner], device, dtype),
+            // Odd cases' weights are a view of wider rows (as CUDA pitches a matrix's rows).
+            w: if case % 2 == 1 {
+                let wide: Vec<f64> = w
+                    .chunks(inner)
+                    .flat_map(|row| row.iter().copied().chain([f64::NAN; 3]))
+                    .collect();
+                upload(&wide, [outputs, inner + 3], device, dtype).narrow(1, 0, inner)
+            } else {
+                upload(&w, [outputs, inner], device, dtype)
+            },
+            residual: upload(&residual, [tokens, outputs], device, dtype),
+            rope: Rope {
+                cos: upload(&cos, [tokens, pairs], device, dtype),
+                sin: upload(&sin, [tokens, pairs], device, dtype),
+                shape,
+            },
+        };
+        for after in [After::Nothing, After::Residual, After::Rope] {
+            for norm_eps in [None, Some(1e-5)] {
+                let what = format!(
+                    "case {case} ({tokens} x {inner} -> {outputs}), norm {norm_eps:?}, {after:?}"
                 );
-            }
-            // Each token alone: the same bits as in the batch (one token's sums never depend on
-            // the others, so a verify window and a plain step agree).
-            if tokens <= MAX_TOKENS {
-                for t in [0, tokens / 2, tokens - 1] {
-                    let alone = [
-                        x_t.clone().narrow(0, t, 1),
-                        w_t.clone(),
-                        r_t.clone().narrow(0, t, 1),
-                    ];
-                    let row = run([&alone[0], &alone[1], &alone[2]], add, norm_eps);
-                    let bits =
-                        |values: &[f64]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(
-                        bits(&row),
-                        bits(&got[t * outputs..][..outputs]),
-                        "{what}: token {t}"
+                let around = Around {
+                    norm_eps,
+                    add: after == After::Residual,
+                    rope: (after == After::Rope).then_some(shape),
+                };
+                let angles = Some([cos.as_slice(), sin.as_slice()]);
+                let expected =
+                    reference(&x, &w, &residual, angles, [tokens, inner, outputs], around);
+                let got = inputs.run(after, norm_eps);
+                assert_eq!(got.len(), expected.len(), "{what}: length");
+                for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+                    assert!(
+                        (g - e).abs() <= tolerance * (1.0 + e.abs()),
+                        "{what}: element {i}: {g} against {e}"
                     );
+                }
+                // Each token alone: the same bits as in the batch (one token's sums never
+                // depend on the others, so a verify window and a plain step agree).
+                if tokens <= MAX_TOKENS {
+                    for t in [0, tokens / 2, tokens - 1] {
+                        let row = inputs.token(t).run(after, norm_eps);
+                        let bits =
+                            |values: &[f64]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&row),
+                            bits(&got[t * outputs..][..outputs]),
+                            "{what}: token {t}"
+                        );
+                    }
                 }
             }
         }
