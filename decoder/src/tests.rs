@@ -596,6 +596,20 @@ mod smollm2 {
 #[test]
 fn refusals_name_their_values() {
     let device = Device::flex();
+    // RoPE turns pairs of a head's columns: an odd head is refused at load (a hand-made file's
+    // metadata; the tiny writer, as llama.cpp's converter, makes none).
+    let mut odd = crate::gguf::GgufWriter::new();
+    odd.metadata("general.architecture", "llama")
+        .metadata("llama.embedding_length", 96u32)
+        .metadata("llama.attention.head_count", 32u32)
+        .metadata("llama.attention.head_count_kv", 32u32);
+    let gguf = Gguf::from_bytes(odd.to_bytes()).unwrap();
+    assert_eq!(
+        crate::model::LlamaConfig::from_gguf(&gguf)
+            .unwrap_err()
+            .to_string(),
+        "model: head dim 3 is odd: RoPE turns pairs of columns"
+    );
     let error = |options: EngineOptions| match Engine::new(tiny_model(&device), vec![2], options) {
         Err(e) => e.to_string(),
         Ok(_) => panic!("accepted"),
