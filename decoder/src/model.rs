@@ -4,11 +4,10 @@
 
 use std::ops::Range;
 
-use burn_core::tensor::activation::silu;
 use burn_core::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::gguf::Gguf;
-use crate::linear::{Rope, RopeShape, Weight, linear, linear_rope};
+use crate::linear::{Rope, RopeShape, Weight, linear, linear_rope, swiglu_linear};
 use crate::{DecoderError, Result};
 
 /// The shape of a Llama, read from a GGUF's `llama.*` metadata.
@@ -266,9 +265,7 @@ impl Llama {
             let attended = attend(layer, qkv)?;
             x = linear(attended, &block.wo, Some(x), None);
             let gate_up = linear(x.clone(), &block.w_gate_up, None, Some(c.rms_eps));
-            let gate = gate_up.clone().narrow(1, 0, c.ffn);
-            let up = gate_up.narrow(1, c.ffn, c.ffn);
-            x = linear(silu(gate) * up, &block.w_down, Some(x), None);
+            x = swiglu_linear(gate_up, &block.w_down, x);
         }
         Ok(x)
     }

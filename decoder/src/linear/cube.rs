@@ -24,7 +24,8 @@ pub(super) fn linear(
     let [cos, sin] = angles
         .map(|angles| angles.map(rows_of_unit_stride))
         .unwrap_or_else(|| [x.clone(), x.clone()]);
-    let (tokens, inner) = (x.shape()[0], x.shape()[1]);
+    // With SwiGLU `x` holds the gate and up columns side by side: the weight's width is the input's.
+    let (tokens, inner) = (x.shape()[0], w.shape()[1]);
     let outputs = w.shape()[0];
     let out = empty_device_contiguous_dtype(
         x.client.clone(),
@@ -107,6 +108,7 @@ pub(super) fn linear(
             columns,
             unroll,
             around.norm_eps.is_some(),
+            around.swiglu,
             around.add,
             around.rope.is_some(),
             planes,

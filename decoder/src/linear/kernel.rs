@@ -46,7 +46,8 @@ pub struct LinearShape {
 /// Cube `(c, b)` (`c` flattened over x and y) makes output columns `c * columns ..` of tokens
 /// `b * rows ..` (`b` on z). With `norm`,
 /// each token's dot products are divided by its input's RMS (`sqrt(mean(x^2) + eps)`: an RMSNorm
-/// whose weight is folded into `w`); with `add`, `residual` is added; with `rope`, each pair of
+/// whose weight is folded into `w`); with `swiglu`, the input is `silu(gate) * up` of `x`'s two
+/// halves (`[tokens, 2 * inner]`); with `add`, `residual` is added; with `rope`, each pair of
 /// columns `(2i, 2i + 1)` of a head below `rotated` is rotated by its token's angle of pair `i`
 /// (`cos`, `sin`: `[tokens, pairs]`), which needs `columns` even. A unit loads `unroll` of its
 /// columns at once before it adds them. With `planes` (planes exactly `LANES` wide: CUDA) the lanes
@@ -66,6 +67,7 @@ pub fn linear_kernel<F: Float>(
     #[comptime] columns: usize,
     #[comptime] unroll: usize,
     #[comptime] norm: bool,
+    #[comptime] swiglu: bool,
     #[comptime] add: bool,
     #[comptime] rope: bool,
     #[comptime] planes: bool,
@@ -106,7 +108,15 @@ pub fn linear_kernel<F: Float>(
                 let row = first_row + r as u64;
                 inputs[i * rows + r] = F::new(0.0);
                 if inside && row < shape.tokens {
-                    inputs[i * rows + r] = x[(row * shape.x_stride + at) as usize];
+                    let at = (row * shape.x_stride + at) as usize;
+                    if comptime![swiglu] {
+                        // `silu(gate) * up`, the gate and up columns side by side in `x`.
+                        let gate = x[at];
+                        let up = x[at + shape.inner as usize];
+                        inputs[i * rows + r] = gate / (F::new(1.0) + (-gate).exp()) * up;
+                    } else {
+                        inputs[i * rows + r] = x[at];
+                    }
                 }
             }
         }

@@ -14,6 +14,7 @@ use burn_core::backend::{
     Backend, Dispatch, Flex, TensorData, TensorMetadata, backend_extension, try_read_sync,
 };
 use burn_core::tensor::Tensor;
+use burn_core::tensor::activation::silu;
 
 /// Tokens up to which a projection runs the extension's kernel; more take Burn's matmul, whose
 /// tiles pay off there. `KVPLAN_PROJECTION_MAX_TOKENS` overrides it (a benchmark's knob: where
@@ -30,12 +31,15 @@ fn max_tokens() -> usize {
     })
 }
 
-/// What rides with a projection: an RMSNorm of its input before; a residual, or RoPE, after.
+/// What rides with a projection: an RMSNorm of its input, or SwiGLU, before; a residual, or
+/// RoPE, after.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Around {
     /// `Some(eps)`: each token's output divided by `sqrt(mean(x^2) + eps)` of its input (the
     /// norm's weight is folded into the matrix).
     pub norm_eps: Option<f64>,
+    /// The input is `silu(gate) * up` of `x`'s two halves, gate first (`[tokens, 2 * inner]`).
+    pub swiglu: bool,
     /// The residual (the third input) added to the output.
     pub add: bool,
     /// RoPE of the first output columns (`linear_rope`).
@@ -56,8 +60,9 @@ pub struct RopeShape {
 /// reference (default bodies) everywhere else.
 #[backend_extension(Fusion, Flex, Cube: cfg(any(feature = "vulkan", feature = "cuda")))]
 pub trait LinearBackend: Backend {
-    /// `[residual +] (x [/ rms(x)]) w^T` for `x` `[tokens, inner]`, `w` `[outputs, inner]` and
-    /// `residual` `[tokens, outputs]` (unread without `around.add`), in `x`'s float dtype.
+    /// `[residual +] (x [/ rms(x)]) w^T` for `x` `[tokens, inner]` (`[tokens, 2 * inner]` with
+    /// `around.swiglu`), `w` `[outputs, inner]` and `residual` `[tokens, outputs]` (unread
+    /// without `around.add`), in `x`'s float dtype.
     #[fusion(meta = |x, w, _residual, _around| TensorSpec::new([x.shape[0], w.shape[0]].into(), x.dtype))]
     fn linear(
         x: FloatTensor<Self>,
@@ -110,7 +115,7 @@ fn host_linear<B: Backend>(
         None => Vec::new(),
     };
     let angles = angles.map(|[cos, sin]| [read(cos).1, read(sin).1]);
-    let (tokens, inner, outputs) = (x_shape[0], x_shape[1], w_shape[0]);
+    let (tokens, inner, outputs) = (x_shape[0], w_shape[1], w_shape[0]);
     let angles = angles
         .as_ref()
         .map(|[cos, sin]| [cos.as_slice(), sin.as_slice()]);
@@ -132,7 +137,8 @@ pub fn reference(
     around: Around,
 ) -> Vec<f64> {
     let pairs = around.rope.map_or(0, |rope| rope.head_dim / 2);
-    let readable = x.len() == tokens * inner
+    let width = if around.swiglu { 2 * inner } else { inner };
+    let readable = x.len() == tokens * width
         && w.len() == outputs * inner
         && (!around.add || residual.len() == tokens * outputs)
         && (around.rope.is_none()
@@ -144,7 +150,15 @@ pub fn reference(
         return out;
     }
     for t in 0..tokens {
-        let row = &x[t * inner..][..inner];
+        let row: Vec<f64> = if around.swiglu {
+            let (gate, up) = x[t * width..][..width].split_at(inner);
+            gate.iter()
+                .zip(up)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect()
+        } else {
+            x[t * inner..][..inner].to_vec()
+        };
         let scale = around.norm_eps.map_or(1.0, |eps| {
             let mean = row.iter().map(|v| v * v).sum::<f64>() / inner as f64;
             1.0 / (mean + eps).sqrt()
@@ -224,6 +238,7 @@ pub fn linear(
     }
     let around = Around {
         norm_eps,
+        swiglu: false,
         add: residual.is_some(),
         rope: None,
     };
@@ -231,6 +246,29 @@ pub fn linear(
     let residual = residual.unwrap_or_else(|| x.clone());
     Tensor::from_dispatch(<Dispatch as LinearBackend>::linear(
         x.into_dispatch(),
+        w.rows.clone().into_dispatch(),
+        residual.into_dispatch(),
+        around,
+    ))
+}
+
+/// `residual + (silu(gate) * up) w^T` of `gate_up` (`[tokens, 2 * inner]`, gate first) on its
+/// device: the extension's one launch up to [`MAX_TOKENS`] tokens, Burn's ops past them.
+pub fn swiglu_linear(gate_up: Tensor<2>, w: &Weight, residual: Tensor<2>) -> Tensor<2> {
+    if gate_up.dims()[0] > max_tokens() {
+        let inner = gate_up.dims()[1] / 2;
+        let gate = gate_up.clone().narrow(1, 0, inner);
+        let up = gate_up.narrow(1, inner, inner);
+        return residual + (silu(gate) * up).matmul(w.columns.clone());
+    }
+    let around = Around {
+        norm_eps: None,
+        swiglu: true,
+        add: true,
+        rope: None,
+    };
+    Tensor::from_dispatch(<Dispatch as LinearBackend>::linear(
+        gate_up.into_dispatch(),
         w.rows.clone().into_dispatch(),
         residual.into_dispatch(),
         around,
@@ -245,6 +283,7 @@ pub fn linear_rope(x: Tensor<2>, w: &Weight, rope: &Rope, norm_eps: Option<f64>)
     }
     let around = Around {
         norm_eps,
+        swiglu: false,
         add: false,
         rope: Some(rope.shape),
     };

@@ -1,14 +1,14 @@
 //! The decoder's projection (`kvplan_decoder::linear`) against its host reference, on Flex (the
 //! reference body), Vulkan and CUDA (the kernel; f64 where the device's f64 is exact, and f32):
 //! random inputs from a fixed seed, with and without the norm, each of nothing, a residual and
-//! RoPE after; token counts across the kernel's row blocks and past `MAX_TOKENS` (Burn's ops),
+//! RoPE after, and SwiGLU before a residual; token counts across the kernel's row blocks and past `MAX_TOKENS` (Burn's ops),
 //! shapes off every tile multiple, weights whose rows are strided past their width; and each
 //! token's output the same bits alone as beside others.
 
 use burn_core::tensor::{DType, Device, Tensor, TensorData};
 
 use kvplan_decoder::linear::{
-    Around, MAX_TOKENS, Rope, RopeShape, Weight, linear, linear_rope, reference,
+    Around, MAX_TOKENS, Rope, RopeShape, Weight, linear, linear_rope, reference, swiglu_linear,
 };
 use kvplan_decoder::model::exp_is_64_bit;
 use kvplan_decoder::sample::Rng;
@@ -38,11 +38,14 @@ enum After {
     Nothing,
     Residual,
     Rope,
+    /// SwiGLU of `gate_up` before, the residual after (the down projection).
+    SwiGlu,
 }
 
 /// One case's device inputs: `x`, the weight's rows, the residual, RoPE's angles.
 struct Inputs {
     x: Tensor<2>,
+    gate_up: Tensor<2>,
     w: Tensor<2>,
     residual: Tensor<2>,
     rope: Rope,
@@ -53,6 +56,7 @@ impl Inputs {
     fn token(&self, t: usize) -> Self {
         Self {
             x: self.x.clone().narrow(0, t, 1),
+            gate_up: self.gate_up.clone().narrow(0, t, 1),
             w: self.w.clone(),
             residual: self.residual.clone().narrow(0, t, 1),
             rope: Rope {
@@ -78,6 +82,7 @@ impl Inputs {
             After::Nothing => linear(x, &w, None, norm_eps),
             After::Residual => linear(x, &w, Some(self.residual.clone()), norm_eps),
             After::Rope => linear_rope(x, &w, &self.rope, norm_eps),
+            After::SwiGlu => swiglu_linear(self.gate_up.clone(), &w, self.residual.clone()),
         })
     }
 }
@@ -109,6 +114,7 @@ fn matches_reference_in(device: &Device, dtype: DType) {
             random(&mut rng, outputs * inner),
         );
         let residual = random(&mut rng, tokens * outputs);
+        let gate_up = random(&mut rng, tokens * 2 * inner);
         let pairs = HEAD_DIM / 2;
         let (cos, sin) = (
             random(&mut rng, tokens * pairs),
@@ -121,6 +127,7 @@ fn matches_reference_in(device: &Device, dtype: DType) {
         };
         let inputs = Inputs {
             x: upload(&x, [tokens, inner], device, dtype),
+            gate_up: upload(&gate_up, [tokens, 2 * inner], device, dtype),
             // Odd cases' weights are a view of wider rows (as CUDA pitches a matrix's rows).
             w: if case % 2 == 1 {
                 let wide: Vec<f64> = w
@@ -138,19 +145,29 @@ fn matches_reference_in(device: &Device, dtype: DType) {
                 shape,
             },
         };
-        for after in [After::Nothing, After::Residual, After::Rope] {
+        for after in [After::Nothing, After::Residual, After::Rope, After::SwiGlu] {
             for norm_eps in [None, Some(1e-5)] {
+                // SwiGLU's projection takes no norm.
+                let norm_eps = norm_eps.filter(|_| after != After::SwiGlu);
                 let what = format!(
                     "case {case} ({tokens} x {inner} -> {outputs}), norm {norm_eps:?}, {after:?}"
                 );
                 let around = Around {
                     norm_eps,
-                    add: after == After::Residual,
+                    swiglu: after == After::SwiGlu,
+                    add: matches!(after, After::Residual | After::SwiGlu),
                     rope: (after == After::Rope).then_some(shape),
                 };
+                let input = if after == After::SwiGlu { &gate_up } else { &x };
                 let angles = Some([cos.as_slice(), sin.as_slice()]);
-                let expected =
-                    reference(&x, &w, &residual, angles, [tokens, inner, outputs], around);
+                let expected = reference(
+                    input,
+                    &w,
+                    &residual,
+                    angles,
+                    [tokens, inner, outputs],
+                    around,
+                );
                 let got = inputs.run(after, norm_eps);
                 assert_eq!(got.len(), expected.len(), "{what}: length");
                 for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
