@@ -1,7 +1,8 @@
 //! A speculative decoder for SmolLM2-135M (a Llama) on Burn 0.22 whose paged KV cache is one
 //! `kvplan::PagedKv` (pools, `req_to_token`, slot and row allocators, the kv-canary on every step).
 //!
-//! Files: [`gguf`] and [`tokenizer`] read the model file, [`model`] is the Llama forward,
+//! Files: [`gguf`] and [`tokenizer`] read the model file, [`model`] is the Llama forward (its
+//! projections one launch each of [`linear`]'s kernel at a step's few tokens),
 //! [`clock`] the time in kvplan's calls, [`engine`] the serving loop (batching, drafting,
 //! acceptance, fault injection), [`draft`] and [`sample`] the drafting and acceptance rules.
 

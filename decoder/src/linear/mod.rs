@@ -1,6 +1,6 @@
-//! The model's projections at a step's few tokens, as Burn backend extension ops: the RMSNorm
-//! before a projection, and the residual or RoPE after it, ride in the same launch, over the
-//! weights' `[out, in]` rows. Steps of more tokens (prefill, wide verify windows) take Burn's
+//! The model's projections at a step's few tokens, as Burn backend extension ops: the RMSNorm or
+//! SwiGLU before a projection, and the residual or RoPE after it, ride in the same launch, over
+//! the weights' `[out, in]` rows. Steps of more tokens (prefill, wide verify windows) take Burn's
 //! matmul and ops.
 
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
