@@ -890,11 +890,11 @@ impl PagedKv {
         if let Some((canary, _)) = &self.canary {
             parts.extend(canary.record_words());
         }
-        let attached = self.attached.take();
-        let attached_len = attached.as_ref().map_or(0, |ints| ints.dims()[0]);
-        parts.extend(attached.map(Tensor::into_dispatch));
+        let mut parts: Vec<Tensor<1, Int>> = parts.into_iter().map(Tensor::from_dispatch).collect();
+        let attached_len = self.attached.as_ref().map_or(0, |ints| ints.dims()[0]);
+        parts.extend(self.attached.take());
         Packed {
-            words: Tensor::cat(parts.into_iter().map(Tensor::from_dispatch).collect(), 0),
+            words: Tensor::cat(parts, 0),
             contexts,
             attached: attached_len,
         }
@@ -986,7 +986,7 @@ impl PagedKv {
     /// One read-back of a step's statuses and the canary's violations (its ring emptied after),
     /// the violations attributed.
     fn report(&mut self, packed: &Packed) -> Result<StepReport, Error> {
-        let words = crate::backend::data_to_i64(&packed.words.clone().into_data());
+        let words = crate::backend::read_ints::<Dispatch>(packed.words.clone().into_dispatch())?;
         crate::deferred::decode_all(&packed.contexts, &words)?;
         let rest = &words[(packed.contexts.len() * crate::layout::STATUS_LEN).min(words.len())..];
         let (record, attached) = rest.split_at(rest.len().saturating_sub(packed.attached));

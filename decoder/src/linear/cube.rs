@@ -1,8 +1,9 @@
 //! The projection's launcher on the Cube backend (CUDA, wgpu/Vulkan).
 
 use burn_core::backend::TensorMetadata;
+use burn_core::backend::cubecl::dtype_to_storage_type;
 use burn_core::tensor::Shape;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, full_device_dtype};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
@@ -19,6 +20,20 @@ pub(super) fn linear(
     angles: Option<[CubeTensor; 2]>,
     around: Around,
 ) -> CubeTensor {
+    let fit = super::fits(
+        &around,
+        &x.shape(),
+        &w.shape(),
+        Some(residual.shape().to_vec()),
+        angles
+            .as_ref()
+            .map(|[cos, sin]| [cos.shape().to_vec(), sin.shape().to_vec()]),
+    );
+    if !fit {
+        let shape = Shape::new([x.shape()[0], w.shape().first().copied().unwrap_or(0)]);
+        let nan = InputScalar::new(f32::NAN, dtype_to_storage_type(x.dtype));
+        return full_device_dtype(x.client, shape, x.device, nan, x.dtype);
+    }
     let [x, w, residual] = [x, w, residual].map(rows_of_unit_stride);
     // Without RoPE, `x` stands in for the angles (bound, never read).
     let [cos, sin] = angles
@@ -85,7 +100,7 @@ pub(super) fn linear(
     } else {
         AddressType::U64
     };
-    let dtype = burn_core::backend::cubecl::dtype_to_storage_type(x.dtype);
+    let dtype = dtype_to_storage_type(x.dtype);
     let client = x.client.clone();
     // SAFETY: every read is inside `x`, `w` and `residual` (rows of unit column stride at the row
     // strides given; loads past `tokens`, `outputs` or `inner` are skipped), each output written

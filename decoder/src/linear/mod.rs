@@ -87,6 +87,34 @@ pub trait LinearBackend: Backend {
     }
 }
 
+/// Whether a projection's inputs fit each other and `around` (`x` `[tokens, inner]`, or `[tokens,
+/// 2 * inner]` with SwiGLU; `w` `[outputs, inner]`; the residual `[tokens, outputs]` when added;
+/// RoPE of whole even heads within the outputs, with angles `[tokens, head_dim / 2]`). An op given
+/// inputs that do not returns NaN, its launch never made (no read past an input).
+pub(crate) fn fits(
+    around: &Around,
+    x: &[usize],
+    w: &[usize],
+    residual: Option<Vec<usize>>,
+    angles: Option<[Vec<usize>; 2]>,
+) -> bool {
+    let ([tokens, x_cols], [outputs, inner]) = (
+        <[usize; 2]>::try_from(x).unwrap_or([0, usize::MAX]),
+        <[usize; 2]>::try_from(w).unwrap_or([0, 0]),
+    );
+    let width = if around.swiglu { 2 * inner } else { inner };
+    let residual_fits = !around.add || residual == Some(vec![tokens, outputs]);
+    let rope_fits = around.rope.is_none_or(|rope| {
+        let pairs = [tokens, rope.head_dim / 2];
+        rope.head_dim > 0
+            && rope.head_dim % 2 == 0
+            && rope.rotated % rope.head_dim == 0
+            && rope.rotated <= outputs
+            && angles.is_some_and(|[cos, sin]| cos == pairs && sin == pairs)
+    });
+    x_cols == width && residual_fits && rope_fits
+}
+
 /// The default bodies: inputs read back, [`reference`], the result uploaded.
 fn host_linear<B: Backend>(
     x: FloatTensor<B>,
@@ -97,6 +125,23 @@ fn host_linear<B: Backend>(
 ) -> FloatTensor<B> {
     let device = x.device();
     let dtype = x.dtype();
+    let out_shape = [x.shape()[0], w.shape().first().copied().unwrap_or(0)];
+    let fit = fits(
+        &around,
+        &x.shape(),
+        &w.shape(),
+        residual.as_ref().map(|residual| residual.shape().to_vec()),
+        angles
+            .as_ref()
+            .map(|[cos, sin]| [cos.shape().to_vec(), sin.shape().to_vec()]),
+    );
+    if !fit {
+        let nan = vec![f64::NAN; out_shape[0] * out_shape[1]];
+        return B::float_from_data(
+            TensorData::new(nan, out_shape).convert_dtype(dtype),
+            &device,
+        );
+    }
     let read = |tensor: FloatTensor<B>| -> (Vec<usize>, Vec<f64>) {
         let shape = tensor.shape().to_vec();
         let data = try_read_sync(B::float_into_data(tensor))

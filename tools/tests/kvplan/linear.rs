@@ -7,8 +7,10 @@
 
 use burn_core::tensor::{DType, Device, Tensor, TensorData};
 
+use burn_core::backend::Dispatch;
 use kvplan_decoder::linear::{
-    Around, MAX_TOKENS, Rope, RopeShape, Weight, linear, linear_rope, reference, swiglu_linear,
+    Around, LinearBackend, MAX_TOKENS, Rope, RopeShape, Weight, linear, linear_rope, reference,
+    swiglu_linear,
 };
 use kvplan_decoder::model::exp_is_64_bit;
 use kvplan_decoder::sample::Rng;
@@ -87,12 +89,97 @@ impl Inputs {
     }
 }
 
-/// The projection in f32, and in f64 where the device computes f64 exactly (not Vulkan's SPIR-V).
+/// The projection in f32, and in f64 where the device computes f64 exactly (not Vulkan's SPIR-V);
+/// inputs that do not fit each other give NaN, never a read past an input.
 pub fn matches_reference(device: &Device) {
     if exp_is_64_bit(device) {
         matches_reference_in(device, DType::F64);
     }
     matches_reference_in(device, DType::F32);
+    misfits_are_nan(device);
+}
+
+/// Through the extension op itself (the public functions only make fitting calls): an input of
+/// the wrong width, a residual of the wrong shape, RoPE without angles or over an odd head.
+fn misfits_are_nan(device: &Device) {
+    let tensor = |shape: [usize; 2]| Tensor::<2>::ones(shape, (device, DType::F32));
+    let around = Around {
+        norm_eps: None,
+        swiglu: false,
+        add: false,
+        rope: None,
+    };
+    let rope = RopeShape {
+        rotated: 4,
+        head_dim: 4,
+    };
+    let call = |x: Tensor<2>, residual: Tensor<2>, around: Around| {
+        Tensor::<2>::from_dispatch(<Dispatch as LinearBackend>::linear(
+            x.into_dispatch(),
+            tensor([6, 8]).into_dispatch(),
+            residual.into_dispatch(),
+            around,
+        ))
+    };
+    let cases = [
+        (
+            "x narrower than w",
+            call(tensor([3, 7]), tensor([3, 6]), around),
+        ),
+        (
+            "SwiGLU of one half",
+            call(
+                tensor([3, 8]),
+                tensor([3, 6]),
+                Around {
+                    swiglu: true,
+                    ..around
+                },
+            ),
+        ),
+        (
+            "residual of the wrong shape",
+            call(
+                tensor([3, 8]),
+                tensor([3, 5]),
+                Around {
+                    add: true,
+                    ..around
+                },
+            ),
+        ),
+        (
+            "RoPE without angles",
+            call(
+                tensor([3, 8]),
+                tensor([3, 6]),
+                Around {
+                    rope: Some(rope),
+                    ..around
+                },
+            ),
+        ),
+        (
+            "RoPE over an odd head",
+            Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_rope(
+                tensor([3, 8]).into_dispatch(),
+                tensor([6, 8]).into_dispatch(),
+                tensor([3, 1]).into_dispatch(),
+                tensor([3, 1]).into_dispatch(),
+                Around {
+                    rope: Some(RopeShape {
+                        rotated: 3,
+                        head_dim: 3,
+                    }),
+                    ..around
+                },
+            )),
+        ),
+    ];
+    for (what, out) in cases {
+        assert_eq!(out.dims(), [3, 6], "{what}: shape");
+        assert!(values(out).iter().all(|v| v.is_nan()), "{what}: NaN");
+    }
 }
 
 fn matches_reference_in(device: &Device, dtype: DType) {
