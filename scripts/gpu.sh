@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-builds|decode-check|gputime|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-builds|decode-check|gputime|ncu-decode|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
 set -uo pipefail
 BIN=${BIN:-/tmp/kvplan-bin/kvplan}
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -294,6 +294,46 @@ PY
           grep -E "^gpu-kernel" "$OUT/gputime-$spec-$bs.err" | head -${KERNELS:-12}
         done
       done
+      ;;
+    ncu-decode)
+      # Where a decode step's kernels spend their time (Nsight Compute, graphs off, after the
+      # prefill): each launch's duration, occupancy and warp stalls, then the attention's SASS with
+      # its stall samples, and the kernels' generated source (CubeCL's full compile log).
+      for bs in ${BATCHES:-1 8}; do
+        rep="$OUT/ncu-decode-$bs"
+        KVPLAN_NO_CUPTI=1 ncu --clock-control none --section SpeedOfLight --section LaunchStats \
+          --section Occupancy --section WarpStateStats --section InstructionStats --section SourceCounters \
+          -k regex:"${NCU_KERNELS:-store_attention|attention_combine|linear_kernel}" --launch-skip "${NCU_SKIP:-900}" \
+          --launch-count "${NCU_COUNT:-6}" -o "$rep" -f "$BIN" generate --backend cuda --no-warm-up --graphs off \
+          --spec off --batch "$bs" --limit "$bs" --max-new-tokens 24 --ignore-eos --file benches/prompts.txt \
+          > "$rep.out" 2>&1
+        ncu -i "$rep.ncu-rep" --page raw --csv > "$rep-raw.csv" 2>&1
+        ncu -i "$rep.ncu-rep" --page details > "$rep.txt" 2>&1
+        echo "== ncu batch $bs"
+        python3 - "$rep-raw.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+head = rows[0]
+want = ["Kernel Name", "gpu__time_duration.sum", "launch__grid_size", "launch__registers_per_thread",
+        "smsp__inst_executed.sum", "sm__warps_active.avg.pct_of_peak_sustained_active"]
+for r in rows[2:]:
+    d = dict(zip(head, r))
+    stalls = sorted(((float(v.replace(",", "")), k.split("issue_stalled_")[1].split("_per")[0])
+                     for k, v in d.items() if "average_warps_issue_stalled" in k and "per_issue_active" in k
+                     and v.replace(",", "").replace(".", "").isdigit()), reverse=True)[:5]
+    print(" | ".join(d.get(k, "?")[:40] for k in want), "|", ", ".join(f"{n} {v:.1f}" for v, n in stalls))
+PY
+      done
+      ncu -i "$OUT/ncu-decode-1.ncu-rep" -k regex:store_attention --page source --csv --print-source sass \
+        > "$OUT/ncu-attention-sass.csv" 2>&1
+      ncu -i "$OUT/ncu-decode-1.ncu-rep" -k regex:linear_kernel --page source --csv --print-source sass \
+        > "$OUT/ncu-linear-sass.csv" 2>&1
+      wc -l "$OUT"/ncu-*-sass.csv
+      mkdir -p /tmp/kvplan-logs && (cd /tmp/kvplan-logs && rm -f ./*.log &&
+        printf '[compilation.logger]\nlevel = "full"\nfile = "/tmp/kvplan-logs/compile.log"\n' > cubecl.toml &&
+        "$BIN" generate --backend cuda --no-warm-up --graphs off --spec off --max-new-tokens 4 \
+          "What is the capital of France?" > /dev/null 2>&1;
+        xz -6 -c compile.log > "$OUT/compile-full.log.xz"; ls -la compile.log)
       ;;
     anchor)
       # transformers on the same GGUF and prompts (carry .whl with the gguf wheel).
