@@ -19,6 +19,10 @@ pub const MIN_UNITS: usize = 64;
 /// The widest head an attention cube holds (one unit per dimension).
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// Units of a plane where planes are fixed at this width (`planes` in the kernels: CUDA), whose
+/// plane ops take a chunk's max.
+pub const PLANE: usize = 32;
+
 /// Keys whose V rows a unit loads together before it folds them in.
 const FOLD: usize = 32;
 
@@ -217,10 +221,11 @@ pub fn attention_kv_kernel<F: Float, S: Int>(
     shape: AttentionShape,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
+    #[comptime] planes: bool,
     #[define(F, S)] _dtypes: [ElemType; 2],
 ) {
     attend_pools::<F, S>(
-        q, kv_pool, kv_pool, slots, runs, partials, shape, head_dim, units,
+        q, kv_pool, kv_pool, slots, runs, partials, shape, head_dim, units, planes,
     );
 }
 
@@ -297,6 +302,7 @@ fn attend_pools<F: Float, S: Int>(
     shape: AttentionShape,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
+    #[comptime] planes: bool,
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     if cube < shape.tokens * shape.heads * SPLITS as u64 {
@@ -313,7 +319,7 @@ fn attend_pools<F: Float, S: Int>(
         };
         attend::<F, S, S>(
             q, k_pool, v_pool, k_pool, v_pool, slots, slots, runs, partials, shape, none, NEW_ROW,
-            cube, head_dim, units, false,
+            cube, head_dim, units, false, planes,
         );
     }
 }
@@ -341,6 +347,7 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
     new_rows: NewRowsShape,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
+    #[comptime] planes: bool,
     #[define(F, S, L)] _dtypes: [ElemType; 3],
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
@@ -362,7 +369,7 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
     if t < shape.tokens {
         attend::<F, S, u32>(
             qkv, &*kv_pool, &*kv_pool, qkv, qkv, slots, claims, runs, partials, shape, rows,
-            zero_row, cube, head_dim, units, true,
+            zero_row, cube, head_dim, units, true, planes,
         );
     }
 }
@@ -500,6 +507,7 @@ fn attend<F: Float, S: Int, W: Int>(
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
     #[comptime] with_new_rows: bool,
+    #[comptime] planes: bool,
 ) {
     let head = cube / SPLITS as u64;
     let part = cube % SPLITS as u64;
@@ -512,6 +520,7 @@ fn attend<F: Float, S: Int, W: Int>(
     let mut q_row = Shared::<[F]>::new_slice(head_dim);
     let mut scores = Shared::<[F]>::new_slice(units);
     let mut key_rows = Shared::<[u64]>::new_slice(units);
+    let mut maxima = Shared::<[F]>::new_slice(comptime!(units / PLANE));
     let q_base = (t * shape.q_stride + h * head_dim as u64) as usize;
     if u < head_dim {
         q_row[u] = q[q_base + u];
@@ -557,13 +566,29 @@ fn attend<F: Float, S: Int, W: Int>(
         sync_cube();
         // Every unit keeps the same running max and sum (the chunk's scores are shared).
         let mut chunk_max = scores[0];
-        let mut j = 1u32;
-        while j < keys {
-            let score = scores[j as usize];
-            if score > chunk_max {
-                chunk_max = score;
+        if comptime![planes] {
+            // Each plane's max, then the planes' (a max is the same whatever its order).
+            let own = select((u as u32) < keys, scores[u], scores[0]);
+            let top = plane_max(own);
+            if u % PLANE == 0 {
+                maxima[u / PLANE] = top;
             }
-            j += 1;
+            sync_cube();
+            #[unroll]
+            for p in 0..comptime!(units / PLANE) {
+                if maxima[p] > chunk_max {
+                    chunk_max = maxima[p];
+                }
+            }
+        } else {
+            let mut j = 1u32;
+            while j < keys {
+                let score = scores[j as usize];
+                if score > chunk_max {
+                    chunk_max = score;
+                }
+                j += 1;
+            }
         }
         let mut next_max = chunk_max;
         if first > begin && max > chunk_max {
@@ -572,6 +597,13 @@ fn attend<F: Float, S: Int, W: Int>(
         let rescale = select(first > begin, (max - next_max).exp(), F::new(1.0));
         sum *= rescale;
         acc *= rescale;
+        if comptime![planes] {
+            // Each key's weight once, by its own unit, in place of its score.
+            if (u as u32) < keys {
+                scores[u] = (scores[u] - next_max).exp();
+            }
+            sync_cube();
+        }
         // `FOLD` keys at a time, the last group of a chunk too: their V loads are in flight
         // together (a chunk waits on a round trip or two, not one a key); the sums still add key
         // by key, in order.
@@ -595,7 +627,10 @@ fn attend<F: Float, S: Int, W: Int>(
             #[unroll]
             for i in 0..FOLD {
                 if j + (i as u32) < keys {
-                    let weight = (scores[j as usize + i] - next_max).exp();
+                    let mut weight = scores[j as usize + i];
+                    if comptime![!planes] {
+                        weight = (weight - next_max).exp();
+                    }
                     sum += weight;
                     acc += weight * values[i];
                 }

@@ -9,7 +9,7 @@ use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, full_device_dtype
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use kvplan_kernels::attention::{
-    AttentionShapeLaunch, NewRowsShapeLaunch, SPLITS, attention_check_kernel,
+    AttentionShapeLaunch, NewRowsShapeLaunch, PLANE, SPLITS, attention_check_kernel,
     attention_combine_kernel, attention_kv_kernel, attention_units, partial_len, runs_len,
     store_attention_kv_kernel,
 };
@@ -19,7 +19,8 @@ use kvplan_kernels::status::STATUS_LEN;
 use super::slots::owned;
 use super::wide_capable;
 use super::{
-    address_type, bindable, contiguous, grid, output_i64, storage, stride, upload_parts, widened,
+    address_type, bindable, contiguous, fixed_planes, grid, output_i64, storage, stride,
+    upload_parts, widened,
 };
 use crate::backend::{AttendedPrimitive, KeyRunsPrimitive, NewRowsPrimitive};
 use cubecl::client::Client;
@@ -193,6 +194,7 @@ pub(crate) fn paged_attention(
     let (cubes, _) = grid(tokens * heads * SPLITS);
     let client = q.client.clone();
     let dim = CubeDim::new_1d(units as u32);
+    let planes = fixed_planes(&q, PLANE as u32);
     let dtype = storage(&q);
     // SAFETY: the kernel runs only on the check's clear status: every run inside the slot list
     // and every slot inside the pool, whose rows and strides are the shape's; each cube writes
@@ -211,6 +213,7 @@ pub(crate) fn paged_attention(
             shape,
             head_dim,
             units,
+            planes,
             dtypes,
         );
     }
@@ -339,6 +342,7 @@ pub(crate) fn store_and_attend(
     let (grid, _) = grid(cubes);
     let client = q.client.clone();
     let dim = CubeDim::new_1d(units as u32);
+    let planes = fixed_planes(&q, PLANE as u32);
     let claims = bindable(rows.claims);
     // SAFETY: the kernel stores only on the slots' clear status (every slot inside a pool of
     // these rows, none but 0 twice) and attends only on the runs' (every run inside the slot
@@ -362,6 +366,7 @@ pub(crate) fn store_and_attend(
             new_rows,
             head_dim,
             units,
+            planes,
             dtypes,
         );
     }
