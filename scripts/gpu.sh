@@ -135,7 +135,8 @@ for part in "$@"; do
     decode-check)
       # The model is right on the GPU: greedy parity of the three drafting modes, in f64 (the
       # test's dtype: no near-tie flips between reduction orders) and in f32 (what is served);
-      # correctness only, so no warm-up.
+      # correctness only, so no warm-up. Compiled kernels kept between the runs (keyed by build).
+      [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
       for dtype in ${DTYPES:-f64 f32}; do
         for spec in off ngram self; do
           "$BIN" generate --backend cuda --no-warm-up --dtype "$dtype" --spec "$spec" --max-new-tokens 48 --json --limit 6 \

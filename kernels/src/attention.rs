@@ -137,7 +137,7 @@ fn run_fault<S: Int, A: Int, C: Int>(
     fault
 }
 
-/// The check: each unit walks its tokens' runs; the lowest faulty token is reported
+/// The check: each token's run walked by a group of units; the lowest faulty token is reported
 /// (`KEY_RUN` [token, start, count, slots_len] or `KEY_SLOT` [token, key, slot, pool_rows]) in
 /// `status` and at the head of `runs`, whose body is every token's start, then every count.
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -151,29 +151,66 @@ pub fn attention_check_kernel<S: Int, A: Int, C: Int>(
     #[define(S, A, C)] _dtypes: [ElemType; 3],
 ) {
     let mut first = Shared::<[u64]>::new_slice(CUBE_SIZE as usize);
+    let mut t = UNIT_POS as u64;
+    while t < shape.tokens {
+        runs[STATUS_LEN + t as usize] = i64::cast_from(starts[(t * shape.starts_stride) as usize]);
+        runs[STATUS_LEN + (shape.tokens + t) as usize] =
+            i64::cast_from(counts[(t * shape.counts_stride) as usize]);
+        t += CUBE_SIZE as u64;
+    }
+    // A group of units a token, as wide as the cube allows (a power of two): each unit walks
+    // every `group`-th key of its tokens' runs, so no unit walks a whole long run alone.
+    let mut group = 1u64.runtime();
+    #[unroll]
+    for level in 0..comptime!(CUBE_SIZE.trailing_zeros()) {
+        let wider = comptime!(2u64 << level);
+        if wider * shape.tokens <= CUBE_SIZE as u64 {
+            group = wider;
+        }
+    }
     // `tokens` stands for "no faulty token".
     let mut lowest = shape.tokens;
-    let mut t = UNIT_POS as u64;
+    let mut t = UNIT_POS as u64 / group;
     while t < shape.tokens {
         let start = i64::cast_from(starts[(t * shape.starts_stride) as usize]);
         let count = i64::cast_from(counts[(t * shape.counts_stride) as usize]);
-        runs[STATUS_LEN + t as usize] = start;
-        runs[STATUS_LEN + (shape.tokens + t) as usize] = count;
-        if lowest == shape.tokens && run_fault::<S, A, C>(slots, starts, counts, t, shape) != 0 {
-            lowest = t;
-        }
-        t += CUBE_SIZE as u64;
-    }
-    first[UNIT_POS as usize] = lowest;
-    sync_cube();
-    if UNIT_POS == 0 {
-        let mut token = shape.tokens;
-        for u in 0..CUBE_SIZE as usize {
-            let candidate = first[u];
-            if candidate < token {
-                token = candidate;
+        let mut bad = false;
+        if start < 0 || count < 0 || start as u64 + count as u64 > shape.slots_len {
+            bad = true;
+        } else {
+            let mut j = UNIT_POS as u64 % group;
+            while j < count as u64 {
+                let slot =
+                    i64::cast_from(slots[((start as u64 + j) * shape.slots_stride) as usize]);
+                if slot < 0 || slot as u64 >= shape.pool_rows {
+                    bad = true;
+                    j = count as u64;
+                } else {
+                    j += group;
+                }
             }
         }
+        if bad && t < lowest {
+            lowest = t;
+        }
+        t += CUBE_SIZE as u64 / group;
+    }
+    // The lowest over the cube, by halves.
+    first[UNIT_POS as usize] = lowest;
+    #[unroll]
+    for level in 0..comptime!(CUBE_SIZE.trailing_zeros()) {
+        let half = comptime!((CUBE_SIZE >> (level + 1)) as usize);
+        sync_cube();
+        if (UNIT_POS as usize) < half {
+            let other = first[UNIT_POS as usize + half];
+            if other < first[UNIT_POS as usize] {
+                first[UNIT_POS as usize] = other;
+            }
+        }
+    }
+    sync_cube();
+    if UNIT_POS == 0 {
+        let token = first[0];
         #[unroll]
         for word in 0..STATUS_LEN {
             status[word] = 0;
