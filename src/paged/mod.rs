@@ -50,7 +50,19 @@ use crate::slots::{KvStore, StoreSlots};
 
 /// Steps of at most this many tokens store and attend in one launch; larger ones store, then
 /// attend (the one launch reads each key it stores from the new rows: GPU time per token).
+/// `KVPLAN_ONE_LAUNCH_TOKENS` overrides it (a benchmark's knob: where the two cross depends on
+/// the device).
 const ONE_LAUNCH_TOKENS: usize = 16;
+
+fn one_launch_tokens() -> usize {
+    static MOST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MOST.get_or_init(|| {
+        std::env::var("KVPLAN_ONE_LAUNCH_TOKENS")
+            .ok()
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(ONE_LAUNCH_TOKENS)
+    })
+}
 /// Parts of a step record start at multiples of this many values (512 bytes: the allocators'
 /// alignment, so that each part is a view of the record, not a copy).
 const RECORD_ALIGN: usize = 64;
@@ -800,7 +812,7 @@ impl PagedKv {
         let heads = self.config.query_heads;
         let launched = &mut step.launched;
         let pool = std::mem::replace(&mut self.pools[layer], self.placeholder.clone());
-        let attended = if launched.padded.is_none() && tokens <= ONE_LAUNCH_TOKENS {
+        let attended = if launched.padded.is_none() && tokens <= one_launch_tokens() {
             launched
                 .store
                 .store_and_attend(pool, qkv, &launched.keys, heads)
