@@ -634,13 +634,15 @@ fn attend<F: Float, S: Int, W: Int>(
         let rescale = select(first > begin, (max - next_max).exp(), F::new(1.0));
         sum *= rescale;
         acc *= rescale;
-        if comptime![planes] {
-            // Each key's weight once, by its own unit, in place of its score.
-            if (u as u32) < keys {
-                scores[u] = (scores[u] - next_max).exp();
-            }
+        // Each key's weight once, by its own unit, in place of its score (every unit has read
+        // the scores it needs: the max is taken).
+        if comptime![!planes] {
             sync_cube();
         }
+        if (u as u32) < keys {
+            scores[u] = (scores[u] - next_max).exp();
+        }
+        sync_cube();
         // `FOLD` keys at a time, the last group of a chunk too: their V loads are in flight
         // together (a chunk waits on a round trip or two, not one a key); the sums still add key
         // by key, in order.
@@ -664,10 +666,7 @@ fn attend<F: Float, S: Int, W: Int>(
             #[unroll]
             for i in 0..FOLD {
                 if j + (i as u32) < keys {
-                    let mut weight = scores[j as usize + i];
-                    if comptime![!planes] {
-                        weight = (weight - next_max).exp();
-                    }
+                    let weight = scores[j as usize + i];
                     sum += weight;
                     acc += weight * values[i];
                 }
