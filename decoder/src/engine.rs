@@ -23,6 +23,7 @@ use kvplan::{CanaryConfig, PagedKv, PagedKvConfig, RequestId, StepGraph, StepInp
 
 use crate::clock::{OpClock, OpKind, OpTimes};
 use crate::draft::ngram_draft;
+use crate::linear::greedy;
 use crate::model::Llama;
 use crate::sample::{Rng, Sampling, accept_greedy, accept_sampled};
 use crate::{DecoderError, Result};
@@ -300,7 +301,7 @@ fn decode_tokens(
             |layer, qkv| Ok(kv.attend(layer, qkv)?),
         )
         .map_err(|error| error.to_string())?;
-    let tokens = model.logits(hidden).argmax(1).reshape([inputs.tokens]);
+    let tokens = greedy(model.logits(hidden));
     kv.attach(tokens).map_err(|error| error.to_string())
 }
 
@@ -825,7 +826,7 @@ impl Engine {
         let logits = self.model.logits(hidden);
         let mut targets = Vec::with_capacity(counts.len());
         if self.options.sampling.is_greedy() {
-            let tokens = self.read_tokens(logits.argmax(1).reshape([picked.len()]))?;
+            let tokens = self.read_tokens(greedy(logits))?;
             let mut at = 0;
             for n in counts {
                 targets.push(Target::Tokens(tokens[at..at + n].to_vec()));

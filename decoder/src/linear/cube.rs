@@ -2,14 +2,16 @@
 
 use burn_core::backend::TensorMetadata;
 use burn_core::backend::cubecl::dtype_to_storage_type;
-use burn_core::tensor::Shape;
+use burn_core::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, full_device_dtype};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
 use super::Around;
-use super::kernel::{LANES, LinearShapeLaunch, MAX_ROWS, PLANES, linear_kernel};
+use super::kernel::{
+    GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROWS, PLANES, greedy_kernel, linear_kernel,
+};
 
 /// One launch: a plane for each two output columns and each block of up to `MAX_ROWS` tokens
 /// (the fewest rows a plane that holds every token, below that).
@@ -123,6 +125,53 @@ pub(super) fn linear(
             around.add,
             around.rope.is_some(),
             planes,
+            dtype,
+        );
+    }
+    out
+}
+
+/// Each row's greedy token (`greedy_kernel`): a cube a row, i64 out.
+pub(super) fn greedy(logits: CubeTensor) -> CubeTensor {
+    let logits = rows_of_unit_stride(logits);
+    let (rows, vocab) = (logits.shape()[0], logits.shape()[1]);
+    let out = empty_device_contiguous_dtype(
+        logits.client.clone(),
+        logits.device.clone(),
+        Shape::new([rows]),
+        DType::I64,
+    );
+    if rows == 0 {
+        return out;
+    }
+    let x_cubes = rows.min(65_535);
+    let cubes = CubeCount::Static(x_cubes as u32, rows.div_ceil(x_cubes) as u32, 1);
+    let widest = logits.handle.size() as usize / logits.dtype.size();
+    let address = if widest < (1 << 31) {
+        AddressType::U32
+    } else {
+        AddressType::U64
+    };
+    let (stride, dtype, client) = (
+        row_stride(&logits),
+        dtype_to_storage_type(logits.dtype),
+        logits.client.clone(),
+    );
+    // SAFETY: every read is inside `logits` (rows of unit column stride at the row stride
+    // given, columns below `vocab`), each output written by its row's cube.
+    unsafe {
+        greedy_kernel::launch_unchecked(
+            &client,
+            cubes,
+            CubeDim::new_1d(GREEDY_UNITS as u32),
+            address,
+            logits.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            rows as u64,
+            vocab as u64,
+            stride,
+            // A round of loads covers 8,192 logits: a vocabulary of 49,152 in six.
+            16,
             dtype,
         );
     }

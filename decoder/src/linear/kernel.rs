@@ -214,3 +214,74 @@ fn fold_lanes<F: Float>(
         totals[j] = lanes[base + j * LANES];
     }
 }
+
+/// Units of a greedy-token cube.
+pub const GREEDY_UNITS: usize = 512;
+
+/// Cube `r` (flattened over x and y) writes row `r`'s greedy token: the index of its largest
+/// logit, the first of equal ones. Unit `u` walks columns `u, u + GREEDY_UNITS, ..`, `unroll`
+/// loads in flight at once, keeping the first of its largest; the units' picks are joined by
+/// halves (the larger value, on a tie the lower index).
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn greedy_kernel<F: Float>(
+    logits: &Tensor<F>,
+    out: &mut Tensor<i64>,
+    rows: u64,
+    vocab: u64,
+    stride: u64,
+    #[comptime] unroll: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let row = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    let u = UNIT_POS as usize;
+    let mut values = Shared::<[F]>::new_slice(GREEDY_UNITS);
+    let mut picks = Shared::<[u64]>::new_slice(GREEDY_UNITS);
+    // `vocab` stands for "none yet".
+    let mut best = F::new(0.0);
+    let mut best_at = vocab;
+    if row < rows {
+        let base = row * stride;
+        let mut loaded = Array::<F>::new(unroll);
+        let mut k = u as u64;
+        while k < vocab {
+            #[unroll]
+            for i in 0..unroll {
+                let at = k + (i * GREEDY_UNITS) as u64;
+                loaded[i] = F::new(0.0);
+                if at < vocab {
+                    loaded[i] = logits[(base + at) as usize];
+                }
+            }
+            #[unroll]
+            for i in 0..unroll {
+                let at = k + (i * GREEDY_UNITS) as u64;
+                if at < vocab && (best_at == vocab || loaded[i] > best) {
+                    best = loaded[i];
+                    best_at = at;
+                }
+            }
+            k += (GREEDY_UNITS * unroll) as u64;
+        }
+    }
+    values[u] = best;
+    picks[u] = best_at;
+    #[unroll]
+    for level in 0..comptime!(GREEDY_UNITS.trailing_zeros()) {
+        let half = comptime!(GREEDY_UNITS >> (level + 1));
+        sync_cube();
+        if u < half {
+            let value = values[u + half];
+            let at = picks[u + half];
+            let mine = values[u];
+            let mine_at = picks[u];
+            if at < vocab && (mine_at == vocab || value > mine || (value == mine && at < mine_at)) {
+                values[u] = value;
+                picks[u] = at;
+            }
+        }
+    }
+    sync_cube();
+    if u == 0 && row < rows {
+        out[row as usize] = select(picks[0] < vocab, picks[0] as i64, 0i64);
+    }
+}

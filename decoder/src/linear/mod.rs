@@ -9,7 +9,7 @@ pub mod kernel;
 
 use burn_core as burn; // the paths `#[backend_extension]` generates
 use burn_core::backend::fusion::custom::TensorSpec;
-use burn_core::backend::tensor::FloatTensor;
+use burn_core::backend::tensor::{FloatTensor, IntTensor};
 use burn_core::backend::{
     Backend, Dispatch, Flex, TensorData, TensorMetadata, backend_extension, try_read_sync,
 };
@@ -84,6 +84,13 @@ pub trait LinearBackend: Backend {
         around: Around,
     ) -> FloatTensor<Self> {
         host_linear::<Self>(x, w, None, Some([cos, sin]), around)
+    }
+
+    /// Each row's greedy token of `logits` `[rows, vocab]`: the index of its largest value, the
+    /// first of equal ones, as i64 `[rows]`.
+    #[fusion(meta = |logits| TensorSpec::new([logits.shape[0]].into(), burn_core::tensor::DType::I64))]
+    fn greedy(logits: FloatTensor<Self>) -> IntTensor<Self> {
+        host_greedy::<Self>(logits)
     }
 }
 
@@ -169,6 +176,39 @@ fn host_linear<B: Backend>(
         TensorData::new(values, [tokens, outputs]).convert_dtype(dtype),
         &device,
     )
+}
+
+/// The default body of `greedy`: the logits read back, [`greedy_reference`], the tokens uploaded.
+fn host_greedy<B: Backend>(logits: FloatTensor<B>) -> IntTensor<B> {
+    let device = logits.device();
+    let (rows, vocab) = (logits.shape()[0], logits.shape()[1]);
+    let values = try_read_sync(B::float_into_data(logits))
+        .and_then(Result::ok)
+        .and_then(|data| data.convert::<f64>().try_to_vec::<f64>().ok())
+        .unwrap_or_default();
+    let tokens = if values.len() == rows * vocab {
+        greedy_reference(&values, vocab)
+    } else {
+        vec![0; rows]
+    };
+    B::int_from_data(TensorData::new(tokens, [rows]), &device)
+}
+
+/// Each row's greedy token of `logits` (rows of `vocab` values): the index of its largest value,
+/// the first of equal ones (0 for an empty row).
+pub fn greedy_reference(logits: &[f64], vocab: usize) -> Vec<i64> {
+    logits
+        .chunks(vocab.max(1))
+        .map(|row| {
+            let mut best = 0;
+            for (at, &value) in row.iter().enumerate() {
+                if value > row[best] {
+                    best = at;
+                }
+            }
+            best as i64
+        })
+        .collect()
 }
 
 /// The projection on the host, in f64: what the kernel computes, summed in plain order (NaN where
@@ -341,6 +381,12 @@ pub fn linear_rope(x: Tensor<2>, w: &Weight, rope: &Rope, norm_eps: Option<f64>)
     ))
 }
 
+/// Each row's greedy token of `logits` `[rows, vocab]` (the first of its largest values), on
+/// their device: one launch a step where Burn's argmax reduces a row in one long walk.
+pub fn greedy(logits: Tensor<2>) -> Tensor<1, burn_core::tensor::Int> {
+    Tensor::from_dispatch(<Dispatch as LinearBackend>::greedy(logits.into_dispatch()))
+}
+
 /// `x / rms(x)` with `Some(eps)`, else `x`.
 fn normed(x: Tensor<2>, norm_eps: Option<f64>) -> Tensor<2> {
     match norm_eps {
@@ -395,5 +441,9 @@ impl LinearBackend for burn_cubecl::CubeBackend {
     ) -> burn_cubecl::tensor::CubeTensor {
         let residual = x.clone();
         cube::linear(x, w, residual, Some([cos, sin]), around)
+    }
+
+    fn greedy(logits: burn_cubecl::tensor::CubeTensor) -> burn_cubecl::tensor::CubeTensor {
+        cube::greedy(logits)
     }
 }

@@ -3,14 +3,15 @@
 //! random inputs from a fixed seed, with and without the norm, each of nothing, a residual and
 //! RoPE after, and SwiGLU before a residual; token counts across the kernel's row blocks and past `MAX_TOKENS` (Burn's ops),
 //! shapes off every tile multiple, weights whose rows are strided past their width; and each
-//! token's output the same bits alone as beside others.
+//! token's output the same bits alone as beside others. The greedy-token op against its host
+//! reference.
 
 use burn_core::tensor::{DType, Device, Tensor, TensorData};
 
 use burn_core::backend::Dispatch;
 use kvplan_decoder::linear::{
-    Around, LinearBackend, MAX_TOKENS, Rope, RopeShape, Weight, linear, linear_rope, reference,
-    swiglu_linear,
+    Around, LinearBackend, MAX_TOKENS, Rope, RopeShape, Weight, greedy, linear, linear_rope,
+    reference, swiglu_linear,
 };
 use kvplan_decoder::model::exp_is_64_bit;
 use kvplan_decoder::sample::Rng;
@@ -97,6 +98,49 @@ pub fn matches_reference(device: &Device) {
     }
     matches_reference_in(device, DType::F32);
     misfits_are_nan(device);
+    greedy_matches_reference(device, DType::F32);
+    if exp_is_64_bit(device) {
+        greedy_matches_reference(device, DType::F64);
+    }
+}
+
+/// Each row's greedy token against the host's: random logits with the row's largest value
+/// planted again later in the row (the first wins) and once as the last column, vocabularies off
+/// the kernel's round of loads, rows strided past their width.
+fn greedy_matches_reference(device: &Device, dtype: DType) {
+    let mut rng = Rng::new(41);
+    for (rows, vocab) in [
+        (1, 49_152),
+        (3, 1_000),
+        (2, 7),
+        (5, 8_193),
+        (1, 1),
+        (4, 600),
+    ] {
+        let wide = vocab + 3;
+        let mut data = random(&mut rng, rows * wide);
+        for r in 0..rows {
+            let row = &mut data[r * wide..][..vocab];
+            let top = (rng.uniform() * vocab as f64) as usize % vocab;
+            row[top] = 2.0;
+            if top + 1 < vocab {
+                row[vocab - 1] = 2.0;
+            }
+            if r % 2 == 1 && vocab > 1 {
+                // A tie with the first column.
+                row[0] = 2.0;
+            }
+        }
+        let logits = upload(&data, [rows, wide], device, dtype).narrow(1, 0, vocab);
+        let stored = values(logits.clone());
+        let expected = kvplan_decoder::linear::greedy_reference(&stored, vocab);
+        let got: Vec<i64> = greedy(logits)
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec::<i64>()
+            .unwrap();
+        assert_eq!(got, expected, "greedy tokens, {rows} x {vocab}, {dtype:?}");
+    }
 }
 
 /// Through the extension op itself (the public functions only make fitting calls): an input of
