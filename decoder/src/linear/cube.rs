@@ -13,8 +13,8 @@ use super::kernel::{
     GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROWS, PLANES, greedy_kernel, linear_kernel,
 };
 
-/// One launch: a plane for each two output columns and each block of up to `MAX_ROWS` tokens
-/// (the fewest rows a plane that holds every token, below that).
+/// One launch: a cube for each `columns` output columns and each block of up to `MAX_ROWS`
+/// tokens (the fewest rows a cube that holds every token, below that).
 pub(super) fn linear(
     x: CubeTensor,
     w: CubeTensor,
@@ -58,13 +58,17 @@ pub(super) fn linear(
     let planes = properties.features.plane.contains(Plane::Ops)
         && properties.hardware.plane_size_min == LANES as u32
         && properties.hardware.plane_size_max == LANES as u32;
-    // Two columns a plane: each input load feeds both, and RoPE's pairs of adjacent columns are
-    // in one plane.
-    let columns = 2;
-    // A lane's loads of a row in as few rounds as its registers allow, shared out evenly.
-    let per_lane = inner.div_ceil(LANES);
-    let most = (48 / (columns + rows)).max(1);
-    let unroll = per_lane.div_ceil(per_lane.div_ceil(most).max(1)).max(1);
+    // Columns a cube: each input load feeds that many sums. Where the lanes fold in shared memory
+    // one, so the fold's buffer stays small.
+    let columns = match (planes, rows) {
+        // RoPE turns pairs of adjacent columns: both in one cube.
+        (false, _) if around.rope.is_some() => 2,
+        (false, _) => 1,
+        (true, 1 | 2) => 2,
+        (true, _) => 4,
+    };
+    // A unit's loads in flight at once: a round covers 1,024 (or 2,048) columns of a row.
+    let unroll = if rows <= 2 { 8 } else { 4 };
     let shape = LinearShapeLaunch::new(
         tokens as u64,
         outputs as u64,
@@ -80,7 +84,7 @@ pub(super) fn linear(
             0
         },
     );
-    let column_cubes = outputs.div_ceil(columns * PLANES);
+    let column_cubes = outputs.div_ceil(columns);
     let x_cubes = column_cubes.min(65_535);
     let cubes = CubeCount::Static(
         x_cubes as u32,

@@ -1,20 +1,22 @@
 //! The projection kernel for a step's few tokens: `out = [residual +] (x [/ rms(x)]) W^T`, over
 //! weights kept as `[out, in]` rows.
 //!
-//! Each plane (a warp on CUDA) makes a few output columns for a block of up to `MAX_ROWS` tokens:
-//! lane `l` reads columns `l, l + LANES, ..` of the plane's weight rows (coalesced) and of each
-//! token's input, a round of loads in flight at once, then the lanes fold their sums. No plane
-//! waits on another (no shared sums across planes, no barrier on CUDA), and the cubes are small, so
-//! a matrix's rows spread over every SM. A token's value is the same sums in the same order
-//! whatever else is in the launch: a row is the same bits alone or in a verify window.
+//! A cube makes a few output columns for a block of up to `MAX_ROWS` tokens, its `UNITS` units
+//! sharing out each weight row: unit `g` reads columns `g, g + UNITS, ..` of the cube's weight rows
+//! (coalesced) and of each token's input, a round of loads in flight at once, so a row takes one
+//! or two round trips and a projection has a cube for every few columns. Each plane's lanes fold
+//! their sums, then the planes' sums add in plane order. A token's value is the same sums in the
+//! same order whatever else is in the launch: a row is the same bits alone or in a verify window.
 
 use cubecl::prelude::*;
 
 /// Units of a plane.
 pub const LANES: usize = 32;
-/// Planes of a cube, each on columns of its own.
-pub const PLANES: usize = 4;
-/// The most tokens a plane makes its columns for (more tokens: more cubes along z).
+/// Planes of a cube.
+pub const PLANES: usize = 8;
+/// Units of a cube, all on the cube's columns.
+const UNITS: usize = LANES * PLANES;
+/// The most tokens a cube makes its columns for (more tokens: more cubes along y).
 pub const MAX_ROWS: usize = 8;
 
 /// Scalars of one projection.
@@ -41,15 +43,15 @@ pub struct LinearShape {
     pub angle_stride: u64,
 }
 
-/// Plane `p` of cube `(c, b)` (`c` flattened over x and y) makes output columns
-/// `(c * PLANES + p) * columns ..` of tokens `b * rows ..` (`b` on z). With `norm`, each token's
-/// dot products are divided by its input's RMS (`sqrt(mean(x^2) + eps)`: an RMSNorm whose weight is
-/// folded into `w`); with `swiglu`, the input is `silu(gate) * up` of `x`'s two halves (`[tokens,
-/// 2 * inner]`); with `add`, `residual` is added; with `rope`, each pair of columns `(2i, 2i + 1)`
-/// of a head below `rotated` is rotated by its token's angle of pair `i` (`cos`, `sin`: `[tokens,
-/// pairs]`), which needs `columns` even. A lane loads `unroll` of its columns at once before it
-/// adds them. With `planes` (planes exactly `LANES` wide: CUDA) the lanes fold by plane sums, else
-/// in shared memory.
+/// Cube `(c, b)` (`c` flattened over x and y) makes output columns `c * columns ..` of tokens
+/// `b * rows ..` (`b` on z). With `norm`,
+/// each token's dot products are divided by its input's RMS (`sqrt(mean(x^2) + eps)`: an RMSNorm
+/// whose weight is folded into `w`); with `swiglu`, the input is `silu(gate) * up` of `x`'s two
+/// halves (`[tokens, 2 * inner]`); with `add`, `residual` is added; with `rope`, each pair of
+/// columns `(2i, 2i + 1)` of a head below `rotated` is rotated by its token's angle of pair `i`
+/// (`cos`, `sin`: `[tokens, pairs]`), which needs `columns` even. A unit loads `unroll` of its
+/// columns at once before it adds them. With `planes` (planes exactly `LANES` wide: CUDA) the lanes
+/// fold by plane sums, else in shared memory.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_kernel<F: Float>(
@@ -74,9 +76,9 @@ pub fn linear_kernel<F: Float>(
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
-    let first_column = (cube * PLANES as u64 + plane as u64) * columns as u64;
+    let first_column = cube * columns as u64;
     let first_row = CUBE_POS_Z as u64 * rows as u64;
-    // The values a lane sums: each (token, column)'s dot product, then each token's squares.
+    // The values a unit sums: each (token, column)'s dot product, then each token's squares.
     let values = comptime!(rows * columns + if norm { rows } else { 0 });
     let mut sums = Array::<F>::new(values);
     #[unroll]
@@ -85,13 +87,13 @@ pub fn linear_kernel<F: Float>(
     }
     let mut weights = Array::<F>::new(unroll * columns);
     let mut inputs = Array::<F>::new(unroll * rows);
-    let step = (LANES * unroll) as u64;
-    let mut k = lane as u64;
+    let step = (UNITS * unroll) as u64;
+    let mut k = (plane * LANES + lane) as u64;
     while k < shape.inner {
         // Every load of the round first, then the sums in column order.
         #[unroll]
         for i in 0..unroll {
-            let at = k + (i * LANES) as u64;
+            let at = k + (i * UNITS) as u64;
             let inside = at < shape.inner;
             #[unroll]
             for c in 0..columns {
@@ -134,35 +136,48 @@ pub fn linear_kernel<F: Float>(
         }
         k += step;
     }
-    // The plane's sums, on every lane.
-    let mut totals = Array::<F>::new(values);
+    // Each plane's sums, then the planes' in order.
+    let mut planes_sums = Shared::<[F]>::new_slice(PLANES * values);
     if comptime![planes] {
         #[unroll]
         for j in 0..values {
-            totals[j] = plane_sum(sums[j]);
+            let total = plane_sum(sums[j]);
+            if lane == 0 {
+                planes_sums[plane * values + j] = total;
+            }
         }
     } else {
-        fold_lanes::<F>(&sums, &mut totals, lane, plane, values);
+        fold_lanes::<F>(&sums, &mut planes_sums, lane, plane, values);
     }
-    // Lane `j` writes value `j`: token `j / columns`, column `j % columns`.
-    #[unroll]
-    for j in 0..rows * columns {
-        let r = comptime!(j / columns);
+    sync_cube();
+    // Unit `j` writes value `j`: token `j / columns`, column `j % columns`.
+    let j = plane * LANES + lane;
+    if j < rows * columns {
+        let r = j / columns;
         let row = first_row + r as u64;
         let column = first_column + (j % columns) as u64;
-        if lane == j && row < shape.tokens && column < shape.outputs {
-            let mut value = totals[j];
+        if row < shape.tokens && column < shape.outputs {
+            let mut value = F::new(0.0);
+            let mut partner = F::new(0.0);
+            let mut squares = F::new(0.0);
+            #[unroll]
+            for p in 0..PLANES {
+                value += planes_sums[p * values + j];
+                if comptime![rope] {
+                    partner += planes_sums[p * values + (j ^ 1)];
+                }
+                if comptime![norm] {
+                    squares += planes_sums[p * values + rows * columns + r];
+                }
+            }
             if comptime![norm] {
-                let mean = totals[rows * columns + r] / F::cast_from(shape.inner);
-                value /= (mean + F::cast_from(eps)).sqrt();
+                let mean = squares / F::cast_from(shape.inner);
+                let scale = (mean + F::cast_from(eps)).sqrt();
+                value /= scale;
+                partner /= scale;
             }
             if comptime![rope] {
                 if column < shape.rotated {
-                    let mut partner = totals[comptime!(j ^ 1)];
-                    if comptime![norm] {
-                        let mean = totals[rows * columns + r] / F::cast_from(shape.inner);
-                        partner /= (mean + F::cast_from(eps)).sqrt();
-                    }
                     // `(a, b)` -> `(a cos - b sin, b cos + a sin)`: the even column takes the
                     // first, the odd one the second.
                     let pair = (column % (2 * shape.pairs)) / 2;
@@ -180,11 +195,11 @@ pub fn linear_kernel<F: Float>(
 }
 
 /// Each plane's lane sums folded in shared memory, in a fixed tree (lane 0 ends with `((l0 + l16)
-/// + (l8 + l24)) + ..`, as a plane sum by halves), into `totals` on every lane of the plane.
+/// + (l8 + l24)) + ..`, as a plane sum by halves), into `planes_sums[plane * values + j]`.
 #[cube]
 fn fold_lanes<F: Float>(
     sums: &Array<F>,
-    totals: &mut Array<F>,
+    planes_sums: &mut Shared<[F]>,
     lane: usize,
     plane: usize,
     #[comptime] values: usize,
@@ -209,9 +224,11 @@ fn fold_lanes<F: Float>(
         }
     }
     sync_cube();
-    #[unroll]
-    for j in 0..values {
-        totals[j] = lanes[base + j * LANES];
+    if lane == 0 {
+        #[unroll]
+        for j in 0..values {
+            planes_sums[plane * values + j] = lanes[base + j * LANES];
+        }
     }
 }
 
