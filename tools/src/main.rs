@@ -19,7 +19,7 @@ const USAGE: &str = "usage:
                                              N random and edge cases per op against the
                                              reference; prints a conformance record that
                                              reproduces the first disagreement
-  kvplan chart TABLE.csv OUT.png              draw the README's bar chart (op,sglang_us,kvplan_us)
+  kvplan chart TABLE.csv OUT.png              draw a README bar chart (header: caption,series..)
   kvplan bench gather|plan|canary|canary-small|host|extension|cuda-client [--backend NAME] [--reps N]   time the anchor grids
 backends: reference, flex, vulkan, vulkan-unfused, cuda, cuda-unfused";
 
@@ -149,10 +149,10 @@ fn run(args: &[String]) -> Result<ExitCode, Failure> {
         ["chart", csv, png] => {
             let text = std::fs::read_to_string(csv)
                 .map_err(|error| format!("cannot read {csv}: {error}"))?;
-            let rows =
+            let table =
                 kvplan_tools::chart::parse(&text).map_err(|error| format!("{csv}: {error}"))?;
-            kvplan_tools::chart::draw(&rows, std::path::Path::new(png))?;
-            println!("chart: {} rows -> {png}", rows.len());
+            kvplan_tools::chart::draw(&table, std::path::Path::new(png))?;
+            println!("chart: {} rows -> {png}", table.rows.len());
             Ok(ExitCode::SUCCESS)
         }
         _ => Err(Failure::Usage(format!(
