@@ -260,6 +260,13 @@ pub fn rows_do_not_depend_on_the_batch<B: KvPlanBackend>(device: &B::Device) {
     }
 }
 
+/// `case` with `edit` made.
+fn broken_from(case: &Case, edit: &dyn Fn(&mut Case)) -> Case {
+    let mut case = case.clone();
+    edit(&mut case);
+    case
+}
+
 /// Every host rule and every value rule, with the values named; NaN out after a value error.
 pub fn errors<B: KvPlanBackend>(device: &B::Device) {
     let context = || "paged_attention:".to_string();
@@ -271,12 +278,8 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
     let mut rng = Rng::new(3);
     let case = Case::random(&mut rng, layout, 3, 10, 4);
     // Value rules, the lowest faulty token first.
-    let broken = |edit: &dyn Fn(&mut Case)| {
-        let mut case = case.clone();
-        edit(&mut case);
-        case
-    };
-    let value_cases: Vec<(Case, Error)> = vec![
+    let broken = |edit: &dyn Fn(&mut Case)| broken_from(&case, edit);
+    let mut value_cases: Vec<(Case, Error)> = vec![
         (
             broken(&|c| {
                 c.starts[2] = c.slots.len() as i64;
@@ -340,6 +343,53 @@ pub fn errors<B: KvPlanBackend>(device: &B::Device) {
             },
         ),
     ];
+    // The check shares each run out over a group of units (every group-th key each): a fault
+    // deep in one long run (one token: groups of 256), and faults in two of 100 tokens (groups of
+    // 2), the lower token's at a key its group's second unit walks.
+    let long = Case {
+        tokens: 1,
+        q: case.q[..case.q_cols()].to_vec(),
+        slots: (0..700).map(|i| i % 10).collect(),
+        starts: vec![0],
+        counts: vec![700],
+        ..case.clone()
+    };
+    let many = Case {
+        tokens: 100,
+        q: case.q[..case.q_cols()].repeat(100),
+        slots: (0..40).map(|i| i % 10).collect(),
+        starts: vec![3; 100],
+        counts: vec![30; 100],
+        ..case.clone()
+    };
+    value_cases.extend([
+        (
+            broken_from(&long, &|c| c.slots[513] = 10),
+            Error::KeySlotOutOfRange {
+                context: context(),
+                token: 0,
+                key: 513,
+                slot: 10,
+                pool_rows: 10,
+            },
+        ),
+        (
+            broken_from(&many, &|c| {
+                c.starts[97] = 0;
+                c.slots[1] = -2;
+                c.starts[41] = 0;
+                c.counts[41] = 40;
+                c.slots[33] = 12;
+            }),
+            Error::KeySlotOutOfRange {
+                context: context(),
+                token: 41,
+                key: 1,
+                slot: -2,
+                pool_rows: 10,
+            },
+        ),
+    ]);
     for (case, error) in value_cases {
         assert_eq!(case.reference(), Err(error.clone()), "reference");
         for int in [DType::I32, DType::I64] {
