@@ -185,7 +185,8 @@ fn host_greedy<B: Backend>(logits: FloatTensor<B>) -> IntTensor<B> {
         .and_then(Result::ok)
         .and_then(|data| data.convert::<f64>().try_to_vec::<f64>().ok())
         .unwrap_or_default();
-    let tokens = if values.len() == rows * vocab {
+    // An empty row's token is 0, as the kernel's (and an unreadable input gives 0s, not a panic).
+    let tokens = if vocab > 0 && values.len() == rows * vocab {
         greedy_reference(&values, vocab)
     } else {
         vec![0; rows]
@@ -193,8 +194,8 @@ fn host_greedy<B: Backend>(logits: FloatTensor<B>) -> IntTensor<B> {
     B::int_from_data(TensorData::new(tokens, [rows]), &device)
 }
 
-/// Each row's greedy token of `logits` (rows of `vocab` values): the index of its largest value,
-/// the first of equal ones (0 for an empty row).
+/// Each row's greedy token of `logits` (rows of `vocab` values, `vocab` > 0): the index of its
+/// largest value, the first of equal ones.
 pub fn greedy_reference(logits: &[f64], vocab: usize) -> Vec<i64> {
     logits
         .chunks(vocab.max(1))

@@ -141,6 +141,14 @@ fn greedy_matches_reference(device: &Device, dtype: DType) {
             .unwrap();
         assert_eq!(got, expected, "greedy tokens, {rows} x {vocab}, {dtype:?}");
     }
+    // Rows without logits: token 0 each.
+    let empty = upload(&[], [2, 0], device, dtype);
+    let got: Vec<i64> = greedy(empty)
+        .into_data()
+        .convert::<i64>()
+        .try_to_vec::<i64>()
+        .unwrap();
+    assert_eq!(got, vec![0, 0], "greedy tokens of empty rows, {dtype:?}");
 }
 
 /// Through the extension op itself (the public functions only make fitting calls): an input of
