@@ -10,7 +10,8 @@ use cubecl::prelude::*;
 
 use super::Around;
 use super::kernel::{
-    GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROWS, PLANES, greedy_kernel, linear_kernel,
+    GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS, PLANE_COLUMNS, PLANES,
+    VECTOR_PLANES, greedy_kernel, linear_kernel, linear_vector_kernel,
 };
 
 /// One launch: a cube for each `columns` output columns and each block of up to `MAX_ROWS`
@@ -58,6 +59,67 @@ pub(super) fn linear(
     let planes = properties.features.plane.contains(Plane::Ops)
         && properties.hardware.plane_size_min == LANES as u32
         && properties.hardware.plane_size_max == LANES as u32;
+    if super::vector_kernel() {
+        let vector = vector_size(&x, &w, inner);
+        let vectors = (inner / vector) as u64;
+        let shape = LinearShapeLaunch::new(
+            tokens as u64,
+            outputs as u64,
+            vectors,
+            row_stride(&x) / vector as u64,
+            row_stride(&w) / vector as u64,
+            if around.add { row_stride(&residual) } else { 0 },
+            around.rope.map_or(0, |rope| rope.rotated as u64),
+            around.rope.map_or(0, |rope| (rope.head_dim / 2) as u64),
+            if around.rope.is_some() {
+                row_stride(&cos)
+            } else {
+                0
+            },
+        );
+        // Vectors a lane loads of a row at once: the row in the fewest rounds of at most
+        // `MAX_ROUND`, shared out evenly.
+        let per_lane = (vectors as usize).div_ceil(LANES).max(1);
+        let round = per_lane.div_ceil(per_lane.div_ceil(MAX_ROUND));
+        let column_cubes = outputs.div_ceil(PLANE_COLUMNS * VECTOR_PLANES);
+        let x_cubes = column_cubes.min(65_535);
+        let cubes = CubeCount::Static(
+            x_cubes as u32,
+            column_cubes.div_ceil(x_cubes) as u32,
+            tokens.div_ceil(rows) as u32,
+        );
+        let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
+        let dtype = dtype_to_storage_type(x.dtype);
+        let client = x.client.clone();
+        // SAFETY: as `linear_kernel` below, in vectors of `vector` values: rows and strides are
+        // whole vectors (`vector_size`), loads past `tokens`, `outputs` or `inner` skipped.
+        unsafe {
+            linear_vector_kernel::launch_unchecked(
+                &client,
+                cubes,
+                CubeDim::new_2d(LANES as u32, VECTOR_PLANES as u32),
+                address,
+                vector,
+                x.into_tensor_arg(),
+                w.into_tensor_arg(),
+                residual.into_tensor_arg(),
+                cos.into_tensor_arg(),
+                sin.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                shape,
+                around.norm_eps.unwrap_or(0.0) as f32,
+                rows,
+                round,
+                around.norm_eps.is_some(),
+                around.swiglu,
+                around.add,
+                around.rope.is_some(),
+                planes,
+                dtype,
+            );
+        }
+        return out;
+    }
     // Columns a cube: each input load feeds that many sums. Where the lanes fold in shared memory
     // one, so the fold's buffer stays small.
     let columns = match (planes, rows) {
@@ -92,16 +154,7 @@ pub(super) fn linear(
         tokens.div_ceil(rows) as u32,
     );
     let dim = CubeDim::new_2d(LANES as u32, PLANES as u32);
-    let widest = [&x, &w, &residual, &cos, &sin, &out]
-        .iter()
-        .map(|tensor| tensor.handle.size() as usize / tensor.dtype.size())
-        .max()
-        .unwrap_or(0);
-    let address = if widest < (1 << 31) {
-        AddressType::U32
-    } else {
-        AddressType::U64
-    };
+    let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
     let dtype = dtype_to_storage_type(x.dtype);
     let client = x.client.clone();
     // SAFETY: every read is inside `x`, `w` and `residual` (rows of unit column stride at the row
@@ -180,6 +233,37 @@ pub(super) fn greedy(logits: CubeTensor) -> CubeTensor {
         );
     }
     out
+}
+
+/// 32-bit indexing where every tensor's buffer allows it.
+fn address_type(tensors: &[&CubeTensor]) -> AddressType {
+    let widest = tensors
+        .iter()
+        .map(|tensor| tensor.handle.size() as usize / tensor.dtype.size())
+        .max()
+        .unwrap_or(0);
+    if widest < (1 << 31) {
+        AddressType::U32
+    } else {
+        AddressType::U64
+    }
+}
+
+/// The widest vector (16 bytes at most) that `x`'s and `w`'s rows are whole vectors of: the
+/// width, the row strides and the buffers' offsets its multiples.
+fn vector_size(x: &CubeTensor, w: &CubeTensor, inner: usize) -> usize {
+    let size = x.dtype.size();
+    let fits = |vector: usize| {
+        inner % vector == 0
+            && [x, w].iter().all(|tensor| {
+                row_stride(tensor) % vector as u64 == 0
+                    && tensor.handle.offset_start.unwrap_or(0) % (vector * size) as u64 == 0
+            })
+    };
+    [16 / size, 8 / size, 4 / size, 2 / size, 1]
+        .into_iter()
+        .find(|&vector| vector >= 1 && fits(vector))
+        .unwrap_or(1)
 }
 
 /// `tensor` as rows of unit column stride: as it is when it already is (CUDA pitches a matrix's

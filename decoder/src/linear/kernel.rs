@@ -302,3 +302,201 @@ pub fn greedy_kernel<F: Float>(
         out[row as usize] = select(picks[0] < vocab, picks[0] as i64, 0i64);
     }
 }
+
+/// Output columns a plane of `linear_vector_kernel` makes (a RoPE pair).
+pub const PLANE_COLUMNS: usize = 2;
+/// Planes of a `linear_vector_kernel` cube.
+pub const VECTOR_PLANES: usize = 2;
+/// The most vectors a lane loads of a weight row in one round (more: another round).
+pub const MAX_ROUND: usize = 8;
+
+/// The projection as `linear_kernel` computes it, laid out for a step's few tokens: each plane
+/// makes `PLANE_COLUMNS` output columns of the cube's block of `rows` tokens on its own (no
+/// cross-plane sums, no barrier), its lanes reading the weight rows in vectors of `N` values,
+/// `round` vectors of each row in flight at once (one or two rounds cover a row), so the whole
+/// matrix is a round trip or two of wide loads. Lane `l` sums vectors `l, l + LANES, ..` of a row
+/// in order into a vector, then its values in order, then the lanes fold (`plane_sum`, else in
+/// shared memory): a token's value is the same bits whatever else is in the launch. `w`, `x` and
+/// the strides are in vectors; the rest as `linear_kernel`.
+#[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::too_many_arguments)]
+pub fn linear_vector_kernel<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    w: &Tensor<Vector<F, N>>,
+    residual: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
+    out: &mut Tensor<F>,
+    shape: LinearShape,
+    eps: f32,
+    #[comptime] rows: usize,
+    #[comptime] round: usize,
+    #[comptime] norm: bool,
+    #[comptime] swiglu: bool,
+    #[comptime] add: bool,
+    #[comptime] rope: bool,
+    #[comptime] planes: bool,
+    #[define(F)] _dtype: ElemType,
+) {
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    let first_column = (cube * VECTOR_PLANES as u64 + plane as u64) * PLANE_COLUMNS as u64;
+    let first_row = CUBE_POS_Z as u64 * rows as u64;
+    let columns = comptime!(PLANE_COLUMNS);
+    let mut sums = Array::<Vector<F, N>>::new(rows * columns);
+    let mut squares = Array::<Vector<F, N>>::new(rows);
+    #[unroll]
+    for j in 0..rows * columns {
+        sums[j] = Vector::new(F::new(0.0));
+    }
+    #[unroll]
+    for r in 0..rows {
+        squares[r] = Vector::new(F::new(0.0));
+    }
+    // Each weight row's and input row's first vector (a column or row past the end reads none).
+    let mut w_rows = Array::<usize>::new(columns);
+    #[unroll]
+    for c in 0..columns {
+        w_rows[c] = ((first_column + c as u64) * shape.w_stride) as usize;
+    }
+    let mut x_rows = Array::<usize>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        x_rows[r] = ((first_row + r as u64) * shape.x_stride) as usize;
+    }
+    let vectors = shape.inner as usize;
+    let mut weights = Array::<Vector<F, N>>::new(round * columns);
+    let mut k = lane;
+    while k < vectors {
+        // The round's weight loads first, then each token's input and its sums.
+        #[unroll]
+        for i in 0..round {
+            let at = k + i * LANES;
+            #[unroll]
+            for c in 0..columns {
+                weights[i * columns + c] = Vector::new(F::new(0.0));
+                if at < vectors && first_column + (c as u64) < shape.outputs {
+                    weights[i * columns + c] = w[w_rows[c] + at];
+                }
+            }
+        }
+        #[unroll]
+        for r in 0..rows {
+            if first_row + (r as u64) < shape.tokens {
+                #[unroll]
+                for i in 0..round {
+                    let at = k + i * LANES;
+                    if at < vectors {
+                        let mut value = x[x_rows[r] + at];
+                        if comptime![swiglu] {
+                            // `silu(gate) * up`, the gate and up columns side by side in `x`.
+                            let up = x[x_rows[r] + at + vectors];
+                            value = value / (Vector::new(F::new(1.0)) + (-value).exp()) * up;
+                        }
+                        if comptime![norm] {
+                            squares[r] += value * value;
+                        }
+                        #[unroll]
+                        for c in 0..columns {
+                            sums[r * columns + c] += value * weights[i * columns + c];
+                        }
+                    }
+                }
+            }
+        }
+        k += round * LANES;
+    }
+    // Each lane's vectors summed in order, then the plane's lanes.
+    let values = comptime!(rows * columns + if norm { rows } else { 0 });
+    let mut totals = Array::<F>::new(values);
+    #[unroll]
+    for j in 0..values {
+        let vector = if j < rows * columns {
+            sums[j]
+        } else {
+            squares[j - rows * columns]
+        };
+        let mut total = F::new(0.0);
+        #[unroll]
+        for e in 0..N::value() {
+            total += vector.extract(e);
+        }
+        totals[j] = total;
+    }
+    if comptime![planes] {
+        #[unroll]
+        for j in 0..values {
+            totals[j] = plane_sum(totals[j]);
+        }
+    } else {
+        fold_plane_lanes::<F>(&mut totals, lane, plane, values);
+    }
+    // Lane `j` writes value `j`: token `j / columns`, column `j % columns`.
+    #[unroll]
+    for j in 0..rows * columns {
+        if lane == j {
+            let r = comptime!(j / columns);
+            let row = first_row + r as u64;
+            let column = first_column + comptime!(j % columns) as u64;
+            if row < shape.tokens && column < shape.outputs {
+                let mut value = totals[j];
+                let mut partner = totals[comptime!(j ^ 1)];
+                if comptime![norm] {
+                    let mean =
+                        totals[rows * columns + r] / F::cast_from(shape.inner * N::value() as u64);
+                    let scale = (mean + F::cast_from(eps)).sqrt();
+                    value /= scale;
+                    partner /= scale;
+                }
+                if comptime![rope] {
+                    if column < shape.rotated {
+                        let pair = (column % (2 * shape.pairs)) / 2;
+                        let at = (row * shape.angle_stride + pair) as usize;
+                        let turn = select(column % 2 == 0, -sin[at], sin[at]);
+                        value = value * cos[at] + partner * turn;
+                    }
+                }
+                if comptime![add] {
+                    value += residual[(row * shape.residual_stride + column) as usize];
+                }
+                out[(row * shape.outputs + column) as usize] = value;
+            }
+        }
+    }
+}
+
+/// Each plane's lanes' `totals` folded in shared memory in a fixed tree, the sums handed back to
+/// every lane of the plane (where planes are not fixed at `LANES` lanes).
+#[cube]
+fn fold_plane_lanes<F: Float>(
+    totals: &mut Array<F>,
+    lane: usize,
+    plane: usize,
+    #[comptime] values: usize,
+) {
+    let mut lanes = Shared::<[F]>::new_slice(VECTOR_PLANES * values * LANES);
+    let base = plane * values * LANES;
+    #[unroll]
+    for j in 0..values {
+        lanes[base + j * LANES + lane] = totals[j];
+    }
+    #[unroll]
+    for level in 0..5u32 {
+        let half = comptime!(LANES >> (level + 1));
+        sync_cube();
+        if lane < half {
+            #[unroll]
+            for j in 0..values {
+                let at = base + j * LANES + lane;
+                let other = lanes[at + half];
+                lanes[at] += other;
+            }
+        }
+    }
+    sync_cube();
+    #[unroll]
+    for j in 0..values {
+        totals[j] = lanes[base + j * LANES];
+    }
+}

@@ -30,6 +30,15 @@ fn max_tokens() -> usize {
     })
 }
 
+/// Whether the projection runs `kernel::linear_vector_kernel` (a plane's columns, wide loads;
+/// the default) or `kernel::linear_kernel` (a cube's columns): `KVPLAN_PROJECTION_KERNEL=cube`
+/// picks the second (a benchmark's knob, for an A/B in one build).
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+fn vector_kernel() -> bool {
+    static VECTOR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *VECTOR.get_or_init(|| std::env::var("KVPLAN_PROJECTION_KERNEL").as_deref() != Ok("cube"))
+}
+
 /// What rides with a projection: an RMSNorm of its input, or SwiGLU, before; a residual, or
 /// RoPE, after.
 #[derive(Debug, Clone, Copy, PartialEq)]
