@@ -177,6 +177,9 @@ pub struct KvStore<B: KvPlanBackend = Dispatch> {
     num_slots: usize,
     // The next call's first clock value.
     clock: u64,
+    // One u32 a slot, zeroed once: each store-and-attend counts its attention's parts in them
+    // (`NewRowsPrimitive::arrivals`), and leaves them multiples of the parts.
+    arrivals: IntTensor<B>,
     device: B::Device,
     one_launch: OneLaunch,
 }
@@ -219,11 +222,13 @@ impl<B: KvPlanBackend> KvStore<B> {
     #[doc(hidden)]
     pub fn allocate_on(num_slots: usize, device: &B::Device) -> Result<Self, Error> {
         let words = Buffer::new("KvStore slot words", num_slots.max(1), 4);
-        room::on_device(device, &[words])?;
+        let arrivals = Buffer::new("KvStore arrival counts", num_slots.max(1), 4);
+        room::on_device(device, &[words, arrivals])?;
         Ok(Self {
             scratch: Some(fresh_scratch::<B>(num_slots, device, 0)),
             num_slots,
             clock: 1,
+            arrivals: zeroed_words::<B>(num_slots, device),
             device: device.clone(),
             one_launch: OneLaunch::on(device),
         })
@@ -342,6 +347,7 @@ impl<B: KvPlanBackend> KvStore<B> {
             cache_rows,
             status: Some(Status::new(output.status, STORE_CONTEXT)),
             claims,
+            arrivals: self.arrivals.clone(),
             one_launch: self.one_launch,
         }
     }
@@ -360,6 +366,7 @@ pub struct StoreSlots<B: Backend = Dispatch> {
     // The store scratch's slot words after this check (with its first clock value, in the
     // status): which new row holds a slot, for `store_and_attend`.
     claims: IntTensor<B>,
+    arrivals: IntTensor<B>,
     one_launch: OneLaunch,
 }
 
@@ -535,6 +542,7 @@ impl<B: KvPlanBackend> StoreSlots<B> {
             loc: self.loc.clone(),
             status: self.status().words().clone(),
             claims: self.claims.clone(),
+            arrivals: self.arrivals.clone(),
         }
     }
 

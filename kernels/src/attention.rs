@@ -279,9 +279,26 @@ pub fn attention_combine_kernel<F: Float>(
     #[define(F)] _dtype: ElemType,
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    if cube < shape.tokens * shape.heads {
+        fold_parts::<F>(partials, runs, out, shape, cube, head_dim, units);
+    }
+}
+
+/// Unit `UNIT_POS`'s dimension of pair `(t, h)` (flattened: `pair`): its parts' partials folded
+/// in order into `out[t, h]`.
+#[cube]
+fn fold_parts<F: Float>(
+    partials: &Tensor<F>,
+    runs: &Tensor<i64>,
+    out: &mut Tensor<F>,
+    shape: AttentionShape,
+    pair: u64,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+) {
     let u = UNIT_POS as usize;
-    if cube < shape.tokens * shape.heads && u < head_dim {
-        let t = cube / shape.heads;
+    if u < head_dim {
+        let t = pair / shape.heads;
         let clear = runs[CODE] == OK;
         let count = select(
             clear,
@@ -290,7 +307,7 @@ pub fn attention_combine_kernel<F: Float>(
         );
         let per = part_chunks(count, units);
         let width = head_dim + 2;
-        let first = cube as usize * SPLITS * width;
+        let first = pair as usize * SPLITS * width;
         let mut max = partials[first];
         let mut sum = partials[first + 1];
         let mut acc = partials[first + 2 + u];
@@ -308,7 +325,7 @@ pub fn attention_combine_kernel<F: Float>(
         }
         // A store of NaN, not a select: cubecl 0.11's LLVM path types a selected `F::NAN` as
         // f32, which does not verify in f64 kernels.
-        let at = cube as usize * head_dim + u;
+        let at = pair as usize * head_dim + u;
         if clear {
             out[at] = select(count > 0, acc / sum, F::new(0.0));
         } else {
@@ -366,7 +383,9 @@ fn attend_pools<F: Float, S: Int>(
 /// offsets): cube `(t, h)` stores the columns of K/V head `h / groups` of new row `t` at `loc[t]`
 /// when `h` is its group's first query head, its part is the first and the slots' status is
 /// clear (of the rows naming slot 0 only the last, as the store does), then attends its part as
-/// `attention_kv_kernel` does (`attention_combine_kernel` folds the parts). A key
+/// `attention_kv_kernel` does. With `fold` (a device whose storage sync reaches other cubes),
+/// the last of a pair's parts to count itself in `arrivals[pair]` folds them into `out` as
+/// `attention_combine_kernel` would (the same bits), else that kernel does after. A key
 /// whose slot this store claims reads the new row instead of the pool (whose rows other cubes are
 /// writing), so the output is the attention over the pool after the store, bit for bit.
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -380,11 +399,14 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
     slots: &Tensor<S>,
     runs: &Tensor<i64>,
     partials: &mut Tensor<F>,
+    arrivals: &mut Tensor<Atomic<u32>>,
+    out: &mut Tensor<F>,
     shape: AttentionShape,
     new_rows: NewRowsShape,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
     #[comptime] planes: bool,
+    #[comptime] fold: bool,
     #[define(F, S, L)] _dtypes: [ElemType; 3],
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
@@ -408,6 +430,19 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
             qkv, &*kv_pool, &*kv_pool, qkv, qkv, slots, claims, runs, partials, shape, rows,
             zero_row, cube, head_dim, units, true, planes,
         );
+        if comptime![fold] {
+            // The pair's last part to arrive folds them all: each part publishes its partial,
+            // then counts itself (the counts stay multiples of `SPLITS` between launches).
+            let mut arrived = Shared::<u32>::new();
+            sync_storage();
+            if UNIT_POS == 0 {
+                *arrived = arrivals[head as usize].fetch_add(1u32);
+            }
+            sync_storage();
+            if *arrived % SPLITS as u32 == SPLITS as u32 - 1 {
+                fold_parts::<F>(&*partials, runs, out, shape, head, head_dim, units);
+            }
+        }
     }
 }
 

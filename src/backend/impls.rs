@@ -482,5 +482,6 @@ fn inner_rows<B: Backend, C: CheckpointStrategy>(
         loc: rows.loc,
         status: rows.status,
         claims: rows.claims,
+        arrivals: rows.arrivals,
     }
 }

@@ -336,6 +336,10 @@ pub struct NewRowsPrimitive<B: Backend> {
     /// The store scratch's u32 slot words as the slots' check left them: which row claims a slot
     /// (`kvplan_kernels::slots`). Unused by the host reference.
     pub claims: IntTensor<B>,
+    /// The store's u32 arrival counts, multiples of the attention's parts between launches: a
+    /// launch of at most as many (token, query head) pairs folds its parts itself. Unused by
+    /// the host reference.
+    pub arrivals: IntTensor<B>,
 }
 
 /// The device-side result of a store into a joined pool followed by the attention over it.

@@ -298,6 +298,7 @@ pub(crate) fn store_and_attend(
             &kv_pool,
             &rows.loc,
             &rows.claims,
+            &rows.arrivals,
             &slots,
             &runs,
             &partials,
@@ -344,10 +345,14 @@ pub(crate) fn store_and_attend(
     let dim = CubeDim::new_1d(units as u32);
     let planes = fixed_planes(&q, PLANE as u32);
     let claims = bindable(rows.claims);
+    // The parts fold themselves where one cube's storage writes reach another's and the store
+    // counts every (token, query head) pair apart; else a second launch folds them.
+    let fold = client.properties().features.device_memory_scope
+        && rows.arrivals.shape()[0] >= tokens * heads;
     // SAFETY: the kernel stores only on the slots' clear status (every slot inside a pool of
     // these rows, none but 0 twice) and attends only on the runs' (every run inside the slot
-    // list, every slot inside the pool); the claims span the pool's rows. The queries, K rows
-    // and V rows are all `qkv`'s: one binding.
+    // list, every slot inside the pool); the claims span the pool's rows, the arrivals every
+    // pair when `fold`. The queries, K rows and V rows are all `qkv`'s: one binding.
     unsafe {
         store_attention_kv_kernel::launch_unchecked(
             &client,
@@ -362,15 +367,18 @@ pub(crate) fn store_and_attend(
             slots.into_tensor_arg(),
             runs.clone().into_tensor_arg(),
             partials.clone().into_tensor_arg(),
+            bindable(rows.arrivals).into_tensor_arg(),
+            bindable(out.clone()).into_tensor_arg(),
             shape,
             new_rows,
             head_dim,
             units,
             planes,
+            fold,
             dtypes,
         );
     }
-    if tokens > 0 {
+    if tokens > 0 && !fold {
         let dtype = storage(&out);
         combine(
             partials,
