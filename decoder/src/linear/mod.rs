@@ -30,13 +30,22 @@ fn max_tokens() -> usize {
     })
 }
 
-/// Whether the projection runs `kernel::linear_vector_kernel` (a plane's columns, wide loads;
-/// the default) or `kernel::linear_kernel` (a cube's columns): `KVPLAN_PROJECTION_KERNEL=cube`
-/// picks the second (a benchmark's knob, for an A/B in one build).
+/// Whether a projection of `outputs` columns from rows of `inner` runs
+/// `kernel::linear_vector_kernel` (a plane's columns, wide loads) or `kernel::linear_kernel` (a
+/// cube's columns): the first where the columns are many against the row (the gate/up and the
+/// vocabulary's, where it measured faster on an H100; `benches/RESULTS.md`, session 37).
+/// `KVPLAN_PROJECTION_KERNEL=cube` or `=vector` picks one for every shape (a benchmark's knob).
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
-fn vector_kernel() -> bool {
-    static VECTOR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *VECTOR.get_or_init(|| std::env::var("KVPLAN_PROJECTION_KERNEL").as_deref() != Ok("cube"))
+fn vector_kernel(outputs: usize, inner: usize) -> bool {
+    static KNOB: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let knob = KNOB.get_or_init(
+        || match std::env::var("KVPLAN_PROJECTION_KERNEL").as_deref() {
+            Ok("cube") => Some(false),
+            Ok("vector") => Some(true),
+            _ => None,
+        },
+    );
+    knob.unwrap_or(outputs >= 2 * inner)
 }
 
 /// What rides with a projection: an RMSNorm of its input, or SwiGLU, before; a residual, or

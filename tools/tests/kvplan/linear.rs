@@ -246,6 +246,12 @@ fn matches_reference_in(device: &Device, dtype: DType) {
         (33, 64, 8),
         (MAX_TOKENS, 70, 12),
         (MAX_TOKENS + 5, 70, 12),
+        // Many columns against the row: the vector kernel (whole and odd vectors, one and two
+        // rounds of loads, every block of rows).
+        (1, 64, 200),
+        (6, 96, 256),
+        (8, 1100, 2500),
+        (13, 30, 61),
     ];
     for (case, &(tokens, inner, outputs)) in cases.iter().enumerate() {
         let (x, w) = (
@@ -309,6 +315,12 @@ fn matches_reference_in(device: &Device, dtype: DType) {
                 );
                 let got = inputs.run(after, norm_eps);
                 assert_eq!(got.len(), expected.len(), "{what}: length");
+                // Past `MAX_TOKENS` Burn's matmul runs, in TF32 on CUDA's tensor cores for f32.
+                let tolerance = if tokens > MAX_TOKENS && dtype == DType::F32 {
+                    3e-3
+                } else {
+                    tolerance
+                };
                 for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
                     assert!(
                         (g - e).abs() <= tolerance * (1.0 + e.abs()),
