@@ -127,7 +127,7 @@ pub(super) fn linear(
         (false, _) if around.rope.is_some() => 2,
         (false, _) => 1,
         (true, 1 | 2) => 2,
-        (true, _) => 4,
+        (true, _) => super::wide_columns(),
     };
     // A unit's loads in flight at once: a round covers 1,024 (or 2,048) columns of a row.
     let unroll = if rows <= 2 { 8 } else { 4 };

@@ -48,6 +48,20 @@ fn vector_kernel(outputs: usize, inner: usize) -> bool {
     knob.unwrap_or(outputs >= 2 * inner)
 }
 
+/// Columns a cube kernel's cube makes for blocks of more than two tokens on fixed planes: 4, or
+/// `KVPLAN_PROJECTION_COLUMNS` (a benchmark's knob: 2 doubles the cubes of a narrow projection).
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+fn wide_columns() -> usize {
+    static COLUMNS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *COLUMNS.get_or_init(
+        || match std::env::var("KVPLAN_PROJECTION_COLUMNS").as_deref() {
+            Ok("1") => 1,
+            Ok("2") => 2,
+            _ => 4,
+        },
+    )
+}
+
 /// What rides with a projection: an RMSNorm of its input, or SwiGLU, before; a residual, or
 /// RoPE, after.
 #[derive(Debug, Clone, Copy, PartialEq)]
