@@ -62,20 +62,11 @@ pub(super) fn linear(
     if super::vector_kernel(outputs, inner) {
         let vector = vector_size(&x, &w, inner);
         let vectors = (inner / vector) as u64;
-        let shape = LinearShapeLaunch::new(
-            tokens as u64,
-            outputs as u64,
-            vectors,
-            row_stride(&x) / vector as u64,
-            row_stride(&w) / vector as u64,
-            if around.add { row_stride(&residual) } else { 0 },
-            around.rope.map_or(0, |rope| rope.rotated as u64),
-            around.rope.map_or(0, |rope| (rope.head_dim / 2) as u64),
-            if around.rope.is_some() {
-                row_stride(&cos)
-            } else {
-                0
-            },
+        let shape = linear_shape(
+            [tokens as u64, outputs as u64, vectors],
+            [&x, &w, &residual, &cos],
+            vector as u64,
+            &around,
         );
         // Vectors a lane loads of a row at once: the row in the fewest rounds of at most
         // `MAX_ROUND`, shared out evenly.
@@ -131,20 +122,11 @@ pub(super) fn linear(
     };
     // A unit's loads in flight at once: a round covers 1,024 (or 2,048) columns of a row.
     let unroll = if rows <= 2 { 8 } else { 4 };
-    let shape = LinearShapeLaunch::new(
-        tokens as u64,
-        outputs as u64,
-        inner as u64,
-        row_stride(&x),
-        row_stride(&w),
-        if around.add { row_stride(&residual) } else { 0 },
-        around.rope.map_or(0, |rope| rope.rotated as u64),
-        around.rope.map_or(0, |rope| (rope.head_dim / 2) as u64),
-        if around.rope.is_some() {
-            row_stride(&cos)
-        } else {
-            0
-        },
+    let shape = linear_shape(
+        [tokens as u64, outputs as u64, inner as u64],
+        [&x, &w, &residual, &cos],
+        1,
+        &around,
     );
     let column_cubes = outputs.div_ceil(columns);
     let x_cubes = column_cubes.min(65_535);
@@ -233,6 +215,31 @@ pub(super) fn greedy(logits: CubeTensor) -> CubeTensor {
         );
     }
     out
+}
+
+/// The launch's scalars: `x`'s and `w`'s row strides in vectors of `vector` values (as `inner`),
+/// the residual's and the angles' where they are read.
+fn linear_shape(
+    [tokens, outputs, inner]: [u64; 3],
+    [x, w, residual, cos]: [&CubeTensor; 4],
+    vector: u64,
+    around: &Around,
+) -> LinearShapeLaunch {
+    LinearShapeLaunch::new(
+        tokens,
+        outputs,
+        inner,
+        row_stride(x) / vector,
+        row_stride(w) / vector,
+        if around.add { row_stride(residual) } else { 0 },
+        around.rope.map_or(0, |rope| rope.rotated as u64),
+        around.rope.map_or(0, |rope| (rope.head_dim / 2) as u64),
+        if around.rope.is_some() {
+            row_stride(cos)
+        } else {
+            0
+        },
+    )
 }
 
 /// 32-bit indexing where every tensor's buffer allows it.

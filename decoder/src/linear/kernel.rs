@@ -170,28 +170,70 @@ pub fn linear_kernel<F: Float>(
                     squares += planes_sums[p * values + rows * columns + r];
                 }
             }
-            if comptime![norm] {
-                let mean = squares / F::cast_from(shape.inner);
-                let scale = (mean + F::cast_from(eps)).sqrt();
-                value /= scale;
-                partner /= scale;
-            }
-            if comptime![rope] {
-                if column < shape.rotated {
-                    // `(a, b)` -> `(a cos - b sin, b cos + a sin)`: the even column takes the
-                    // first, the odd one the second.
-                    let pair = (column % (2 * shape.pairs)) / 2;
-                    let at = (row * shape.angle_stride + pair) as usize;
-                    let turn = select(column % 2 == 0, -sin[at], sin[at]);
-                    value = value * cos[at] + partner * turn;
-                }
-            }
-            if comptime![add] {
-                value += residual[(row * shape.residual_stride + column) as usize];
-            }
-            out[(row * shape.outputs + column) as usize] = value;
+            let around = Finish::<F> {
+                squares,
+                elements: shape.inner,
+                row,
+                column,
+            };
+            finish::<F>(
+                value, partner, around, shape, eps, residual, cos, sin, out, norm, add, rope,
+            );
         }
     }
+}
+
+/// Where an output value goes: its token's input's sum of squares over `elements` values, its
+/// token and column.
+#[derive(CubeType, Clone, Copy)]
+struct Finish<F: Float> {
+    squares: F,
+    elements: u64,
+    row: u64,
+    column: u64,
+}
+
+/// Output `(row, column)` from its dot product `value` (and its RoPE partner's): divided by the
+/// input's RMS, turned, the residual added, stored.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn finish<F: Float>(
+    value: F,
+    partner: F,
+    at: Finish<F>,
+    shape: LinearShape,
+    eps: f32,
+    residual: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[comptime] norm: bool,
+    #[comptime] add: bool,
+    #[comptime] rope: bool,
+) {
+    let (row, column) = (at.row, at.column);
+    let mut value = value;
+    let mut partner = partner;
+    if comptime![norm] {
+        let mean = at.squares / F::cast_from(at.elements);
+        let scale = (mean + F::cast_from(eps)).sqrt();
+        value /= scale;
+        partner /= scale;
+    }
+    if comptime![rope] {
+        if column < shape.rotated {
+            // `(a, b)` -> `(a cos - b sin, b cos + a sin)`: the even column takes the first, the
+            // odd one the second.
+            let pair = (column % (2 * shape.pairs)) / 2;
+            let angle = (row * shape.angle_stride + pair) as usize;
+            let turn = select(column % 2 == 0, -sin[angle], sin[angle]);
+            value = value * cos[angle] + partner * turn;
+        }
+    }
+    if comptime![add] {
+        value += residual[(row * shape.residual_stride + column) as usize];
+    }
+    out[(row * shape.outputs + column) as usize] = value;
 }
 
 /// Each plane's lane sums folded in shared memory, in a fixed tree (lane 0 ends with `((l0 + l16)
@@ -440,27 +482,30 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
             let row = first_row + r as u64;
             let column = first_column + comptime!(j % columns) as u64;
             if row < shape.tokens && column < shape.outputs {
-                let mut value = totals[j];
-                let mut partner = totals[comptime!(j ^ 1)];
+                let mut squares = F::new(0.0);
                 if comptime![norm] {
-                    let mean =
-                        totals[rows * columns + r] / F::cast_from(shape.inner * N::value() as u64);
-                    let scale = (mean + F::cast_from(eps)).sqrt();
-                    value /= scale;
-                    partner /= scale;
+                    squares = totals[rows * columns + r];
                 }
-                if comptime![rope] {
-                    if column < shape.rotated {
-                        let pair = (column % (2 * shape.pairs)) / 2;
-                        let at = (row * shape.angle_stride + pair) as usize;
-                        let turn = select(column % 2 == 0, -sin[at], sin[at]);
-                        value = value * cos[at] + partner * turn;
-                    }
-                }
-                if comptime![add] {
-                    value += residual[(row * shape.residual_stride + column) as usize];
-                }
-                out[(row * shape.outputs + column) as usize] = value;
+                let around = Finish::<F> {
+                    squares,
+                    elements: shape.inner * N::value() as u64,
+                    row,
+                    column,
+                };
+                finish::<F>(
+                    totals[j],
+                    totals[comptime!(j ^ 1)],
+                    around,
+                    shape,
+                    eps,
+                    residual,
+                    cos,
+                    sin,
+                    out,
+                    norm,
+                    add,
+                    rope,
+                );
             }
         }
     }
