@@ -147,7 +147,13 @@ pub fn linear_kernel<F: Float>(
             }
         }
     } else {
-        fold_lanes::<F>(&sums, &mut planes_sums, lane, plane, values);
+        fold_lanes::<F>(&mut sums, lane, plane, PLANES, values);
+        if lane == 0 {
+            #[unroll]
+            for j in 0..values {
+                planes_sums[plane * values + j] = sums[j];
+            }
+        }
     }
     sync_cube();
     // Unit `j` writes value `j`: token `j / columns`, column `j % columns`.
@@ -234,44 +240,6 @@ fn finish<F: Float>(
         value += residual[(row * shape.residual_stride + column) as usize];
     }
     out[(row * shape.outputs + column) as usize] = value;
-}
-
-/// Each plane's lane sums folded in shared memory, in a fixed tree (lane 0 ends with `((l0 + l16)
-/// + (l8 + l24)) + ..`, as a plane sum by halves), into `planes_sums[plane * values + j]`.
-#[cube]
-fn fold_lanes<F: Float>(
-    sums: &Array<F>,
-    planes_sums: &mut Shared<[F]>,
-    lane: usize,
-    plane: usize,
-    #[comptime] values: usize,
-) {
-    let mut lanes = Shared::<[F]>::new_slice(PLANES * values * LANES);
-    let base = plane * values * LANES;
-    #[unroll]
-    for j in 0..values {
-        lanes[base + j * LANES + lane] = sums[j];
-    }
-    #[unroll]
-    for level in 0..5u32 {
-        let half = comptime!(LANES >> (level + 1));
-        sync_cube();
-        if lane < half {
-            #[unroll]
-            for j in 0..values {
-                let at = base + j * LANES + lane;
-                let other = lanes[at + half];
-                lanes[at] += other;
-            }
-        }
-    }
-    sync_cube();
-    if lane == 0 {
-        #[unroll]
-        for j in 0..values {
-            planes_sums[plane * values + j] = lanes[base + j * LANES];
-        }
-    }
 }
 
 /// Units of a greedy-token cube.
@@ -472,7 +440,7 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
             totals[j] = plane_sum(totals[j]);
         }
     } else {
-        fold_plane_lanes::<F>(&mut totals, lane, plane, values);
+        fold_lanes::<F>(&mut totals, lane, plane, VECTOR_PLANES, values);
     }
     // Lane `j` writes value `j`: token `j / columns`, column `j % columns`.
     #[unroll]
@@ -511,16 +479,18 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
     }
 }
 
-/// Each plane's lanes' `totals` folded in shared memory in a fixed tree, the sums handed back to
-/// every lane of the plane (where planes are not fixed at `LANES` lanes).
+/// Each plane's lanes' `totals` folded in shared memory in a fixed tree (lane 0's ends as
+/// `((l0 + l16) + (l8 + l24)) + ..`, as a plane sum by halves), the sums handed back to every lane
+/// of the plane (where planes are not fixed at `LANES` lanes).
 #[cube]
-fn fold_plane_lanes<F: Float>(
+fn fold_lanes<F: Float>(
     totals: &mut Array<F>,
     lane: usize,
     plane: usize,
+    #[comptime] planes: usize,
     #[comptime] values: usize,
 ) {
-    let mut lanes = Shared::<[F]>::new_slice(VECTOR_PLANES * values * LANES);
+    let mut lanes = Shared::<[F]>::new_slice(planes * values * LANES);
     let base = plane * values * LANES;
     #[unroll]
     for j in 0..values {
