@@ -380,10 +380,10 @@ fn attend_pools<F: Float, S: Int>(
 
 /// The store and the attention in one launch, over a joined pool (each row a slot's K, then its
 /// V), the queries, the new K rows and the new V rows side by side in `qkv` (at `new_rows`'
-/// offsets): cube `(t, h)` stores the columns of K/V head `h / groups` of new row `t` at `loc[t]`
-/// when `h` is its group's first query head, its part is the first and the slots' status is
-/// clear (of the rows naming slot 0 only the last, as the store does), then attends its part as
-/// `attention_kv_kernel` does. With `fold` (a device whose storage sync reaches other cubes),
+/// offsets): cube `(t, h)` attends its part as `attention_kv_kernel` does, then stores the
+/// columns of K/V head `h / groups` of new row `t` at `loc[t]` when `h` is its group's first
+/// query head, its part is the first and the slots' status is clear (of the rows naming slot 0
+/// only the last, as the store does). With `fold` (a device whose storage sync reaches other cubes),
 /// the last of a pair's parts to count itself in `arrivals[pair]` folds them into `out` as
 /// `attention_combine_kernel` would (the same bits), else that kernel does after. A key
 /// whose slot this store claims reads the new row instead of the pool (whose rows other cubes are
@@ -418,12 +418,15 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
     if cube % SPLITS as u64 == 0 {
         slot = store_slot::<L>(loc, rows, shape, zero_row, head, head_dim);
     }
+    // The store's values are loaded now and written last: no key of this launch is read from a
+    // pool row it stores (those keys read the new rows), so the store's loads and writes stay
+    // off the attention's chain of dependent loads.
+    let column = ((head % shape.heads) / shape.groups) * head_dim as u64 + UNIT_POS as u64;
+    let mut k_value = F::new(0.0);
+    let mut v_value = F::new(0.0);
     if slot != NEW_ROW {
-        let column = ((head % shape.heads) / shape.groups) * head_dim as u64 + UNIT_POS as u64;
-        kv_pool[(slot * shape.k_stride + column) as usize] =
-            qkv[(rows.k_offset + t * rows.k_stride + column) as usize];
-        kv_pool[(slot * shape.v_stride + shape.v_offset + column) as usize] =
-            qkv[(rows.v_offset + t * rows.v_stride + column) as usize];
+        k_value = qkv[(rows.k_offset + t * rows.k_stride + column) as usize];
+        v_value = qkv[(rows.v_offset + t * rows.v_stride + column) as usize];
     }
     if t < shape.tokens {
         attend::<F, S, u32>(
@@ -443,6 +446,10 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
                 fold_parts::<F>(&*partials, runs, out, shape, head, head_dim, units);
             }
         }
+    }
+    if slot != NEW_ROW {
+        kv_pool[(slot * shape.k_stride + column) as usize] = k_value;
+        kv_pool[(slot * shape.v_stride + shape.v_offset + column) as usize] = v_value;
     }
 }
 
