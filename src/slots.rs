@@ -188,7 +188,7 @@ impl KvStore {
     /// A store for caches of at most `num_slots` slots, on `device`.
     ///
     /// # Errors
-    /// `allocation_too_large` when the device cannot hold the scratch's `num_slots` words.
+    /// `allocation_too_large` when the device cannot hold the scratch's two words a slot.
     pub fn allocate(num_slots: usize, device: &Device) -> Result<Self, Error> {
         Self::allocate_on(num_slots, device.as_dispatch())
     }
@@ -221,9 +221,9 @@ impl<B: KvPlanBackend> KvStore<B> {
     /// As [`KvStore::allocate`].
     #[doc(hidden)]
     pub fn allocate_on(num_slots: usize, device: &B::Device) -> Result<Self, Error> {
-        let words = Buffer::new("KvStore slot words", num_slots.max(1), 4);
-        let arrivals = Buffer::new("KvStore arrival counts", num_slots.max(1), 4);
-        room::on_device(device, &[words, arrivals])?;
+        // Two u32 words a slot: its claim, and an arrival count of the attention's parts.
+        let words = Buffer::new("KvStore slot words", num_slots.max(1), 8);
+        room::on_device(device, &[words])?;
         Ok(Self {
             scratch: Some(fresh_scratch::<B>(num_slots, device, 0)),
             num_slots,

@@ -1009,7 +1009,7 @@ pub fn allocation_too_large<B: KvPlanBackend>(device: &B::Device) {
         let got = kvplan::ops::Canary::<B>::allocate_on(1, 32, huge, d);
         assert_too_large(got.err(), "violation ring", huge, 64);
         let got = kvplan::ops::KvStore::<B>::allocate_on(huge, d);
-        assert_too_large(got.err(), "KvStore slot words", huge, 4);
+        assert_too_large(got.err(), "KvStore slot words", huge, 8);
     }
     let (table, rpi) = (
         ints::<B, 2>(&[5, 6], [1, 2], DType::I32, d),
