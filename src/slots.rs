@@ -165,8 +165,9 @@ pub fn segment_assign(
 ///
 /// The store keeps the duplicate-slot scratch: one 32-bit word per slot, allocated once and reset
 /// without a memset (each call claims slots with clock values above every earlier call's), so a
-/// call uploads nothing and allocates only its status. One store serves every cache of the model
-/// (K and V of every layer), one call at a time.
+/// call uploads nothing and allocates only its status; and a second 32-bit word per slot, where a
+/// store-and-attend's parts count their arrivals. One store serves every cache of the model (K and
+/// V of every layer), one call at a time.
 ///
 /// A step's slots are checked once ([`slots`](Self::slots)); each store through them
 /// ([`StoreSlots`]) is then one launch.
