@@ -308,20 +308,37 @@ fn fold_parts<F: Float>(
         let per = part_chunks(count, units);
         let width = head_dim + 2;
         let first = pair as usize * SPLITS * width;
-        let mut max = partials[first];
-        let mut sum = partials[first + 1];
-        let mut acc = partials[first + 2 + u];
-        let mut part = 1u64;
-        while part * per * (units as u64) < count {
-            let at = first + part as usize * width;
-            let score = partials[at];
-            let next_max = select(score > max, score, max);
-            let before = (max - next_max).exp();
-            let this = (score - next_max).exp();
-            sum = sum * before + partials[at + 1] * this;
-            acc = acc * before + partials[at + 2 + u] * this;
-            max = next_max;
-            part += 1;
+        // Every part's values loaded at once (one round trip, not one a part), then folded in
+        // order.
+        let mut scores = Array::<F>::new(SPLITS);
+        let mut sums = Array::<F>::new(SPLITS);
+        let mut accs = Array::<F>::new(SPLITS);
+        #[unroll]
+        for part in 0..SPLITS {
+            scores[part] = F::new(0.0);
+            sums[part] = F::new(0.0);
+            accs[part] = F::new(0.0);
+            if part == 0 || (part as u64) * per * (units as u64) < count {
+                let at = first + part * width;
+                scores[part] = partials[at];
+                sums[part] = partials[at + 1];
+                accs[part] = partials[at + 2 + u];
+            }
+        }
+        let mut max = scores[0];
+        let mut sum = sums[0];
+        let mut acc = accs[0];
+        #[unroll]
+        for part in 1..SPLITS {
+            if (part as u64) * per * (units as u64) < count {
+                let score = scores[part];
+                let next_max = select(score > max, score, max);
+                let before = (max - next_max).exp();
+                let this = (score - next_max).exp();
+                sum = sum * before + sums[part] * this;
+                acc = acc * before + accs[part] * this;
+                max = next_max;
+            }
         }
         // A store of NaN, not a select: cubecl 0.11's LLVM path types a selected `F::NAN` as
         // f32, which does not verify in f64 kernels.
