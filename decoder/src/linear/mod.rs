@@ -15,51 +15,62 @@ use burn_core::backend::{
 };
 use burn_core::tensor::Tensor;
 
-/// Tokens up to which a projection runs the extension's kernel; more take Burn's matmul, whose
-/// tiles pay off there. `KVPLAN_PROJECTION_MAX_TOKENS` overrides it (a benchmark's knob: where
-/// the two cross depends on the device).
+/// Tokens up to which a projection runs the extension's kernels; more take Burn's matmul, whose
+/// tiles pay off there (`KVPLAN_PROJECTION_MAX_TOKENS` overrides it: `Knobs`).
 pub const MAX_TOKENS: usize = 16;
 
-fn max_tokens() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        std::env::var("KVPLAN_PROJECTION_MAX_TOKENS")
-            .ok()
-            .and_then(|value| value.parse().ok())
-            .unwrap_or(MAX_TOKENS)
+/// The benchmark knobs, read once from the environment (where the kernels and Burn's matmul
+/// cross depends on the device):
+/// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's kernels take ([`MAX_TOKENS`]);
+/// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`);
+/// - `KVPLAN_PROJECTION_COLUMNS=1|2`: the cube kernel's columns a cube past two tokens (4).
+struct Knobs {
+    max_tokens: usize,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    kernel: Option<bool>,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    columns: usize,
+}
+
+fn knobs() -> &'static Knobs {
+    static KNOBS: std::sync::OnceLock<Knobs> = std::sync::OnceLock::new();
+    KNOBS.get_or_init(|| {
+        let var = |name| std::env::var(name).ok();
+        Knobs {
+            max_tokens: var("KVPLAN_PROJECTION_MAX_TOKENS")
+                .and_then(|value| value.parse().ok())
+                .unwrap_or(MAX_TOKENS),
+            kernel: match var("KVPLAN_PROJECTION_KERNEL").as_deref() {
+                Some("cube") => Some(false),
+                Some("vector") => Some(true),
+                _ => None,
+            },
+            columns: match var("KVPLAN_PROJECTION_COLUMNS").as_deref() {
+                Some("1") => 1,
+                Some("2") => 2,
+                _ => 4,
+            },
+        }
     })
+}
+
+fn max_tokens() -> usize {
+    knobs().max_tokens
 }
 
 /// Whether a projection of `outputs` columns from rows of `inner` runs
 /// `kernel::linear_vector_kernel` (a plane's columns, wide loads) or `kernel::linear_kernel` (a
 /// cube's columns): the first where the columns are many against the row (the gate/up and the
 /// vocabulary's, where it measured faster on an H100; `benches/RESULTS.md`, session 37).
-/// `KVPLAN_PROJECTION_KERNEL=cube` or `=vector` picks one for every shape (a benchmark's knob).
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
 fn vector_kernel(outputs: usize, inner: usize) -> bool {
-    static KNOB: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let knob = KNOB.get_or_init(
-        || match std::env::var("KVPLAN_PROJECTION_KERNEL").as_deref() {
-            Ok("cube") => Some(false),
-            Ok("vector") => Some(true),
-            _ => None,
-        },
-    );
-    knob.unwrap_or(outputs >= 2 * inner)
+    knobs().kernel.unwrap_or(outputs >= 2 * inner)
 }
 
-/// Columns a cube kernel's cube makes for blocks of more than two tokens on fixed planes: 4, or
-/// `KVPLAN_PROJECTION_COLUMNS` (a benchmark's knob: 2 doubles the cubes of a narrow projection).
+/// Columns a cube kernel's cube makes for blocks of more than two tokens on fixed planes.
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
 fn wide_columns() -> usize {
-    static COLUMNS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *COLUMNS.get_or_init(
-        || match std::env::var("KVPLAN_PROJECTION_COLUMNS").as_deref() {
-            Ok("1") => 1,
-            Ok("2") => 2,
-            _ => 4,
-        },
-    )
+    knobs().columns
 }
 
 /// What rides with a projection: an RMSNorm of its input, or SwiGLU, before; a residual, or
