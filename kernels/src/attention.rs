@@ -27,8 +27,9 @@ pub const PLANE: usize = 32;
 const FOLD: usize = 32;
 
 /// A token's keys are split into this many parts, each attended by a cube of its own into a
-/// partial (its max score, sum of weights and weighted V row), which one more cube a head folds
-/// in order (`attention_combine_kernel`). Every part is a run of whole chunks of `units` keys
+/// partial (its max score, sum of weights and weighted V row), which are folded in order by the
+/// last part to finish (`store_attention_kv_kernel` with `fold`) or by one more cube a head
+/// (`attention_combine_kernel`). Every part is a run of whole chunks of `units` keys
 /// fixed by the token's key count alone, so a row is the same bits alone or in any batch.
 pub const SPLITS: usize = 8;
 
