@@ -8,11 +8,12 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
-use super::Around;
 use super::kernel::{
-    GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS, PLANE_COLUMNS, PLANES,
-    VECTOR_PLANES, greedy_kernel, linear_kernel, linear_vector_kernel,
+    GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS, PLANE_COLUMNS, PLANES, ROPE_UNITS,
+    RopeScalarsLaunch, VECTOR_PLANES, greedy_kernel, linear_kernel, linear_vector_kernel,
+    rope_kernel,
 };
+use super::{Around, RopeShape};
 
 /// One launch: a cube for each `columns` output columns and each block of up to `MAX_ROWS`
 /// tokens (the fewest rows a cube that holds every token, below that).
@@ -164,6 +165,71 @@ pub(super) fn linear(
             around.add,
             around.rope.is_some(),
             planes,
+            dtype,
+        );
+    }
+    out
+}
+
+/// RoPE of `y`'s first `shape.rotated` columns into a new contiguous tensor (`rope_kernel`): a
+/// unit a value. Inputs that do not fit give NaN, as `linear`'s.
+pub(super) fn rope(
+    y: CubeTensor,
+    cos: CubeTensor,
+    sin: CubeTensor,
+    shape: RopeShape,
+) -> CubeTensor {
+    let dims = y.shape().to_vec();
+    let fit = <[usize; 2]>::try_from(dims.as_slice()).is_ok_and(|dims| {
+        super::rope_fits(
+            shape,
+            dims,
+            Some([cos.shape().to_vec(), sin.shape().to_vec()]),
+        )
+    });
+    if !fit {
+        let nan = InputScalar::new(f32::NAN, dtype_to_storage_type(y.dtype));
+        return full_device_dtype(y.client, Shape::from(dims), y.device, nan, y.dtype);
+    }
+    let [y, cos, sin] = [y, cos, sin].map(rows_of_unit_stride);
+    let (tokens, width) = (dims[0], dims[1]);
+    let out = empty_device_contiguous_dtype(
+        y.client.clone(),
+        y.device.clone(),
+        Shape::new([tokens, width]),
+        y.dtype,
+    );
+    let values = tokens * width;
+    if values == 0 {
+        return out;
+    }
+    let cubes = values.div_ceil(ROPE_UNITS);
+    let x_cubes = cubes.min(65_535);
+    let count = CubeCount::Static(x_cubes as u32, cubes.div_ceil(x_cubes) as u32, 1);
+    let scalars = RopeScalarsLaunch::new(
+        tokens as u64,
+        width as u64,
+        row_stride(&y),
+        shape.rotated as u64,
+        (shape.head_dim / 2) as u64,
+        row_stride(&cos),
+    );
+    let address = address_type(&[&y, &cos, &sin, &out]);
+    let (dtype, client) = (dtype_to_storage_type(y.dtype), y.client.clone());
+    // SAFETY: every read is inside `y` (rows of unit column stride, columns below `width`; a
+    // turned column's partner is in its pair, below `rotated`) or the angles (`[tokens, pairs]`,
+    // checked above); each output written by one unit.
+    unsafe {
+        rope_kernel::launch_unchecked(
+            &client,
+            count,
+            CubeDim::new_1d(ROPE_UNITS as u32),
+            address,
+            y.into_tensor_arg(),
+            cos.into_tensor_arg(),
+            sin.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            scalars,
             dtype,
         );
     }

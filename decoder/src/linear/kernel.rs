@@ -242,6 +242,57 @@ fn finish<F: Float>(
     out[(row * shape.outputs + column) as usize] = value;
 }
 
+/// Scalars of a RoPE launch.
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
+pub struct RopeScalars {
+    /// Rows of `y` and `out`.
+    pub tokens: u64,
+    /// Columns of `y` and `out`.
+    pub width: u64,
+    /// Row stride of `y`.
+    pub y_stride: u64,
+    /// Columns turned, in heads of `2 * pairs` columns.
+    pub rotated: u64,
+    /// RoPE pairs a head: the columns of `cos` and `sin`.
+    pub pairs: u64,
+    /// Row stride of `cos` and `sin`.
+    pub angle_stride: u64,
+}
+
+/// Units of a RoPE cube.
+pub const ROPE_UNITS: usize = 256;
+
+/// Unit `u` of cube `c` (flattened over x and y) writes value `c * ROPE_UNITS + u` of `out`
+/// (`[tokens, width]`, contiguous): `y`'s, turned as `finish` turns a projection's output where
+/// its column is below `rotated`.
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn rope_kernel<F: Float>(
+    y: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
+    out: &mut Tensor<F>,
+    shape: RopeScalars,
+    #[define(F)] _dtype: ElemType,
+) {
+    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    let at = cube * ROPE_UNITS as u64 + UNIT_POS as u64;
+    if at < shape.tokens * shape.width {
+        let (row, column) = (at / shape.width, at % shape.width);
+        let mut value = y[(row * shape.y_stride + column) as usize];
+        if column < shape.rotated {
+            let even = column % 2 == 0;
+            let partner_column = select(even, column + 1, column - 1);
+            let partner = y[(row * shape.y_stride + partner_column) as usize];
+            let pair = (column % (2 * shape.pairs)) / 2;
+            let angle = (row * shape.angle_stride + pair) as usize;
+            let turn = select(even, -sin[angle], sin[angle]);
+            value = value * cos[angle] + partner * turn;
+        }
+        out[at as usize] = value;
+    }
+}
+
 /// Units of a greedy-token cube.
 pub const GREEDY_UNITS: usize = 512;
 

@@ -128,6 +128,18 @@ pub trait LinearBackend: Backend {
         host_linear::<Self>(x, w, None, Some([cos, sin]), around)
     }
 
+    /// RoPE of `y`'s first `shape.rotated` columns (`y` `[tokens, width]`), the rest as they are:
+    /// the steps past [`MAX_TOKENS`], whose projection is Burn's matmul, in one launch.
+    #[fusion(meta = |y, _cos, _sin, _shape| TensorSpec::new(y.shape.clone(), y.dtype))]
+    fn rope(
+        y: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        shape: RopeShape,
+    ) -> FloatTensor<Self> {
+        host_rope::<Self>(y, cos, sin, shape)
+    }
+
     /// Each row's greedy token of `logits` `[rows, vocab]`: the index of its largest value, the
     /// first of equal ones, as i64 `[rows]`.
     #[fusion(meta = |logits| TensorSpec::new([logits.shape[0]].into(), burn_core::tensor::DType::I64))]
@@ -153,15 +165,25 @@ pub(crate) fn fits(
     );
     let width = if around.swiglu { 2 * inner } else { inner };
     let residual_fits = !around.add || residual == Some(vec![tokens, outputs]);
-    let rope_fits = around.rope.is_none_or(|rope| {
-        let pairs = [tokens, rope.head_dim / 2];
-        rope.head_dim > 0
-            && rope.head_dim % 2 == 0
-            && rope.rotated % rope.head_dim == 0
-            && rope.rotated <= outputs
-            && angles.is_some_and(|[cos, sin]| cos == pairs && sin == pairs)
-    });
+    let rope_fits = around
+        .rope
+        .is_none_or(|rope| rope_fits(rope, [tokens, outputs], angles));
     x_cols == width && residual_fits && rope_fits
+}
+
+/// Whether RoPE of whole even heads within `[tokens, columns]` fits its angles (`[tokens,
+/// head_dim / 2]` each).
+pub(crate) fn rope_fits(
+    rope: RopeShape,
+    [tokens, columns]: [usize; 2],
+    angles: Option<[Vec<usize>; 2]>,
+) -> bool {
+    let pairs = [tokens, rope.head_dim / 2];
+    rope.head_dim > 0
+        && rope.head_dim % 2 == 0
+        && rope.rotated % rope.head_dim == 0
+        && rope.rotated <= columns
+        && angles.is_some_and(|[cos, sin]| cos == pairs && sin == pairs)
 }
 
 /// The default bodies: inputs read back, [`reference`], the result uploaded.
@@ -235,6 +257,60 @@ fn host_greedy<B: Backend>(logits: FloatTensor<B>) -> IntTensor<B> {
         vec![0; rows]
     };
     B::int_from_data(TensorData::new(tokens, [rows]), &device)
+}
+
+/// The default body of `rope`: the inputs read back, [`rope_reference`], the result uploaded
+/// (NaN where they do not fit, as `linear`'s).
+fn host_rope<B: Backend>(
+    y: FloatTensor<B>,
+    cos: FloatTensor<B>,
+    sin: FloatTensor<B>,
+    shape: RopeShape,
+) -> FloatTensor<B> {
+    let (device, dtype) = (y.device(), y.dtype());
+    let dims = y.shape().to_vec();
+    let angles = Some([cos.shape().to_vec(), sin.shape().to_vec()]);
+    let read = |tensor: FloatTensor<B>| -> Vec<f64> {
+        try_read_sync(B::float_into_data(tensor))
+            .and_then(Result::ok)
+            .and_then(|data| data.convert::<f64>().try_to_vec::<f64>().ok())
+            .unwrap_or_default()
+    };
+    let values = match <[usize; 2]>::try_from(dims.as_slice()) {
+        Ok(dims) if rope_fits(shape, dims, angles) => {
+            rope_reference(&read(y), &read(cos), &read(sin), dims[1], shape)
+        }
+        _ => vec![f64::NAN; dims.iter().product()],
+    };
+    B::float_from_data(TensorData::new(values, dims).convert_dtype(dtype), &device)
+}
+
+/// RoPE on the host, as the kernels turn a pair: `(a, b)` to `(a cos - b sin, b cos + a sin)`
+/// for the pairs of each row's first `shape.rotated` columns (rows of `width` values; `cos`,
+/// `sin` rows of `head_dim / 2`).
+pub fn rope_reference(
+    y: &[f64],
+    cos: &[f64],
+    sin: &[f64],
+    width: usize,
+    shape: RopeShape,
+) -> Vec<f64> {
+    let pairs = shape.head_dim / 2;
+    let mut out = y.to_vec();
+    for (row, values) in out.chunks_mut(width.max(1)).enumerate() {
+        let original = &y[row * width..][..width];
+        for column in 0..shape.rotated.min(width) {
+            let angle = row * pairs + (column % shape.head_dim) / 2;
+            let partner = original[column ^ 1];
+            let turn = if column % 2 == 0 {
+                -sin[angle]
+            } else {
+                sin[angle]
+            };
+            values[column] = original[column] * cos[angle] + partner * turn;
+        }
+    }
+    out
 }
 
 /// Each row's greedy token of `logits` (rows of `vocab` values, `vocab` > 0): the index of its
@@ -410,7 +486,13 @@ pub fn swiglu_linear(gate_up: Tensor<2>, w: &Weight, residual: Tensor<2>) -> Ten
 /// extension's one launch up to [`MAX_TOKENS`] tokens, Burn's ops past them.
 pub fn linear_rope(x: Tensor<2>, w: &Weight, rope: &Rope, norm_eps: Option<f64>) -> Tensor<2> {
     if x.dims()[0] > max_tokens() {
-        return turned(normed(x, norm_eps).matmul(w.columns.clone()), rope);
+        let y = normed(x, norm_eps).matmul(w.columns.clone());
+        return Tensor::from_dispatch(<Dispatch as LinearBackend>::rope(
+            y.into_dispatch(),
+            rope.cos.clone().into_dispatch(),
+            rope.sin.clone().into_dispatch(),
+            rope.shape,
+        ));
     }
     let around = Around {
         norm_eps,
@@ -444,27 +526,6 @@ fn normed(x: Tensor<2>, norm_eps: Option<f64>) -> Tensor<2> {
     }
 }
 
-/// RoPE of `y`'s first `rope.shape.rotated` columns, in Burn's ops: each pair `(a, b)` to `(a cos
-/// - b sin, b cos + a sin)`.
-fn turned(y: Tensor<2>, rope: &Rope) -> Tensor<2> {
-    let [tokens, width] = y.dims();
-    let RopeShape { rotated, head_dim } = rope.shape;
-    let pairs = head_dim / 2;
-    let heads = rotated / head_dim;
-    let turned_part = y
-        .clone()
-        .narrow(1, 0, rotated)
-        .reshape([tokens, heads, pairs, 2]);
-    let a = turned_part.clone().narrow(3, 0, 1);
-    let b = turned_part.narrow(3, 1, 1);
-    let cos = rope.cos.clone().reshape([tokens, 1, pairs, 1]);
-    let sin = rope.sin.clone().reshape([tokens, 1, pairs, 1]);
-    let first = a.clone() * cos.clone() - b.clone() * sin.clone();
-    let second = b * cos + a * sin;
-    let turned_part = Tensor::cat(vec![first, second], 3).reshape([tokens, rotated]);
-    Tensor::cat(vec![turned_part, y.narrow(1, rotated, width - rotated)], 1)
-}
-
 impl LinearBackend for Flex {}
 
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
@@ -487,6 +548,15 @@ impl LinearBackend for burn_cubecl::CubeBackend {
     ) -> burn_cubecl::tensor::CubeTensor {
         let residual = x.clone();
         cube::linear(x, w, residual, Some([cos, sin]), around)
+    }
+
+    fn rope(
+        y: burn_cubecl::tensor::CubeTensor,
+        cos: burn_cubecl::tensor::CubeTensor,
+        sin: burn_cubecl::tensor::CubeTensor,
+        shape: RopeShape,
+    ) -> burn_cubecl::tensor::CubeTensor {
+        cube::rope(y, cos, sin, shape)
     }
 
     fn greedy(logits: burn_cubecl::tensor::CubeTensor) -> burn_cubecl::tensor::CubeTensor {
