@@ -86,9 +86,12 @@ pub struct EngineOptions {
     /// steps' rise over the others is the calls' cost in a pipelined step
     /// ([`StepTimes::step_walls`]). `Bookkeeping` is refused: `begin` and `end` cannot run twice.
     pub repeat: Option<OpKind>,
-    /// Replay greedy decode steps without drafts (every row one token) as graphs: each batch
-    /// size's step captured once after its first eager run (`PagedKv::capture`), replayed after
-    /// (forward, argmax, kvplan's bookkeeping and the canary inside; one write in, one read out).
+    /// Replay greedy decode steps as graphs. Without drafts (every row one token) each batch
+    /// size's whole step is captured once after its first eager run (`PagedKv::capture`) and
+    /// replayed after (forward, argmax, kvplan's bookkeeping and the canary inside; one write in,
+    /// one read out). With drafts, each window shape's begin and verify forward
+    /// (`PagedKv::capture_forward`, up to [`VERIFY_GRAPHS`] shapes): one write, one dispatch,
+    /// the tokens read; acceptance and `end` eager.
     pub graphs: bool,
 }
 
@@ -280,10 +283,16 @@ pub struct Engine {
     injected: Option<Reported>,
     /// The end of the last profiled phase.
     lap: Instant,
-    /// Batch sizes whose decode step ran eagerly (its kernels compiled), and their graphs.
-    warmed: HashSet<usize>,
+    /// Window shapes (each row's window) of greedy steps that ran eagerly (their kernels
+    /// compiled), and their graphs: whole decode steps by batch size, verify forwards by shape.
+    warmed: HashSet<Vec<usize>>,
     graphs: HashMap<usize, DecodeGraph>,
+    verify_graphs: HashMap<Vec<usize>, VerifyGraph>,
 }
+
+/// The most verify-window shapes captured as graphs (each holds its step's buffers, its logits
+/// among them); steps of other shapes run eagerly.
+pub const VERIFY_GRAPHS: usize = 16;
 
 /// A decode step's forward inside a graph: each row's greedy next token, attached to the step's
 /// report (read with its statuses, one transfer a step).
@@ -307,6 +316,29 @@ fn decode_tokens(
 
 /// A captured decode step (or why its forward failed); its tokens come with the step's report.
 type DecodeGraph = StepGraph<'static, std::result::Result<(), String>>;
+
+/// A verify step's forward inside a graph: the target's greedy token at each of `picked`'s rows
+/// (the rows whose next token is decided, fixed by the window shape).
+fn verify_tokens(
+    model: &Llama,
+    kv: &mut PagedKv,
+    inputs: &StepInputs,
+    picked: &Tensor<1, Int>,
+) -> std::result::Result<Tensor<1, Int>, String> {
+    let layers = model.config().layers;
+    let hidden = model
+        .forward(
+            inputs.ids.clone(),
+            inputs.positions.clone(),
+            0..layers,
+            |layer, qkv| Ok(kv.attend(layer, qkv)?),
+        )
+        .map_err(|error| error.to_string())?;
+    Ok(greedy(model.logits(hidden.select(0, picked.clone()))))
+}
+
+/// A captured verify forward (or why it failed): the greedy tokens of its decided rows.
+type VerifyGraph = StepGraph<'static, std::result::Result<Tensor<1, Int>, String>>;
 
 impl Engine {
     /// An engine over `model` with an empty cache; `eos` are the token ids that end a request.
@@ -380,6 +412,7 @@ impl Engine {
             lap: Instant::now(),
             warmed: HashSet::new(),
             graphs: HashMap::new(),
+            verify_graphs: HashMap::new(),
             model: Rc::new(model),
             options,
         })
@@ -457,6 +490,7 @@ impl Engine {
     /// The model back, for another engine (its graphs, which hold it, dropped).
     pub fn into_model(mut self) -> Llama {
         self.graphs.clear();
+        self.verify_graphs.clear();
         match Rc::try_unwrap(self.model) {
             Ok(model) => model,
             Err(_) => unreachable!("only the engine's graphs share the model"),
@@ -477,9 +511,10 @@ impl Engine {
         )
     }
 
-    /// Decode steps captured as graphs (one per batch size, [`EngineOptions::graphs`]).
+    /// Steps captured as graphs ([`EngineOptions::graphs`]): decode steps (one per batch size)
+    /// and verify forwards (one per window shape).
     pub fn graphs(&self) -> usize {
-        self.graphs.len()
+        self.graphs.len() + self.verify_graphs.len()
     }
 
     /// The corruption injected, if any (request, slot, position).
@@ -578,8 +613,8 @@ impl Engine {
                 let span = self.clock.start();
                 let report = self.kv.end(&keep);
                 self.clock.stop(span, OpKind::Bookkeeping);
-                if let Some(batch) = self.graph_shape(&work) {
-                    self.warmed.insert(batch);
+                if let Some(windows) = self.graph_windows(&work) {
+                    self.warmed.insert(windows);
                 }
                 report?
             }
@@ -598,24 +633,35 @@ impl Engine {
         Ok(())
     }
 
-    /// The batch size of a step that graphs may run: greedy, no drafts, every row decoding one
-    /// token.
-    fn graph_shape(&self, work: &[RowWork]) -> Option<usize> {
-        let decoding = work
-            .iter()
-            .all(|w| w.input.len() == 1 && w.draft.is_empty());
+    /// Each row's window in a step that graphs may run: greedy, every row decoding one token
+    /// (and its drafts).
+    fn graph_windows(&self, work: &[RowWork]) -> Option<Vec<usize>> {
+        let decoding = work.iter().all(|w| w.input.len() == 1);
         (self.options.graphs
             && self.options.sampling.is_greedy()
             && self.options.repeat.is_none()
             && decoding)
-            .then_some(work.len())
+            .then(|| work.iter().map(RowWork::window).collect())
+    }
+
+    /// The shape of a step a graph may run once it ran eagerly: `Ok` a whole decode step's batch
+    /// size, `Err` a verify step's windows.
+    fn warmed_shape(&self, work: &[RowWork]) -> Option<std::result::Result<usize, Vec<usize>>> {
+        let windows = self
+            .graph_windows(work)
+            .filter(|windows| self.warmed.contains(windows))?;
+        Some(if windows.iter().all(|&n| n == 1) {
+            Ok(windows.len())
+        } else {
+            Err(windows)
+        })
     }
 
     /// A decode step run as a graph: replayed where its batch size has one, captured where that
     /// size ran eagerly before (`None`: run it eagerly). Each row's next token and the step's
     /// report, as the eager step's.
     fn replayed(&mut self, work: &[RowWork]) -> Result<Option<(Vec<Target>, StepReport)>> {
-        let Some(batch) = self.graph_shape(work).filter(|b| self.warmed.contains(b)) else {
+        let Some(Ok(batch)) = self.warmed_shape(work) else {
             return Ok(None);
         };
         let windows: Vec<(RequestId, &[u32])> =
@@ -640,7 +686,7 @@ impl Engine {
                 let (graph, report) = self.kv.capture(&windows, move |kv, inputs| {
                     decode_tokens(&model, kv, inputs)
                 })?;
-                if !graph.is_hardware() && self.graphs.is_empty() {
+                if !graph.is_hardware() && self.graphs() == 0 {
                     eprintln!("graphs: the capture fell back to running each step again");
                 }
                 let out = graph
@@ -800,6 +846,10 @@ impl Engine {
     /// of the row's last input token and draft tokens (`draft.len() + 1` of them): greedy token ids,
     /// or the target's distributions when sampling.
     fn verify(&mut self, work: &[RowWork]) -> Result<Vec<Target>> {
+        if let Some(targets) = self.verify_replayed(work)? {
+            self.lap("verify graph");
+            return Ok(targets);
+        }
         let tokens: Vec<Vec<u32>> = work
             .iter()
             .map(|w| w.input.iter().chain(&w.draft).copied().collect())
@@ -812,26 +862,14 @@ impl Engine {
         let layers = self.model.config().layers;
         let hidden = self.forward(&windows, 0..layers)?;
         self.lap("target forward");
-        // Only the positions whose next token is decided: the last input token and the drafts.
-        let mut picked = Vec::new();
-        let mut offset = 0;
-        for w in work {
-            let first = offset + w.input.len() - 1;
-            picked.extend((first..offset + w.window()).map(|i| i as i64));
-            offset += w.window();
-        }
-        let counts: Vec<usize> = work.iter().map(|w| w.draft.len() + 1).collect();
+        let (picked, counts) = picked_rows(work);
         let device = self.model.device().clone();
         let hidden = hidden.select(0, ints(picked.iter().copied(), &device));
         let logits = self.model.logits(hidden);
         let mut targets = Vec::with_capacity(counts.len());
         if self.options.sampling.is_greedy() {
             let tokens = self.read_tokens(greedy(logits))?;
-            let mut at = 0;
-            for n in counts {
-                targets.push(Target::Tokens(tokens[at..at + n].to_vec()));
-                at += n;
-            }
+            targets = greedy_targets(&tokens, &counts);
         } else {
             let probs = self.read_floats(self.options.sampling.probs(logits))?;
             let vocab = probs.len() / picked.len();
@@ -846,6 +884,64 @@ impl Engine {
         }
         self.lap("logits, read-back");
         Ok(targets)
+    }
+
+    /// The verify forward run as a graph of its window shape: replayed where the shape has one,
+    /// captured where it ran eagerly before and there is room (`None`: run it eagerly). The
+    /// step stays open, its forward run, for `end`.
+    fn verify_replayed(&mut self, work: &[RowWork]) -> Result<Option<Vec<Target>>> {
+        let Some(Err(shape)) = self.warmed_shape(work) else {
+            return Ok(None);
+        };
+        let tokens: Vec<Vec<u32>> = work
+            .iter()
+            .map(|w| w.input.iter().chain(&w.draft).copied().collect())
+            .collect();
+        let windows: Vec<(RequestId, &[u32])> = work
+            .iter()
+            .zip(&tokens)
+            .map(|(w, tokens)| (w.kv, tokens.as_slice()))
+            .collect();
+        let full = self.verify_graphs.len() >= VERIFY_GRAPHS;
+        let replayed = match self.verify_graphs.get_mut(&shape) {
+            Some(graph) => match self.kv.replay_forward(graph, &windows) {
+                Ok(out) => {
+                    self.times.replayed += 1;
+                    Some(out.clone())
+                }
+                // A pool or the table was replaced (an injected fault): capture again.
+                Err(kvplan::Error::GraphMismatch { .. }) => None,
+                Err(error) => return Err(error.into()),
+            },
+            None if full => return Ok(None),
+            None => None,
+        };
+        let (picked, counts) = picked_rows(work);
+        let out = match replayed {
+            Some(out) => out,
+            None => {
+                self.verify_graphs.remove(&shape);
+                // Made before the capture: a stable buffer the graph reads.
+                let picked = ints(picked.iter().copied(), self.model.device());
+                let model = Rc::clone(&self.model);
+                let graph = self.kv.capture_forward(&windows, move |kv, inputs| {
+                    verify_tokens(&model, kv, inputs, &picked)
+                })?;
+                if !graph.is_hardware() && self.graphs() == 0 {
+                    eprintln!("graphs: the capture fell back to running each step again");
+                }
+                let out = graph
+                    .output()
+                    .cloned()
+                    .unwrap_or_else(|| Err("a capture that returned has its output".to_string()));
+                self.verify_graphs.insert(shape, graph);
+                self.times.captured += 1;
+                out
+            }
+        };
+        let tokens = out.map_err(DecoderError::Model)?;
+        let tokens = self.read_tokens(tokens)?;
+        Ok(Some(greedy_targets(&tokens, &counts)))
     }
 
     /// Greedy or rejection-sampled acceptance of every row's draft; returns what each row
@@ -1044,6 +1140,31 @@ enum Target {
     Tokens(Vec<u32>),
     /// Sampling: its distribution there.
     Probs(Vec<Vec<f32>>),
+}
+
+/// The rows of a verify forward whose next token is decided (each row's last input token and
+/// its drafts), and how many each row has.
+fn picked_rows(work: &[RowWork]) -> (Vec<i64>, Vec<usize>) {
+    let mut picked = Vec::new();
+    let mut offset = 0;
+    for w in work {
+        let first = offset + w.input.len() - 1;
+        picked.extend((first..offset + w.window()).map(|i| i as i64));
+        offset += w.window();
+    }
+    (picked, work.iter().map(|w| w.draft.len() + 1).collect())
+}
+
+/// Each row's greedy targets: its `counts[i]` tokens of `tokens`, in order.
+fn greedy_targets(tokens: &[u32], counts: &[usize]) -> Vec<Target> {
+    let mut at = 0;
+    counts
+        .iter()
+        .map(|&n| {
+            at += n;
+            Target::Tokens(tokens[at - n..at].to_vec())
+        })
+        .collect()
 }
 
 /// `[n]` i64 values uploaded.

@@ -236,43 +236,59 @@ fn corruption_is_caught(device: &Device) {
     }
 }
 
-/// Greedy decode steps replayed as graphs give the eager steps' tokens in every batch mix, and
-/// both injected faults are reported where the eager run reports them.
+/// Greedy steps replayed as graphs (decode steps whole, verify steps' forwards) give the eager
+/// steps' tokens in every batch mix and drafting mode, and both injected faults are reported
+/// where the eager run reports them.
 fn graphs_change_nothing(device: &Device) {
     let requests = prompts(5, 0, 24);
-    for (max_batch, gap) in [(1, 0), (3, 0), (4, 3)] {
-        let mut requests = requests.clone();
-        for r in &mut requests {
-            r.arrival_step = r.id * gap;
+    for drafting in DRAFTINGS {
+        for (max_batch, gap) in [(1, 0), (3, 0), (4, 3)] {
+            let mut requests = requests.clone();
+            for r in &mut requests {
+                r.arrival_step = r.id * gap;
+            }
+            let (eager, _) = serve(device, options(drafting, max_batch), requests.clone());
+            let mut o = options(drafting, max_batch);
+            o.graphs = true;
+            let (graphed, engine) = serve(device, o, requests.clone());
+            let what = format!("{drafting:?}, batch {max_batch}, gap {gap}");
+            assert_eq!(tokens(&graphed), tokens(&eager), "{what}");
+            assert!(engine.graphs() > 0, "{what}: steps were captured");
+            if drafting != Drafting::Off && max_batch == 1 {
+                // One decode graph at most: the rest are verify forwards.
+                assert!(engine.graphs() > 1, "{what}: verify steps were captured");
+            }
         }
-        let (eager, _) = serve(device, options(Drafting::Off, max_batch), requests.clone());
-        let mut o = options(Drafting::Off, max_batch);
-        o.graphs = true;
-        let (graphed, engine) = serve(device, o, requests.clone());
-        assert_eq!(
-            tokens(&graphed),
-            tokens(&eager),
-            "batch {max_batch}, gap {gap}"
-        );
-        assert!(engine.graphs() > 0, "steps were captured");
     }
     let requests = prompts(3, 0, 24);
-    for kind in [Corruption::KvByte, Corruption::StaleRow] {
-        let mut o = options(Drafting::Off, 3);
+    for (kind, drafting) in [
+        (Corruption::KvByte, Drafting::Off),
+        (Corruption::StaleRow, Drafting::Off),
+        (Corruption::KvByte, DRAFTINGS[1]),
+    ] {
+        let mut o = options(drafting, 3);
         o.corruption = Some((kind, 6));
         let (eager, eager_engine) = serve(device, o.clone(), requests.clone());
         o.graphs = true;
         let (graphed, engine) = serve(device, o, requests.clone());
-        assert_eq!(engine.injected(), eager_engine.injected(), "{kind:?}");
+        assert_eq!(
+            engine.injected(),
+            eager_engine.injected(),
+            "{kind:?}, {drafting:?}"
+        );
         let reported = |outcomes: &[Outcome]| -> Vec<_> {
             outcomes
                 .iter()
                 .flat_map(|o| o.canary_violations.clone())
                 .collect()
         };
-        assert_eq!(reported(&graphed), reported(&eager), "{kind:?}");
-        assert_eq!(reported(&graphed).len(), 1, "{kind:?}");
-        assert_eq!(tokens(&graphed), tokens(&eager), "{kind:?}");
+        assert_eq!(
+            reported(&graphed),
+            reported(&eager),
+            "{kind:?}, {drafting:?}"
+        );
+        assert_eq!(reported(&graphed).len(), 1, "{kind:?}, {drafting:?}");
+        assert_eq!(tokens(&graphed), tokens(&eager), "{kind:?}, {drafting:?}");
     }
 }
 

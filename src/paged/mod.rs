@@ -24,7 +24,9 @@
 //! host half (rules, allocators, the record) and a device half (launches only), so
 //! [`PagedKv::capture`] records a decode step's device half with the model's forward inside
 //! (`burn::tensor::capture`) and [`PagedKv::replay`] runs later steps of its shape as one
-//! dispatch.
+//! dispatch. A verify step, whose kept tokens are known only after its forward, captures its
+//! begin and forward alone ([`PagedKv::capture_forward`], [`PagedKv::replay_forward`]) and ends
+//! as an eager step does.
 
 mod alloc;
 mod padded;
@@ -331,11 +333,45 @@ struct Launched {
     inputs: StepInputs,
 }
 
+impl Launched {
+    /// What the end reads once the forward has run: the store's status joins the others.
+    fn finish(self) -> Forwarded {
+        let mut statuses = self.statuses;
+        statuses.push(self.store.into_status());
+        Forwarded {
+            statuses,
+            rows: self.rows,
+            window_start: self.window_start,
+            window_len: self.window_len,
+            inputs: self.inputs,
+        }
+    }
+}
+
+/// A step's device half after its forward: its statuses and the record's parts the end reads.
+#[derive(Debug, Clone)]
+struct Forwarded {
+    statuses: Vec<Status>,
+    rows: Tensor<1, Int>,
+    window_start: Tensor<1, Int>,
+    window_len: Tensor<1, Int>,
+    inputs: StepInputs,
+}
+
 /// The step between `begin` and `end`.
 #[derive(Debug)]
 struct OpenStep {
     entries: Vec<Entry>,
-    launched: Launched,
+    device: StepDevice,
+}
+
+/// Where an open step's device half stands.
+#[derive(Debug)]
+enum StepDevice {
+    /// Begun: its layers attend.
+    Launched(Launched),
+    /// Its forward ran in a graph ([`PagedKv::replay_forward`]): only `end` is left.
+    Forwarded(Forwarded),
 }
 
 /// A step staged for a graph: its host halves done, what its device half reads.
@@ -582,7 +618,10 @@ impl PagedKv {
             Ok(launched) => {
                 self.mark_written(&entries);
                 let inputs = launched.inputs.clone();
-                self.step = Some(OpenStep { entries, launched });
+                self.step = Some(OpenStep {
+                    entries,
+                    device: StepDevice::Launched(launched),
+                });
                 Ok(inputs)
             }
             Err(error) => {
@@ -781,11 +820,14 @@ impl PagedKv {
     /// `[tokens, query_heads * head_dim]`. Which kernels run is chosen here.
     ///
     /// # Errors
-    /// `StepOrder` (no step open), `LayerOutOfRange`, `TensorShape`, `TensorDtype`. Nothing changes on
-    /// an error.
+    /// `StepOrder` (no step open, or its forward replayed), `LayerOutOfRange`, `TensorShape`,
+    /// `TensorDtype`. Nothing changes on an error.
     pub fn attend(&mut self, layer: usize, qkv: Tensor<2>) -> Result<Tensor<2>, Error> {
         let Some(step) = self.step.as_mut() else {
             return Err(step_order("attend", "needs a step begun"));
+        };
+        let StepDevice::Launched(launched) = &mut step.device else {
+            return Err(step_order("attend", "the step's forward ran in a graph"));
         };
         if layer >= self.config.layers {
             return Err(Error::LayerOutOfRange {
@@ -793,7 +835,7 @@ impl PagedKv {
                 layers: self.config.layers,
             });
         }
-        let tokens = step.launched.inputs.tokens;
+        let tokens = launched.inputs.tokens;
         let expected = [tokens, self.config.qkv_width()];
         if qkv.dims() != expected {
             return Err(Error::TensorShape {
@@ -810,7 +852,6 @@ impl PagedKv {
             });
         }
         let heads = self.config.query_heads;
-        let launched = &mut step.launched;
         let pool = std::mem::replace(&mut self.pools[layer], self.placeholder.clone());
         let attended = if launched.padded.is_none() && tokens <= one_launch_tokens() {
             launched
@@ -875,7 +916,11 @@ impl PagedKv {
         }
         let step = self.step.take().expect("checked above");
         let kept = self.commit(&step.entries, keep);
-        let statuses = self.launch_end(step.launched, kept.as_ref())?;
+        let forwarded = match step.device {
+            StepDevice::Launched(launched) => launched.finish(),
+            StepDevice::Forwarded(forwarded) => forwarded,
+        };
+        let statuses = self.launch_end(forwarded, kept.as_ref())?;
         let packed = self.pack(statuses);
         self.report(&packed)
     }
@@ -945,20 +990,19 @@ impl PagedKv {
     /// the step, to read.
     fn launch_end(
         &mut self,
-        launched: Launched,
+        forwarded: Forwarded,
         kept: Option<&Kept>,
     ) -> Result<Vec<Status>, Error> {
-        let mut statuses = launched.statuses;
-        statuses.push(launched.store.into_status());
+        let mut statuses = forwarded.statuses;
         let Some(kept) = kept else {
             return Ok(statuses);
         };
-        let (rows, prefix) = (launched.rows, launched.window_start);
+        let (rows, prefix) = (forwarded.rows, forwarded.window_start);
         let (extend, ids, positions) = match &kept.own {
             Some(own) => (own.part(0), own.part(1), own.part(2)),
             None => {
-                let inputs = launched.inputs;
-                (launched.window_len, inputs.ids, inputs.positions)
+                let inputs = forwarded.inputs;
+                (forwarded.window_len, inputs.ids, inputs.positions)
             }
         };
         let pools = self.fingerprinted();
@@ -1045,7 +1089,35 @@ impl PagedKv {
         windows: &[(RequestId, &[u32])],
         forward: impl FnMut(&mut PagedKv, &StepInputs) -> T + 'f,
     ) -> Result<(StepGraph<'f, T>, StepReport), Error> {
-        let shape = self.stage(windows)?;
+        let graph = self.capture_step(windows, forward, false)?;
+        let report = self.read_output(graph.graph.output());
+        Ok((graph, report?))
+    }
+
+    /// Captures a step's begin and `forward` as a graph, for [`replay_forward`](Self::replay_forward):
+    /// a verify step, whose kept tokens are decided from the forward's outputs. As
+    /// [`capture`](Self::capture), except that the step stays open after it (its forward has run:
+    /// [`end`](Self::end) it with what each request keeps, eagerly).
+    ///
+    /// # Errors
+    /// As [`capture`](Self::capture); nothing changes on an error.
+    pub fn capture_forward<'f, T: 'f>(
+        &mut self,
+        windows: &[(RequestId, &[u32])],
+        forward: impl FnMut(&mut PagedKv, &StepInputs) -> T + 'f,
+    ) -> Result<StepGraph<'f, T>, Error> {
+        let graph = self.capture_step(windows, forward, true)?;
+        self.open_forwarded(graph.graph.output())?;
+        Ok(graph)
+    }
+
+    fn capture_step<'f, T: 'f>(
+        &mut self,
+        windows: &[(RequestId, &[u32])],
+        forward: impl FnMut(&mut PagedKv, &StepInputs) -> T + 'f,
+        open: bool,
+    ) -> Result<StepGraph<'f, T>, Error> {
+        let shape = self.stage(windows, open)?;
         let target: Rc<Cell<*mut PagedKv>> = Rc::new(Cell::new(std::ptr::null_mut()));
         let kv = target.clone();
         let mut forward = forward;
@@ -1054,7 +1126,7 @@ impl PagedKv {
             // exactly the span of Burn's capture or replay call, and touch it in no other way
             // meanwhile; null otherwise, never dereferenced then.
             let kv = unsafe { &mut *kv.get() };
-            kv.device_step(&mut forward)
+            kv.device_step(&mut forward, open)
         });
         let device = self.device.clone();
         target.set(self);
@@ -1068,16 +1140,14 @@ impl PagedKv {
             unsafe { graph.replay() };
         }
         target.set(std::ptr::null_mut());
-        self.staged = None;
-        let report = self.read_output(graph.output())?;
-        let graph = StepGraph {
+        Ok(StepGraph {
             graph,
             target,
             shape,
+            open,
             owner: self.instance,
             generation: self.generation,
-        };
-        Ok((graph, report))
+        })
     }
 
     /// Runs a step of `graph`'s shape by replaying it: the step's host values written in place,
@@ -1085,17 +1155,58 @@ impl PagedKv {
     /// step's report, as [`end`](Self::end) with every window kept.
     ///
     /// # Errors
-    /// `GraphMismatch` (another shape, another `PagedKv`, buffers replaced since the capture);
-    /// as [`begin`](Self::begin); the step's device-checked errors. Nothing changes before the
-    /// replay on an error.
+    /// `GraphMismatch` (another shape, another `PagedKv`, buffers replaced since the capture, a
+    /// graph of [`capture_forward`](Self::capture_forward)); as [`begin`](Self::begin); the step's
+    /// device-checked errors. Nothing changes before the replay on an error.
     pub fn replay<'g, T>(
         &mut self,
         graph: &'g mut StepGraph<'_, T>,
         windows: &[(RequestId, &[u32])],
     ) -> Result<(&'g T, StepReport), Error> {
+        self.replay_step(graph, windows, false)?;
+        let graph: &'g StepGraph<'_, T> = graph;
+        let report = self.read_output(graph.graph.output())?;
+        let out = graph
+            .output()
+            .expect("read_output returns a failed run's error");
+        Ok((out, report))
+    }
+
+    /// Runs a step's begin and forward by replaying a graph of
+    /// [`capture_forward`](Self::capture_forward): one write, one dispatch, nothing read back.
+    /// Returns `forward`'s outputs (the graph's buffers); the step is open, its forward run:
+    /// [`end`](Self::end) it.
+    ///
+    /// # Errors
+    /// As [`replay`](Self::replay) (a graph of [`capture`](Self::capture) is a mismatch);
+    /// nothing changes on an error.
+    pub fn replay_forward<'g, T>(
+        &mut self,
+        graph: &'g mut StepGraph<'_, T>,
+        windows: &[(RequestId, &[u32])],
+    ) -> Result<&'g T, Error> {
+        self.replay_step(graph, windows, true)?;
+        let graph: &'g StepGraph<'_, T> = graph;
+        self.open_forwarded(graph.graph.output())?;
+        Ok(graph
+            .output()
+            .expect("open_forwarded returns a failed run's error"))
+    }
+
+    fn replay_step<T>(
+        &mut self,
+        graph: &mut StepGraph<'_, T>,
+        windows: &[(RequestId, &[u32])],
+        open: bool,
+    ) -> Result<(), Error> {
         if graph.owner != self.instance {
             return Err(Error::GraphMismatch {
                 why: "it was captured on another PagedKv",
+            });
+        }
+        if graph.open != open {
+            return Err(Error::GraphMismatch {
+                why: "a graph of a whole step replays with replay, of a forward with replay_forward",
             });
         }
         let tokens: usize = windows.iter().map(|(_, ids)| ids.len()).sum();
@@ -1110,24 +1221,40 @@ impl PagedKv {
                 why: "the step has another shape (requests, tokens, prefix cells to write)",
             });
         }
-        self.stage(windows)?;
+        self.stage(windows, open)?;
         graph.target.set(self);
         // SAFETY: every buffer the graph touched is one of this `PagedKv`'s (the same generation:
         // none replaced), a record of this shape, or pinned by the graph; the host write above
         // and the read below are on the capture's stream and thread.
         unsafe { graph.graph.replay() };
         graph.target.set(std::ptr::null_mut());
-        self.staged = None;
         if graph.graph.is_hardware() {
             // The closure did not run: the host follows the device's clock.
             self.store.replayed(tokens as u64);
         }
-        let graph: &'g StepGraph<'_, T> = graph;
-        let report = self.read_output(graph.graph.output())?;
-        let out = graph
-            .output()
-            .expect("read_output returns a failed run's error");
-        Ok((out, report))
+        Ok(())
+    }
+
+    /// After a forward graph's run: the staged step open with its forward's device half, for
+    /// `end` (its slots back where the run failed).
+    fn open_forwarded<T>(&mut self, output: &StepOutput<T>) -> Result<(), Error> {
+        let staged = self.staged.take().expect("a graph runs a staged step");
+        match output {
+            Ok((_, DeviceHalf::Open(forwarded))) => {
+                self.step = Some(OpenStep {
+                    entries: staged.entries,
+                    device: StepDevice::Forwarded(forwarded.clone()),
+                });
+                Ok(())
+            }
+            Ok((_, DeviceHalf::Ended(_))) => unreachable!("a forward graph leaves its step open"),
+            Err(error) => {
+                for entry in &staged.entries {
+                    self.slots.release(&entry.slots);
+                }
+                Err(error.clone())
+            }
+        }
     }
 
     /// The record's shape a step of `windows` has: requests, tokens, shared-prefix cells.
@@ -1140,13 +1267,19 @@ impl PagedKv {
         Ok([windows.len(), tokens, unwritten])
     }
 
-    /// The host halves of a graph's step, every window kept: what its device half reads.
-    fn stage(&mut self, windows: &[(RequestId, &[u32])]) -> Result<[usize; 3], Error> {
+    /// The host halves of a graph's step, every window kept unless the step stays `open` (its
+    /// end eager): what its device half reads.
+    fn stage(&mut self, windows: &[(RequestId, &[u32])], open: bool) -> Result<[usize; 3], Error> {
         let shape = self.shape_of(windows)?;
         let (entries, record) = self.open(windows)?;
         self.mark_written(&entries);
-        let keep: Vec<usize> = entries.iter().map(|entry| entry.slots.len()).collect();
-        let kept = self.commit(&entries, &keep);
+        self.attached = None;
+        let kept = if open {
+            None
+        } else {
+            let keep: Vec<usize> = entries.iter().map(|entry| entry.slots.len()).collect();
+            self.commit(&entries, &keep)
+        };
         self.staged = Some(StagedStep {
             entries,
             record,
@@ -1155,30 +1288,42 @@ impl PagedKv {
         Ok(shape)
     }
 
-    /// The device half of a staged step, `forward` inside: what a graph records.
+    /// The device half of a staged step, `forward` inside: what a graph records. An `open` step
+    /// stops after the forward.
     fn device_step<T>(
         &mut self,
         forward: &mut dyn FnMut(&mut PagedKv, &StepInputs) -> T,
-    ) -> Result<(T, Packed), Error> {
+        open: bool,
+    ) -> StepOutput<T> {
         let staged = self.staged.clone().expect("a graph runs a staged step");
         let launched = self.launch(&staged.record)?;
         let inputs = launched.inputs.clone();
         self.step = Some(OpenStep {
             entries: staged.entries,
-            launched,
+            device: StepDevice::Launched(launched),
         });
         let out = forward(self, &inputs);
-        let Some(step) = self.step.take() else {
+        let Some(OpenStep {
+            device: StepDevice::Launched(launched),
+            ..
+        }) = self.step.take()
+        else {
             return Err(step_order("end", "cannot run inside a captured step"));
         };
-        let statuses = self.launch_end(step.launched, staged.kept.as_ref())?;
-        Ok((out, self.pack(statuses)))
+        let forwarded = launched.finish();
+        if open {
+            return Ok((out, DeviceHalf::Open(forwarded)));
+        }
+        let statuses = self.launch_end(forwarded, staged.kept.as_ref())?;
+        Ok((out, DeviceHalf::Ended(self.pack(statuses))))
     }
 
-    /// The report of a graph's step from its output's statuses.
+    /// The report of a whole step's graph from its output's statuses.
     fn read_output<T>(&mut self, output: &StepOutput<T>) -> Result<StepReport, Error> {
+        self.staged = None;
         match output {
-            Ok((_, packed)) => self.report(packed),
+            Ok((_, DeviceHalf::Ended(packed))) => self.report(packed),
+            Ok((_, DeviceHalf::Open(_))) => unreachable!("a whole step's graph ends its step"),
             Err(error) => Err(error.clone()),
         }
     }
@@ -1375,8 +1520,18 @@ impl PagedKv {
     }
 }
 
-/// What a graph's step returns: the forward's outputs and the step's statuses.
-type StepOutput<T> = Result<(T, Packed), Error>;
+/// What a graph's step returns: the forward's outputs and the step's statuses, or (a forward
+/// graph) what its eager end reads.
+type StepOutput<T> = Result<(T, DeviceHalf), Error>;
+
+/// The device half a graph's run leaves.
+#[derive(Debug, Clone)]
+enum DeviceHalf {
+    /// A whole step: its statuses, packed to read.
+    Ended(Packed),
+    /// A step's begin and forward: the end is left.
+    Open(Forwarded),
+}
 
 /// A step's statuses and attached ints in one i64 tensor (`PagedKv::pack`).
 #[derive(Debug, Clone)]
@@ -1389,13 +1544,16 @@ struct Packed {
 }
 type StepClosure<'f, T> = Box<dyn FnMut() -> StepOutput<T> + 'f>;
 
-/// A step's device work, the model's forward inside, captured once by [`PagedKv::capture`] and
-/// replayed by [`PagedKv::replay`] for later steps of the same shape.
+/// A step's device work, the model's forward inside, captured once by [`PagedKv::capture`] (or
+/// [`PagedKv::capture_forward`]) and replayed by [`PagedKv::replay`] (or
+/// [`PagedKv::replay_forward`]) for later steps of the same shape.
 pub struct StepGraph<'f, T> {
     graph: burn_core::tensor::Graph<StepOutput<T>, StepClosure<'f, T>>,
     /// The `PagedKv` the closure runs on, set only while Burn's capture or replay runs.
     target: Rc<Cell<*mut PagedKv>>,
     shape: [usize; 3],
+    /// A graph of `capture_forward`: its step stays open.
+    open: bool,
     owner: u64,
     generation: u64,
 }

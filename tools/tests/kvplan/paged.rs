@@ -900,6 +900,10 @@ pub fn capture(device: &Device) {
         graphed.replay(&mut graph, &[(a, &tokens[..1])]),
         "graph_mismatch",
     );
+    assert_kind(
+        graphed.replay_forward(&mut graph, &[(a, &tokens[..1]), (b, &tokens[1..])]),
+        "graph_mismatch",
+    );
     let mut other = PagedKv::new(config.clone(), device).unwrap();
     let c = other.add().unwrap();
     assert_kind(
@@ -975,4 +979,95 @@ pub fn capture(device: &Device) {
     );
     let windows = [(a, &want[..1]), (b, &want[1..])];
     assert_kind(graphed.replay(&mut graph, &windows), "graph_mismatch");
+}
+
+/// A verify step's begin and forward captured (`capture_forward`), then replayed with new windows
+/// (`replay_forward`), each step ended eagerly keeping part or all of its windows, against the
+/// same steps run eagerly on a twin: tokens, reports, pools, table and canary state bit for bit,
+/// the canary's run counters step for step. A replayed step's layers cannot attend again; the
+/// whole-step replay of a forward graph is refused with nothing changed.
+pub fn capture_forward(device: &Device) {
+    let config = config();
+    let tiny = Tiny::new(&config, 64, device);
+    let hardware = !matches!(
+        device.as_dispatch(),
+        burn_core::backend::DispatchDevice::Flex(_)
+    );
+    // Each row's window: its input token and two drafts.
+    let windows_of = |last: [u32; 2]| last.map(|t| vec![t, (t + 1) % 64, (t + 7) % 64]);
+    // The input tokens after a step that keeps `keep` of each row's window (its target's next).
+    let next_inputs = |next: &[u32], keep: [usize; 2]| [next[keep[0] - 1], next[3 + keep[1] - 1]];
+    let eager_step = |kv: &mut PagedKv, windows: &[(RequestId, &[u32])], keep: &[usize]| {
+        let inputs = kv.begin(windows).unwrap();
+        let next = ints(tiny.forward(kv, &inputs));
+        (next, kv.end(keep).unwrap())
+    };
+    // Prefill two requests (the second shares the first's prefix), then one eager verify step:
+    // every kernel of the verify shape compiled before the capture.
+    let mut twins = Vec::new();
+    for _ in 0..2 {
+        let mut kv = PagedKv::new(config.clone(), device).unwrap();
+        let a = kv.add().unwrap();
+        let (first, _) = eager_step(&mut kv, &[(a, &[3, 1, 4, 1, 5])], &[5]);
+        let b = kv.share(a, 3).unwrap();
+        let (second, _) = eager_step(&mut kv, &[(b, &[9, 2])], &[2]);
+        let window = windows_of([first[4], second[1]]);
+        let (next, report) = eager_step(&mut kv, &[(a, &window[0]), (b, &window[1])], &[2, 1]);
+        assert!(report.violations.is_empty(), "{report:?}");
+        twins.push((kv, a, b, next_inputs(&next, [2, 1])));
+    }
+    let (mut graphed, a, b, mut last) = twins.pop().unwrap();
+    let (mut eager, ..) = twins.pop().unwrap();
+    let mut graph = None;
+    let mut counters = (device_state(&graphed).1, device_state(&eager).1);
+    for (k, keep) in [[1, 3], [3, 2], [2, 1], [3, 3]].into_iter().enumerate() {
+        let window = windows_of(last);
+        let windows = [(a, window[0].as_slice()), (b, window[1].as_slice())];
+        let got = match graph.as_mut() {
+            None => {
+                let captured = graphed
+                    .capture_forward(&windows, |kv, inputs| tiny.forward(kv, inputs))
+                    .unwrap();
+                assert_eq!(captured.is_hardware(), hardware, "{captured:?}");
+                ints(graph.insert(captured).output().unwrap().clone())
+            }
+            Some(graph) => ints(graphed.replay_forward(graph, &windows).unwrap().clone()),
+        };
+        let what = format!("step {k}, keep {keep:?}");
+        // The forward ran in the graph: its layers are done, the step waits for its end.
+        let qkv = Tensor::<2>::zeros([6, config.qkv_width()], device);
+        assert_kind(graphed.attend(0, qkv), "step_order");
+        let report = graphed.end(&keep).unwrap();
+        let (want, want_report) = eager_step(&mut eager, &windows, &keep);
+        assert_eq!(got, want, "{what}: tokens");
+        assert_eq!(report, want_report, "{what}: report");
+        assert!(report.violations.is_empty(), "{what}: {report:?}");
+        let (state, eager_now) = device_state(&eager);
+        let (graphed_state, graphed_now) = device_state(&graphed);
+        assert_eq!(graphed_state, state, "{what}: device state");
+        assert_eq!(
+            [
+                graphed_now[0] - counters.0[0],
+                graphed_now[1] - counters.0[1]
+            ],
+            [eager_now[0] - counters.1[0], eager_now[1] - counters.1[1]],
+            "{what}: canary counters"
+        );
+        counters = (graphed_now, eager_now);
+        last = next_inputs(&want, keep);
+    }
+    let (mut graph, window) = (graph.unwrap(), windows_of(last));
+    let windows = [(a, window[0].as_slice()), (b, window[1].as_slice())];
+    let (before, free) = (device_state(&graphed).0, graphed.free_slots());
+    assert_kind(graphed.replay(&mut graph, &windows), "graph_mismatch");
+    assert_eq!(
+        graphed.free_slots(),
+        free,
+        "a refused replay takes no slots"
+    );
+    assert_eq!(
+        device_state(&graphed).0,
+        before,
+        "a refused replay changes nothing"
+    );
 }
