@@ -76,7 +76,8 @@ pub struct EngineOptions {
     /// A fault injected at step `.1`.
     pub corruption: Option<(Corruption, usize)>,
     /// Pad every n-gram match's draft to `draft_tokens` (two window sizes, so few step shapes,
-    /// which a GPU compiles once); off on the CPU, where each extra verified token costs time.
+    /// which a GPU compiles once), and with `graphs` every decode row's once one row drafts (one
+    /// shape a batch size); off on the CPU, where each extra verified token costs time.
     pub fixed_windows: bool,
     /// Wait for the device at the end of each step phase and record where the time went
     /// ([`StepTimes::phases`]); slower, for finding what a step spends.
@@ -738,6 +739,18 @@ impl Engine {
                 draft,
                 draft_probs: None,
             });
+        }
+        // With graphs, a decode row without a match verifies its last token repeated once any
+        // row drafts: the batch's windows one shape (one graph), not one of 2^batch.
+        let padded = matches!(self.options.drafting, Drafting::Ngram { .. })
+            && self.options.graphs
+            && self.options.fixed_windows
+            && work.iter().all(|w| w.input.len() == 1)
+            && work.iter().any(|w| !w.draft.is_empty());
+        if padded {
+            for w in work.iter_mut().filter(|w| w.draft.is_empty()) {
+                w.draft = vec![w.input[0]; k];
+            }
         }
         work
     }
