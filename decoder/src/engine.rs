@@ -22,7 +22,7 @@ use burn_core::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 use kvplan::{CanaryConfig, PagedKv, PagedKvConfig, RequestId, StepGraph, StepInputs, StepReport};
 
 use crate::clock::{OpClock, OpKind, OpTimes};
-use crate::draft::ngram_draft;
+use crate::draft::{Backoff, ngram_draft};
 use crate::linear::greedy;
 use crate::model::Llama;
 use crate::sample::{Rng, Sampling, accept_greedy, accept_sampled};
@@ -229,6 +229,8 @@ struct Running {
     accepted: usize,
     steps: usize,
     reported: Vec<Reported>,
+    /// When it looks up n-gram drafts.
+    backoff: Backoff,
 }
 
 impl Running {
@@ -248,6 +250,8 @@ struct RowWork {
     input: Vec<u32>,
     /// Draft tokens after them.
     draft: Vec<u32>,
+    /// Whether the draft was looked up (n-gram), not padding.
+    lookup: bool,
     /// The draft's distribution at each draft token (sampled self-speculative drafts; `None`: a
     /// deterministic draft, a point mass).
     draft_probs: Option<Vec<Vec<f32>>>,
@@ -538,6 +542,7 @@ impl Engine {
             start: 0,
             input: context.to_vec(),
             draft: Vec::new(),
+            lookup: false,
             draft_probs: None,
         }];
         let targets = self.verify(&work);
@@ -573,6 +578,7 @@ impl Engine {
                 accepted: 0,
                 steps: 0,
                 reported: Vec::new(),
+                backoff: Backoff::default(),
             });
         }
         Ok(())
@@ -716,6 +722,7 @@ impl Engine {
             let input = request.tokens[request.kv_len..].to_vec();
             let decoding = input.len() == 1;
             let draft = match self.options.drafting {
+                Drafting::Ngram { .. } if decoding && !request.backoff.ready() => Vec::new(),
                 Drafting::Ngram { max_ngram } if decoding => {
                     // A row without a match verifies its one token. A match is padded to k: two
                     // window sizes keep the step's shapes (the device's compiled kernels) few;
@@ -735,6 +742,8 @@ impl Engine {
                 index,
                 kv: request.kv,
                 start: request.kv_len,
+                lookup: matches!(self.options.drafting, Drafting::Ngram { .. })
+                    && !draft.is_empty(),
                 input,
                 draft,
                 draft_probs: None,
@@ -989,6 +998,9 @@ impl Engine {
             request.tokens.extend_from_slice(&emitted);
             request.drafted += w.draft.len();
             request.accepted += kept - w.input.len();
+            if w.input.len() == 1 {
+                request.backoff.after_step(w.lookup, kept - w.input.len());
+            }
             request.steps += 1;
             on_tokens(request.id, &emitted);
             committed.push(kept);
