@@ -299,36 +299,13 @@ pub struct Engine {
 /// among them); steps of other shapes run eagerly.
 pub const VERIFY_GRAPHS: usize = 16;
 
-/// A decode step's forward inside a graph: each row's greedy next token, attached to the step's
-/// report (read with its statuses, one transfer a step).
-fn decode_tokens(
+/// A step's forward inside a graph: the target's greedy token after each of its rows, or after
+/// `picked`'s rows only (a verify step's decided rows, fixed by its window shape).
+fn greedy_tokens(
     model: &Llama,
     kv: &mut PagedKv,
     inputs: &StepInputs,
-) -> std::result::Result<(), String> {
-    let layers = model.config().layers;
-    let hidden = model
-        .forward(
-            inputs.ids.clone(),
-            inputs.positions.clone(),
-            0..layers,
-            |layer, qkv| Ok(kv.attend(layer, qkv)?),
-        )
-        .map_err(|error| error.to_string())?;
-    let tokens = greedy(model.logits(hidden));
-    kv.attach(tokens).map_err(|error| error.to_string())
-}
-
-/// A captured decode step (or why its forward failed); its tokens come with the step's report.
-type DecodeGraph = StepGraph<'static, std::result::Result<(), String>>;
-
-/// A verify step's forward inside a graph: the target's greedy token at each of `picked`'s rows
-/// (the rows whose next token is decided, fixed by the window shape).
-fn verify_tokens(
-    model: &Llama,
-    kv: &mut PagedKv,
-    inputs: &StepInputs,
-    picked: &Tensor<1, Int>,
+    picked: Option<&Tensor<1, Int>>,
 ) -> std::result::Result<Tensor<1, Int>, String> {
     let layers = model.config().layers;
     let hidden = model
@@ -339,8 +316,15 @@ fn verify_tokens(
             |layer, qkv| Ok(kv.attend(layer, qkv)?),
         )
         .map_err(|error| error.to_string())?;
-    Ok(greedy(model.logits(hidden.select(0, picked.clone()))))
+    let hidden = match picked {
+        Some(picked) => hidden.select(0, picked.clone()),
+        None => hidden,
+    };
+    Ok(greedy(model.logits(hidden)))
 }
+
+/// A captured decode step (or why its forward failed); its tokens come with the step's report.
+type DecodeGraph = StepGraph<'static, std::result::Result<(), String>>;
 
 /// A captured verify forward (or why it failed): the greedy tokens of its decided rows.
 type VerifyGraph = StepGraph<'static, std::result::Result<Tensor<1, Int>, String>>;
@@ -690,18 +674,13 @@ impl Engine {
             None => {
                 self.graphs.remove(&batch);
                 let model = Rc::clone(&self.model);
+                // Each row's next token, attached: read with the step's statuses.
                 let (graph, report) = self.kv.capture(&windows, move |kv, inputs| {
-                    decode_tokens(&model, kv, inputs)
+                    let tokens = greedy_tokens(&model, kv, inputs, None)?;
+                    kv.attach(tokens).map_err(|error| error.to_string())
                 })?;
-                if !graph.is_hardware() && self.graphs() == 0 {
-                    eprintln!("graphs: the capture fell back to running each step again");
-                }
-                let out = graph
-                    .output()
-                    .cloned()
-                    .unwrap_or_else(|| Err("a capture that returned has its output".to_string()));
+                let out = self.captured(&graph);
                 self.graphs.insert(batch, graph);
-                self.times.captured += 1;
                 (out, report)
             }
         };
@@ -712,6 +691,22 @@ impl Engine {
             .map(|&t| Target::Tokens(vec![t as u32]))
             .collect();
         Ok(Some((targets, report)))
+    }
+
+    /// A graph's first outputs, its capture counted (and a warning where the engine's first
+    /// capture fell back to running its closure).
+    fn captured<T: Clone>(
+        &mut self,
+        graph: &StepGraph<'static, std::result::Result<T, String>>,
+    ) -> std::result::Result<T, String> {
+        if !graph.is_hardware() && self.graphs() == 0 {
+            eprintln!("graphs: the capture fell back to running each step again");
+        }
+        self.times.captured += 1;
+        graph
+            .output()
+            .cloned()
+            .unwrap_or_else(|| Err("a capture that returned has its output".to_string()))
     }
 
     /// Each running request's window for this step.
@@ -868,10 +863,6 @@ impl Engine {
     /// of the row's last input token and draft tokens (`draft.len() + 1` of them): greedy token ids,
     /// or the target's distributions when sampling.
     fn verify(&mut self, work: &[RowWork]) -> Result<Vec<Target>> {
-        if let Some(targets) = self.verify_replayed(work)? {
-            self.lap("verify graph");
-            return Ok(targets);
-        }
         let tokens: Vec<Vec<u32>> = work
             .iter()
             .map(|w| w.input.iter().chain(&w.draft).copied().collect())
@@ -881,6 +872,10 @@ impl Engine {
             .zip(&tokens)
             .map(|(w, tokens)| (w.kv, tokens.as_slice()))
             .collect();
+        if let Some(targets) = self.verify_replayed(work, &windows)? {
+            self.lap("verify graph");
+            return Ok(targets);
+        }
         let layers = self.model.config().layers;
         let hidden = self.forward(&windows, 0..layers)?;
         self.lap("target forward");
@@ -911,22 +906,17 @@ impl Engine {
     /// The verify forward run as a graph of its window shape: replayed where the shape has one,
     /// captured where it ran eagerly before and there is room (`None`: run it eagerly). The
     /// step stays open, its forward run, for `end`.
-    fn verify_replayed(&mut self, work: &[RowWork]) -> Result<Option<Vec<Target>>> {
+    fn verify_replayed(
+        &mut self,
+        work: &[RowWork],
+        windows: &[(RequestId, &[u32])],
+    ) -> Result<Option<Vec<Target>>> {
         let Some(Err(shape)) = self.warmed_shape(work) else {
             return Ok(None);
         };
-        let tokens: Vec<Vec<u32>> = work
-            .iter()
-            .map(|w| w.input.iter().chain(&w.draft).copied().collect())
-            .collect();
-        let windows: Vec<(RequestId, &[u32])> = work
-            .iter()
-            .zip(&tokens)
-            .map(|(w, tokens)| (w.kv, tokens.as_slice()))
-            .collect();
         let full = self.verify_graphs.len() >= VERIFY_GRAPHS;
         let replayed = match self.verify_graphs.get_mut(&shape) {
-            Some(graph) => match self.kv.replay_forward(graph, &windows) {
+            Some(graph) => match self.kv.replay_forward(graph, windows) {
                 Ok(out) => {
                     self.times.replayed += 1;
                     Some(out.clone())
@@ -946,18 +936,11 @@ impl Engine {
                 // Made before the capture: a stable buffer the graph reads.
                 let picked = ints(picked.iter().copied(), self.model.device());
                 let model = Rc::clone(&self.model);
-                let graph = self.kv.capture_forward(&windows, move |kv, inputs| {
-                    verify_tokens(&model, kv, inputs, &picked)
+                let graph = self.kv.capture_forward(windows, move |kv, inputs| {
+                    greedy_tokens(&model, kv, inputs, Some(&picked))
                 })?;
-                if !graph.is_hardware() && self.graphs() == 0 {
-                    eprintln!("graphs: the capture fell back to running each step again");
-                }
-                let out = graph
-                    .output()
-                    .cloned()
-                    .unwrap_or_else(|| Err("a capture that returned has its output".to_string()));
+                let out = self.captured(&graph);
                 self.verify_graphs.insert(shape, graph);
-                self.times.captured += 1;
                 out
             }
         };
