@@ -35,9 +35,8 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
   each step phase and prints where the steps' time went. --repeat-ops attention runs each
   layer's store and attention (PagedKv::attend) twice on every other step (benchmarks: the
   steps' difference is what they cost a pipelined step). --graphs on replays greedy decode
-  steps without drafts as graphs (each batch size captured once; on by default on CUDA). On
-  CUDA and Vulkan the
-  requests are first served once untimed (--no-warm-up: not), which compiles and autotunes every
+  steps without drafts as graphs (each batch size captured once) and verify steps' forwards
+  (each window shape, up to 16), on by default on CUDA. On CUDA and Vulkan the requests are first served once untimed (--no-warm-up: not), which compiles and autotunes every
   step shape.";
 
 /// The built-in prompts: two repetitive ones (lists and code, where drafts from the context pay).
@@ -172,7 +171,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         fixed_windows: backend != BackendName::Flex,
         profile: args.profile,
         repeat: args.repeat,
-        // Greedy decode steps without drafts replay as graphs, by default on CUDA only.
+        // Greedy steps replay as graphs (decode steps whole, verify forwards), by default on CUDA only.
         graphs: args.graphs.unwrap_or(backend == BackendName::Cuda),
         ..EngineOptions::default()
     };
