@@ -6,7 +6,7 @@
 # `scripts/pack-gpu.sh ab` also builds the Burn 0.21 binary of the last pre-port main (099ad25)
 # into gpu/bin021.xz, for `scripts/gpu.sh ab`.
 # `scripts/pack-gpu.sh model` also splits the model into gpu/model.part-* (one part per call);
-# `model-xz` compresses it into gpu/mx.part-aa (carried with gpu/bin.xz) and gpu/mx.part-ab.
+# `model-xz` compresses it into gpu/mx.part-aa (carried with a binary) and gpu/mx.part-ab.
 # `scripts/pack-gpu.sh old REV` also builds REV's `kvplan` into gpu/binold.xz (a worktree sharing
 # target-cuda, so only the workspace's own crates build again), for `scripts/gpu.sh decode-ab`.
 set -euo pipefail
@@ -61,11 +61,13 @@ while [ $# -gt 0 ]; do
             split -n 2 -a 2 "$model" gpu/model.part-
             ;;
         model-xz)
-            # Compressed, in a 31 MB part that travels with gpu/bin.xz and the rest.
+            # Compressed, in a 30 MB part that travels with a packed binary (and the ~5.7 MB
+            # tree: 64 MiB a call) and the rest, which travels alone: a fresh machine runs the
+            # binary in the second call.
             model=$(bash scripts/fetch-model.sh | tail -1)
             xz -T2 -6 -c "$model" > gpu/model.xz
-            head -c 31000000 gpu/model.xz > gpu/mx.part-aa
-            tail -c +31000001 gpu/model.xz > gpu/mx.part-ab
+            head -c 30000000 gpu/model.xz > gpu/mx.part-aa
+            tail -c +30000001 gpu/model.xz > gpu/mx.part-ab
             rm gpu/model.xz
             ;;
     esac
