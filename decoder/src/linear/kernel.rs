@@ -189,6 +189,197 @@ pub fn linear_kernel<F: Float>(
     }
 }
 
+/// Tokens a tiled cube makes its columns for (`linear_tiled_kernel`).
+pub const TILE_ROWS: usize = 32;
+/// Output columns of a tiled cube: a RoPE pair for each lane of a plane.
+pub const TILE_COLUMNS: usize = 2 * LANES;
+/// Input columns a tiled cube stages in shared memory a round.
+const TILE_DEPTH: usize = 32;
+/// Tokens a tiled unit sums (its planes share out the cube's tokens).
+const TILE_UNIT_ROWS: usize = TILE_ROWS / PLANES;
+
+/// The projection for steps of tens of tokens, tiled as a matmul: cube `(c, b)` (`c` flattened
+/// over x and y) makes output columns `c * TILE_COLUMNS ..` of tokens `b * TILE_ROWS ..` (`b` on
+/// z), so each weight is read once a block of `TILE_ROWS` tokens. Each round stages `TILE_DEPTH`
+/// input columns of the cube's tokens (after SwiGLU) and of its weight rows in shared memory,
+/// the next round's loads in flight meanwhile; lane `l` of plane `p` sums columns `2l, 2l + 1`
+/// (a RoPE pair) of tokens `p * TILE_UNIT_ROWS ..` in input order, and their squares for the
+/// norm. Then `finish` as `linear_kernel`'s.
+#[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::too_many_arguments)]
+pub fn linear_tiled_kernel<F: Float>(
+    x: &Tensor<F>,
+    w: &Tensor<F>,
+    residual: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
+    out: &mut Tensor<F>,
+    shape: LinearShape,
+    eps: f32,
+    #[comptime] norm: bool,
+    #[comptime] swiglu: bool,
+    #[comptime] add: bool,
+    #[comptime] rope: bool,
+    #[define(F)] _dtype: ElemType,
+) {
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let unit = plane * LANES + lane;
+    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    let first_column = cube * TILE_COLUMNS as u64;
+    let first_row = CUBE_POS_Z as u64 * TILE_ROWS as u64;
+    // Staged values a unit loads a round: of the inputs, of the weights.
+    let x_loads = comptime!(TILE_ROWS * TILE_DEPTH / UNITS);
+    let w_loads = comptime!(TILE_COLUMNS * TILE_DEPTH / UNITS);
+    let mut inputs = Shared::<[F]>::new_slice(TILE_ROWS * TILE_DEPTH);
+    let mut weights = Shared::<[F]>::new_slice(TILE_COLUMNS * TILE_DEPTH);
+    let mut next_x = Array::<F>::new(x_loads);
+    let mut next_w = Array::<F>::new(w_loads);
+    let mut sums = Array::<F>::new(TILE_UNIT_ROWS * 2);
+    let mut squares = Array::<F>::new(TILE_UNIT_ROWS);
+    #[unroll]
+    for j in 0..TILE_UNIT_ROWS * 2 {
+        sums[j] = F::new(0.0);
+    }
+    #[unroll]
+    for r in 0..TILE_UNIT_ROWS {
+        squares[r] = F::new(0.0);
+    }
+    let mut k = 0u64;
+    load_tile::<F>(
+        x,
+        w,
+        shape,
+        first_row,
+        first_column,
+        k,
+        unit,
+        &mut next_x,
+        &mut next_w,
+        swiglu,
+    );
+    while k < shape.inner {
+        // Value `e` of a round is (token or column `e / TILE_DEPTH`, input column
+        // `e % TILE_DEPTH`): staged depth-major, so a plane reads its columns side by side.
+        #[unroll]
+        for i in 0..x_loads {
+            let e = unit + i * UNITS;
+            inputs[(e % TILE_DEPTH) * TILE_ROWS + e / TILE_DEPTH] = next_x[i];
+        }
+        #[unroll]
+        for i in 0..w_loads {
+            let e = unit + i * UNITS;
+            weights[(e % TILE_DEPTH) * TILE_COLUMNS + e / TILE_DEPTH] = next_w[i];
+        }
+        sync_cube();
+        k += TILE_DEPTH as u64;
+        if k < shape.inner {
+            load_tile::<F>(
+                x,
+                w,
+                shape,
+                first_row,
+                first_column,
+                k,
+                unit,
+                &mut next_x,
+                &mut next_w,
+                swiglu,
+            );
+        }
+        #[unroll]
+        for d in 0..TILE_DEPTH {
+            let a = weights[d * TILE_COLUMNS + 2 * lane];
+            let b = weights[d * TILE_COLUMNS + 2 * lane + 1];
+            #[unroll]
+            for r in 0..TILE_UNIT_ROWS {
+                let value = inputs[d * TILE_ROWS + plane * TILE_UNIT_ROWS + r];
+                sums[2 * r] += value * a;
+                sums[2 * r + 1] += value * b;
+                if comptime![norm] {
+                    squares[r] += value * value;
+                }
+            }
+        }
+        sync_cube();
+    }
+    #[unroll]
+    for r in 0..TILE_UNIT_ROWS {
+        let row = first_row + (plane * TILE_UNIT_ROWS + r) as u64;
+        #[unroll]
+        for c in 0..2 {
+            let column = first_column + (2 * lane + c) as u64;
+            if row < shape.tokens && column < shape.outputs {
+                let around = Finish::<F> {
+                    squares: squares[r],
+                    elements: shape.inner,
+                    row,
+                    column,
+                };
+                finish::<F>(
+                    sums[2 * r + c],
+                    sums[2 * r + 1 - c],
+                    around,
+                    shape,
+                    eps,
+                    residual,
+                    cos,
+                    sin,
+                    out,
+                    norm,
+                    add,
+                    rope,
+                );
+            }
+        }
+    }
+}
+
+/// A tiled round's loads from input column `k`: this unit's inputs (after SwiGLU) and weights,
+/// 0 past the tokens, outputs or inputs.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_tile<F: Float>(
+    x: &Tensor<F>,
+    w: &Tensor<F>,
+    shape: LinearShape,
+    first_row: u64,
+    first_column: u64,
+    k: u64,
+    unit: usize,
+    next_x: &mut Array<F>,
+    next_w: &mut Array<F>,
+    #[comptime] swiglu: bool,
+) {
+    #[unroll]
+    for i in 0..comptime!(TILE_ROWS * TILE_DEPTH / UNITS) {
+        let e = unit + i * UNITS;
+        let row = first_row + (e / TILE_DEPTH) as u64;
+        let at = k + (e % TILE_DEPTH) as u64;
+        next_x[i] = F::new(0.0);
+        if row < shape.tokens && at < shape.inner {
+            let at = (row * shape.x_stride + at) as usize;
+            if comptime![swiglu] {
+                let gate = x[at];
+                let up = x[at + shape.inner as usize];
+                next_x[i] = gate / (F::new(1.0) + (-gate).exp()) * up;
+            } else {
+                next_x[i] = x[at];
+            }
+        }
+    }
+    #[unroll]
+    for i in 0..comptime!(TILE_COLUMNS * TILE_DEPTH / UNITS) {
+        let e = unit + i * UNITS;
+        let column = first_column + (e / TILE_DEPTH) as u64;
+        let at = k + (e % TILE_DEPTH) as u64;
+        next_w[i] = F::new(0.0);
+        if column < shape.outputs && at < shape.inner {
+            next_w[i] = w[(column * shape.w_stride + at) as usize];
+        }
+    }
+}
+
 /// Where an output value goes: its token's input's sum of squares over `elements` values, its
 /// token and column.
 #[derive(CubeType, Clone, Copy)]

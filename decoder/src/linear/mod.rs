@@ -21,15 +21,13 @@ pub const MAX_TOKENS: usize = 16;
 
 /// The benchmark knobs, read once from the environment (where the kernels and Burn's matmul
 /// cross depends on the device):
-/// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's kernels take ([`MAX_TOKENS`]);
-/// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`);
-/// - `KVPLAN_PROJECTION_COLUMNS=1|2`: the cube kernel's columns a cube past two tokens (4).
+/// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's op takes ([`MAX_TOKENS`];
+///   past `MAX_TOKENS` it runs its tiled kernel, not yet measured against Burn's matmul);
+/// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`).
 struct Knobs {
     max_tokens: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     kernel: Option<bool>,
-    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
-    columns: usize,
 }
 
 fn knobs() -> &'static Knobs {
@@ -44,11 +42,6 @@ fn knobs() -> &'static Knobs {
                 Some("cube") => Some(false),
                 Some("vector") => Some(true),
                 _ => None,
-            },
-            columns: match var("KVPLAN_PROJECTION_COLUMNS").as_deref() {
-                Some("1") => 1,
-                Some("2") => 2,
-                _ => 4,
             },
         }
     })
@@ -65,12 +58,6 @@ fn max_tokens() -> usize {
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
 fn vector_kernel(outputs: usize, inner: usize) -> bool {
     knobs().kernel.unwrap_or(outputs >= 2 * inner)
-}
-
-/// Columns a cube kernel's cube makes for blocks of more than two tokens on fixed planes.
-#[cfg(any(feature = "vulkan", feature = "cuda"))]
-fn wide_columns() -> usize {
-    knobs().columns
 }
 
 /// What rides with a projection: an RMSNorm of its input, or SwiGLU, before; a residual, or

@@ -99,12 +99,93 @@ pub fn matches_reference(device: &Device) {
     matches_reference_in(device, DType::F32);
     misfits_are_nan(device);
     rope_matches_reference(device, DType::F32);
+    tiled_matches_reference(device, DType::F32);
     if exp_is_64_bit(device) {
         rope_matches_reference(device, DType::F64);
+        tiled_matches_reference(device, DType::F64);
     }
     greedy_matches_reference(device, DType::F32);
     if exp_is_64_bit(device) {
         greedy_matches_reference(device, DType::F64);
+    }
+}
+
+/// The op itself past `MAX_TOKENS` tokens (the tiled kernel on the Cube backend, which serving
+/// reaches with `KVPLAN_PROJECTION_MAX_TOKENS` raised) against the reference: every `Around`,
+/// several blocks of tokens and of columns with partial ones, inputs off the staged depth,
+/// weights whose rows are strided past their width.
+fn tiled_matches_reference(device: &Device, dtype: DType) {
+    let mut rng = Rng::new(0x711E);
+    let tolerance = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
+    let pairs = HEAD_DIM / 2;
+    for (tokens, inner, outputs) in [(17, 70, 12), (33, 64, 130), (40, 37, 9), (64, 100, 64)] {
+        let x = random(&mut rng, tokens * 2 * inner);
+        let wide = random(&mut rng, outputs * (inner + 3));
+        let w: Vec<f64> = wide
+            .chunks(inner + 3)
+            .flat_map(|row| row[..inner].to_vec())
+            .collect();
+        let residual = random(&mut rng, tokens * outputs);
+        let (cos, sin) = (
+            random(&mut rng, tokens * pairs),
+            random(&mut rng, tokens * pairs),
+        );
+        let rotated = outputs / 2 / HEAD_DIM * HEAD_DIM;
+        for (swiglu, add, rope, norm_eps) in [
+            (false, false, false, None),
+            (false, true, false, Some(1e-5)),
+            (false, false, true, Some(1e-5)),
+            (true, true, false, None),
+        ] {
+            let around = Around {
+                norm_eps,
+                swiglu,
+                add,
+                rope: rope.then_some(RopeShape {
+                    rotated,
+                    head_dim: HEAD_DIM,
+                }),
+            };
+            let width = if swiglu { 2 * inner } else { inner };
+            let input = &x[..tokens * width];
+            let device_x = upload(input, [tokens, width], device, dtype);
+            let device_w = upload(&wide, [outputs, inner + 3], device, dtype).narrow(1, 0, inner);
+            let device_residual = upload(&residual, [tokens, outputs], device, dtype);
+            let out = if rope {
+                <Dispatch as LinearBackend>::linear_rope(
+                    device_x.into_dispatch(),
+                    device_w.into_dispatch(),
+                    upload(&cos, [tokens, pairs], device, dtype).into_dispatch(),
+                    upload(&sin, [tokens, pairs], device, dtype).into_dispatch(),
+                    around,
+                )
+            } else {
+                <Dispatch as LinearBackend>::linear(
+                    device_x.into_dispatch(),
+                    device_w.into_dispatch(),
+                    device_residual.into_dispatch(),
+                    around,
+                )
+            };
+            let got = values(Tensor::from_dispatch(out));
+            let angles = Some([cos.as_slice(), sin.as_slice()]);
+            let expected = reference(
+                input,
+                &w,
+                &residual,
+                angles,
+                [tokens, inner, outputs],
+                around,
+            );
+            let what = format!("{tokens} x {inner} -> {outputs}, {around:?}, {dtype:?}");
+            assert_eq!(got.len(), expected.len(), "{what}: length");
+            for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+                assert!(
+                    (g - e).abs() <= tolerance * (1.0 + e.abs()),
+                    "{what}: element {i}: {g} against {e}"
+                );
+            }
+        }
     }
 }
 
