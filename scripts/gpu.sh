@@ -182,7 +182,8 @@ PY
           for ((i = 0; i < count; i++)); do
             name=${names[$(((i + row) % count))]}
             log="$OUT/builds-$name-$spec-$bs"
-            "/tmp/kvplan-bin/kvplan-$name" generate --backend cuda --spec "$mode" --draft-tokens "$k" ${ARGS:-} --batch "$bs" \
+            # RUN_TIMEOUT (seconds) bounds each run, so one slow warm-up does not take the call.
+            timeout "${RUN_TIMEOUT:-0}" "/tmp/kvplan-bin/kvplan-$name" generate --backend cuda --spec "$mode" --draft-tokens "$k" ${ARGS:-} --batch "$bs" \
               --limit "$limit" --max-new-tokens 128 --ignore-eos --json --file benches/prompts.txt > "$log.jsonl" 2> "$log.err"
             echo "$name,$spec,$bs,$(grep -h '^generate: [0-9]* requests' "$log.err" | cut -c1-150)"
             if grep -q '^graphs:' "$log.err"; then echo "ERROR: $name,$spec,$bs: a capture fell back"; fi
