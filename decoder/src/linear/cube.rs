@@ -77,12 +77,7 @@ pub(super) fn linear(
         let per_lane = (vectors as usize).div_ceil(LANES).max(1);
         let round = per_lane.div_ceil(per_lane.div_ceil(MAX_ROUND));
         let column_cubes = outputs.div_ceil(PLANE_COLUMNS * VECTOR_PLANES);
-        let x_cubes = column_cubes.min(65_535);
-        let cubes = CubeCount::Static(
-            x_cubes as u32,
-            column_cubes.div_ceil(x_cubes) as u32,
-            tokens.div_ceil(rows) as u32,
-        );
+        let cubes = grid(column_cubes, tokens.div_ceil(rows));
         let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
         let dtype = dtype_to_storage_type(x.dtype);
         let client = x.client.clone();
@@ -133,12 +128,7 @@ pub(super) fn linear(
         &around,
     );
     let column_cubes = outputs.div_ceil(columns);
-    let x_cubes = column_cubes.min(65_535);
-    let cubes = CubeCount::Static(
-        x_cubes as u32,
-        column_cubes.div_ceil(x_cubes) as u32,
-        tokens.div_ceil(rows) as u32,
-    );
+    let cubes = grid(column_cubes, tokens.div_ceil(rows));
     let dim = CubeDim::new_2d(LANES as u32, PLANES as u32);
     let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
     let dtype = dtype_to_storage_type(x.dtype);
@@ -192,12 +182,7 @@ fn linear_tiled(
         &around,
     );
     let column_cubes = outputs.div_ceil(TILE_COLUMNS);
-    let x_cubes = column_cubes.min(65_535);
-    let cubes = CubeCount::Static(
-        x_cubes as u32,
-        column_cubes.div_ceil(x_cubes) as u32,
-        tokens.div_ceil(TILE_ROWS) as u32,
-    );
+    let cubes = grid(column_cubes, tokens.div_ceil(TILE_ROWS));
     let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
     let dtype = dtype_to_storage_type(x.dtype);
     let client = x.client.clone();
@@ -260,8 +245,7 @@ pub(super) fn rope(
         return out;
     }
     let cubes = values.div_ceil(ROPE_UNITS);
-    let x_cubes = cubes.min(65_535);
-    let count = CubeCount::Static(x_cubes as u32, cubes.div_ceil(x_cubes) as u32, 1);
+    let count = grid(cubes, 1);
     let scalars = RopeScalarsLaunch::new(
         tokens as u64,
         width as u64,
@@ -305,8 +289,7 @@ pub(super) fn greedy(logits: CubeTensor) -> CubeTensor {
     if rows == 0 {
         return out;
     }
-    let x_cubes = rows.min(65_535);
-    let cubes = CubeCount::Static(x_cubes as u32, rows.div_ceil(x_cubes) as u32, 1);
+    let cubes = grid(rows, 1);
     let widest = logits.handle.size() as usize / logits.dtype.size();
     let address = if widest < (1 << 31) {
         AddressType::U32
@@ -361,6 +344,17 @@ fn linear_shape(
         } else {
             0
         },
+    )
+}
+
+/// `cubes` cubes along x (and y past 65,535), `blocks` along z: cube `(c, b)` reads `c` as
+/// `y * count_x + x`.
+fn grid(cubes: usize, blocks: usize) -> CubeCount {
+    let x_cubes = cubes.min(65_535);
+    CubeCount::Static(
+        x_cubes as u32,
+        cubes.div_ceil(x_cubes) as u32,
+        blocks as u32,
     )
 }
 

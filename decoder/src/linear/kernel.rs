@@ -109,14 +109,7 @@ pub fn linear_kernel<F: Float>(
                 inputs[i * rows + r] = F::new(0.0);
                 if inside && row < shape.tokens {
                     let at = (row * shape.x_stride + at) as usize;
-                    if comptime![swiglu] {
-                        // `silu(gate) * up`, the gate and up columns side by side in `x`.
-                        let gate = x[at];
-                        let up = x[at + shape.inner as usize];
-                        inputs[i * rows + r] = gate / (F::new(1.0) + (-gate).exp()) * up;
-                    } else {
-                        inputs[i * rows + r] = x[at];
-                    }
+                    inputs[i * rows + r] = input::<F>(x, at, shape.inner, swiglu);
                 }
             }
         }
@@ -359,13 +352,7 @@ fn load_tile<F: Float>(
         next_x[i] = F::new(0.0);
         if row < shape.tokens && at < shape.inner {
             let at = (row * shape.x_stride + at) as usize;
-            if comptime![swiglu] {
-                let gate = x[at];
-                let up = x[at + shape.inner as usize];
-                next_x[i] = gate / (F::new(1.0) + (-gate).exp()) * up;
-            } else {
-                next_x[i] = x[at];
-            }
+            next_x[i] = input::<F>(x, at, shape.inner, swiglu);
         }
     }
     #[unroll]
@@ -377,6 +364,19 @@ fn load_tile<F: Float>(
         if column < shape.outputs && at < shape.inner {
             next_w[i] = w[(column * shape.w_stride + at) as usize];
         }
+    }
+}
+
+/// The projection's input at `x[at]`: with `swiglu`, `silu(gate) * up` of the gate there and the
+/// up column `inner` past it (side by side in `x`).
+#[cube]
+fn input<F: Float>(x: &Tensor<F>, at: usize, inner: u64, #[comptime] swiglu: bool) -> F {
+    if comptime![swiglu] {
+        let gate = x[at];
+        let up = x[at + inner as usize];
+        gate / (F::new(1.0) + (-gate).exp()) * up
+    } else {
+        x[at]
     }
 }
 

@@ -35,6 +35,17 @@ fn values(tensor: Tensor<2>) -> Vec<f64> {
         .unwrap()
 }
 
+/// `got` has `expected`'s length and each value within `tolerance * (1 + |expected|)` of it.
+fn assert_close(got: &[f64], expected: &[f64], tolerance: f64, what: &str) {
+    assert_eq!(got.len(), expected.len(), "{what}: length");
+    for (i, (g, e)) in got.iter().zip(expected).enumerate() {
+        assert!(
+            (g - e).abs() <= tolerance * (1.0 + e.abs()),
+            "{what}: element {i}: {g} against {e}"
+        );
+    }
+}
+
 /// What follows the projection.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum After {
@@ -178,13 +189,7 @@ fn tiled_matches_reference(device: &Device, dtype: DType) {
                 around,
             );
             let what = format!("{tokens} x {inner} -> {outputs}, {around:?}, {dtype:?}");
-            assert_eq!(got.len(), expected.len(), "{what}: length");
-            for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-                assert!(
-                    (g - e).abs() <= tolerance * (1.0 + e.abs()),
-                    "{what}: element {i}: {g} against {e}"
-                );
-            }
+            assert_close(&got, &expected, tolerance, &what);
         }
     }
 }
@@ -218,13 +223,8 @@ fn rope_matches_reference(device: &Device, dtype: DType) {
         )));
         // Two products and a sum, rounded in the dtype (or fused).
         let tolerance = if dtype == DType::F64 { 1e-14 } else { 1e-6 };
-        assert_eq!(got.len(), expected.len(), "{tokens} x {width}: length");
-        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-            assert!(
-                (g - e).abs() <= tolerance * (1.0 + e.abs()),
-                "RoPE {tokens} x {width}, {dtype:?}: element {i}: {g} against {e}"
-            );
-        }
+        let what = format!("RoPE {tokens} x {width}, {dtype:?}");
+        assert_close(&got, &expected, tolerance, &what);
     }
 }
 
@@ -460,7 +460,6 @@ fn matches_reference_in(device: &Device, dtype: DType) {
                     around,
                 );
                 let got = inputs.run(after, norm_eps);
-                assert_eq!(got.len(), expected.len(), "{what}: length");
                 // Past `MAX_TOKENS` Burn's matmul runs, in TF32 on CUDA's tensor cores for f32:
                 // each product rounded to 10 bits (about 1e-3), 70 of them summed.
                 let tolerance = if tokens > MAX_TOKENS && dtype == DType::F32 {
@@ -468,12 +467,7 @@ fn matches_reference_in(device: &Device, dtype: DType) {
                 } else {
                     tolerance
                 };
-                for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-                    assert!(
-                        (g - e).abs() <= tolerance * (1.0 + e.abs()),
-                        "{what}: element {i}: {g} against {e}"
-                    );
-                }
+                assert_close(&got, &expected, tolerance, &what);
                 // Each token alone: the same bits as in the batch (one token's sums never
                 // depend on the others, so a verify window and a plain step agree).
                 if tokens <= MAX_TOKENS {
