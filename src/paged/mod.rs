@@ -892,10 +892,14 @@ impl PagedKv {
     /// one read-back brings every status of the step and the canary's violations.
     ///
     /// # Errors
-    /// `StepOrder` (no step open), `StepRequests` (another count of requests than `begin`),
-    /// `KeepPastWindow`: nothing changes then. A device-checked error of the step's ops (the
-    /// table, slots or runs were corrupted under the object) after the step's bookkeeping.
+    /// `StepOrder` (no step open, or called inside a captured step's forward: its graph ends it),
+    /// `StepRequests` (another count of requests than `begin`), `KeepPastWindow`: nothing changes
+    /// then. A device-checked error of the step's ops (the table, slots or runs were corrupted
+    /// under the object) after the step's bookkeeping.
     pub fn end(&mut self, keep: &[usize]) -> Result<StepReport, Error> {
+        if self.staged.is_some() {
+            return Err(step_order("end", "cannot run inside a captured step"));
+        }
         let Some(step) = self.step.as_ref() else {
             return Err(step_order("end", "needs a step begun"));
         };
@@ -1308,6 +1312,7 @@ impl PagedKv {
             ..
         }) = self.step.take()
         else {
+            // Not reached: inside a captured step `end` is refused and `begin` finds it open.
             return Err(step_order("end", "cannot run inside a captured step"));
         };
         let forwarded = launched.finish();

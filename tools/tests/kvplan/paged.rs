@@ -984,8 +984,9 @@ pub fn capture(device: &Device) {
 /// A verify step's begin and forward captured (`capture_forward`), then replayed with new windows
 /// (`replay_forward`), each step ended eagerly keeping part or all of its windows, against the
 /// same steps run eagerly on a twin: tokens, reports, pools, table and canary state bit for bit,
-/// the canary's run counters step for step. A replayed step's layers cannot attend again; the
-/// whole-step replay of a forward graph is refused with nothing changed.
+/// the canary's run counters step for step. `end` inside the captured forward and a replayed
+/// step's layers attending again are refused; the whole-step replay of a forward graph is refused
+/// with nothing changed.
 pub fn capture_forward(device: &Device) {
     let config = config();
     let tiny = Tiny::new(&config, 64, device);
@@ -1025,8 +1026,14 @@ pub fn capture_forward(device: &Device) {
         let windows = [(a, window[0].as_slice()), (b, window[1].as_slice())];
         let got = match graph.as_mut() {
             None => {
+                let tiny = &tiny;
                 let captured = graphed
-                    .capture_forward(&windows, |kv, inputs| tiny.forward(kv, inputs))
+                    .capture_forward(&windows, move |kv, inputs| {
+                        // The graph's step is ended outside it, never inside: refused, nothing
+                        // changed.
+                        assert_kind(kv.end(&keep), "step_order");
+                        tiny.forward(kv, inputs)
+                    })
                     .unwrap();
                 assert_eq!(captured.is_hardware(), hardware, "{captured:?}");
                 ints(graph.insert(captured).output().unwrap().clone())
