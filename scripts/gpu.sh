@@ -135,11 +135,12 @@ for part in "$@"; do
     decode-check)
       # The model is right on the GPU: greedy parity of the three drafting modes, in f64 (the
       # test's dtype: no near-tie flips between reduction orders) and in f32 (what is served);
-      # correctness only, so no warm-up. Compiled kernels kept between the runs (keyed by build).
+      # correctness only, so no warm-up; every step drafts (--spec-max-tokens 0). Compiled kernels
+      # kept between the runs (keyed by build).
       [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
       for dtype in ${DTYPES:-f64 f32}; do
         for spec in off ngram self; do
-          "$BIN" generate --backend cuda --no-warm-up --dtype "$dtype" --spec "$spec" --max-new-tokens 48 --json --limit 6 \
+          "$BIN" generate --backend cuda --no-warm-up --dtype "$dtype" --spec "$spec" --spec-max-tokens 0 --max-new-tokens 48 --json --limit 6 \
             --file benches/prompts.txt > "$OUT/parity-$dtype-$spec.jsonl" 2> "$OUT/parity-$dtype-$spec.err"
           echo "$dtype $spec: $(tail -1 "$OUT/parity-$dtype-$spec.err")"
         done
@@ -152,10 +153,10 @@ for part in "$@"; do
             && echo "parity $dtype off=$spec: equal" || echo "parity $dtype off=$spec: DIFFERENT"
         done
       done
-      "$BIN" generate --backend cuda --no-warm-up --spec ngram --max-new-tokens 32 --limit 4 --json \
+      "$BIN" generate --backend cuda --no-warm-up --spec ngram --spec-max-tokens 0 --max-new-tokens 32 --limit 4 --json \
         --file benches/prompts.txt > "$OUT/inject-clean.jsonl" 2> "$OUT/inject-clean.err"
       for kind in kv-byte stale-row; do
-        "$BIN" generate --backend cuda --no-warm-up --spec ngram --max-new-tokens 32 --limit 4 --json \
+        "$BIN" generate --backend cuda --no-warm-up --spec ngram --spec-max-tokens 0 --max-new-tokens 32 --limit 4 --json \
           --file benches/prompts.txt --inject-corruption "$kind" > "$OUT/inject-$kind.jsonl" 2> "$OUT/inject-$kind.err"
         grep -h "inject-corruption" "$OUT/inject-$kind.err"
         python3 - "$OUT/inject-clean.jsonl" "$OUT/inject-$kind.jsonl" <<'PY'

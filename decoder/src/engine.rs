@@ -94,6 +94,11 @@ pub struct EngineOptions {
     /// (`PagedKv::capture_forward`, up to [`VERIFY_GRAPHS`] shapes): one write, one dispatch,
     /// the tokens read; acceptance and `end` eager.
     pub graphs: bool,
+    /// A step drafts only while its rows' verify windows (`draft_tokens + 1` each) total at most
+    /// this many tokens; past it the step decodes (vLLM's `speculative_disable_by_batch_size`):
+    /// a wide verify step costs several decode steps (`benches/RESULTS.md`, session 39), more
+    /// than its few kept drafts save. `None`: every step drafts.
+    pub spec_max_tokens: Option<usize>,
 }
 
 impl Default for EngineOptions {
@@ -110,6 +115,7 @@ impl Default for EngineOptions {
             profile: false,
             repeat: None,
             graphs: false,
+            spec_max_tokens: Some(crate::linear::MAX_TOKENS),
         }
     }
 }
@@ -712,10 +718,12 @@ impl Engine {
     /// Each running request's window for this step.
     fn plan_rows(&self) -> Vec<RowWork> {
         let k = self.options.draft_tokens;
+        let drafts =
+            (self.options.spec_max_tokens).is_none_or(|most| self.running.len() * (k + 1) <= most);
         let mut work = Vec::with_capacity(self.running.len());
         for (index, request) in self.running.iter().enumerate() {
             let input = request.tokens[request.kv_len..].to_vec();
-            let decoding = input.len() == 1;
+            let decoding = drafts && input.len() == 1;
             let draft = match self.options.drafting {
                 Drafting::Ngram { .. } if decoding && !request.backoff.ready() => Vec::new(),
                 Drafting::Ngram { max_ngram } if decoding => {

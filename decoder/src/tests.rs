@@ -90,6 +90,7 @@ fn options(drafting: Drafting, max_batch: usize) -> EngineOptions {
         max_batch,
         kv_slots: 1024,
         max_context: 128,
+        spec_max_tokens: None,
         ..EngineOptions::default()
     }
 }
@@ -161,6 +162,33 @@ fn confidence_bounds_drafts(device: &Device) {
                 o.drafted,
                 per_step * (o.steps - 1),
                 "{drafting:?}, request {}",
+                o.id
+            );
+        }
+    }
+}
+
+/// `spec_max_tokens` stops drafting where the rows' windows would pass it, and only there: three
+/// rows of 5-token windows draft every decode step under a bound of 15, never under one of 4.
+fn spec_max_tokens_bounds_drafts(device: &Device) {
+    let requests = prompts(3, 0, 16);
+    let (plain, _) = serve(device, options(Drafting::Off, 3), requests.clone());
+    let drafting = Drafting::SelfSpeculative {
+        layers: 1,
+        min_confidence: 0.0,
+    };
+    for (most, per_step) in [(15, 4), (4, 0)] {
+        let bounded = EngineOptions {
+            spec_max_tokens: Some(most),
+            ..options(drafting, 3)
+        };
+        let (outcomes, _) = serve(device, bounded, requests.clone());
+        assert_eq!(tokens(&outcomes), tokens(&plain), "bound {most}");
+        for o in &outcomes {
+            assert_eq!(
+                o.drafted,
+                per_step * (o.steps - 1),
+                "bound {most}, request {}",
                 o.id
             );
         }
@@ -402,6 +430,11 @@ fn greedy_parity_vulkan() {
 #[test]
 fn confidence_bounds_drafts_flex() {
     confidence_bounds_drafts(&Device::flex());
+}
+
+#[test]
+fn spec_max_tokens_bounds_drafts_flex() {
+    spec_max_tokens_bounds_drafts(&Device::flex());
 }
 
 #[cfg(feature = "vulkan")]

@@ -25,7 +25,7 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
     [--max-new-tokens N] [--temperature T] [--seed S] [--batch N] [--dtype f32|f64]
     [--model FILE.gguf]
     [--inject-corruption kv-byte|stale-row] [--json] [--ignore-eos] [--limit N] [--profile]
-    [--warm-up|--no-warm-up] [--repeat-ops attention] [--graphs on|off]
+    [--warm-up|--no-warm-up] [--repeat-ops attention] [--graphs on|off] [--spec-max-tokens N]
   Each prompt is a user message rendered with the GGUF's chat template (--raw: plain completion).
   FILE holds one JSON object per line ({\"prompt\": ..., \"arrival_step\": 0, \"max_new_tokens\": 64}),
   or plain lines of prompt text (--limit N: the first N). Without prompts, a built-in set runs.
@@ -36,7 +36,9 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
   layer's store and attention (PagedKv::attend) twice on every other step (benchmarks: the
   steps' difference is what they cost a pipelined step). --graphs on replays greedy decode
   steps without drafts as graphs (each batch size captured once) and verify steps' forwards
-  (each window shape, up to 16), on by default on CUDA. On CUDA and Vulkan the requests are first served once untimed (--no-warm-up: not), which compiles and autotunes every
+  (each window shape, up to 16), on by default on CUDA. --spec-max-tokens N: a step drafts only
+  while its rows' windows (K + 1 each) total at most N tokens (default 16 on a GPU, where wider
+  verify steps cost more than their drafts save; 0: no bound, Flex's default). On CUDA and Vulkan the requests are first served once untimed (--no-warm-up: not), which compiles and autotunes every
   step shape.";
 
 /// The built-in prompts: two repetitive ones (lists and code, where drafts from the context pay).
@@ -70,6 +72,7 @@ struct Args {
     repeat: Option<OpKind>,
     warm_up: Option<bool>,
     graphs: Option<bool>,
+    spec_max_tokens: Option<usize>,
 }
 
 #[derive(Debug, Clone)]
@@ -173,7 +176,11 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         repeat: args.repeat,
         // Greedy steps replay as graphs (decode steps whole, verify forwards), by default on CUDA only.
         graphs: args.graphs.unwrap_or(backend == BackendName::Cuda),
-        ..EngineOptions::default()
+        spec_max_tokens: match args.spec_max_tokens {
+            Some(0) => None,
+            Some(most) => Some(most),
+            None => (backend != BackendName::Flex).then_some(kvplan_decoder::linear::MAX_TOKENS),
+        },
     };
     let eos = if args.ignore_eos {
         Vec::new()
@@ -197,11 +204,17 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
     let mut stream = tokenizer.detokenizer();
     let mut turn_ended = false;
     let mut generated = 0usize;
+    // Each request's first and latest token's arrival: its decode time (`decode_ms`).
+    let mut arrivals: Vec<Option<(Instant, Instant)>> = vec![None; requests.len()];
     let timer = gpu_timer();
     let started = Instant::now();
     let outcomes = engine
-        .run(requests.clone(), |_, tokens| {
+        .run(requests.clone(), |id, tokens| {
             generated += tokens.len();
+            let now = Instant::now();
+            if let Some(arrival) = arrivals.get_mut(id) {
+                *arrival = Some((arrival.map_or(now, |(first, _)| first), now));
+            }
             if streaming {
                 // The text ends at the end of the turn (tokens after it, under --ignore-eos,
                 // are counted, not shown).
@@ -230,7 +243,15 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         eprintln!();
     }
     for outcome in &outcomes {
-        report(&args, &tokenizer, &requests[outcome.id], outcome, streaming)?;
+        let decode = arrivals[outcome.id].map_or(0.0, |(first, last)| (last - first).as_secs_f64());
+        report(
+            &args,
+            &tokenizer,
+            &requests[outcome.id],
+            outcome,
+            decode,
+            streaming,
+        )?;
     }
     summary(&engine, &outcomes, elapsed.as_secs_f64());
     gpu_time(timer, engine.times().steps);
@@ -288,6 +309,7 @@ fn report(
     tokenizer: &Tokenizer,
     request: &Request,
     outcome: &Outcome,
+    decode_seconds: f64,
     streamed: bool,
 ) -> Result<(), String> {
     let text = tokenizer
@@ -308,6 +330,7 @@ fn report(
             "drafted": outcome.drafted,
             "accepted": outcome.accepted,
             "steps": outcome.steps,
+            "decode_ms": (decode_seconds * 1e6).round() / 1e3,
             "finish": format!("{:?}", outcome.finish).to_lowercase(),
             "canary_violations": violations,
         });
@@ -431,6 +454,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         repeat: None,
         warm_up: None,
         graphs: None,
+        spec_max_tokens: None,
     };
     let mut limit = None;
     let mut rest = args.iter();
@@ -465,6 +489,10 @@ fn parse(args: &[String]) -> Result<Args, String> {
                     "off" => false,
                     other => return Err(format!("--graphs {other:?}: on or off\n{USAGE}")),
                 })
+            }
+            "--spec-max-tokens" => {
+                parsed.spec_max_tokens =
+                    Some(number("--spec-max-tokens", value("--spec-max-tokens")?)?)
             }
             "--warm-up" => parsed.warm_up = Some(true),
             "--no-warm-up" => parsed.warm_up = Some(false),
@@ -671,5 +699,12 @@ mod tests {
         let graphs = |value: &str| parse(&["--graphs".into(), value.into()]).map(|a| a.graphs);
         assert_eq!(graphs("on"), Ok(Some(true)));
         assert_eq!(graphs("off"), Ok(Some(false)));
+        let bound = |value: &str| parse(&["--spec-max-tokens".into(), value.into()]);
+        assert_eq!(bound("0").map(|a| a.spec_max_tokens), Ok(Some(0)));
+        assert!(
+            bound("x")
+                .unwrap_err()
+                .starts_with("--spec-max-tokens \"x\": not a valid number\n")
+        );
     }
 }

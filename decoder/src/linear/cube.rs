@@ -10,8 +10,8 @@ use cubecl::prelude::*;
 
 use super::kernel::{
     GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS, PLANE_COLUMNS, PLANES, ROPE_UNITS,
-    RopeScalarsLaunch, TILE_COLUMNS, TILE_ROWS, VECTOR_PLANES, greedy_kernel, linear_kernel,
-    linear_tiled_kernel, linear_vector_kernel, rope_kernel,
+    RopeScalarsLaunch, VECTOR_PLANES, greedy_kernel, linear_kernel, linear_vector_kernel,
+    rope_kernel,
 };
 use super::{Around, RopeShape};
 
@@ -54,9 +54,6 @@ pub(super) fn linear(
     );
     if tokens == 0 || outputs == 0 {
         return out;
-    }
-    if tokens > super::MAX_TOKENS {
-        return linear_tiled(x, w, residual, [cos, sin], out, around);
     }
     let rows = tokens.next_power_of_two().min(MAX_ROWS);
     let properties = x.client.properties();
@@ -158,54 +155,6 @@ pub(super) fn linear(
             around.add,
             around.rope.is_some(),
             planes,
-            dtype,
-        );
-    }
-    out
-}
-
-/// Past `MAX_TOKENS` tokens (the op called for them: `KVPLAN_PROJECTION_MAX_TOKENS`), one launch
-/// of `linear_tiled_kernel`: a cube for each `TILE_COLUMNS` columns and `TILE_ROWS` tokens.
-fn linear_tiled(
-    x: CubeTensor,
-    w: CubeTensor,
-    residual: CubeTensor,
-    [cos, sin]: [CubeTensor; 2],
-    out: CubeTensor,
-    around: Around,
-) -> CubeTensor {
-    let (tokens, inner, outputs) = (x.shape()[0], w.shape()[1], w.shape()[0]);
-    let shape = linear_shape(
-        [tokens as u64, outputs as u64, inner as u64],
-        [&x, &w, &residual, &cos],
-        1,
-        &around,
-    );
-    let column_cubes = outputs.div_ceil(TILE_COLUMNS);
-    let cubes = grid(column_cubes, tokens.div_ceil(TILE_ROWS));
-    let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
-    let dtype = dtype_to_storage_type(x.dtype);
-    let client = x.client.clone();
-    // SAFETY: as `linear_kernel`'s: every load inside its tensor (loads past `tokens`, `outputs`
-    // or `inner` skipped), each output written by one unit.
-    unsafe {
-        linear_tiled_kernel::launch_unchecked(
-            &client,
-            cubes,
-            CubeDim::new_2d(LANES as u32, PLANES as u32),
-            address,
-            x.into_tensor_arg(),
-            w.into_tensor_arg(),
-            residual.into_tensor_arg(),
-            cos.into_tensor_arg(),
-            sin.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            shape,
-            around.norm_eps.unwrap_or(0.0) as f32,
-            around.norm_eps.is_some(),
-            around.swiglu,
-            around.add,
-            around.rope.is_some(),
             dtype,
         );
     }

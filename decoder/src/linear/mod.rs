@@ -21,8 +21,8 @@ pub const MAX_TOKENS: usize = 16;
 
 /// The benchmark knobs, read once from the environment (where the kernels and Burn's matmul
 /// cross depends on the device):
-/// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's op takes ([`MAX_TOKENS`];
-///   past `MAX_TOKENS` it runs its tiled kernel, not yet measured against Burn's matmul);
+/// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's op takes ([`MAX_TOKENS`]:
+///   past it Burn's matmul measured faster on an H100, `benches/RESULTS.md`, sessions 37 and 39);
 /// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`).
 struct Knobs {
     max_tokens: usize,

@@ -110,10 +110,10 @@ pub fn matches_reference(device: &Device) {
     matches_reference_in(device, DType::F32);
     misfits_are_nan(device);
     rope_matches_reference(device, DType::F32);
-    tiled_matches_reference(device, DType::F32);
+    wide_matches_reference(device, DType::F32);
     if exp_is_64_bit(device) {
         rope_matches_reference(device, DType::F64);
-        tiled_matches_reference(device, DType::F64);
+        wide_matches_reference(device, DType::F64);
     }
     greedy_matches_reference(device, DType::F32);
     if exp_is_64_bit(device) {
@@ -121,11 +121,11 @@ pub fn matches_reference(device: &Device) {
     }
 }
 
-/// The op itself past `MAX_TOKENS` tokens (the tiled kernel on the Cube backend, which serving
-/// reaches with `KVPLAN_PROJECTION_MAX_TOKENS` raised) against the reference: every `Around`,
-/// several blocks of tokens and of columns with partial ones, inputs off the staged depth,
-/// weights whose rows are strided past their width.
-fn tiled_matches_reference(device: &Device, dtype: DType) {
+/// The op itself past `MAX_TOKENS` tokens (serving reaches it with `KVPLAN_PROJECTION_MAX_TOKENS`
+/// raised; the Cube backend's kernel takes them in blocks of tokens) against the reference: every
+/// `Around`, several blocks of tokens and of columns with partial ones, weights whose rows are
+/// strided past their width.
+fn wide_matches_reference(device: &Device, dtype: DType) {
     let mut rng = Rng::new(0x711E);
     let tolerance = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
     let pairs = HEAD_DIM / 2;
