@@ -7,7 +7,7 @@ use std::ops::Range;
 use burn_core::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::gguf::Gguf;
-use crate::linear::{Rope, RopeShape, Weight, linear, linear_rope, swiglu_linear};
+use crate::linear::{Rope, RopeShape, Weight, linear, linear_rope, linear_swiglu};
 use crate::{DecoderError, Result};
 
 /// The shape of a Llama, read from a GGUF's `llama.*` metadata.
@@ -154,6 +154,20 @@ impl Llama {
             let rows = parts.iter().flat_map(|(rows, _)| rows).copied().collect();
             Weight::new(upload(rows, [width, inner]))
         };
+        // Row `i` of each part in turn (gate row `i`, then up row `i`): each SwiGLU pair's
+        // columns adjacent (`linear_swiglu`).
+        let interleaved = |parts: &[(Vec<f32>, usize)], inner: usize| -> Weight {
+            let parts: Vec<Vec<&[f32]>> = parts
+                .iter()
+                .map(|(rows, _)| rows.chunks(inner).collect())
+                .collect();
+            let count = parts.iter().map(Vec::len).min().unwrap_or(0);
+            let rows = (0..count)
+                .flat_map(|i| parts.iter().flat_map(move |part| part[i]))
+                .copied()
+                .collect();
+            Weight::new(upload(rows, [count * parts.len(), inner]))
+        };
         let matrices = |names: &[(String, usize)], inner: usize| -> Result<Weight> {
             Ok(side_by_side(&read(names, inner)?, inner))
         };
@@ -185,7 +199,7 @@ impl Llama {
                     hidden,
                 ),
                 wo: matrices(&[(name("attn_output"), hidden)], hidden)?,
-                w_gate_up: side_by_side(
+                w_gate_up: interleaved(
                     &read_normed(
                         &[(name("ffn_gate"), ffn), (name("ffn_up"), ffn)],
                         &name("ffn_norm"),
@@ -264,8 +278,8 @@ impl Llama {
             // Queries, keys and values go in as the one tensor they are: no slices.
             let attended = attend(layer, qkv)?;
             x = linear(attended, &block.wo, Some(x), None);
-            let gate_up = linear(x.clone(), &block.w_gate_up, None, Some(c.rms_eps));
-            x = swiglu_linear(gate_up, &block.w_down, x);
+            let gated = linear_swiglu(x.clone(), &block.w_gate_up, Some(c.rms_eps));
+            x = linear(gated, &block.w_down, Some(x), None);
         }
         Ok(x)
     }

@@ -34,7 +34,8 @@ pub(super) fn linear(
             .map(|[cos, sin]| [cos.shape().to_vec(), sin.shape().to_vec()]),
     );
     if !fit {
-        let shape = Shape::new([x.shape()[0], w.shape().first().copied().unwrap_or(0)]);
+        let outputs = w.shape().first().copied().unwrap_or(0);
+        let shape = Shape::new([x.shape()[0], super::out_columns(&around, outputs)]);
         let nan = InputScalar::new(f32::NAN, dtype_to_storage_type(x.dtype));
         return full_device_dtype(x.client, shape, x.device, nan, x.dtype);
     }
@@ -43,13 +44,12 @@ pub(super) fn linear(
     let [cos, sin] = angles
         .map(|angles| angles.map(rows_of_unit_stride))
         .unwrap_or_else(|| [x.clone(), x.clone()]);
-    // With SwiGLU `x` holds the gate and up columns side by side: the weight's width is the input's.
     let (tokens, inner) = (x.shape()[0], w.shape()[1]);
     let outputs = w.shape()[0];
     let out = empty_device_contiguous_dtype(
         x.client.clone(),
         x.device.clone(),
-        Shape::new([tokens, outputs]),
+        Shape::new([tokens, super::out_columns(&around, outputs)]),
         x.dtype,
     );
     if tokens == 0 || outputs == 0 {
@@ -110,8 +110,8 @@ pub(super) fn linear(
     // Columns a cube: each input load feeds that many sums. Where the lanes fold in shared memory
     // one, so the fold's buffer stays small.
     let columns = match (planes, rows) {
-        // RoPE turns pairs of adjacent columns: both in one cube.
-        (false, _) if around.rope.is_some() => 2,
+        // RoPE and SwiGLU take pairs of adjacent columns: both in one cube.
+        (false, _) if around.rope.is_some() || around.swiglu => 2,
         (false, _) => 1,
         (true, 1 | 2) => 2,
         (true, _) => 4,

@@ -46,10 +46,10 @@ pub struct LinearShape {
 /// Cube `(c, b)` (`c` flattened over x and y) makes output columns `c * columns ..` of tokens
 /// `b * rows ..` (`b` on z). With `norm`,
 /// each token's dot products are divided by its input's RMS (`sqrt(mean(x^2) + eps)`: an RMSNorm
-/// whose weight is folded into `w`); with `swiglu`, the input is `silu(gate) * up` of `x`'s two
-/// halves (`[tokens, 2 * inner]`); with `add`, `residual` is added; with `rope`, each pair of
+/// whose weight is folded into `w`); with `add`, `residual` is added; with `rope`, each pair of
 /// columns `(2i, 2i + 1)` of a head below `rotated` is rotated by its token's angle of pair `i`
-/// (`cos`, `sin`: `[tokens, pairs]`), which needs `columns` even. A unit loads `unroll` of its
+/// (`cos`, `sin`: `[tokens, pairs]`); with `swiglu`, each pair gives `silu(2i) * (2i + 1)` as
+/// column `i` of `out` (`[tokens, outputs / 2]`). A pair needs `columns` even. A unit loads `unroll` of its
 /// columns at once before it adds them. With `planes` (planes exactly `LANES` wide: CUDA) the lanes
 /// fold by plane sums, else in shared memory.
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -109,7 +109,7 @@ pub fn linear_kernel<F: Float>(
                 inputs[i * rows + r] = F::new(0.0);
                 if inside && row < shape.tokens {
                     let at = (row * shape.x_stride + at) as usize;
-                    inputs[i * rows + r] = input::<F>(x, at, shape.inner, swiglu);
+                    inputs[i * rows + r] = x[at];
                 }
             }
         }
@@ -162,7 +162,7 @@ pub fn linear_kernel<F: Float>(
             #[unroll]
             for p in 0..PLANES {
                 value += planes_sums[p * values + j];
-                if comptime![rope] {
+                if comptime![rope || swiglu] {
                     partner += planes_sums[p * values + (j ^ 1)];
                 }
                 if comptime![norm] {
@@ -177,21 +177,9 @@ pub fn linear_kernel<F: Float>(
             };
             finish::<F>(
                 value, partner, around, shape, eps, residual, cos, sin, out, norm, add, rope,
+                swiglu,
             );
         }
-    }
-}
-
-/// The projection's input at `x[at]`: with `swiglu`, `silu(gate) * up` of the gate there and the
-/// up column `inner` past it (side by side in `x`).
-#[cube]
-fn input<F: Float>(x: &Tensor<F>, at: usize, inner: u64, #[comptime] swiglu: bool) -> F {
-    if comptime![swiglu] {
-        let gate = x[at];
-        let up = x[at + inner as usize];
-        gate / (F::new(1.0) + (-gate).exp()) * up
-    } else {
-        x[at]
     }
 }
 
@@ -222,6 +210,7 @@ fn finish<F: Float>(
     #[comptime] norm: bool,
     #[comptime] add: bool,
     #[comptime] rope: bool,
+    #[comptime] swiglu: bool,
 ) {
     let (row, column) = (at.row, at.column);
     let mut value = value;
@@ -245,7 +234,15 @@ fn finish<F: Float>(
     if comptime![add] {
         value += residual[(row * shape.residual_stride + column) as usize];
     }
-    out[(row * shape.outputs + column) as usize] = value;
+    if comptime![swiglu] {
+        // The pair's even column writes `silu(gate) * up`; the odd one nothing.
+        if column % 2 == 0 {
+            let gated = value / (F::new(1.0) + (-value).exp()) * partner;
+            out[(row * (shape.outputs / 2) + column / 2) as usize] = gated;
+        }
+    } else {
+        out[(row * shape.outputs + column) as usize] = value;
+    }
 }
 
 /// Scalars of a RoPE launch.
@@ -455,12 +452,7 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
                 for i in 0..round {
                     let at = k + i * LANES;
                     if at < vectors {
-                        let mut value = x[x_rows[r] + at];
-                        if comptime![swiglu] {
-                            // `silu(gate) * up`, the gate and up columns side by side in `x`.
-                            let up = x[x_rows[r] + at + vectors];
-                            value = value / (Vector::new(F::new(1.0)) + (-value).exp()) * up;
-                        }
+                        let value = x[x_rows[r] + at];
                         if comptime![norm] {
                             squares[r] += value * value;
                         }
@@ -530,6 +522,7 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
                     norm,
                     add,
                     rope,
+                    swiglu,
                 );
             }
         }

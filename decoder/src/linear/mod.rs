@@ -60,14 +60,15 @@ fn vector_kernel(outputs: usize, inner: usize) -> bool {
     knobs().kernel.unwrap_or(outputs >= 2 * inner)
 }
 
-/// What rides with a projection: an RMSNorm of its input, or SwiGLU, before; a residual, or
-/// RoPE, after.
+/// What rides with a projection: an RMSNorm of its input before; a residual, RoPE or SwiGLU
+/// after.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Around {
     /// `Some(eps)`: each token's output divided by `sqrt(mean(x^2) + eps)` of its input (the
     /// norm's weight is folded into the matrix).
     pub norm_eps: Option<f64>,
-    /// The input is `silu(gate) * up` of `x`'s two halves, gate first (`[tokens, 2 * inner]`).
+    /// Each pair of output columns `(2i, 2i + 1)`, gate then up, gives column `i` of the output
+    /// (`[tokens, outputs / 2]`): `silu(gate) * up`. Neither residual nor RoPE with it.
     pub swiglu: bool,
     /// The residual (the third input) added to the output.
     pub add: bool,
@@ -89,10 +90,10 @@ pub struct RopeShape {
 /// reference (default bodies) everywhere else.
 #[backend_extension(Fusion, Flex, Cube: cfg(any(feature = "vulkan", feature = "cuda")))]
 pub trait LinearBackend: Backend {
-    /// `[residual +] (x [/ rms(x)]) w^T` for `x` `[tokens, inner]` (`[tokens, 2 * inner]` with
-    /// `around.swiglu`), `w` `[outputs, inner]` and `residual` `[tokens, outputs]` (unread
-    /// without `around.add`), in `x`'s float dtype.
-    #[fusion(meta = |x, w, _residual, _around| TensorSpec::new([x.shape[0], w.shape[0]].into(), x.dtype))]
+    /// `[residual +] (x [/ rms(x)]) w^T` for `x` `[tokens, inner]`, `w` `[outputs, inner]` and
+    /// `residual` `[tokens, outputs]` (unread without `around.add`), in `x`'s float dtype; with
+    /// `around.swiglu`, `[tokens, outputs / 2]` of its column pairs.
+    #[fusion(meta = |x, w, _residual, around| TensorSpec::new([x.shape[0], out_columns(&around, w.shape[0])].into(), x.dtype))]
     fn linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
@@ -135,10 +136,15 @@ pub trait LinearBackend: Backend {
     }
 }
 
-/// Whether a projection's inputs fit each other and `around` (`x` `[tokens, inner]`, or `[tokens,
-/// 2 * inner]` with SwiGLU; `w` `[outputs, inner]`; the residual `[tokens, outputs]` when added;
-/// RoPE of whole even heads within the outputs, with angles `[tokens, head_dim / 2]`). An op given
-/// inputs that do not returns NaN, its launch never made (no read past an input).
+/// Output columns of a projection of `outputs` columns: half with SwiGLU (a column a pair).
+pub(crate) fn out_columns(around: &Around, outputs: usize) -> usize {
+    if around.swiglu { outputs / 2 } else { outputs }
+}
+
+/// Whether a projection's inputs fit each other and `around` (`x` `[tokens, inner]`; `w`
+/// `[outputs, inner]`; the residual `[tokens, outputs]` when added; RoPE of whole even heads
+/// within the outputs, with angles `[tokens, head_dim / 2]`; SwiGLU of even outputs, alone). An op
+/// given inputs that do not returns NaN, its launch never made (no read past an input).
 pub(crate) fn fits(
     around: &Around,
     x: &[usize],
@@ -150,12 +156,12 @@ pub(crate) fn fits(
         <[usize; 2]>::try_from(x).unwrap_or([0, usize::MAX]),
         <[usize; 2]>::try_from(w).unwrap_or([0, 0]),
     );
-    let width = if around.swiglu { 2 * inner } else { inner };
     let residual_fits = !around.add || residual == Some(vec![tokens, outputs]);
     let rope_fits = around
         .rope
         .is_none_or(|rope| rope_fits(rope, [tokens, outputs], angles));
-    x_cols == width && residual_fits && rope_fits
+    let swiglu_fits = !around.swiglu || (outputs % 2 == 0 && !around.add && around.rope.is_none());
+    x_cols == inner && residual_fits && rope_fits && swiglu_fits
 }
 
 /// Whether RoPE of whole even heads within `[tokens, columns]` fits its angles (`[tokens,
@@ -183,7 +189,10 @@ fn host_linear<B: Backend>(
 ) -> FloatTensor<B> {
     let device = x.device();
     let dtype = x.dtype();
-    let out_shape = [x.shape()[0], w.shape().first().copied().unwrap_or(0)];
+    let out_shape = [
+        x.shape()[0],
+        out_columns(&around, w.shape().first().copied().unwrap_or(0)),
+    ];
     let fit = fits(
         &around,
         &x.shape(),
@@ -224,7 +233,7 @@ fn host_linear<B: Backend>(
         .map(|[cos, sin]| [cos.as_slice(), sin.as_slice()]);
     let values = reference(&x, &w, &residual, angles, [tokens, inner, outputs], around);
     B::float_from_data(
-        TensorData::new(values, [tokens, outputs]).convert_dtype(dtype),
+        TensorData::new(values, out_shape).convert_dtype(dtype),
         &device,
     )
 }
@@ -328,28 +337,20 @@ pub fn reference(
     around: Around,
 ) -> Vec<f64> {
     let pairs = around.rope.map_or(0, |rope| rope.head_dim / 2);
-    let width = if around.swiglu { 2 * inner } else { inner };
-    let readable = x.len() == tokens * width
+    let columns = out_columns(&around, outputs);
+    let readable = x.len() == tokens * inner
         && w.len() == outputs * inner
         && (!around.add || residual.len() == tokens * outputs)
         && (around.rope.is_none()
             || angles.is_some_and(|[cos, sin]| {
                 cos.len() == tokens * pairs && sin.len() == tokens * pairs
             }));
-    let mut out = vec![f64::NAN; tokens * outputs];
+    let mut out = vec![f64::NAN; tokens * columns];
     if !readable {
         return out;
     }
     for t in 0..tokens {
-        let row: Vec<f64> = if around.swiglu {
-            let (gate, up) = x[t * width..][..width].split_at(inner);
-            gate.iter()
-                .zip(up)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                .collect()
-        } else {
-            x[t * inner..][..inner].to_vec()
-        };
+        let row = &x[t * inner..][..inner];
         let scale = around.norm_eps.map_or(1.0, |eps| {
             let mean = row.iter().map(|v| v * v).sum::<f64>() / inner as f64;
             1.0 / (mean + eps).sqrt()
@@ -362,6 +363,13 @@ pub fn reference(
                 .sum();
             dot * scale
         };
+        if around.swiglu {
+            for (i, value) in out[t * columns..][..columns].iter_mut().enumerate() {
+                let (gate, up) = (dot(2 * i), dot(2 * i + 1));
+                *value = gate / (1.0 + (-gate).exp()) * up;
+            }
+            continue;
+        }
         for n in 0..outputs {
             let add = if around.add {
                 residual[t * outputs + n]
@@ -443,28 +451,33 @@ pub fn linear(
     ))
 }
 
-/// `residual + (silu(gate) * up) w^T` of `gate_up` (`[tokens, 2 * inner]`, gate first) on its
-/// device: the extension's one launch up to [`MAX_TOKENS`] tokens, Burn's ops past them.
-pub fn swiglu_linear(gate_up: Tensor<2>, w: &Weight, residual: Tensor<2>) -> Tensor<2> {
-    if gate_up.dims()[0] > max_tokens() {
-        let inner = gate_up.dims()[1] / 2;
-        let gate = gate_up.clone().narrow(1, 0, inner);
-        let up = gate_up.narrow(1, inner, inner);
+/// `silu(gate) * up` of `(x [/ rms(x)]) w^T`'s column pairs (`w`'s rows gate, up, gate, ..:
+/// `[tokens, outputs / 2]`), on `x`'s device: the extension's one launch up to [`MAX_TOKENS`]
+/// tokens, Burn's ops past them.
+pub fn linear_swiglu(x: Tensor<2>, w: &Weight, norm_eps: Option<f64>) -> Tensor<2> {
+    let tokens = x.dims()[0];
+    if tokens > max_tokens() {
+        let pairs = normed(x, norm_eps).matmul(w.columns.clone());
+        let half = pairs.dims()[1] / 2;
+        let pairs = pairs.reshape([tokens, half, 2]);
+        let gate = pairs.clone().narrow(2, 0, 1);
+        let up = pairs.narrow(2, 1, 1);
         // `gate / (1 + exp(-gate))` in plain ops: Burn's `silu` on CUDA loses f64 precision
         // (relative 4e-7 seen), which the f64 parity runs rely on.
         let silu = gate.clone() / gate.neg().exp().add_scalar(1.0);
-        return residual + (silu * up).matmul(w.columns.clone());
+        return (silu * up).reshape([tokens, half]);
     }
     let around = Around {
-        norm_eps: None,
+        norm_eps,
         swiglu: true,
-        add: true,
+        add: false,
         rope: None,
     };
+    // `x` stands in for the residual (bound, never read).
     Tensor::from_dispatch(<Dispatch as LinearBackend>::linear(
-        gate_up.into_dispatch(),
+        x.clone().into_dispatch(),
         w.rows.clone().into_dispatch(),
-        residual.into_dispatch(),
+        x.into_dispatch(),
         around,
     ))
 }
