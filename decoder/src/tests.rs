@@ -145,50 +145,38 @@ fn greedy_parity(device: &Device) {
 }
 
 /// A self-speculative row drafts `k` tokens a decode step at confidence 0 and one at confidence 1
-/// (every draft probability is below 1), with plain greedy's tokens either way.
+/// (every draft probability is below 1); `spec_max_tokens` stops drafting where the rows'
+/// windows would pass it, and only there (three rows of 5-token windows draft every decode step
+/// under a bound of 15, never under one of 4). Plain greedy's tokens every time.
 fn confidence_bounds_drafts(device: &Device) {
     let requests = prompts(3, 0, 16);
     let (plain, _) = serve(device, options(Drafting::Off, 3), requests.clone());
-    for (min_confidence, per_step) in [(0.0, 4), (1.0, 1)] {
+    for (min_confidence, most, per_step) in [
+        (0.0, None, 4),
+        (1.0, None, 1),
+        (0.0, Some(15), 4),
+        (0.0, Some(4), 0),
+    ] {
         let drafting = Drafting::SelfSpeculative {
             layers: 1,
             min_confidence,
         };
-        let (outcomes, _) = serve(device, options(drafting, 3), requests.clone());
-        assert_eq!(tokens(&outcomes), tokens(&plain), "{drafting:?}");
-        for o in &outcomes {
-            // Every step after the prefill decodes and drafts.
-            assert_eq!(
-                o.drafted,
-                per_step * (o.steps - 1),
-                "{drafting:?}, request {}",
-                o.id
-            );
-        }
-    }
-}
-
-/// `spec_max_tokens` stops drafting where the rows' windows would pass it, and only there: three
-/// rows of 5-token windows draft every decode step under a bound of 15, never under one of 4.
-fn spec_max_tokens_bounds_drafts(device: &Device) {
-    let requests = prompts(3, 0, 16);
-    let (plain, _) = serve(device, options(Drafting::Off, 3), requests.clone());
-    let drafting = Drafting::SelfSpeculative {
-        layers: 1,
-        min_confidence: 0.0,
-    };
-    for (most, per_step) in [(15, 4), (4, 0)] {
         let bounded = EngineOptions {
-            spec_max_tokens: Some(most),
+            spec_max_tokens: most,
             ..options(drafting, 3)
         };
         let (outcomes, _) = serve(device, bounded, requests.clone());
-        assert_eq!(tokens(&outcomes), tokens(&plain), "bound {most}");
+        assert_eq!(
+            tokens(&outcomes),
+            tokens(&plain),
+            "{drafting:?}, bound {most:?}"
+        );
         for o in &outcomes {
+            // Every step after the prefill decodes (and drafts, within the bound).
             assert_eq!(
                 o.drafted,
                 per_step * (o.steps - 1),
-                "bound {most}, request {}",
+                "{drafting:?}, bound {most:?}, request {}",
                 o.id
             );
         }
@@ -430,11 +418,6 @@ fn greedy_parity_vulkan() {
 #[test]
 fn confidence_bounds_drafts_flex() {
     confidence_bounds_drafts(&Device::flex());
-}
-
-#[test]
-fn spec_max_tokens_bounds_drafts_flex() {
-    spec_max_tokens_bounds_drafts(&Device::flex());
 }
 
 #[cfg(feature = "vulkan")]
