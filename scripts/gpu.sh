@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-builds|decode-check|gputime|ncu-decode|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-builds|decode-prompts|decode-check|gputime|ncu-decode|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
 set -uo pipefail
 BIN=${BIN:-/tmp/kvplan-bin/kvplan}
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -192,6 +192,24 @@ PY
           row=$((row + 1))
         done
       done
+      ;;
+    decode-prompts)
+      # N-gram (k = 10) against spec off prompt by prompt at batch 1 (graphs on): each request's
+      # decode time (first token to last, `decode_ms`), 128 new tokens, after warm-up.
+      [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
+      for spec in off ngram; do
+        timeout "${RUN_TIMEOUT:-0}" "$BIN" generate --backend cuda --spec "$spec" --draft-tokens 10 --batch 1 --limit 4 \
+          --max-new-tokens 128 --ignore-eos --json --file benches/prompts.txt > "$OUT/prompts-$spec.jsonl" 2> "$OUT/prompts-$spec.err"
+        echo "$spec: $(grep -h '^generate: [0-9]* requests' "$OUT/prompts-$spec.err" | cut -c1-110)"
+      done
+      python3 - "$OUT/prompts-off.jsonl" "$OUT/prompts-ngram.jsonl" <<'PY'
+import json, sys
+off, ngram = ([json.loads(l) for l in open(f)] for f in sys.argv[1:3])
+for a, b in zip(off, ngram):
+    print(f"{a['prompt'][:32]:32} off {a['decode_ms']:7.1f} ms, n-gram {b['decode_ms']:7.1f} ms "
+          f"({b['steps']} steps, {b['accepted']}/{b['drafted']} kept): {a['decode_ms'] / b['decode_ms']:.2f}x, "
+          f"tokens {'equal' if a['tokens'] == b['tokens'] else 'DIFFERENT'}")
+PY
       ;;
     decode|decode-ab)
       # Tokens/s, 128 new tokens, batch 1 (4 prompts one at a time), 8 and 32; spec off, n-gram
