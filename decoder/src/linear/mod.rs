@@ -11,7 +11,8 @@ use burn_core as burn; // the paths `#[backend_extension]` generates
 use burn_core::backend::fusion::custom::TensorSpec;
 use burn_core::backend::tensor::{FloatTensor, IntTensor};
 use burn_core::backend::{
-    Backend, Dispatch, Flex, TensorData, TensorMetadata, backend_extension, try_read_sync,
+    Backend, Dispatch, DispatchDevice, Flex, TensorData, TensorMetadata, backend_extension,
+    try_read_sync,
 };
 use burn_core::tensor::Tensor;
 
@@ -49,6 +50,13 @@ fn knobs() -> &'static Knobs {
 
 fn max_tokens() -> usize {
     knobs().max_tokens
+}
+
+/// Whether a projection of `x` runs the extension's op: up to `max_tokens()` tokens, on a device
+/// with its kernels. Flex's op is the host reference, which reads every weight back a call (20x
+/// slower than Burn's matmul there: `benches/RESULTS.md`, session 39), so Flex takes Burn's ops.
+fn extension_op(x: &Tensor<2>) -> bool {
+    x.dims()[0] <= max_tokens() && !matches!(x.device().as_dispatch(), DispatchDevice::Flex(_))
 }
 
 /// Whether a projection of `outputs` columns from rows of `inner` runs
@@ -423,7 +431,7 @@ pub struct Rope {
 }
 
 /// `[residual +] (x [/ rms(x)]) w^T` on `x`'s device: the extension's one launch up to
-/// [`MAX_TOKENS`] tokens, Burn's ops past them. Shapes are the model's own (checked at load), so
+/// [`MAX_TOKENS`] tokens on a GPU, Burn's ops past them and on Flex. Shapes are the model's own (checked at load), so
 /// nothing here fails.
 pub fn linear(
     x: Tensor<2>,
@@ -431,7 +439,7 @@ pub fn linear(
     residual: Option<Tensor<2>>,
     norm_eps: Option<f64>,
 ) -> Tensor<2> {
-    if x.dims()[0] > max_tokens() {
+    if !extension_op(&x) {
         let y = normed(x, norm_eps).matmul(w.columns.clone());
         return residual.map_or(y.clone(), |residual| residual + y);
     }
@@ -453,10 +461,10 @@ pub fn linear(
 
 /// `silu(gate) * up` of `(x [/ rms(x)]) w^T`'s column pairs (`w`'s rows gate, up, gate, ..:
 /// `[tokens, outputs / 2]`), on `x`'s device: the extension's one launch up to [`MAX_TOKENS`]
-/// tokens, Burn's ops past them.
+/// tokens on a GPU, Burn's ops past them and on Flex.
 pub fn linear_swiglu(x: Tensor<2>, w: &Weight, norm_eps: Option<f64>) -> Tensor<2> {
     let tokens = x.dims()[0];
-    if tokens > max_tokens() {
+    if !extension_op(&x) {
         let pairs = normed(x, norm_eps).matmul(w.columns.clone());
         let half = pairs.dims()[1] / 2;
         let pairs = pairs.reshape([tokens, half, 2]);
@@ -483,9 +491,9 @@ pub fn linear_swiglu(x: Tensor<2>, w: &Weight, norm_eps: Option<f64>) -> Tensor<
 }
 
 /// `(x [/ rms(x)]) w^T` with RoPE of its first `rope.shape.rotated` columns, on `x`'s device: the
-/// extension's one launch up to [`MAX_TOKENS`] tokens, Burn's ops past them.
+/// extension's one launch up to [`MAX_TOKENS`] tokens on a GPU, Burn's ops past them and on Flex.
 pub fn linear_rope(x: Tensor<2>, w: &Weight, rope: &Rope, norm_eps: Option<f64>) -> Tensor<2> {
-    if x.dims()[0] > max_tokens() {
+    if !extension_op(&x) {
         let y = normed(x, norm_eps).matmul(w.columns.clone());
         return Tensor::from_dispatch(<Dispatch as LinearBackend>::rope(
             y.into_dispatch(),

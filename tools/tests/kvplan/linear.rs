@@ -1,5 +1,6 @@
-//! The decoder's projection (`kvplan_decoder::linear`) against its host reference, on Flex (the
-//! reference body), Vulkan and CUDA (the kernel; f64 where the device's f64 is exact, and f32):
+//! The decoder's projection (`kvplan_decoder::linear`) against its host reference, on Flex (Burn's
+//! ops; the op's own body, the reference, where a case calls the op), Vulkan and CUDA (the kernel;
+//! f64 where the device's f64 is exact, and f32):
 //! random inputs from a fixed seed, with and without the norm, each of nothing, a residual, RoPE
 //! and SwiGLU after; token counts across the kernel's row blocks and past `MAX_TOKENS` (Burn's ops),
 //! shapes off every tile multiple, weights whose rows are strided past their width; and each
@@ -8,7 +9,7 @@
 
 use burn_core::tensor::{DType, Device, Tensor, TensorData};
 
-use burn_core::backend::Dispatch;
+use burn_core::backend::{Dispatch, DispatchDevice};
 use kvplan_decoder::linear::{
     Around, LinearBackend, MAX_TOKENS, Rope, RopeShape, Weight, greedy, linear, linear_rope,
     linear_swiglu, reference, rope_reference,
@@ -407,6 +408,7 @@ fn misfits_are_nan(device: &Device) {
 }
 
 fn matches_reference_in(device: &Device, dtype: DType) {
+    let flex = matches!(device.as_dispatch(), DispatchDevice::Flex(_));
     let mut rng = Rng::new(0x11EA);
     let tolerance = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
     let cases = [
@@ -488,16 +490,18 @@ fn matches_reference_in(device: &Device, dtype: DType) {
                 // each product rounded to 10 bits (about 1e-3), 70 of them summed.
                 let tolerance = if tokens > MAX_TOKENS && dtype == DType::F32 {
                     2e-2
-                } else if after == After::SwiGlu && dtype == DType::F32 {
-                    // `silu(gate) * up` scales the gate's rounding by `up` (about 10 here).
+                } else if (flex || after == After::SwiGlu) && dtype == DType::F32 {
+                    // Flex: Burn's norm and blocked matmul sum in other orders; `silu(gate) *
+                    // up` scales the gate's rounding by `up` (about 10 here).
                     1e-3
                 } else {
                     tolerance
                 };
                 assert_close(&got, &expected, tolerance, &what);
-                // Each token alone: the same bits as in the batch (one token's sums never
-                // depend on the others, so a verify window and a plain step agree).
-                if tokens <= MAX_TOKENS {
+                // Each token alone: the same bits as in the batch (the kernels' sums for one
+                // token never depend on the others, so a verify window and a plain step agree;
+                // Flex runs Burn's matmul).
+                if tokens <= MAX_TOKENS && !flex {
                     for t in [0, tokens / 2, tokens - 1] {
                         let row = inputs.token(t).run(after, norm_eps);
                         let bits =
