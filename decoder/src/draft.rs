@@ -24,10 +24,11 @@ pub fn ngram_draft(context: &[u32], max_ngram: usize, k: usize) -> Vec<u32> {
 /// The most decode steps a request waits before it looks up a draft again.
 pub const MAX_WAIT: usize = 16;
 
-/// When a request drafts by lookup: after a draft wholly rejected it waits 1, 2, 4 .. [`MAX_WAIT`]
-/// decode steps before it looks again, and an accepted draft token ends the wait. A verify step
-/// costs more than a decode step, so a request whose lookups keep missing decodes at the plain
-/// step's cost, and one whose lookups pay keeps drafting every step.
+/// When a request drafts by lookup: after a draft that missed it waits 1, 2, 4 .. [`MAX_WAIT`]
+/// decode steps before it looks again, and a draft that paid ends the wait. A draft pays when it
+/// keeps at least a quarter of its tokens: a verify step of 11 tokens costs about 2.6 decode
+/// steps on an H100 (`benches/RESULTS.md`, session 39), so a request whose lookups keep missing
+/// decodes at about the plain step's cost, and one whose lookups pay keeps drafting every step.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Backoff {
     /// Decode steps left before the next lookup.
@@ -42,12 +43,12 @@ impl Backoff {
         self.wait == 0
     }
 
-    /// After a decode step: `drafted` whether it verified a looked-up draft, `accepted` how many
-    /// of its tokens were kept.
-    pub fn after_step(&mut self, drafted: bool, accepted: usize) {
-        if !drafted {
+    /// After a decode step: `draft` the length of the looked-up draft it verified (0: none),
+    /// `accepted` how many of its tokens were kept.
+    pub fn after_step(&mut self, draft: usize, accepted: usize) {
+        if draft == 0 {
             self.wait = self.wait.saturating_sub(1);
-        } else if accepted > 0 {
+        } else if accepted > 0 && 4 * accepted >= draft {
             *self = Self::default();
         } else {
             self.next = (self.next * 2).clamp(1, MAX_WAIT);
@@ -64,20 +65,22 @@ mod tests {
     fn backoff_doubles_on_misses_and_ends_on_a_hit() {
         let mut backoff = Backoff::default();
         assert!(backoff.ready());
-        // Misses wait 1, 2, 4, 8, 16, 16 steps.
-        for wait in [1, 2, 4, 8, 16, 16] {
-            backoff.after_step(true, 0);
+        // Misses (nothing kept, or under a quarter of the draft) wait 1, 2, 4, 8, 16, 16 steps.
+        for (wait, accepted) in [(1, 0), (2, 2), (4, 0), (8, 1), (16, 0), (16, 2)] {
+            backoff.after_step(10, accepted);
             for _ in 0..wait {
                 assert!(!backoff.ready(), "waiting {wait}");
-                backoff.after_step(false, 0);
+                backoff.after_step(0, 0);
             }
             assert!(backoff.ready(), "after {wait}");
         }
-        // A hit: ready at once, and the next miss waits one step again.
-        backoff.after_step(true, 2);
+        // A hit (a quarter of the draft kept): ready at once, and the next miss waits one step.
+        backoff.after_step(10, 3);
         assert!(backoff.ready());
-        backoff.after_step(true, 0);
-        backoff.after_step(false, 0);
+        backoff.after_step(3, 0);
+        backoff.after_step(0, 0);
+        assert!(backoff.ready());
+        backoff.after_step(3, 1);
         assert!(backoff.ready());
     }
 

@@ -990,7 +990,8 @@ impl Engine {
             request.drafted += w.draft.len();
             request.accepted += kept - w.input.len();
             if w.input.len() == 1 {
-                request.backoff.after_step(w.lookup, kept - w.input.len());
+                let looked_up = if w.lookup { w.draft.len() } else { 0 };
+                request.backoff.after_step(looked_up, kept - w.input.len());
             }
             request.steps += 1;
             on_tokens(request.id, &emitted);
