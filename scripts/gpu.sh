@@ -194,11 +194,11 @@ PY
       done
       ;;
     decode-prompts)
-      # N-gram (k = 10) against spec off prompt by prompt at batch 1 (graphs on): each request's
-      # decode time (first token to last, `decode_ms`), 128 new tokens, after warm-up.
+      # N-gram (k = K, 10 by default) against spec off prompt by prompt at batch 1 (graphs on):
+      # each request's decode time (first token to last, `decode_ms`), 128 new tokens, after warm-up.
       [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
       for spec in off ngram; do
-        timeout "${RUN_TIMEOUT:-0}" "$BIN" generate --backend cuda --spec "$spec" --draft-tokens 10 --batch 1 --limit 4 \
+        timeout "${RUN_TIMEOUT:-0}" "$BIN" generate --backend cuda --spec "$spec" --draft-tokens "${K:-10}" --batch 1 --limit 4 \
           --max-new-tokens 128 --ignore-eos --json --file benches/prompts.txt > "$OUT/prompts-$spec.jsonl" 2> "$OUT/prompts-$spec.err"
         echo "$spec: $(grep -h '^generate: [0-9]* requests' "$OUT/prompts-$spec.err" | cut -c1-110)"
       done
