@@ -718,8 +718,10 @@ impl Engine {
     /// Each running request's window for this step.
     fn plan_rows(&self) -> Vec<RowWork> {
         let k = self.options.draft_tokens;
-        let drafts =
-            (self.options.spec_max_tokens).is_none_or(|most| self.running.len() * (k + 1) <= most);
+        let drafts = self
+            .options
+            .spec_max_tokens
+            .is_none_or(|most| self.running.len() * (k + 1) <= most);
         let mut work = Vec::with_capacity(self.running.len());
         for (index, request) in self.running.iter().enumerate() {
             let input = request.tokens[request.kv_len..].to_vec();
