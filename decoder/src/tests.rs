@@ -222,6 +222,21 @@ fn profile_changes_nothing(device: &Device) {
     }
 }
 
+/// The run's one canary report names the injected corruption's request, slot and position.
+fn reported_once(outcomes: &[Outcome], engine: &Engine, what: &str) {
+    let injected = engine.injected().expect("a corruption was injected");
+    let reported: Vec<_> = outcomes
+        .iter()
+        .flat_map(|o| o.canary_violations.clone())
+        .collect();
+    assert_eq!(reported.len(), 1, "{what}: {reported:?}");
+    assert_eq!(
+        (reported[0].request, reported[0].slot, reported[0].position),
+        (injected.request, injected.slot, injected.position),
+        "{what}"
+    );
+}
+
 /// Each injected corruption is reported at its request, slot and position; the request
 /// recomputes, and every request's tokens equal a clean run's.
 fn corruption_is_caught(device: &Device) {
@@ -233,20 +248,7 @@ fn corruption_is_caught(device: &Device) {
             let mut injected_options = options(drafting, 3);
             injected_options.corruption = Some((kind, 4));
             let (outcomes, engine) = serve(device, injected_options, requests.clone());
-            let injected = engine
-                .injected()
-                .expect("a corruption was injected")
-                .clone();
-            let reported: Vec<_> = outcomes
-                .iter()
-                .flat_map(|o| o.canary_violations.clone())
-                .collect();
-            assert_eq!(reported.len(), 1, "{kind:?}: {reported:?}");
-            assert_eq!(
-                (reported[0].request, reported[0].slot, reported[0].position),
-                (injected.request, injected.slot, injected.position),
-                "{kind:?}"
-            );
+            reported_once(&outcomes, &engine, &format!("{kind:?}, {drafting:?}"));
             assert_eq!(tokens(&outcomes), tokens(&clean), "{kind:?}, {drafting:?}");
         }
     }
@@ -288,22 +290,9 @@ fn graphs_change_nothing(device: &Device) {
             let (eager, eager_engine) = serve(device, o.clone(), requests.clone());
             o.graphs = true;
             let (graphed, engine) = serve(device, o, requests.clone());
-            let injected = engine
-                .injected()
-                .expect("a corruption was injected")
-                .clone();
-            let reported: Vec<_> = graphed
-                .iter()
-                .flat_map(|o| o.canary_violations.clone())
-                .collect();
-            assert_eq!(reported.len(), 1, "{what}: {reported:?}");
-            assert_eq!(
-                (reported[0].request, reported[0].slot, reported[0].position),
-                (injected.request, injected.slot, injected.position),
-                "{what}"
-            );
+            reported_once(&graphed, &engine, &what);
             if drafting == Drafting::Off {
-                assert_eq!(Some(&injected), eager_engine.injected(), "{what}");
+                assert_eq!(engine.injected(), eager_engine.injected(), "{what}");
             }
             assert_eq!(tokens(&graphed), tokens(&eager), "{what}");
         }

@@ -176,9 +176,9 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         repeat: args.repeat,
         // Greedy steps replay as graphs (decode steps whole, verify forwards), by default on CUDA only.
         graphs: args.graphs.unwrap_or(backend == BackendName::Cuda),
+        // 0: no bound.
         spec_max_tokens: match args.spec_max_tokens {
-            Some(0) => None,
-            Some(most) => Some(most),
+            Some(most) => (most > 0).then_some(most),
             None => (backend != BackendName::Flex).then_some(kvplan_decoder::linear::MAX_TOKENS),
         },
     };

@@ -49,9 +49,9 @@ pub struct LinearShape {
 /// whose weight is folded into `w`); with `add`, `residual` is added; with `rope`, each pair of
 /// columns `(2i, 2i + 1)` of a head below `rotated` is rotated by its token's angle of pair `i`
 /// (`cos`, `sin`: `[tokens, pairs]`); with `swiglu`, each pair gives `silu(2i) * (2i + 1)` as
-/// column `i` of `out` (`[tokens, outputs / 2]`). A pair needs `columns` even. A unit loads `unroll` of its
-/// columns at once before it adds them. With `planes` (planes exactly `LANES` wide: CUDA) the lanes
-/// fold by plane sums, else in shared memory.
+/// column `i` of `out` (`[tokens, outputs / 2]`). A pair needs `columns` even. A unit loads
+/// `unroll` of its columns at once before it adds them. With `planes` (planes exactly `LANES`
+/// wide: CUDA) the lanes fold by plane sums, else in shared memory.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_kernel<F: Float>(
