@@ -799,7 +799,7 @@ impl Engine {
                 .map(|(&i, token)| (work[i].kv, std::slice::from_ref(token)))
                 .collect();
             let hidden = self.forward(&windows, 0..layers)?;
-            let logits = self.model.logits(hidden);
+            let logits = crate::linear::widened(self.model.logits(hidden));
             // Each drafted token and the draft's probability of it.
             let mut drafted = Vec::with_capacity(drafting.len());
             if self.options.sampling.is_greedy() {

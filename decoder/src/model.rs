@@ -117,11 +117,17 @@ pub fn exp_is_64_bit(device: &Device) -> bool {
 }
 
 impl Llama {
-    /// Loads and dequantizes every weight of `gguf` onto `device`, as `dtype` (F32, or F64 for
-    /// reduction-order-proof tests). A device whose f64 `exp` is not 64-bit (SPIR-V's is 32-bit
-    /// only) is refused for F64.
+    /// Loads and dequantizes every weight of `gguf` onto `device`, as `dtype` (F32; F64 for
+    /// reduction-order-proof tests; BF16 or F16 for half the bytes, summed in f32 by the
+    /// projections and the attention). A device without `dtype` is refused, and so is one whose
+    /// f64 `exp` is not 64-bit (SPIR-V's is 32-bit only) for F64.
     pub fn load(gguf: &Gguf, device: &Device, dtype: DType) -> Result<Self> {
         let config = LlamaConfig::from_gguf(gguf)?;
+        if !dtype.is_float() || !device.supports_dtype(dtype) {
+            return Err(DecoderError::Model(format!(
+                "this device has no {dtype:?} tensors: load as f32"
+            )));
+        }
         if dtype == DType::F64 && !exp_is_64_bit(device) {
             return Err(DecoderError::Model(
                 "this device computes f64 exp in 32 bits (Vulkan's SPIR-V does): load as f32"

@@ -4,6 +4,8 @@
 use burn_core::tensor::Tensor;
 use burn_core::tensor::activation::softmax;
 
+use crate::linear::widened;
+
 /// Greedy decoding (temperature 0) or sampling at `temperature` from a seeded generator.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sampling {
@@ -29,7 +31,8 @@ impl Sampling {
 
     /// `softmax(logits / temperature)` over the last dim.
     pub fn probs(&self, logits: Tensor<2>) -> Tensor<2> {
-        softmax(logits.div_scalar(self.temperature), 1)
+        // Half-precision logits in f32: probabilities need more than bf16's 8 bits.
+        softmax(widened(logits).div_scalar(self.temperature), 1)
     }
 }
 

@@ -392,6 +392,28 @@ fn f64_is_refused_on_vulkan() {
     );
 }
 
+/// bf16 loads where the device has it (not lavapipe), and is refused by name where it has not.
+#[cfg(feature = "vulkan")]
+#[test]
+fn bf16_loads_where_the_device_has_it() {
+    let _device = shared();
+    let gguf = Gguf::from_bytes(tiny_llama_bytes(&TinyConfig::default(), SEED).unwrap()).unwrap();
+    let device = vulkan();
+    match Llama::load(&gguf, &device, DType::BF16) {
+        Ok(model) => {
+            assert!(device.supports_dtype(DType::BF16));
+            assert_eq!(model.dtype(), DType::BF16);
+        }
+        Err(e) => {
+            assert!(!device.supports_dtype(DType::BF16));
+            assert_eq!(
+                e.to_string(),
+                "model: this device has no BF16 tensors: load as f32"
+            );
+        }
+    }
+}
+
 #[test]
 fn greedy_parity_flex() {
     greedy_parity(&Device::flex());
@@ -574,6 +596,35 @@ mod smollm2 {
         let outcome = engine.run(vec![request], |_, _| {}).unwrap().remove(0);
         let text = tokenizer.decode(&outcome.tokens).unwrap();
         assert!(text.contains("Paris"), "{text:?}");
+    }
+
+    /// bf16 weights, activations and cache (sums in f32) still answer, with and without a
+    /// self-speculative draft (whose token ids pass through f32, not bf16). Not "What is the
+    /// capital of France?": in bf16 its first token flips to "L'Étoile".
+    #[test]
+    fn names_shakespeare_in_bf16() {
+        let (model, tokenizer) = load(DType::BF16);
+        let eos = tokenizer.end_of_generation_ids().to_vec();
+        let request = chat(&tokenizer, 0, "Who wrote Romeo and Juliet?", 16);
+        let mut model = Some(model);
+        for drafting in [
+            Drafting::Off,
+            Drafting::SelfSpeculative {
+                layers: 26,
+                min_confidence: 0.0,
+            },
+        ] {
+            let mut o = options(drafting, 1);
+            o.draft_tokens = 3;
+            let mut engine = Engine::new(model.take().unwrap(), eos.clone(), o).unwrap();
+            let outcome = engine
+                .run(vec![request.clone()], |_, _| {})
+                .unwrap()
+                .remove(0);
+            let text = tokenizer.decode(&outcome.tokens).unwrap();
+            assert!(text.contains("Shakespeare"), "{drafting:?}: {text:?}");
+            model = Some(engine.into_model());
+        }
     }
 
     /// Greedy parity on the real model, f64 (see the module docs), three prompts in one batch.

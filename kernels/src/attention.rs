@@ -7,6 +7,8 @@
 //! nothing reads a row it was not given). A cube per (token, head) walks the token's keys in
 //! chunks, in their order, with a running max: the same token over the same keys
 //! gives the same bits whatever else is in the launch (a verify window and a plain step agree).
+//! Scores, sums and partials are kept in an accumulator type `A` (f32 for half-precision
+//! queries and pools, else their own): a bf16 cache still attends in f32.
 
 use cubecl::prelude::*;
 
@@ -250,19 +252,19 @@ pub fn attention_check_kernel<S: Int, A: Int, C: Int>(
 /// relative to the part's max, applied to their V rows. Unit `u` scores key `u` of each chunk of
 /// `units` keys and accumulates dimension `u`. `attention_combine_kernel` folds the parts.
 #[cube(launch_unchecked, address_type = "dynamic")]
-pub fn attention_kv_kernel<F: Float, S: Int>(
+pub fn attention_kv_kernel<F: Float, S: Int, A: Float>(
     q: &Tensor<F>,
     kv_pool: &Tensor<F>,
     slots: &Tensor<S>,
     runs: &Tensor<i64>,
-    partials: &mut Tensor<F>,
+    partials: &mut Tensor<A>,
     shape: AttentionShape,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
     #[comptime] planes: bool,
-    #[define(F, S)] _dtypes: [ElemType; 2],
+    #[define(F, S, A)] _dtypes: [ElemType; 3],
 ) {
-    attend_pools::<F, S>(
+    attend_pools::<F, S, A>(
         q, kv_pool, kv_pool, slots, runs, partials, shape, head_dim, units, planes,
     );
 }
@@ -270,26 +272,26 @@ pub fn attention_kv_kernel<F: Float, S: Int>(
 /// Folds the parts' partials of cube `(t, h)` in order into `out[t, h]`: zeros for a token
 /// without keys, NaN on the runs' failed check.
 #[cube(launch_unchecked, address_type = "dynamic")]
-pub fn attention_combine_kernel<F: Float>(
-    partials: &Tensor<F>,
+pub fn attention_combine_kernel<F: Float, A: Float>(
+    partials: &Tensor<A>,
     runs: &Tensor<i64>,
     out: &mut Tensor<F>,
     shape: AttentionShape,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
-    #[define(F)] _dtype: ElemType,
+    #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     if cube < shape.tokens * shape.heads {
-        fold_parts::<F>(partials, runs, out, shape, cube, head_dim, units);
+        fold_parts::<F, A>(partials, runs, out, shape, cube, head_dim, units);
     }
 }
 
 /// Unit `UNIT_POS`'s dimension of pair `(t, h)` (flattened: `pair`): its parts' partials folded
 /// in order into `out[t, h]`.
 #[cube]
-fn fold_parts<F: Float>(
-    partials: &Tensor<F>,
+fn fold_parts<F: Float, A: Float>(
+    partials: &Tensor<A>,
     runs: &Tensor<i64>,
     out: &mut Tensor<F>,
     shape: AttentionShape,
@@ -311,14 +313,14 @@ fn fold_parts<F: Float>(
         let first = pair as usize * SPLITS * width;
         // Every part's values loaded at once (one round trip, not one a part), then folded in
         // order.
-        let mut scores = Array::<F>::new(SPLITS);
-        let mut sums = Array::<F>::new(SPLITS);
-        let mut accs = Array::<F>::new(SPLITS);
+        let mut scores = Array::<A>::new(SPLITS);
+        let mut sums = Array::<A>::new(SPLITS);
+        let mut accs = Array::<A>::new(SPLITS);
         #[unroll]
         for part in 0..SPLITS {
-            scores[part] = F::new(0.0);
-            sums[part] = F::new(0.0);
-            accs[part] = F::new(0.0);
+            scores[part] = A::new(0.0);
+            sums[part] = A::new(0.0);
+            accs[part] = A::new(0.0);
             if part == 0 || (part as u64) * per * (units as u64) < count {
                 let at = first + part * width;
                 scores[part] = partials[at];
@@ -345,7 +347,7 @@ fn fold_parts<F: Float>(
         // f32, which does not verify in f64 kernels.
         let at = pair as usize * head_dim + u;
         if clear {
-            out[at] = select(count > 0, acc / sum, F::new(0.0));
+            out[at] = F::cast_from(select(count > 0, acc / sum, A::new(0.0)));
         } else {
             out[at] = F::NAN;
         }
@@ -364,13 +366,13 @@ fn part_chunks(count: u64, #[comptime] units: usize) -> u64 {
 /// The attention of cube `(t, h)` over the pools alone (no new rows).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn attend_pools<F: Float, S: Int>(
+fn attend_pools<F: Float, S: Int, A: Float>(
     q: &Tensor<F>,
     k_pool: &Tensor<F>,
     v_pool: &Tensor<F>,
     slots: &Tensor<S>,
     runs: &Tensor<i64>,
-    partials: &mut Tensor<F>,
+    partials: &mut Tensor<A>,
     shape: AttentionShape,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
@@ -389,7 +391,7 @@ fn attend_pools<F: Float, S: Int>(
             base: 1,
             newest: 0,
         };
-        attend::<F, S, S>(
+        attend::<F, S, S, A>(
             q, k_pool, v_pool, k_pool, v_pool, slots, slots, runs, partials, shape, none, NEW_ROW,
             cube, head_dim, units, false, planes,
         );
@@ -408,7 +410,7 @@ fn attend_pools<F: Float, S: Int>(
 /// writing), so the output is the attention over the pool after the store, bit for bit.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
+pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int, A: Float>(
     qkv: &Tensor<F>,
     kv_pool: &mut Tensor<F>,
     loc: &Tensor<L>,
@@ -416,7 +418,7 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
     stored: &Tensor<i64>,
     slots: &Tensor<S>,
     runs: &Tensor<i64>,
-    partials: &mut Tensor<F>,
+    partials: &mut Tensor<A>,
     arrivals: &mut Tensor<Atomic<u32>>,
     out: &mut Tensor<F>,
     shape: AttentionShape,
@@ -425,7 +427,7 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
     #[comptime] units: usize,
     #[comptime] planes: bool,
     #[comptime] fold: bool,
-    #[define(F, S, L)] _dtypes: [ElemType; 3],
+    #[define(F, S, L, A)] _dtypes: [ElemType; 4],
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     let head = cube / SPLITS as u64;
@@ -447,7 +449,7 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
         v_value = qkv[(rows.v_offset + t * rows.v_stride + column) as usize];
     }
     if t < shape.tokens {
-        attend::<F, S, u32>(
+        attend::<F, S, u32, A>(
             qkv, &*kv_pool, &*kv_pool, qkv, qkv, slots, claims, runs, partials, shape, rows,
             zero_row, cube, head_dim, units, true, planes,
         );
@@ -461,7 +463,7 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int>(
             }
             sync_storage();
             if *arrived % SPLITS as u32 == SPLITS as u32 - 1 {
-                fold_parts::<F>(&*partials, runs, out, shape, head, head_dim, units);
+                fold_parts::<F, A>(&*partials, runs, out, shape, head, head_dim, units);
             }
         }
     }
@@ -543,18 +545,18 @@ fn new_row<W: Int>(claims: &Tensor<W>, slot: u64, rows: NewRowsShape, zero_row: 
 
 /// `q_row . keys[at .. at + head_dim]`, in the dimensions' order.
 #[cube]
-fn dot<F: Float>(
-    q_row: &Shared<[F]>,
+fn dot<F: Float, A: Float>(
+    q_row: &Shared<[A]>,
     keys: &Tensor<F>,
     at: usize,
     #[comptime] head_dim: usize,
-) -> F {
-    let mut sum = F::new(0.0);
+) -> A {
+    let mut sum = A::new(0.0);
     // Unrolled: every load of the row is issued before the sums wait on them (the order of the
     // sum is the dimensions' all the same).
     #[unroll]
     for e in 0..head_dim {
-        sum += q_row[e] * keys[at + e];
+        sum += q_row[e] * A::cast_from(keys[at + e]);
     }
     sum
 }
@@ -562,14 +564,14 @@ fn dot<F: Float>(
 /// Dimension `u` of the V row at `at` (a new row's where `at` is marked `NEW_ROW`); 0 past the
 /// head, whose units keep no output.
 #[cube]
-fn v_value<F: Float>(
+fn v_value<F: Float, A: Float>(
     v_pool: &Tensor<F>,
     v: &Tensor<F>,
     at: u64,
     u: usize,
     #[comptime] head_dim: usize,
     #[comptime] with_new_rows: bool,
-) -> F {
+) -> A {
     let mut value = F::new(0.0);
     if u < head_dim {
         if comptime![with_new_rows] {
@@ -582,12 +584,12 @@ fn v_value<F: Float>(
             value = v_pool[at as usize + u];
         }
     }
-    value
+    A::cast_from(value)
 }
 
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn attend<F: Float, S: Int, W: Int>(
+fn attend<F: Float, S: Int, W: Int, A: Float>(
     q: &Tensor<F>,
     k_pool: &Tensor<F>,
     v_pool: &Tensor<F>,
@@ -596,7 +598,7 @@ fn attend<F: Float, S: Int, W: Int>(
     slots: &Tensor<S>,
     claims: &Tensor<W>,
     runs: &Tensor<i64>,
-    partials: &mut Tensor<F>,
+    partials: &mut Tensor<A>,
     shape: AttentionShape,
     rows: NewRowsShape,
     zero_row: u64,
@@ -614,13 +616,13 @@ fn attend<F: Float, S: Int, W: Int>(
     let u = UNIT_POS as usize;
     // On the runs' failed check no key is read (no run is walked) and the output is NaN.
     let clear = runs[CODE] == OK;
-    let mut q_row = Shared::<[F]>::new_slice(head_dim);
-    let mut scores = Shared::<[F]>::new_slice(units);
+    let mut q_row = Shared::<[A]>::new_slice(head_dim);
+    let mut scores = Shared::<[A]>::new_slice(units);
     let mut key_rows = Shared::<[u64]>::new_slice(units);
-    let mut maxima = Shared::<[F]>::new_slice(comptime!(units / PLANE));
+    let mut maxima = Shared::<[A]>::new_slice(comptime!(units / PLANE));
     let q_base = (t * shape.q_stride + h * head_dim as u64) as usize;
     if u < head_dim {
-        q_row[u] = q[q_base + u];
+        q_row[u] = A::cast_from(q[q_base + u]);
     }
     let start = runs[STATUS_LEN + t as usize] as u64;
     let count = select(
@@ -629,11 +631,11 @@ fn attend<F: Float, S: Int, W: Int>(
         0u64,
     );
     let kv_column = (h / shape.groups) * head_dim as u64;
-    // In F, not an f32 constant: f64 attention keeps f64's precision.
-    let scale = F::new(1.0) / F::cast_from(head_dim as u32).sqrt();
-    let mut max = F::new(0.0);
-    let mut sum = F::new(0.0);
-    let mut acc = F::new(0.0);
+    // In A, not an f32 constant: f64 attention keeps f64's precision.
+    let scale = A::new(1.0) / A::cast_from(head_dim as u32).sqrt();
+    let mut max = A::new(0.0);
+    let mut sum = A::new(0.0);
+    let mut acc = A::new(0.0);
     sync_cube();
     // This part's keys: whole chunks, fixed by the token's key count alone.
     let per = part_chunks(count, units) * chunk;
@@ -652,11 +654,11 @@ fn attend<F: Float, S: Int, W: Int>(
             }
             if row == NEW_ROW {
                 let at = (slot * shape.k_stride + kv_column) as usize;
-                scores[u] = dot::<F>(&q_row, k_pool, at, head_dim) * scale;
+                scores[u] = dot::<F, A>(&q_row, k_pool, at, head_dim) * scale;
                 key_rows[u] = slot * shape.v_stride + shape.v_offset + kv_column;
             } else {
                 let at = (rows.k_offset + row * rows.k_stride + kv_column) as usize;
-                scores[u] = dot::<F>(&q_row, k, at, head_dim) * scale;
+                scores[u] = dot::<F, A>(&q_row, k, at, head_dim) * scale;
                 key_rows[u] = NEW_ROW | (rows.v_offset + row * rows.v_stride + kv_column);
             }
         }
@@ -691,7 +693,7 @@ fn attend<F: Float, S: Int, W: Int>(
         if first > begin && max > chunk_max {
             next_max = max;
         }
-        let rescale = select(first > begin, (max - next_max).exp(), F::new(1.0));
+        let rescale = select(first > begin, (max - next_max).exp(), A::new(1.0));
         sum *= rescale;
         acc *= rescale;
         // Each key's weight once, by its own unit, in place of its score (every unit has read
@@ -706,14 +708,14 @@ fn attend<F: Float, S: Int, W: Int>(
         // `FOLD` keys at a time, the last group of a chunk too: their V loads are in flight
         // together (a chunk waits on a round trip or two, not one a key); the sums still add key
         // by key, in order.
-        let mut values = Array::<F>::new(FOLD);
+        let mut values = Array::<A>::new(FOLD);
         let mut j = 0u32;
         while j < keys {
             #[unroll]
             for i in 0..FOLD {
-                values[i] = F::new(0.0);
+                values[i] = A::new(0.0);
                 if j + (i as u32) < keys {
-                    values[i] = v_value::<F>(
+                    values[i] = v_value::<F, A>(
                         v_pool,
                         v,
                         key_rows[j as usize + i],

@@ -22,7 +22,7 @@ use crate::demo;
 /// `kvplan generate`'s usage.
 pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--raw] [--spec off|ngram|self]
     [--draft-tokens K] [--draft-layers L] [--draft-confidence P] [--backend flex|vulkan|cuda]
-    [--max-new-tokens N] [--temperature T] [--seed S] [--batch N] [--dtype f32|f64]
+    [--max-new-tokens N] [--temperature T] [--seed S] [--batch N] [--dtype f32|f64|bf16]
     [--model FILE.gguf]
     [--inject-corruption kv-byte|stale-row] [--json] [--ignore-eos] [--limit N] [--profile]
     [--warm-up|--no-warm-up] [--repeat-ops attention] [--graphs on|off] [--spec-max-tokens N]
@@ -524,7 +524,8 @@ fn parse(args: &[String]) -> Result<Args, String> {
                 parsed.dtype = match value("--dtype")?.as_str() {
                     "f32" => DType::F32,
                     "f64" => DType::F64,
-                    other => return Err(format!("--dtype {other:?}: expected f32 or f64")),
+                    "bf16" => DType::BF16,
+                    other => return Err(format!("--dtype {other:?}: expected f32, f64 or bf16")),
                 }
             }
             "--inject-corruption" => {

@@ -76,7 +76,7 @@ pub(super) fn linear(
         let column_cubes = outputs.div_ceil(PLANE_COLUMNS * VECTOR_PLANES);
         let cubes = grid(column_cubes, tokens.div_ceil(rows));
         let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
-        let dtype = dtype_to_storage_type(x.dtype);
+        let dtypes = kernel_dtypes(x.dtype);
         let client = x.client.clone();
         // SAFETY: as `linear_kernel` below, in vectors of `vector` values: rows and strides are
         // whole vectors (`vector_size`), loads past `tokens`, `outputs` or `inner` skipped.
@@ -102,7 +102,7 @@ pub(super) fn linear(
                 around.add,
                 around.rope.is_some(),
                 planes,
-                dtype,
+                dtypes,
             );
         }
         return out;
@@ -128,7 +128,7 @@ pub(super) fn linear(
     let cubes = grid(column_cubes, tokens.div_ceil(rows));
     let dim = CubeDim::new_2d(LANES as u32, PLANES as u32);
     let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
-    let dtype = dtype_to_storage_type(x.dtype);
+    let dtypes = kernel_dtypes(x.dtype);
     let client = x.client.clone();
     // SAFETY: every read is inside `x`, `w` and `residual` (rows of unit column stride at the row
     // strides given; loads past `tokens`, `outputs` or `inner` are skipped), each output written
@@ -155,7 +155,7 @@ pub(super) fn linear(
             around.add,
             around.rope.is_some(),
             planes,
-            dtype,
+            dtypes,
         );
     }
     out
@@ -204,7 +204,7 @@ pub(super) fn rope(
         row_stride(&cos),
     );
     let address = address_type(&[&y, &cos, &sin, &out]);
-    let (dtype, client) = (dtype_to_storage_type(y.dtype), y.client.clone());
+    let (dtypes, client) = (kernel_dtypes(y.dtype), y.client.clone());
     // SAFETY: every read is inside `y` (rows of unit column stride, columns below `width`; a
     // turned column's partner is in its pair, below `rotated`) or the angles (`[tokens, pairs]`,
     // checked above); each output written by one unit.
@@ -219,7 +219,7 @@ pub(super) fn rope(
             sin.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             scalars,
-            dtype,
+            dtypes,
         );
     }
     out
@@ -351,4 +351,14 @@ fn rows_of_unit_stride(tensor: CubeTensor) -> CubeTensor {
 
 fn row_stride(tensor: &CubeTensor) -> u64 {
     tensor.meta.strides()[0] as u64
+}
+
+/// The storage type of a kernel's `dtype` tensors and of its sums: f32 for half precision (bf16
+/// weights and activations sum in f32), else the dtype's own.
+fn kernel_dtypes(dtype: DType) -> [ElemType; 2] {
+    let sums = match dtype {
+        DType::F16 | DType::BF16 => DType::F32,
+        other => other,
+    };
+    [dtype, sums].map(dtype_to_storage_type)
 }

@@ -7,6 +7,8 @@
 //! or two round trips and a projection has a cube for every few columns. Each plane's lanes fold
 //! their sums, then the planes' sums add in plane order. A token's value is the same sums in the
 //! same order whatever else is in the launch: a row is the same bits alone or in a verify window.
+//! Sums are kept in an accumulator type `A` (f32 for half-precision weights and activations,
+//! else their own) and rounded to `F` once, on the store.
 
 use cubecl::prelude::*;
 
@@ -54,7 +56,7 @@ pub struct LinearShape {
 /// wide: CUDA) the lanes fold by plane sums, else in shared memory.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn linear_kernel<F: Float>(
+pub fn linear_kernel<F: Float, A: Float>(
     x: &Tensor<F>,
     w: &Tensor<F>,
     residual: &Tensor<F>,
@@ -71,7 +73,7 @@ pub fn linear_kernel<F: Float>(
     #[comptime] add: bool,
     #[comptime] rope: bool,
     #[comptime] planes: bool,
-    #[define(F)] _dtype: ElemType,
+    #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
@@ -80,13 +82,13 @@ pub fn linear_kernel<F: Float>(
     let first_row = CUBE_POS_Z as u64 * rows as u64;
     // The values a unit sums: each (token, column)'s dot product, then each token's squares.
     let values = comptime!(rows * columns + if norm { rows } else { 0 });
-    let mut sums = Array::<F>::new(values);
+    let mut sums = Array::<A>::new(values);
     #[unroll]
     for j in 0..values {
-        sums[j] = F::new(0.0);
+        sums[j] = A::new(0.0);
     }
-    let mut weights = Array::<F>::new(unroll * columns);
-    let mut inputs = Array::<F>::new(unroll * rows);
+    let mut weights = Array::<A>::new(unroll * columns);
+    let mut inputs = Array::<A>::new(unroll * rows);
     let step = (UNITS * unroll) as u64;
     let mut k = (plane * LANES + lane) as u64;
     while k < shape.inner {
@@ -98,18 +100,19 @@ pub fn linear_kernel<F: Float>(
             #[unroll]
             for c in 0..columns {
                 let column = first_column + c as u64;
-                weights[i * columns + c] = F::new(0.0);
+                weights[i * columns + c] = A::new(0.0);
                 if inside && column < shape.outputs {
-                    weights[i * columns + c] = w[(column * shape.w_stride + at) as usize];
+                    weights[i * columns + c] =
+                        A::cast_from(w[(column * shape.w_stride + at) as usize]);
                 }
             }
             #[unroll]
             for r in 0..rows {
                 let row = first_row + r as u64;
-                inputs[i * rows + r] = F::new(0.0);
+                inputs[i * rows + r] = A::new(0.0);
                 if inside && row < shape.tokens {
                     let at = (row * shape.x_stride + at) as usize;
-                    inputs[i * rows + r] = x[at];
+                    inputs[i * rows + r] = A::cast_from(x[at]);
                 }
             }
         }
@@ -130,7 +133,7 @@ pub fn linear_kernel<F: Float>(
         k += step;
     }
     // Each plane's sums, then the planes' in order.
-    let mut planes_sums = Shared::<[F]>::new_slice(PLANES * values);
+    let mut planes_sums = Shared::<[A]>::new_slice(PLANES * values);
     if comptime![planes] {
         #[unroll]
         for j in 0..values {
@@ -140,7 +143,7 @@ pub fn linear_kernel<F: Float>(
             }
         }
     } else {
-        fold_lanes::<F>(&mut sums, lane, plane, PLANES, values);
+        fold_lanes::<A>(&mut sums, lane, plane, PLANES, values);
         if lane == 0 {
             #[unroll]
             for j in 0..values {
@@ -156,9 +159,9 @@ pub fn linear_kernel<F: Float>(
         let row = first_row + r as u64;
         let column = first_column + (j % columns) as u64;
         if row < shape.tokens && column < shape.outputs {
-            let mut value = F::new(0.0);
-            let mut partner = F::new(0.0);
-            let mut squares = F::new(0.0);
+            let mut value = A::new(0.0);
+            let mut partner = A::new(0.0);
+            let mut squares = A::new(0.0);
             #[unroll]
             for p in 0..PLANES {
                 value += planes_sums[p * values + j];
@@ -169,13 +172,13 @@ pub fn linear_kernel<F: Float>(
                     squares += planes_sums[p * values + rows * columns + r];
                 }
             }
-            let around = Finish::<F> {
+            let around = Finish::<A> {
                 squares,
                 elements: shape.inner,
                 row,
                 column,
             };
-            finish::<F>(
+            finish::<F, A>(
                 value, partner, around, shape, eps, residual, cos, sin, out, norm, add, rope,
                 swiglu,
             );
@@ -194,13 +197,13 @@ struct Finish<F: Float> {
 }
 
 /// Output `(row, column)` from its dot product `value` (and its RoPE partner's): divided by the
-/// input's RMS, turned, the residual added, stored.
+/// input's RMS, turned, the residual added, in `A`; stored as `F`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn finish<F: Float>(
-    value: F,
-    partner: F,
-    at: Finish<F>,
+fn finish<F: Float, A: Float>(
+    value: A,
+    partner: A,
+    at: Finish<A>,
     shape: LinearShape,
     eps: f32,
     residual: &Tensor<F>,
@@ -216,8 +219,8 @@ fn finish<F: Float>(
     let mut value = value;
     let mut partner = partner;
     if comptime![norm] {
-        let mean = at.squares / F::cast_from(at.elements);
-        let scale = (mean + F::cast_from(eps)).sqrt();
+        let mean = at.squares / A::cast_from(at.elements);
+        let scale = (mean + A::cast_from(eps)).sqrt();
         value /= scale;
         partner /= scale;
     }
@@ -227,21 +230,22 @@ fn finish<F: Float>(
             // odd one the second.
             let pair = (column % (2 * shape.pairs)) / 2;
             let angle = (row * shape.angle_stride + pair) as usize;
-            let turn = select(column % 2 == 0, -sin[angle], sin[angle]);
-            value = value * cos[angle] + partner * turn;
+            let sine = A::cast_from(sin[angle]);
+            let turn = select(column % 2 == 0, -sine, sine);
+            value = value * A::cast_from(cos[angle]) + partner * turn;
         }
     }
     if comptime![add] {
-        value += residual[(row * shape.residual_stride + column) as usize];
+        value += A::cast_from(residual[(row * shape.residual_stride + column) as usize]);
     }
     if comptime![swiglu] {
         // The pair's even column writes `silu(gate) * up`; the odd one nothing.
         if column % 2 == 0 {
-            let gated = value / (F::new(1.0) + (-value).exp()) * partner;
-            out[(row * (shape.outputs / 2) + column / 2) as usize] = gated;
+            let gated = value / (A::new(1.0) + (-value).exp()) * partner;
+            out[(row * (shape.outputs / 2) + column / 2) as usize] = F::cast_from(gated);
         }
     } else {
-        out[(row * shape.outputs + column) as usize] = value;
+        out[(row * shape.outputs + column) as usize] = F::cast_from(value);
     }
 }
 
@@ -270,29 +274,30 @@ pub const ROPE_UNITS: usize = 256;
 /// (`[tokens, width]`, contiguous): `y`'s, turned as `finish` turns a projection's output where
 /// its column is below `rotated`.
 #[cube(launch_unchecked, address_type = "dynamic")]
-pub fn rope_kernel<F: Float>(
+pub fn rope_kernel<F: Float, A: Float>(
     y: &Tensor<F>,
     cos: &Tensor<F>,
     sin: &Tensor<F>,
     out: &mut Tensor<F>,
     shape: RopeScalars,
-    #[define(F)] _dtype: ElemType,
+    #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     let at = cube * ROPE_UNITS as u64 + UNIT_POS as u64;
     if at < shape.tokens * shape.width {
         let (row, column) = (at / shape.width, at % shape.width);
-        let mut value = y[(row * shape.y_stride + column) as usize];
+        let mut value = A::cast_from(y[(row * shape.y_stride + column) as usize]);
         if column < shape.rotated {
             let even = column % 2 == 0;
             let partner_column = select(even, column + 1, column - 1);
-            let partner = y[(row * shape.y_stride + partner_column) as usize];
+            let partner = A::cast_from(y[(row * shape.y_stride + partner_column) as usize]);
             let pair = (column % (2 * shape.pairs)) / 2;
             let angle = (row * shape.angle_stride + pair) as usize;
-            let turn = select(even, -sin[angle], sin[angle]);
-            value = value * cos[angle] + partner * turn;
+            let sine = A::cast_from(sin[angle]);
+            let turn = select(even, -sine, sine);
+            value = value * A::cast_from(cos[angle]) + partner * turn;
         }
-        out[at as usize] = value;
+        out[at as usize] = F::cast_from(value);
     }
 }
 
@@ -384,7 +389,7 @@ pub const MAX_ROUND: usize = 8;
 /// the strides are in vectors; the rest as `linear_kernel`.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn linear_vector_kernel<F: Float, N: Size>(
+pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     x: &Tensor<Vector<F, N>>,
     w: &Tensor<Vector<F, N>>,
     residual: &Tensor<F>,
@@ -400,7 +405,7 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
     #[comptime] add: bool,
     #[comptime] rope: bool,
     #[comptime] planes: bool,
-    #[define(F)] _dtype: ElemType,
+    #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
@@ -408,15 +413,15 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
     let first_column = (cube * VECTOR_PLANES as u64 + plane as u64) * PLANE_COLUMNS as u64;
     let first_row = CUBE_POS_Z as u64 * rows as u64;
     let columns = comptime!(PLANE_COLUMNS);
-    let mut sums = Array::<Vector<F, N>>::new(rows * columns);
-    let mut squares = Array::<Vector<F, N>>::new(rows);
+    let mut sums = Array::<Vector<A, N>>::new(rows * columns);
+    let mut squares = Array::<Vector<A, N>>::new(rows);
     #[unroll]
     for j in 0..rows * columns {
-        sums[j] = Vector::new(F::new(0.0));
+        sums[j] = Vector::new(A::new(0.0));
     }
     #[unroll]
     for r in 0..rows {
-        squares[r] = Vector::new(F::new(0.0));
+        squares[r] = Vector::new(A::new(0.0));
     }
     // Each weight row's and input row's first vector (a column or row past the end reads none).
     let mut w_rows = Array::<usize>::new(columns);
@@ -430,7 +435,7 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
         x_rows[r] = ((first_row + r as u64) * shape.x_stride) as usize;
     }
     let vectors = shape.inner as usize;
-    let mut weights = Array::<Vector<F, N>>::new(round * columns);
+    let mut weights = Array::<Vector<A, N>>::new(round * columns);
     let mut k = lane;
     while k < vectors {
         // The round's weight loads first, then each token's input and its sums.
@@ -439,9 +444,9 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
             let at = k + i * LANES;
             #[unroll]
             for c in 0..columns {
-                weights[i * columns + c] = Vector::new(F::new(0.0));
+                weights[i * columns + c] = Vector::new(A::new(0.0));
                 if at < vectors && first_column + (c as u64) < shape.outputs {
-                    weights[i * columns + c] = w[w_rows[c] + at];
+                    weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
                 }
             }
         }
@@ -452,7 +457,7 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
                 for i in 0..round {
                     let at = k + i * LANES;
                     if at < vectors {
-                        let value = x[x_rows[r] + at];
+                        let value = Vector::<A, N>::cast_from(x[x_rows[r] + at]);
                         if comptime![norm] {
                             squares[r] += value * value;
                         }
@@ -468,7 +473,7 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
     }
     // Each lane's vectors summed in order, then the plane's lanes.
     let values = comptime!(rows * columns + if norm { rows } else { 0 });
-    let mut totals = Array::<F>::new(values);
+    let mut totals = Array::<A>::new(values);
     #[unroll]
     for j in 0..values {
         let vector = if j < rows * columns {
@@ -476,7 +481,7 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
         } else {
             squares[j - rows * columns]
         };
-        let mut total = F::new(0.0);
+        let mut total = A::new(0.0);
         #[unroll]
         for e in 0..N::value() {
             total += vector.extract(e);
@@ -489,7 +494,7 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
             totals[j] = plane_sum(totals[j]);
         }
     } else {
-        fold_lanes::<F>(&mut totals, lane, plane, VECTOR_PLANES, values);
+        fold_lanes::<A>(&mut totals, lane, plane, VECTOR_PLANES, values);
     }
     // Lane `j` writes value `j`: token `j / columns`, column `j % columns`.
     #[unroll]
@@ -499,17 +504,17 @@ pub fn linear_vector_kernel<F: Float, N: Size>(
             let row = first_row + r as u64;
             let column = first_column + comptime!(j % columns) as u64;
             if row < shape.tokens && column < shape.outputs {
-                let mut squares = F::new(0.0);
+                let mut squares = A::new(0.0);
                 if comptime![norm] {
                     squares = totals[rows * columns + r];
                 }
-                let around = Finish::<F> {
+                let around = Finish::<A> {
                     squares,
                     elements: shape.inner * N::value() as u64,
                     row,
                     column,
                 };
-                finish::<F>(
+                finish::<F, A>(
                     totals[j],
                     totals[comptime!(j ^ 1)],
                     around,

@@ -14,7 +14,7 @@ use burn_core::backend::{
     Backend, Dispatch, DispatchDevice, Flex, TensorData, TensorMetadata, backend_extension,
     try_read_sync,
 };
-use burn_core::tensor::Tensor;
+use burn_core::tensor::{DType, FloatDType, Tensor};
 
 /// Tokens up to which a projection runs the extension's kernels; more take Burn's matmul, whose
 /// tiles pay off there (`KVPLAN_PROJECTION_MAX_TOKENS` overrides it: `Knobs`).
@@ -467,13 +467,14 @@ pub fn linear_swiglu(x: Tensor<2>, w: &Weight, norm_eps: Option<f64>) -> Tensor<
     if !extension_op(&x) {
         let pairs = normed(x, norm_eps).matmul(w.columns.clone());
         let half = pairs.dims()[1] / 2;
-        let pairs = pairs.reshape([tokens, half, 2]);
+        let dtype = pairs.dtype();
+        let pairs = widened(pairs).reshape([tokens, half, 2]);
         let gate = pairs.clone().narrow(2, 0, 1);
         let up = pairs.narrow(2, 1, 1);
         // `gate / (1 + exp(-gate))` in plain ops: Burn's `silu` on CUDA loses f64 precision
         // (relative 4e-7 seen), which the f64 parity runs rely on.
         let silu = gate.clone() / gate.neg().exp().add_scalar(1.0);
-        return (silu * up).reshape([tokens, half]);
+        return (silu * up).reshape([tokens, half]).cast(dtype);
     }
     let around = Around {
         norm_eps,
@@ -523,14 +524,25 @@ pub fn greedy(logits: Tensor<2>) -> Tensor<1, burn_core::tensor::Int> {
     Tensor::from_dispatch(<Dispatch as LinearBackend>::greedy(logits.into_dispatch()))
 }
 
-/// `x / rms(x)` with `Some(eps)`, else `x`.
+/// `x / rms(x)` with `Some(eps)` (in f32 for half precision, as the kernels), else `x`.
 fn normed(x: Tensor<2>, norm_eps: Option<f64>) -> Tensor<2> {
     match norm_eps {
         Some(eps) => {
+            let dtype = x.dtype();
+            let x = widened(x);
             let rms = x.clone().powi_scalar(2).mean_dim(1).add_scalar(eps).sqrt();
-            x / rms
+            (x / rms).cast(dtype)
         }
         None => x,
+    }
+}
+
+/// Half precision as f32 (the sums and SwiGLU of Burn's ops, as the kernels keep them; logits
+/// whose token ids and probabilities need more than bf16's 8 bits), others as they are.
+pub(crate) fn widened(x: Tensor<2>) -> Tensor<2> {
+    match x.dtype() {
+        DType::F16 | DType::BF16 => x.cast(FloatDType::F32),
+        _ => x,
     }
 }
 

@@ -189,13 +189,13 @@ pub(crate) fn paged_attention(
             (Some(&q), Some(&kv_pool)),
         )
     });
-    let dtypes = [storage(&q), storage(&slots)];
+    let dtypes = [storage(&q), storage(&slots), storage(&partials)];
     let units = attention_units(head_dim);
     let (cubes, _) = grid(tokens * heads * SPLITS);
     let client = q.client.clone();
     let dim = CubeDim::new_1d(units as u32);
     let planes = fixed_planes(&q, PLANE as u32);
-    let dtype = storage(&q);
+    let combined = [storage(&q), storage(&partials)];
     // SAFETY: the kernel runs only on the check's clear status: every run inside the slot list
     // and every slot inside the pool, whose rows and strides are the shape's; each cube writes
     // its own partial.
@@ -224,20 +224,30 @@ pub(crate) fn paged_attention(
         folded,
         [head_dim, units],
         address,
-        dtype,
+        combined,
     );
     out
 }
 
-/// Room for the partials of `heads` (token, query head) pairs, `SPLITS` each.
+/// Room for the partials of `heads` (token, query head) pairs, `SPLITS` each, in the
+/// attention's accumulator dtype.
 fn empty_partials(q: &CubeTensor, heads: usize, head_dim: usize) -> CubeTensor {
     let len = (heads * SPLITS * partial_len(head_dim)).max(1);
     empty_device_contiguous_dtype(
         q.client.clone(),
         q.device.clone(),
         Shape::new([len]),
-        q.dtype,
+        accumulator(q.dtype),
     )
+}
+
+/// The dtype an attention of `dtype` queries and pools sums in: f32 for half precision (a
+/// bf16 cache attends in f32), else their own.
+fn accumulator(dtype: DType) -> DType {
+    match dtype {
+        DType::F16 | DType::BF16 => DType::F32,
+        other => other,
+    }
 }
 
 /// Folds the parts' partials into `out` (`attention_combine_kernel`): a cube a (token, query
@@ -249,7 +259,7 @@ fn combine(
     shape: AttentionShapeLaunch,
     [head_dim, units]: [usize; 2],
     address: cubecl::ir::AddressType,
-    dtype: ElemType,
+    dtypes: [ElemType; 2],
 ) {
     let heads = out.shape()[0] * (out.shape()[1] / head_dim);
     let (cubes, _) = grid(heads);
@@ -267,7 +277,7 @@ fn combine(
             shape,
             head_dim,
             units,
-            dtype,
+            dtypes,
         );
     }
 }
@@ -338,7 +348,12 @@ pub(crate) fn store_and_attend(
         1,
         0,
     );
-    let dtypes = [storage(&q), storage(&slots), storage(&loc)];
+    let dtypes = [
+        storage(&q),
+        storage(&slots),
+        storage(&loc),
+        storage(&partials),
+    ];
     let units = attention_units(head_dim);
     let (grid, _) = grid(cubes);
     let client = q.client.clone();
@@ -379,7 +394,7 @@ pub(crate) fn store_and_attend(
         );
     }
     if tokens > 0 && !fold {
-        let dtype = storage(&out);
+        let dtypes = [storage(&out), storage(&partials)];
         combine(
             partials,
             runs,
@@ -387,7 +402,7 @@ pub(crate) fn store_and_attend(
             folded,
             [head_dim, units],
             address,
-            dtype,
+            dtypes,
         );
     }
     AttendedPrimitive { out, kv_pool }
