@@ -334,7 +334,7 @@ fn vector_size(x: &CubeTensor, w: &CubeTensor, inner: usize) -> usize {
     };
     [16 / size, 8 / size, 4 / size, 2 / size, 1]
         .into_iter()
-        .find(|&vector| vector >= 1 && fits(vector))
+        .find(|&vector| vector >= 1 && vector <= super::most_vector() && fits(vector))
         .unwrap_or(1)
 }
 

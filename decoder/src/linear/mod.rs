@@ -24,11 +24,15 @@ pub const MAX_TOKENS: usize = 16;
 /// cross depends on the device):
 /// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's op takes ([`MAX_TOKENS`]:
 ///   past it Burn's matmul measured faster on an H100, `benches/RESULTS.md`, sessions 37 and 39);
-/// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`).
+/// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`);
+/// - `KVPLAN_PROJECTION_VECTOR=N`: the most values a load of the vector kernel takes (16 bytes'
+///   worth by default: 8 in bf16, whose sums then hold twice f32's registers).
 struct Knobs {
     max_tokens: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     kernel: Option<bool>,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    vector: Option<usize>,
 }
 
 fn knobs() -> &'static Knobs {
@@ -44,6 +48,7 @@ fn knobs() -> &'static Knobs {
                 Some("vector") => Some(true),
                 _ => None,
             },
+            vector: var("KVPLAN_PROJECTION_VECTOR").and_then(|value| value.parse().ok()),
         }
     })
 }
@@ -66,6 +71,13 @@ fn extension_op(x: &Tensor<2>) -> bool {
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
 fn vector_kernel(outputs: usize, inner: usize) -> bool {
     knobs().kernel.unwrap_or(outputs >= 2 * inner)
+}
+
+/// The most values a load of the vector kernel takes (`KVPLAN_PROJECTION_VECTOR`, else any that
+/// fit 16 bytes).
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+fn most_vector() -> usize {
+    knobs().vector.unwrap_or(usize::MAX)
 }
 
 /// What rides with a projection: an RMSNorm of its input before; a residual, RoPE or SwiGLU
