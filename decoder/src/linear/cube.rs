@@ -11,7 +11,7 @@ use cubecl::prelude::*;
 use super::kernel::{
     GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS, PLANE_COLUMNS, PLANES, ROPE_UNITS,
     RopeScalarsLaunch, VECTOR_PLANES, greedy_kernel, linear_kernel, linear_vector_kernel,
-    rope_kernel,
+    rope_kernel, swiglu_kernel,
 };
 use super::{Around, RopeShape};
 
@@ -219,6 +219,52 @@ pub(super) fn rope(
             sin.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             scalars,
+            dtypes,
+        );
+    }
+    out
+}
+
+/// SwiGLU of `y`'s column pairs (`swiglu_kernel`): a unit a value. An odd width or a `y` that is
+/// not a matrix gives NaN, as `linear`'s misfits.
+pub(super) fn swiglu(y: CubeTensor) -> CubeTensor {
+    let dims = y.shape().to_vec();
+    let Ok([tokens, width]) = <[usize; 2]>::try_from(dims.as_slice()) else {
+        let nan = InputScalar::new(f32::NAN, dtype_to_storage_type(y.dtype));
+        return full_device_dtype(y.client, Shape::from(dims), y.device, nan, y.dtype);
+    };
+    let half = width / 2;
+    if width % 2 == 1 {
+        let nan = InputScalar::new(f32::NAN, dtype_to_storage_type(y.dtype));
+        return full_device_dtype(y.client, Shape::new([tokens, half]), y.device, nan, y.dtype);
+    }
+    let y = rows_of_unit_stride(y);
+    let out = empty_device_contiguous_dtype(
+        y.client.clone(),
+        y.device.clone(),
+        Shape::new([tokens, half]),
+        y.dtype,
+    );
+    let values = tokens * half;
+    if values == 0 {
+        return out;
+    }
+    let count = grid(values.div_ceil(ROPE_UNITS), 1);
+    let address = address_type(&[&y, &out]);
+    let (dtypes, client, stride) = (kernel_dtypes(y.dtype), y.client.clone(), row_stride(&y));
+    // SAFETY: every read is inside `y` (rows of unit column stride, columns below `2 * half`);
+    // each output written by one unit.
+    unsafe {
+        swiglu_kernel::launch_unchecked(
+            &client,
+            count,
+            CubeDim::new_1d(ROPE_UNITS as u32),
+            address,
+            y.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            tokens as u64,
+            half as u64,
+            stride,
             dtypes,
         );
     }

@@ -301,6 +301,28 @@ pub fn rope_kernel<F: Float, A: Float>(
     }
 }
 
+/// Unit `u` of cube `c` (flattened over x and y) writes value `c * ROPE_UNITS + u` of `out`
+/// (`[tokens, half]`, contiguous): `silu(gate) * up` of its column's pair `(2i, 2i + 1)` of `y`
+/// (`[tokens, 2 * half]`), in `A`, as `finish` makes it after a projection.
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn swiglu_kernel<F: Float, A: Float>(
+    y: &Tensor<F>,
+    out: &mut Tensor<F>,
+    tokens: u64,
+    half: u64,
+    y_stride: u64,
+    #[define(F, A)] _dtypes: [ElemType; 2],
+) {
+    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    let at = cube * ROPE_UNITS as u64 + UNIT_POS as u64;
+    if at < tokens * half {
+        let (row, column) = (at / half, at % half);
+        let gate = A::cast_from(y[(row * y_stride + 2 * column) as usize]);
+        let up = A::cast_from(y[(row * y_stride + 2 * column + 1) as usize]);
+        out[at as usize] = F::cast_from(gate / (A::new(1.0) + (-gate).exp()) * up);
+    }
+}
+
 /// Units of a greedy-token cube.
 pub const GREEDY_UNITS: usize = 512;
 

@@ -148,6 +148,14 @@ pub trait LinearBackend: Backend {
         host_rope::<Self>(y, cos, sin, shape)
     }
 
+    /// `silu(gate) * up` of each column pair `(2i, 2i + 1)` of `y` `[tokens, 2 * half]`, as
+    /// `[tokens, half]`: the steps past [`MAX_TOKENS`], whose gate/up projection is Burn's
+    /// matmul, in one launch (NaN for an odd width).
+    #[fusion(meta = |y| TensorSpec::new([y.shape[0], y.shape[1] / 2].into(), y.dtype))]
+    fn swiglu(y: FloatTensor<Self>) -> FloatTensor<Self> {
+        host_swiglu::<Self>(y)
+    }
+
     /// Each row's greedy token of `logits` `[rows, vocab]`: the index of its largest value, the
     /// first of equal ones, as i64 `[rows]`.
     #[fusion(meta = |logits| TensorSpec::new([logits.shape[0]].into(), burn_core::tensor::DType::I64))]
@@ -299,6 +307,35 @@ fn host_rope<B: Backend>(
         _ => vec![f64::NAN; dims.iter().product()],
     };
     B::float_from_data(TensorData::new(values, dims).convert_dtype(dtype), &device)
+}
+
+/// The default body of `swiglu`: `y` read back, [`swiglu_reference`], the result uploaded (NaN
+/// for an odd width).
+fn host_swiglu<B: Backend>(y: FloatTensor<B>) -> FloatTensor<B> {
+    let (device, dtype) = (y.device(), y.dtype());
+    let dims = y.shape().to_vec();
+    let out = [
+        dims.first().copied().unwrap_or(0),
+        dims.get(1).map_or(0, |w| w / 2),
+    ];
+    let values = match <[usize; 2]>::try_from(dims.as_slice()) {
+        Ok([tokens, width]) if width % 2 == 0 => {
+            let read = try_read_sync(B::float_into_data(y))
+                .and_then(Result::ok)
+                .and_then(|data| data.convert::<f64>().try_to_vec::<f64>().ok())
+                .unwrap_or_else(|| vec![f64::NAN; tokens * width]);
+            swiglu_reference(&read)
+        }
+        _ => vec![f64::NAN; out[0] * out[1]],
+    };
+    B::float_from_data(TensorData::new(values, out).convert_dtype(dtype), &device)
+}
+
+/// SwiGLU on the host: `silu(gate) * up` of each pair `(gate, up)` of `y`, in order.
+pub fn swiglu_reference(y: &[f64]) -> Vec<f64> {
+    y.chunks_exact(2)
+        .map(|pair| pair[0] / (1.0 + (-pair[0]).exp()) * pair[1])
+        .collect()
 }
 
 /// RoPE on the host, as the kernels turn a pair: `(a, b)` to `(a cos - b sin, b cos + a sin)`
@@ -473,20 +510,13 @@ pub fn linear(
 
 /// `silu(gate) * up` of `(x [/ rms(x)]) w^T`'s column pairs (`w`'s rows gate, up, gate, ..:
 /// `[tokens, outputs / 2]`), on `x`'s device: the extension's one launch up to [`MAX_TOKENS`]
-/// tokens on a GPU, Burn's ops past them and on Flex.
+/// tokens on a GPU, Burn's matmul and the `swiglu` op past them and on Flex.
 pub fn linear_swiglu(x: Tensor<2>, w: &Weight, norm_eps: Option<f64>) -> Tensor<2> {
-    let tokens = x.dims()[0];
     if !extension_op(&x) {
         let pairs = normed(x, norm_eps).matmul(w.columns.clone());
-        let half = pairs.dims()[1] / 2;
-        let dtype = pairs.dtype();
-        let pairs = widened(pairs).reshape([tokens, half, 2]);
-        let gate = pairs.clone().narrow(2, 0, 1);
-        let up = pairs.narrow(2, 1, 1);
-        // `gate / (1 + exp(-gate))` in plain ops: Burn's `silu` on CUDA loses f64 precision
-        // (relative 4e-7 seen), which the f64 parity runs rely on.
-        let silu = gate.clone() / gate.neg().exp().add_scalar(1.0);
-        return (silu * up).reshape([tokens, half]).cast(dtype);
+        // One launch for the pairs, in f32 for half precision (Burn's ops sliced each
+        // interleaved column apart: two launches more a layer).
+        return Tensor::from_dispatch(<Dispatch as LinearBackend>::swiglu(pairs.into_dispatch()));
     }
     let around = Around {
         norm_eps,
@@ -589,6 +619,10 @@ impl LinearBackend for burn_cubecl::CubeBackend {
         shape: RopeShape,
     ) -> burn_cubecl::tensor::CubeTensor {
         cube::rope(y, cos, sin, shape)
+    }
+
+    fn swiglu(y: burn_cubecl::tensor::CubeTensor) -> burn_cubecl::tensor::CubeTensor {
+        cube::swiglu(y)
     }
 
     fn greedy(logits: burn_cubecl::tensor::CubeTensor) -> burn_cubecl::tensor::CubeTensor {

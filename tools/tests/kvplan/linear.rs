@@ -12,7 +12,7 @@ use burn_core::tensor::{DType, Device, Tensor, TensorData};
 use burn_core::backend::{Dispatch, DispatchDevice};
 use kvplan_decoder::linear::{
     Around, LinearBackend, MAX_TOKENS, Rope, RopeShape, Weight, greedy, linear, linear_rope,
-    linear_swiglu, reference, rope_reference,
+    linear_swiglu, reference, rope_reference, swiglu_reference,
 };
 use kvplan_decoder::model::exp_is_64_bit;
 use kvplan_decoder::sample::Rng;
@@ -148,6 +148,11 @@ pub fn matches_reference(device: &Device) {
     matches_reference_in(device, half);
     wide_matches_reference(device, half);
     rope_matches_reference(device, half);
+    swiglu_matches_reference(device, DType::F32);
+    swiglu_matches_reference(device, half);
+    if exp_is_64_bit(device) {
+        swiglu_matches_reference(device, DType::F64);
+    }
     misfits_are_nan(device);
     rope_matches_reference(device, DType::F32);
     wide_matches_reference(device, DType::F32);
@@ -281,6 +286,41 @@ fn rope_matches_reference(device: &Device, dtype: DType) {
         let what = format!("RoPE {tokens} x {width}, {dtype:?}");
         assert_close(&got, &expected, tolerance, &what);
     }
+}
+
+/// The SwiGLU op (the steps past `MAX_TOKENS`) against its host reference: rows that are a view of
+/// wider ones, more values than a launch's first row of cubes; an odd width is NaN.
+fn swiglu_matches_reference(device: &Device, dtype: DType) {
+    let mut rng = Rng::new(0x5161);
+    for (tokens, width) in [(1, 2), (17, 70), (300, 3072)] {
+        // Gates and ups up to 8: the exp and the product both matter.
+        let wide: Vec<f64> = rounded(random(&mut rng, tokens * (width + 5)), dtype)
+            .iter()
+            .map(|v| v * 8.0)
+            .collect();
+        let y = upload(&wide, [tokens, width + 5], device, dtype).narrow(1, 5, width);
+        let plain: Vec<f64> = wide
+            .chunks(width + 5)
+            .flat_map(|row| row[5..].to_vec())
+            .collect();
+        let got = values(Tensor::from_dispatch(<Dispatch as LinearBackend>::swiglu(
+            y.into_dispatch(),
+        )));
+        let tolerance = match dtype {
+            DType::F64 => 1e-13,
+            DType::F32 => 1e-6,
+            _ => half_tolerance(dtype, false, true).unwrap(),
+        };
+        let what = format!("SwiGLU {tokens} x {width}, {dtype:?}");
+        assert_close(&got, &swiglu_reference(&plain), tolerance, &what);
+    }
+    let odd = upload(&[0.5; 6], [2, 3], device, dtype);
+    let out = Tensor::<2>::from_dispatch(<Dispatch as LinearBackend>::swiglu(odd.into_dispatch()));
+    assert_eq!(out.dims(), [2, 1], "SwiGLU of an odd width: shape");
+    assert!(
+        values(out).iter().all(|v| v.is_nan()),
+        "SwiGLU of an odd width: NaN"
+    );
 }
 
 /// Each row's greedy token against the host's: random logits with the row's largest value
