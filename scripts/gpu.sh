@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-builds|decode-prompts|decode-check|gputime|ncu-decode|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-builds|decode-prompts|decode-check|decode-dtypes|gputime|ncu-decode|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
 set -uo pipefail
 BIN=${BIN:-/tmp/kvplan-bin/kvplan}
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -168,6 +168,24 @@ for c, h in zip(clean, hit):
 PY
       done
       "$BIN" generate --backend cuda --no-warm-up "What is the capital of France?" 2>&1 | tail -3
+      # bf16 answers too (its greedy tokens are not claimed equal across modes: 8-bit roundings).
+      "$BIN" generate --backend cuda --no-warm-up --dtype bf16 "Who wrote Romeo and Juliet?" 2>&1 | tail -3
+      ;;
+    decode-dtypes)
+      # Tokens/s of f32 against bf16 (and bf16 with 4-value loads in the vector kernel), spec
+      # off, 128 new tokens, graphs on, after warm-up; BATCHES picks rows.
+      [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
+      for bs in ${BATCHES:-1 8 32}; do
+        limit=$bs; [ "$bs" = 1 ] && limit=4
+        for variant in f32 bf16 bf16-v4; do
+          dtype=${variant%-v4}; knob=X=1; [ "$variant" = bf16-v4 ] && knob=KVPLAN_PROJECTION_VECTOR=4
+          log="$OUT/dtypes-$variant-$bs"
+          env "$knob" timeout "${RUN_TIMEOUT:-0}" "$BIN" generate --backend cuda --spec off --dtype "$dtype" --batch "$bs" \
+            --limit "$limit" --max-new-tokens 128 --ignore-eos --json --file benches/prompts.txt > "$log.jsonl" 2> "$log.err"
+          echo "$variant,$bs,$(grep -h '^generate: [0-9]* requests' "$log.err" | cut -c1-120)"
+          if grep -q '^graphs:' "$log.err"; then echo "ERROR: $variant,$bs: a capture fell back"; fi
+        done
+      done
       ;;
     decode-builds)
       # Tokens/s of several builds side by side (BUILDS names /tmp/kvplan-bin/kvplan-NAME), the
