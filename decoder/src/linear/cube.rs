@@ -36,8 +36,7 @@ pub(super) fn linear(
     if !fit {
         let outputs = w.shape().first().copied().unwrap_or(0);
         let shape = Shape::new([x.shape()[0], super::out_columns(&around, outputs)]);
-        let nan = InputScalar::new(f32::NAN, dtype_to_storage_type(x.dtype));
-        return full_device_dtype(x.client, shape, x.device, nan, x.dtype);
+        return nan(x, shape);
     }
     let [x, w, residual] = [x, w, residual].map(rows_of_unit_stride);
     // Without RoPE, `x` stands in for the angles (bound, never read).
@@ -178,8 +177,7 @@ pub(super) fn rope(
         )
     });
     if !fit {
-        let nan = InputScalar::new(f32::NAN, dtype_to_storage_type(y.dtype));
-        return full_device_dtype(y.client, Shape::from(dims), y.device, nan, y.dtype);
+        return nan(y, Shape::from(dims));
     }
     let [y, cos, sin] = [y, cos, sin].map(rows_of_unit_stride);
     let (tokens, width) = (dims[0], dims[1]);
@@ -230,13 +228,11 @@ pub(super) fn rope(
 pub(super) fn swiglu(y: CubeTensor) -> CubeTensor {
     let dims = y.shape().to_vec();
     let Ok([tokens, width]) = <[usize; 2]>::try_from(dims.as_slice()) else {
-        let nan = InputScalar::new(f32::NAN, dtype_to_storage_type(y.dtype));
-        return full_device_dtype(y.client, Shape::from(dims), y.device, nan, y.dtype);
+        return nan(y, Shape::from(dims));
     };
     let half = width / 2;
     if width % 2 == 1 {
-        let nan = InputScalar::new(f32::NAN, dtype_to_storage_type(y.dtype));
-        return full_device_dtype(y.client, Shape::new([tokens, half]), y.device, nan, y.dtype);
+        return nan(y, Shape::new([tokens, half]));
     }
     let y = rows_of_unit_stride(y);
     let out = empty_device_contiguous_dtype(
@@ -407,4 +403,10 @@ fn kernel_dtypes(dtype: DType) -> [ElemType; 2] {
         other => other,
     };
     [dtype, sums].map(dtype_to_storage_type)
+}
+
+/// NaN of `like`'s dtype in `shape`: the output of a launch whose inputs do not fit.
+fn nan(like: CubeTensor, shape: Shape) -> CubeTensor {
+    let value = InputScalar::new(f32::NAN, dtype_to_storage_type(like.dtype));
+    full_device_dtype(like.client, shape, like.device, value, like.dtype)
 }
