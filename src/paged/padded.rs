@@ -3,7 +3,7 @@
 //! both pools back every layer; Burn's own CPU kernels over the gathered rows are faster.
 
 use burn_core::tensor::activation::softmax;
-use burn_core::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
+use burn_core::tensor::{Bool, DType, Device, FloatDType, Int, Tensor, TensorData};
 
 /// The padded layout of a step: `[rows, max_q]` queries over the packed tokens, `[rows, max_kv]`
 /// keys over the packed contexts, the causal and padding mask.
@@ -86,14 +86,15 @@ impl Padded {
         } = shape;
         let (rows, max_q, max_kv) = (self.rows, self.max_q, self.max_kv);
         let groups = heads / kv_heads;
+        let dtype = q.dtype();
         // [rows * max_q, heads * hd] -> [rows, kv_heads, groups * max_q, hd]: query heads that
         // share a K/V head go side by side, so K and V are never repeated.
-        let q = q
+        let q = widened(q)
             .select(0, self.q_pad.clone())
             .reshape([rows, max_q, kv_heads, groups, hd])
             .permute([0, 2, 3, 1, 4])
             .reshape([rows, kv_heads, groups * max_q, hd]);
-        let kv = pool.select(0, self.kv_slots.clone());
+        let kv = widened(pool.select(0, self.kv_slots.clone()));
         let k = kv.clone().narrow(1, 0, kv_heads * hd);
         let v = kv.narrow(1, kv_heads * hd, kv_heads * hd);
         let k = k
@@ -113,5 +114,14 @@ impl Padded {
             .permute([0, 3, 1, 2, 4])
             .reshape([rows * max_q, heads * hd])
             .select(0, self.q_unpad.clone())
+            .cast(dtype)
+    }
+}
+
+/// Half precision as f32: the attention sums in f32 and rounds its output once, as the kernels.
+fn widened(x: Tensor<2>) -> Tensor<2> {
+    match x.dtype() {
+        DType::F16 | DType::BF16 => x.cast(FloatDType::F32),
+        _ => x,
     }
 }

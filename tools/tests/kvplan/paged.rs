@@ -32,7 +32,8 @@ fn config() -> PagedKvConfig {
 fn poisoned(config: PagedKvConfig, device: &Device) -> PagedKv {
     let mut kv = PagedKv::new(config.clone(), device).expect("a valid config");
     for layer in 0..config.layers {
-        let pool = Tensor::<2>::full([config.slots + 1, config.kv_width()], POISON, device);
+        let shape = [config.slots + 1, config.kv_width()];
+        let pool = Tensor::<2>::full(shape, POISON, (device, config.dtype));
         kv.set_pool(layer, pool).expect("the pool's own shape");
     }
     kv
@@ -107,10 +108,11 @@ fn step(
         let values: Vec<f32> = (0..tokens * config.qkv_width())
             .map(|_| rng.range(-1000, 1000) as f32 / 500.0)
             .collect();
-        let qkv = Tensor::<2>::from_data(
-            TensorData::new(values.clone(), [tokens, config.qkv_width()]),
-            device,
-        );
+        // As the pools' dtype holds them (the host's pools and reference see the same values).
+        let data =
+            TensorData::new(values, [tokens, config.qkv_width()]).convert_dtype(config.dtype);
+        let values = data.clone().convert::<f32>().try_to_vec::<f32>().unwrap();
+        let qkv = Tensor::<2>::from_data(data, (device, config.dtype));
         let out = floats(kv.attend(layer, qkv).expect("a valid layer"));
         // The host's stores, then the reference over them.
         let mut token = 0;
@@ -159,10 +161,16 @@ fn step(
             "",
         )
         .expect("the host's runs are valid");
+        // f32, or one rounding to a half-precision output after f32 sums.
+        let relative = match config.dtype {
+            DType::BF16 => 1.0 / 128.0,
+            DType::F16 => 1.0 / 1024.0,
+            _ => 1e-4,
+        };
         assert_eq!(out.len(), want.len(), "layer {layer}: output length");
         for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
             assert!(
-                (got as f64 - want).abs() <= 1e-4 + 1e-4 * want.abs(),
+                (got as f64 - want).abs() <= 1e-4 + relative * want.abs(),
                 "layer {layer}, element {i}: {got} against the reference's {want}"
             );
         }
@@ -191,9 +199,20 @@ fn assert_pools(kv: &PagedKv, host: &HostPools) {
 }
 
 /// Two requests, one sharing the other's prefix, drafts partly kept, one leaving: outputs
-/// against the reference, pools bit for bit, table rows, slot owners, every slot free at the end.
+/// against the reference, pools bit for bit, table rows, slot owners, every slot free at the end;
+/// in f32 and in half precision (bf16, or f16 where the device has no bf16).
 pub fn values(device: &Device) {
-    let config = config();
+    values_in(device, DType::F32);
+    let half = if device.supports_dtype(DType::BF16) {
+        DType::BF16
+    } else {
+        DType::F16
+    };
+    values_in(device, half);
+}
+
+fn values_in(device: &Device, dtype: DType) {
+    let config = PagedKvConfig { dtype, ..config() };
     let mut kv = poisoned(config.clone(), device);
     let mut host = HostPools {
         rows: vec![HashMap::new(); config.layers],
