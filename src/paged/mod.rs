@@ -95,7 +95,7 @@ pub struct PagedKvConfig {
     pub max_requests: usize,
     /// The longest context a request may reach (columns of `req_to_token`).
     pub max_context: usize,
-    /// The pools' float dtype.
+    /// The pools' float dtype (f16 and bf16 pools are attended in f32, each output rounded once).
     pub dtype: DType,
     /// The kv-canary, or `None` for none.
     pub canary: Option<CanaryConfig>,
