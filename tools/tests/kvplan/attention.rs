@@ -12,7 +12,7 @@ use kvplan::ops::KvStore;
 use kvplan::reference::{self, Heads};
 use kvplan::{Error, KvPlanBackend};
 
-use crate::common::{Rng, list};
+use crate::common::{Rng, half, list};
 use crate::errors::INT_DTYPES;
 
 /// One attention's inputs.
@@ -174,19 +174,6 @@ fn assert_close(got: &[f64], expected: &[f64], float: DType, what: &str) {
             (g - e).abs() <= 1e-5 + relative * e.abs(),
             "{what}: element {i}: {g} against the reference's {e}"
         );
-    }
-}
-
-/// The half-precision float `device` has: bf16, else f16 (lavapipe has no bf16).
-pub fn half<B: KvPlanBackend>(device: &B::Device) -> DType {
-    if B::supports_dtype(device, DType::BF16) {
-        DType::BF16
-    } else {
-        assert!(
-            B::supports_dtype(device, DType::F16),
-            "a device without half-precision floats"
-        );
-        DType::F16
     }
 }
 

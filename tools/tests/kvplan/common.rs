@@ -336,3 +336,16 @@ pub fn checked_store<B: KvPlanBackend>(
     stored.status.check()?;
     Ok(stored.cache)
 }
+
+/// The half-precision float `device` has: bf16, else f16 (lavapipe has no bf16).
+pub fn half<B: Backend>(device: &B::Device) -> DType {
+    if B::supports_dtype(device, DType::BF16) {
+        DType::BF16
+    } else {
+        assert!(
+            B::supports_dtype(device, DType::F16),
+            "a device without half-precision floats"
+        );
+        DType::F16
+    }
+}

@@ -140,11 +140,7 @@ pub fn matches_reference(device: &Device) {
         matches_reference_in(device, DType::F64);
     }
     matches_reference_in(device, DType::F32);
-    let half = if device.supports_dtype(DType::BF16) {
-        DType::BF16
-    } else {
-        DType::F16
-    };
+    let half = crate::common::half::<burn_core::backend::Dispatch>(device.as_dispatch());
     matches_reference_in(device, half);
     wide_matches_reference(device, half);
     rope_matches_reference(device, half);

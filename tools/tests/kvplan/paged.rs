@@ -203,11 +203,7 @@ fn assert_pools(kv: &PagedKv, host: &HostPools) {
 /// in f32 and in half precision (bf16, or f16 where the device has no bf16).
 pub fn values(device: &Device) {
     values_in(device, DType::F32);
-    let half = if device.supports_dtype(DType::BF16) {
-        DType::BF16
-    } else {
-        DType::F16
-    };
+    let half = crate::common::half::<burn_core::backend::Dispatch>(device.as_dispatch());
     values_in(device, half);
 }
 
