@@ -125,7 +125,7 @@ impl Llama {
         let config = LlamaConfig::from_gguf(gguf)?;
         if !dtype.is_float() || !device.supports_dtype(dtype) {
             return Err(DecoderError::Model(format!(
-                "this device has no {dtype:?} tensors: load as f32"
+                "this device has no {dtype:?} float tensors: load as f32"
             )));
         }
         if dtype == DType::F64 && !exp_is_64_bit(device) {

@@ -408,7 +408,7 @@ fn bf16_loads_where_the_device_has_it() {
             assert!(!device.supports_dtype(DType::BF16));
             assert_eq!(
                 e.to_string(),
-                "model: this device has no BF16 tensors: load as f32"
+                "model: this device has no BF16 float tensors: load as f32"
             );
         }
     }
@@ -684,6 +684,15 @@ fn refusals_name_their_values() {
             .to_string(),
         "model: head dim 3 is odd: RoPE turns pairs of columns"
     );
+    // A dtype that is not a float is refused as one the device lacks.
+    let tiny = Gguf::from_bytes(tiny_llama_bytes(&TinyConfig::default(), SEED).unwrap()).unwrap();
+    match Llama::load(&tiny, &device, DType::I32) {
+        Err(e) => assert_eq!(
+            e.to_string(),
+            "model: this device has no I32 float tensors: load as f32"
+        ),
+        Ok(_) => panic!("an i32 model loaded"),
+    }
     let error = |options: EngineOptions| match Engine::new(tiny_model(&device), vec![2], options) {
         Err(e) => e.to_string(),
         Ok(_) => panic!("accepted"),

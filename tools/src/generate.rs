@@ -700,6 +700,11 @@ mod tests {
         let graphs = |value: &str| parse(&["--graphs".into(), value.into()]).map(|a| a.graphs);
         assert_eq!(graphs("on"), Ok(Some(true)));
         assert_eq!(graphs("off"), Ok(Some(false)));
+        assert!(
+            refusal(&["--dtype", "f16"]).starts_with("--dtype \"f16\": expected f32, f64 or bf16")
+        );
+        let dtype = |value: &str| parse(&["--dtype".into(), value.into()]).map(|a| a.dtype);
+        assert_eq!(dtype("bf16"), Ok(burn_core::tensor::DType::BF16));
         let bound = |value: &str| parse(&["--spec-max-tokens".into(), value.into()]);
         assert_eq!(bound("0").map(|a| a.spec_max_tokens), Ok(Some(0)));
         assert!(

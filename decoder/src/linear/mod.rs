@@ -334,8 +334,13 @@ fn host_swiglu<B: Backend>(y: FloatTensor<B>) -> FloatTensor<B> {
 /// SwiGLU on the host: `silu(gate) * up` of each pair `(gate, up)` of `y`, in order.
 pub fn swiglu_reference(y: &[f64]) -> Vec<f64> {
     y.chunks_exact(2)
-        .map(|pair| pair[0] / (1.0 + (-pair[0]).exp()) * pair[1])
+        .map(|pair| gated(pair[0], pair[1]))
         .collect()
+}
+
+/// `silu(gate) * up`, as the kernels write it: `gate / (1 + exp(-gate)) * up`.
+fn gated(gate: f64, up: f64) -> f64 {
+    gate / (1.0 + (-gate).exp()) * up
 }
 
 /// RoPE on the host, as the kernels turn a pair: `(a, b)` to `(a cos - b sin, b cos + a sin)`
@@ -422,8 +427,7 @@ pub fn reference(
         };
         if around.swiglu {
             for (i, value) in out[t * columns..][..columns].iter_mut().enumerate() {
-                let (gate, up) = (dot(2 * i), dot(2 * i + 1));
-                *value = gate / (1.0 + (-gate).exp()) * up;
+                *value = gated(dot(2 * i), dot(2 * i + 1));
             }
             continue;
         }
@@ -480,8 +484,8 @@ pub struct Rope {
 }
 
 /// `[residual +] (x [/ rms(x)]) w^T` on `x`'s device: the extension's one launch up to
-/// [`MAX_TOKENS`] tokens on a GPU, Burn's ops past them and on Flex. Shapes are the model's own (checked at load), so
-/// nothing here fails.
+/// [`MAX_TOKENS`] tokens on a GPU, Burn's ops past them and on Flex. Shapes are the model's own
+/// (checked at load), so nothing here fails.
 pub fn linear(
     x: Tensor<2>,
     w: &Weight,
