@@ -25,8 +25,19 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// plane ops take a chunk's max.
 pub const PLANE: usize = 32;
 
-/// Keys whose V rows a unit loads together before it folds them in.
-const FOLD: usize = 32;
+/// Keys whose V rows a unit loads together before it folds them in: a chunk's first `FOLD` are
+/// loaded with its K rows, in one round trip.
+const FOLD: usize = 64;
+
+/// Values of a K tile, the rows of a chunk a cube stages in shared memory at a time: read
+/// coalesced, a row by a run of units, where a unit reading its own key's row would touch a line
+/// a unit (a warp's loads 32 lines apart).
+const TILE: usize = 4096;
+
+/// Keys of a K tile of heads of `head_dim`: at most a chunk of `units`.
+fn tile_keys(head_dim: usize, units: usize) -> usize {
+    (TILE / head_dim).clamp(1, units)
+}
 
 /// A token's keys are split into this many parts, each attended by a cube of its own into a
 /// partial (its max score, sum of weights and weighted V row), which are folded in order by the
@@ -543,22 +554,41 @@ fn new_row<W: Int>(claims: &Tensor<W>, slot: u64, rows: NewRowsShape, zero_row: 
     row
 }
 
-/// `q_row . keys[at .. at + head_dim]`, in the dimensions' order.
+/// `q_row . tile[at .. at + head_dim]`, in the dimensions' order (a K row as the pool holds it:
+/// the same bits as from the pool).
 #[cube]
-fn dot<F: Float, A: Float>(
+fn dot<A: Float>(
     q_row: &Shared<[A]>,
-    keys: &Tensor<F>,
+    tile: &Shared<[A]>,
     at: usize,
     #[comptime] head_dim: usize,
 ) -> A {
     let mut sum = A::new(0.0);
-    // Unrolled: every load of the row is issued before the sums wait on them (the order of the
-    // sum is the dimensions' all the same).
     #[unroll]
     for e in 0..head_dim {
-        sum += q_row[e] * A::cast_from(keys[at + e]);
+        sum += q_row[e] * tile[at + e];
     }
     sum
+}
+
+/// Element `at` of a K or V row: of the step's new rows `k` where `at` is marked `NEW_ROW`,
+/// else of the pool.
+#[cube]
+fn row_value<F: Float>(
+    pool: &Tensor<F>,
+    new: &Tensor<F>,
+    at: u64,
+    #[comptime] with_new_rows: bool,
+) -> F {
+    if comptime![with_new_rows] {
+        if at >= NEW_ROW {
+            new[(at - NEW_ROW) as usize]
+        } else {
+            pool[at as usize]
+        }
+    } else {
+        pool[at as usize]
+    }
 }
 
 /// Dimension `u` of the V row at `at` (a new row's where `at` is marked `NEW_ROW`); 0 past the
@@ -574,15 +604,7 @@ fn v_value<F: Float, A: Float>(
 ) -> A {
     let mut value = F::new(0.0);
     if u < head_dim {
-        if comptime![with_new_rows] {
-            if at >= NEW_ROW {
-                value = v[(at - NEW_ROW) as usize + u];
-            } else {
-                value = v_pool[at as usize + u];
-            }
-        } else {
-            value = v_pool[at as usize + u];
-        }
+        value = row_value::<F>(v_pool, v, at + u as u64, with_new_rows);
     }
     A::cast_from(value)
 }
@@ -641,9 +663,15 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
     let per = part_chunks(count, units) * chunk;
     let begin = part * per;
     let end = select(begin + per < count, begin + per, count);
+    let per_tile = comptime!(tile_keys(head_dim, units));
+    // Values of a tile each unit loads (its rows' elements `u`, `u + units`, ..).
+    let loads = comptime!((per_tile * head_dim).div_ceil(units));
+    let mut tile = Shared::<[A]>::new_slice(comptime!(per_tile * (head_dim + 1)));
+    let mut k_rows = Shared::<[u64]>::new_slice(units);
     let mut first = begin;
     while first < end {
         let keys = select(end - first < chunk, end - first, chunk) as u32;
+        // Each key's K and V rows, its slot resolved once by its own unit.
         if (u as u32) < keys {
             let slot =
                 i64::cast_from(slots[((start + first + u as u64) * shape.slots_stride) as usize])
@@ -653,16 +681,62 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
                 row = new_row::<W>(claims, slot, rows, zero_row);
             }
             if row == NEW_ROW {
-                let at = (slot * shape.k_stride + kv_column) as usize;
-                scores[u] = dot::<F, A>(&q_row, k_pool, at, head_dim) * scale;
+                k_rows[u] = slot * shape.k_stride + kv_column;
                 key_rows[u] = slot * shape.v_stride + shape.v_offset + kv_column;
             } else {
-                let at = (rows.k_offset + row * rows.k_stride + kv_column) as usize;
-                scores[u] = dot::<F, A>(&q_row, k, at, head_dim) * scale;
+                k_rows[u] = NEW_ROW | (rows.k_offset + row * rows.k_stride + kv_column);
                 key_rows[u] = NEW_ROW | (rows.v_offset + row * rows.v_stride + kv_column);
             }
         }
         sync_cube();
+        // The first `FOLD` keys' V values, in flight with the K rows' loads below.
+        let mut values = Array::<A>::new(FOLD);
+        #[unroll]
+        for i in 0..FOLD {
+            values[i] = A::new(0.0);
+            if (i as u32) < keys {
+                values[i] = v_value::<F, A>(v_pool, v, key_rows[i], u, head_dim, with_new_rows);
+            }
+        }
+        // The K rows a tile at a time: each row read by consecutive units into shared memory
+        // (rows `head_dim + 1` apart: a key's unit reads its row without bank conflicts), then
+        // each key's unit takes its score from the tile.
+        let mut tile_first = 0u32;
+        while tile_first < keys {
+            let in_tile = select(
+                keys - tile_first < per_tile as u32,
+                keys - tile_first,
+                per_tile as u32,
+            );
+            let mut staged = Array::<F>::new(loads);
+            #[unroll]
+            for i in 0..loads {
+                let e = (i * units) as u32 + u as u32;
+                staged[i] = F::new(0.0);
+                if e < in_tile * head_dim as u32 {
+                    let key = e / head_dim as u32;
+                    let at = k_rows[(tile_first + key) as usize] + (e % head_dim as u32) as u64;
+                    staged[i] = row_value::<F>(k_pool, k, at, with_new_rows);
+                }
+            }
+            #[unroll]
+            for i in 0..loads {
+                let e = (i * units) as u32 + u as u32;
+                if e < in_tile * head_dim as u32 {
+                    let key = e / head_dim as u32;
+                    tile[(key * (head_dim as u32 + 1) + e % head_dim as u32) as usize] =
+                        A::cast_from(staged[i]);
+                }
+            }
+            sync_cube();
+            let unit = u as u32;
+            if unit >= tile_first && unit < tile_first + in_tile {
+                let at = ((unit - tile_first) * (head_dim as u32 + 1)) as usize;
+                scores[u] = dot::<A>(&q_row, &tile, at, head_dim) * scale;
+            }
+            sync_cube();
+            tile_first += per_tile as u32;
+        }
         // Every unit keeps the same running max and sum (the chunk's scores are shared).
         let mut chunk_max = scores[0];
         if comptime![planes] {
@@ -705,24 +779,24 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
             scores[u] = (scores[u] - next_max).exp();
         }
         sync_cube();
-        // `FOLD` keys at a time, the last group of a chunk too: their V loads are in flight
-        // together (a chunk waits on a round trip or two, not one a key); the sums still add key
-        // by key, in order.
-        let mut values = Array::<A>::new(FOLD);
+        // `FOLD` keys at a time (the first group loaded above): their V loads are in flight
+        // together; the sums still add key by key, in order.
         let mut j = 0u32;
         while j < keys {
-            #[unroll]
-            for i in 0..FOLD {
-                values[i] = A::new(0.0);
-                if j + (i as u32) < keys {
-                    values[i] = v_value::<F, A>(
-                        v_pool,
-                        v,
-                        key_rows[j as usize + i],
-                        u,
-                        head_dim,
-                        with_new_rows,
-                    );
+            if j > 0 {
+                #[unroll]
+                for i in 0..FOLD {
+                    values[i] = A::new(0.0);
+                    if j + (i as u32) < keys {
+                        values[i] = v_value::<F, A>(
+                            v_pool,
+                            v,
+                            key_rows[j as usize + i],
+                            u,
+                            head_dim,
+                            with_new_rows,
+                        );
+                    }
                 }
             }
             #[unroll]

@@ -177,7 +177,7 @@ fn assert_close(got: &[f64], expected: &[f64], float: DType, what: &str) {
     }
 }
 
-/// Random heads (GQA groups, head widths across the cube's unit counts), runs across key
+/// Random heads (GQA groups, head widths across the cube's unit counts and K tiles), runs across key
 /// chunks, empty runs, i32 and i64 runs, a strided q.
 pub fn random_cases<B: KvPlanBackend>(device: &B::Device) {
     let mut rng = Rng::new(0xA77E);
@@ -188,8 +188,9 @@ pub fn random_cases<B: KvPlanBackend>(device: &B::Device) {
         (9, 3, 64),
         (4, 2, 80),
         (2, 2, 128),
+        (2, 1, 256),
     ];
-    for (case_index, &(heads, kv_heads, head_dim)) in shapes.iter().cycle().take(18).enumerate() {
+    for (case_index, &(heads, kv_heads, head_dim)) in shapes.iter().cycle().take(21).enumerate() {
         let layout = Heads {
             heads,
             kv_heads,
