@@ -25,14 +25,21 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// plane ops take a chunk's max.
 pub const PLANE: usize = 32;
 
-/// Keys whose V rows a unit loads together before it folds them in: a chunk's first `FOLD` are
-/// loaded with its K rows, in one round trip.
-const FOLD: usize = 64;
+/// Keys whose V rows a unit loads together before it folds them in.
+const FOLD: usize = 32;
 
-/// Values of a K tile, the rows of a chunk a cube stages in shared memory at a time: read
-/// coalesced, a row by a run of units, where a unit reading its own key's row would touch a line
-/// a unit (a warp's loads 32 lines apart).
+/// Keys whose V values a unit loads with a staged chunk's K rows, in one round trip.
+const STAGED_FOLD: usize = 64;
+
+/// Values of a K tile, the rows of a chunk a cube stages in shared memory at a time.
 const TILE: usize = 4096;
+
+/// Tokens up to which a launch stages each chunk's K rows in shared memory (`staged`): read
+/// coalesced, a row by consecutive units, with the chunk's first V values in the same round trip.
+/// With few cubes a cube's chain of dependent loads is the launch's time and the round trip
+/// saved pays; with many, each unit reading its own key's row (no tile, half the registers)
+/// keeps more cubes resident (`benches/RESULTS.md`, session 41).
+pub const STAGED_TOKENS: usize = 16;
 
 /// Keys of a K tile of heads of `head_dim`: at most a chunk of `units`.
 fn tile_keys(head_dim: usize, units: usize) -> usize {
@@ -273,10 +280,11 @@ pub fn attention_kv_kernel<F: Float, S: Int, A: Float>(
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
     #[comptime] planes: bool,
+    #[comptime] staged: bool,
     #[define(F, S, A)] _dtypes: [ElemType; 3],
 ) {
     attend_pools::<F, S, A>(
-        q, kv_pool, kv_pool, slots, runs, partials, shape, head_dim, units, planes,
+        q, kv_pool, kv_pool, slots, runs, partials, shape, head_dim, units, planes, staged,
     );
 }
 
@@ -388,6 +396,7 @@ fn attend_pools<F: Float, S: Int, A: Float>(
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
     #[comptime] planes: bool,
+    #[comptime] staged: bool,
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     if cube < shape.tokens * shape.heads * SPLITS as u64 {
@@ -404,7 +413,7 @@ fn attend_pools<F: Float, S: Int, A: Float>(
         };
         attend::<F, S, S, A>(
             q, k_pool, v_pool, k_pool, v_pool, slots, slots, runs, partials, shape, none, NEW_ROW,
-            cube, head_dim, units, false, planes,
+            cube, head_dim, units, false, planes, staged,
         );
     }
 }
@@ -437,6 +446,7 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int, A: Float>(
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
     #[comptime] planes: bool,
+    #[comptime] staged: bool,
     #[comptime] fold: bool,
     #[define(F, S, L, A)] _dtypes: [ElemType; 4],
 ) {
@@ -462,7 +472,7 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int, A: Float>(
     if t < shape.tokens {
         attend::<F, S, u32, A>(
             qkv, &*kv_pool, &*kv_pool, qkv, qkv, slots, claims, runs, partials, shape, rows,
-            zero_row, cube, head_dim, units, true, planes,
+            zero_row, cube, head_dim, units, true, planes, staged,
         );
         if comptime![fold] {
             // The pair's last part to arrive folds them all: each part publishes its partial,
@@ -555,9 +565,9 @@ fn new_row<W: Int>(claims: &Tensor<W>, slot: u64, rows: NewRowsShape, zero_row: 
 }
 
 /// `q_row . tile[at .. at + head_dim]`, in the dimensions' order (a K row as the pool holds it:
-/// the same bits as from the pool).
+/// the same bits as `dot`).
 #[cube]
-fn dot<A: Float>(
+fn dot_shared<A: Float>(
     q_row: &Shared<[A]>,
     tile: &Shared<[A]>,
     at: usize,
@@ -567,6 +577,27 @@ fn dot<A: Float>(
     #[unroll]
     for e in 0..head_dim {
         sum += q_row[e] * tile[at + e];
+    }
+    sum
+}
+
+/// `q_row .` the K row at `at` (a new row's where `at` is marked `NEW_ROW`), in the dimensions'
+/// order.
+#[cube]
+fn dot<F: Float, A: Float>(
+    q_row: &Shared<[A]>,
+    k_pool: &Tensor<F>,
+    k: &Tensor<F>,
+    at: u64,
+    #[comptime] head_dim: usize,
+    #[comptime] with_new_rows: bool,
+) -> A {
+    let mut sum = A::new(0.0);
+    // Unrolled: every load of the row is issued before the sums wait on them (the order of the
+    // sum is the dimensions' all the same).
+    #[unroll]
+    for e in 0..head_dim {
+        sum += q_row[e] * A::cast_from(row_value::<F>(k_pool, k, at + e as u64, with_new_rows));
     }
     sum
 }
@@ -629,6 +660,7 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
     #[comptime] units: usize,
     #[comptime] with_new_rows: bool,
     #[comptime] planes: bool,
+    #[comptime] staged: bool,
 ) {
     let head = cube / SPLITS as u64;
     let part = cube % SPLITS as u64;
@@ -666,8 +698,14 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
     let per_tile = comptime!(tile_keys(head_dim, units));
     // Values of a tile each unit loads (its rows' elements `u`, `u + units`, ..).
     let loads = comptime!((per_tile * head_dim).div_ceil(units));
-    let mut tile = Shared::<[A]>::new_slice(comptime!(per_tile * (head_dim + 1)));
+    let mut tile = Shared::<[A]>::new_slice(comptime!(if staged {
+        per_tile * (head_dim + 1)
+    } else {
+        1
+    }));
     let mut k_rows = Shared::<[u64]>::new_slice(units);
+    let fold = comptime!(if staged { STAGED_FOLD } else { FOLD });
+    let mut values = Array::<A>::new(fold);
     let mut first = begin;
     while first < end {
         let keys = select(end - first < chunk, end - first, chunk) as u32;
@@ -688,54 +726,62 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
                 key_rows[u] = NEW_ROW | (rows.v_offset + row * rows.v_stride + kv_column);
             }
         }
-        sync_cube();
-        // The first `FOLD` keys' V values, in flight with the K rows' loads below.
-        let mut values = Array::<A>::new(FOLD);
-        #[unroll]
-        for i in 0..FOLD {
-            values[i] = A::new(0.0);
-            if (i as u32) < keys {
-                values[i] = v_value::<F, A>(v_pool, v, key_rows[i], u, head_dim, with_new_rows);
-            }
-        }
-        // The K rows a tile at a time: each row read by consecutive units into shared memory
-        // (rows `head_dim + 1` apart: a key's unit reads its row without bank conflicts), then
-        // each key's unit takes its score from the tile.
-        let mut tile_first = 0u32;
-        while tile_first < keys {
-            let in_tile = select(
-                keys - tile_first < per_tile as u32,
-                keys - tile_first,
-                per_tile as u32,
-            );
-            let mut staged = Array::<F>::new(loads);
+        if comptime![staged] {
+            sync_cube();
+            // The first keys' V values, in flight with the K rows' loads below.
             #[unroll]
-            for i in 0..loads {
-                let e = (i * units) as u32 + u as u32;
-                staged[i] = F::new(0.0);
-                if e < in_tile * head_dim as u32 {
-                    let key = e / head_dim as u32;
-                    let at = k_rows[(tile_first + key) as usize] + (e % head_dim as u32) as u64;
-                    staged[i] = row_value::<F>(k_pool, k, at, with_new_rows);
+            for i in 0..fold {
+                values[i] = A::new(0.0);
+                if (i as u32) < keys {
+                    values[i] = v_value::<F, A>(v_pool, v, key_rows[i], u, head_dim, with_new_rows);
                 }
             }
-            #[unroll]
-            for i in 0..loads {
-                let e = (i * units) as u32 + u as u32;
-                if e < in_tile * head_dim as u32 {
-                    let key = e / head_dim as u32;
-                    tile[(key * (head_dim as u32 + 1) + e % head_dim as u32) as usize] =
-                        A::cast_from(staged[i]);
+            // The K rows a tile at a time: each row read by consecutive units into shared
+            // memory (rows `head_dim + 1` apart: a key's unit reads its row without bank
+            // conflicts), then each key's unit takes its score from the tile.
+            let mut tile_first = 0u32;
+            while tile_first < keys {
+                let in_tile = select(
+                    keys - tile_first < per_tile as u32,
+                    keys - tile_first,
+                    per_tile as u32,
+                );
+                let mut staged_values = Array::<F>::new(loads);
+                #[unroll]
+                for i in 0..loads {
+                    let e = (i * units) as u32 + u as u32;
+                    staged_values[i] = F::new(0.0);
+                    if e < in_tile * head_dim as u32 {
+                        let key = e / head_dim as u32;
+                        let at = k_rows[(tile_first + key) as usize] + (e % head_dim as u32) as u64;
+                        staged_values[i] = row_value::<F>(k_pool, k, at, with_new_rows);
+                    }
                 }
+                #[unroll]
+                for i in 0..loads {
+                    let e = (i * units) as u32 + u as u32;
+                    if e < in_tile * head_dim as u32 {
+                        let key = e / head_dim as u32;
+                        tile[(key * (head_dim as u32 + 1) + e % head_dim as u32) as usize] =
+                            A::cast_from(staged_values[i]);
+                    }
+                }
+                sync_cube();
+                let unit = u as u32;
+                if unit >= tile_first && unit < tile_first + in_tile {
+                    let at = ((unit - tile_first) * (head_dim as u32 + 1)) as usize;
+                    scores[u] = dot_shared::<A>(&q_row, &tile, at, head_dim) * scale;
+                }
+                sync_cube();
+                tile_first += per_tile as u32;
+            }
+        } else {
+            // Each key's unit reads its own row.
+            if (u as u32) < keys {
+                scores[u] =
+                    dot::<F, A>(&q_row, k_pool, k, k_rows[u], head_dim, with_new_rows) * scale;
             }
             sync_cube();
-            let unit = u as u32;
-            if unit >= tile_first && unit < tile_first + in_tile {
-                let at = ((unit - tile_first) * (head_dim as u32 + 1)) as usize;
-                scores[u] = dot::<A>(&q_row, &tile, at, head_dim) * scale;
-            }
-            sync_cube();
-            tile_first += per_tile as u32;
         }
         // Every unit keeps the same running max and sum (the chunk's scores are shared).
         let mut chunk_max = scores[0];
@@ -779,13 +825,13 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
             scores[u] = (scores[u] - next_max).exp();
         }
         sync_cube();
-        // `FOLD` keys at a time (the first group loaded above): their V loads are in flight
-        // together; the sums still add key by key, in order.
+        // `fold` keys at a time (staged: the first group loaded above): their V loads are in
+        // flight together; the sums still add key by key, in order.
         let mut j = 0u32;
         while j < keys {
-            if j > 0 {
+            if j > 0 || comptime![!staged] {
                 #[unroll]
-                for i in 0..FOLD {
+                for i in 0..fold {
                     values[i] = A::new(0.0);
                     if j + (i as u32) < keys {
                         values[i] = v_value::<F, A>(
@@ -800,14 +846,14 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
                 }
             }
             #[unroll]
-            for i in 0..FOLD {
+            for i in 0..fold {
                 if j + (i as u32) < keys {
                     let weight = scores[j as usize + i];
                     sum += weight;
                     acc += weight * values[i];
                 }
             }
-            j += FOLD as u32;
+            j += fold as u32;
         }
         max = next_max;
         first += chunk;

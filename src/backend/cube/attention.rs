@@ -9,7 +9,7 @@ use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, full_device_dtype
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use kvplan_kernels::attention::{
-    AttentionShapeLaunch, NewRowsShapeLaunch, PLANE, SPLITS, attention_check_kernel,
+    AttentionShapeLaunch, NewRowsShapeLaunch, PLANE, SPLITS, STAGED_TOKENS, attention_check_kernel,
     attention_combine_kernel, attention_kv_kernel, attention_units, partial_len, runs_len,
     store_attention_kv_kernel,
 };
@@ -214,6 +214,7 @@ pub(crate) fn paged_attention(
             head_dim,
             units,
             planes,
+            tokens <= STAGED_TOKENS,
             dtypes,
         );
     }
@@ -389,6 +390,7 @@ pub(crate) fn store_and_attend(
             head_dim,
             units,
             planes,
+            tokens <= STAGED_TOKENS,
             fold,
             dtypes,
         );

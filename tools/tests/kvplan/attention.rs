@@ -243,7 +243,12 @@ pub fn f64_cases<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
     }
 }
 
-/// A token's row is the same bits alone and in a batch (a plain step and a verify window agree).
+/// Tokens up to which an attention launch stages its K rows in shared memory (the kernels'
+/// `STAGED_TOKENS`): a batch past it is read another way.
+const STAGED_TOKENS: usize = 16;
+
+/// A token's row is the same bits alone and in a batch (a plain step and a verify window agree;
+/// so do a launch of few tokens, which stages its K rows in shared memory, and one of many).
 pub fn rows_do_not_depend_on_the_batch<B: KvPlanBackend>(device: &B::Device) {
     let mut rng = Rng::new(7);
     let layout = Heads {
@@ -251,10 +256,10 @@ pub fn rows_do_not_depend_on_the_batch<B: KvPlanBackend>(device: &B::Device) {
         kv_heads: 3,
         head_dim: 64,
     };
-    let case = Case::random(&mut rng, layout, 12, 400, 150);
+    let case = Case::random(&mut rng, layout, STAGED_TOKENS + 4, 400, 150);
     let (batch, _) = case.run::<B>(device, [DType::F32, DType::I64], false);
     let cols = case.q_cols();
-    for t in [0, 5, 11] {
+    for t in [0, 5, 11, STAGED_TOKENS + 3] {
         let alone = Case {
             tokens: 1,
             q: case.q[t * cols..][..cols].to_vec(),
@@ -542,7 +547,8 @@ pub fn store_then_attend<B: KvPlanBackend>(device: &B::Device, exp_64: bool) {
         };
         // The last case stores two tokens at one slot. The new rows are the queries' tokens.
         let duplicate = case_index == 7;
-        let tokens = rng.urange(1 + usize::from(duplicate), 12);
+        // Up to past `STAGED_TOKENS`: both ways of reading the K rows meet new rows.
+        let tokens = rng.urange(1 + usize::from(duplicate), STAGED_TOKENS + 8);
         let new = tokens;
         let pool_rows = rng.urange(new + 2, 200);
         // Odd cases' runs span the attention's parts, several chunks each.
