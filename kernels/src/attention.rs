@@ -602,7 +602,7 @@ fn dot<F: Float, A: Float>(
     sum
 }
 
-/// Element `at` of a K or V row: of the step's new rows `k` where `at` is marked `NEW_ROW`,
+/// Element `at` of a K or V row: of the step's new rows `new` where `at` is marked `NEW_ROW`,
 /// else of the pool.
 #[cube]
 fn row_value<F: Float>(
