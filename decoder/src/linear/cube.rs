@@ -9,9 +9,9 @@ use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
 use super::kernel::{
-    GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS, PLANE_COLUMNS, PLANES, ROPE_UNITS,
-    RopeScalarsLaunch, VECTOR_PLANES, greedy_kernel, linear_kernel, linear_vector_kernel,
-    rope_kernel, swiglu_kernel,
+    GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS, NORM_UNITS, PLANE_COLUMNS, PLANES,
+    ROPE_UNITS, RopeScalarsLaunch, VECTOR_PLANES, greedy_kernel, linear_kernel,
+    linear_vector_kernel, rms_norm_kernel, rope_kernel, swiglu_kernel,
 };
 use super::{Around, RopeShape};
 
@@ -261,6 +261,45 @@ pub(super) fn swiglu(y: CubeTensor) -> CubeTensor {
             tokens as u64,
             half as u64,
             stride,
+            dtypes,
+        );
+    }
+    out
+}
+
+/// `x / rms(x)` of each row (`rms_norm_kernel`): a cube a row. A `x` that is not a matrix gives
+/// NaN, as `linear`'s misfits.
+pub(super) fn rms_norm(x: CubeTensor, eps: f64) -> CubeTensor {
+    let dims = x.shape().to_vec();
+    let Ok([rows, cols]) = <[usize; 2]>::try_from(dims.as_slice()) else {
+        return nan(x, Shape::from(dims));
+    };
+    let x = rows_of_unit_stride(x);
+    let out = empty_device_contiguous_dtype(
+        x.client.clone(),
+        x.device.clone(),
+        Shape::new([rows, cols]),
+        x.dtype,
+    );
+    if rows * cols == 0 {
+        return out;
+    }
+    let address = address_type(&[&x, &out]);
+    let (dtypes, client, stride) = (kernel_dtypes(x.dtype), x.client.clone(), row_stride(&x));
+    // SAFETY: every read is inside `x` (rows of unit column stride, columns below `cols`); each
+    // row of `out` written by its own cube.
+    unsafe {
+        rms_norm_kernel::launch_unchecked(
+            &client,
+            grid(rows, 1),
+            CubeDim::new_1d(NORM_UNITS as u32),
+            address,
+            x.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            rows as u64,
+            cols as u64,
+            stride,
+            eps as f32,
             dtypes,
         );
     }

@@ -323,6 +323,56 @@ pub fn swiglu_kernel<F: Float, A: Float>(
     }
 }
 
+/// Units of an RMSNorm cube.
+pub const NORM_UNITS: usize = 256;
+
+/// Cube `r` (flattened over x and y) writes row `r` of `out` (`[rows, cols]`, contiguous): `x`'s
+/// row divided by its RMS (`sqrt(mean(x^2) + eps)`, as `finish` divides a projection), in `A`.
+/// Unit `u` sums the squares of columns `u, u + NORM_UNITS, ..` in order, then the units' sums
+/// add by halves: the order depends on the width alone.
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn rms_norm_kernel<F: Float, A: Float>(
+    x: &Tensor<F>,
+    out: &mut Tensor<F>,
+    rows: u64,
+    cols: u64,
+    x_stride: u64,
+    eps: f32,
+    #[define(F, A)] _dtypes: [ElemType; 2],
+) {
+    let row = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    let u = UNIT_POS as usize;
+    let mut squares = Shared::<[A]>::new_slice(NORM_UNITS);
+    let mut sum = A::new(0.0);
+    if row < rows {
+        let mut c = u as u64;
+        while c < cols {
+            let value = A::cast_from(x[(row * x_stride + c) as usize]);
+            sum += value * value;
+            c += NORM_UNITS as u64;
+        }
+    }
+    squares[u] = sum;
+    #[unroll]
+    for level in 0..comptime!(NORM_UNITS.trailing_zeros()) {
+        let half = comptime!(NORM_UNITS >> (level + 1));
+        sync_cube();
+        if u < half {
+            squares[u] = squares[u] + squares[u + half];
+        }
+    }
+    sync_cube();
+    if row < rows {
+        let scale = (squares[0] / A::cast_from(cols) + A::cast_from(eps)).sqrt();
+        let mut c = u as u64;
+        while c < cols {
+            let value = A::cast_from(x[(row * x_stride + c) as usize]);
+            out[(row * cols + c) as usize] = F::cast_from(value / scale);
+            c += NORM_UNITS as u64;
+        }
+    }
+}
+
 /// Units of a greedy-token cube.
 pub const GREEDY_UNITS: usize = 512;
 

@@ -61,7 +61,12 @@ fn max_tokens() -> usize {
 /// with its kernels. Flex's op is the host reference, which reads every weight back a call (20x
 /// slower than Burn's matmul there: `benches/RESULTS.md`, session 39), so Flex takes Burn's ops.
 fn extension_op(x: &Tensor<2>) -> bool {
-    x.dims()[0] <= max_tokens() && !matches!(x.device().as_dispatch(), DispatchDevice::Flex(_))
+    x.dims()[0] <= max_tokens() && on_gpu(x)
+}
+
+/// Whether `x` is on a Cube device (not Flex, whose ops the host bodies would read back).
+fn on_gpu(x: &Tensor<2>) -> bool {
+    !matches!(x.device().as_dispatch(), DispatchDevice::Flex(_))
 }
 
 /// Whether a projection of `outputs` columns from rows of `inner` runs
@@ -154,6 +159,14 @@ pub trait LinearBackend: Backend {
     #[fusion(meta = |y| TensorSpec::new([y.shape[0], y.shape[1] / 2].into(), y.dtype))]
     fn swiglu(y: FloatTensor<Self>) -> FloatTensor<Self> {
         host_swiglu::<Self>(y)
+    }
+
+    /// `x / rms(x)` of each row of `x` `[tokens, width]` (`rms(x) = sqrt(mean(x^2) + eps)`, in
+    /// f32 for half precision): the steps past [`MAX_TOKENS`], whose projection is Burn's matmul,
+    /// in one launch where Burn's ops take a reduce and an elementwise kernel.
+    #[fusion(meta = |x, _eps| TensorSpec::new(x.shape.clone(), x.dtype))]
+    fn rms_norm(x: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        host_rms_norm::<Self>(x, eps)
     }
 
     /// Each row's greedy token of `logits` `[rows, vocab]`: the index of its largest value, the
@@ -329,6 +342,35 @@ fn host_swiglu<B: Backend>(y: FloatTensor<B>) -> FloatTensor<B> {
         _ => vec![f64::NAN; out[0] * out[1]],
     };
     B::float_from_data(TensorData::new(values, out).convert_dtype(dtype), &device)
+}
+
+/// The default body of `rms_norm`: `x` read back, [`rms_norm_reference`], the result uploaded
+/// (NaN for a `x` that is not a matrix).
+fn host_rms_norm<B: Backend>(x: FloatTensor<B>, eps: f64) -> FloatTensor<B> {
+    let (device, dtype) = (x.device(), x.dtype());
+    let dims = x.shape().to_vec();
+    let values = match <[usize; 2]>::try_from(dims.as_slice()) {
+        Ok([tokens, width]) => {
+            let read = try_read_sync(B::float_into_data(x))
+                .and_then(Result::ok)
+                .and_then(|data| data.convert::<f64>().try_to_vec::<f64>().ok())
+                .unwrap_or_else(|| vec![f64::NAN; tokens * width]);
+            rms_norm_reference(&read, width, eps)
+        }
+        _ => vec![f64::NAN; dims.iter().product()],
+    };
+    B::float_from_data(TensorData::new(values, dims).convert_dtype(dtype), &device)
+}
+
+/// RMSNorm on the host: each row of `width` values of `x` divided by `sqrt(mean(x^2) + eps)`.
+pub fn rms_norm_reference(x: &[f64], width: usize, eps: f64) -> Vec<f64> {
+    x.chunks(width.max(1))
+        .flat_map(|row| {
+            let mean = row.iter().map(|v| v * v).sum::<f64>() / width as f64;
+            let scale = (mean + eps).sqrt();
+            row.iter().map(move |v| v / scale)
+        })
+        .collect()
 }
 
 /// SwiGLU on the host: `silu(gate) * up` of each pair `(gate, up)` of `y`, in order.
@@ -573,6 +615,10 @@ pub fn greedy(logits: Tensor<2>) -> Tensor<1, burn_core::tensor::Int> {
 /// `x / rms(x)` with `Some(eps)` (in f32 for half precision, as the kernels), else `x`.
 fn normed(x: Tensor<2>, norm_eps: Option<f64>) -> Tensor<2> {
     match norm_eps {
+        Some(eps) if on_gpu(&x) => Tensor::from_dispatch(<Dispatch as LinearBackend>::rms_norm(
+            x.into_dispatch(),
+            eps,
+        )),
         Some(eps) => {
             let dtype = x.dtype();
             let x = widened(x);
@@ -627,6 +673,10 @@ impl LinearBackend for burn_cubecl::CubeBackend {
 
     fn swiglu(y: burn_cubecl::tensor::CubeTensor) -> burn_cubecl::tensor::CubeTensor {
         cube::swiglu(y)
+    }
+
+    fn rms_norm(x: burn_cubecl::tensor::CubeTensor, eps: f64) -> burn_cubecl::tensor::CubeTensor {
+        cube::rms_norm(x, eps)
     }
 
     fn greedy(logits: burn_cubecl::tensor::CubeTensor) -> burn_cubecl::tensor::CubeTensor {

@@ -12,7 +12,7 @@ use burn_core::tensor::{DType, Device, Tensor, TensorData};
 use burn_core::backend::{Dispatch, DispatchDevice};
 use kvplan_decoder::linear::{
     Around, LinearBackend, MAX_TOKENS, Rope, RopeShape, Weight, greedy, linear, linear_rope,
-    linear_swiglu, reference, rope_reference, swiglu_reference,
+    linear_swiglu, reference, rms_norm_reference, rope_reference, swiglu_reference,
 };
 use kvplan_decoder::model::exp_is_64_bit;
 use kvplan_decoder::sample::Rng;
@@ -148,6 +148,11 @@ pub fn matches_reference(device: &Device) {
     swiglu_matches_reference(device, half);
     if exp_is_64_bit(device) {
         swiglu_matches_reference(device, DType::F64);
+    }
+    rms_norm_matches_reference(device, DType::F32);
+    rms_norm_matches_reference(device, half);
+    if exp_is_64_bit(device) {
+        rms_norm_matches_reference(device, DType::F64);
     }
     misfits_are_nan(device);
     rope_matches_reference(device, DType::F32);
@@ -317,6 +322,39 @@ fn swiglu_matches_reference(device: &Device, dtype: DType) {
         values(out).iter().all(|v| v.is_nan()),
         "SwiGLU of an odd width: NaN"
     );
+}
+
+/// The RMSNorm op against the host's: rows strided past their width, widths below, at and past a
+/// cube's units, values up to 8.
+fn rms_norm_matches_reference(device: &Device, dtype: DType) {
+    let mut rng = Rng::new(0x4A5);
+    let eps = 1e-5;
+    for (tokens, width) in [(1, 3), (17, 256), (33, 576), (5, 1536)] {
+        let wide: Vec<f64> = rounded(random(&mut rng, tokens * (width + 3)), dtype)
+            .iter()
+            .map(|v| v * 8.0)
+            .collect();
+        let x = upload(&wide, [tokens, width + 3], device, dtype).narrow(1, 3, width);
+        let plain: Vec<f64> = wide
+            .chunks(width + 3)
+            .flat_map(|row| row[3..].to_vec())
+            .collect();
+        let got = values(Tensor::from_dispatch(
+            <Dispatch as LinearBackend>::rms_norm(x.into_dispatch(), eps),
+        ));
+        let tolerance = match dtype {
+            DType::F64 => 1e-13,
+            DType::F32 => 1e-6,
+            _ => half_tolerance(dtype, false, false).unwrap(),
+        };
+        let what = format!("RMSNorm {tokens} x {width}, {dtype:?}");
+        assert_close(
+            &got,
+            &rms_norm_reference(&plain, width, eps),
+            tolerance,
+            &what,
+        );
+    }
 }
 
 /// Each row's greedy token against the host's: random logits with the row's largest value
