@@ -45,9 +45,8 @@ pub(super) fn linear(
         .unwrap_or_else(|| [x.clone(), x.clone()]);
     let (tokens, inner) = (x.shape()[0], w.shape()[1]);
     let outputs = w.shape()[0];
-    let out = empty_device_contiguous_dtype(
-        x.client.clone(),
-        x.device.clone(),
+    let out = empty(
+        &x,
         Shape::new([tokens, super::out_columns(&around, outputs)]),
         x.dtype,
     );
@@ -181,12 +180,7 @@ pub(super) fn rope(
     }
     let [y, cos, sin] = [y, cos, sin].map(rows_of_unit_stride);
     let (tokens, width) = (dims[0], dims[1]);
-    let out = empty_device_contiguous_dtype(
-        y.client.clone(),
-        y.device.clone(),
-        Shape::new([tokens, width]),
-        y.dtype,
-    );
+    let out = empty(&y, Shape::new([tokens, width]), y.dtype);
     let values = tokens * width;
     if values == 0 {
         return out;
@@ -235,12 +229,7 @@ pub(super) fn swiglu(y: CubeTensor) -> CubeTensor {
         return nan(y, Shape::new([tokens, half]));
     }
     let y = rows_of_unit_stride(y);
-    let out = empty_device_contiguous_dtype(
-        y.client.clone(),
-        y.device.clone(),
-        Shape::new([tokens, half]),
-        y.dtype,
-    );
+    let out = empty(&y, Shape::new([tokens, half]), y.dtype);
     let values = tokens * half;
     if values == 0 {
         return out;
@@ -275,12 +264,7 @@ pub(super) fn rms_norm(x: CubeTensor, eps: f64) -> CubeTensor {
         return nan(x, Shape::from(dims));
     };
     let x = rows_of_unit_stride(x);
-    let out = empty_device_contiguous_dtype(
-        x.client.clone(),
-        x.device.clone(),
-        Shape::new([rows, cols]),
-        x.dtype,
-    );
+    let out = empty(&x, Shape::new([rows, cols]), x.dtype);
     if rows * cols == 0 {
         return out;
     }
@@ -310,12 +294,7 @@ pub(super) fn rms_norm(x: CubeTensor, eps: f64) -> CubeTensor {
 pub(super) fn greedy(logits: CubeTensor) -> CubeTensor {
     let logits = rows_of_unit_stride(logits);
     let (rows, vocab) = (logits.shape()[0], logits.shape()[1]);
-    let out = empty_device_contiguous_dtype(
-        logits.client.clone(),
-        logits.device.clone(),
-        Shape::new([rows]),
-        DType::I64,
-    );
+    let out = empty(&logits, Shape::new([rows]), DType::I64);
     if rows == 0 {
         return out;
     }
@@ -442,6 +421,11 @@ fn kernel_dtypes(dtype: DType) -> [ElemType; 2] {
         other => other,
     };
     [dtype, sums].map(dtype_to_storage_type)
+}
+
+/// An uninitialised contiguous output of `shape` and `dtype` on `like`'s device.
+fn empty(like: &CubeTensor, shape: Shape, dtype: DType) -> CubeTensor {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
 }
 
 /// NaN of `like`'s dtype in `shape`: the output of a launch whose inputs do not fit.
