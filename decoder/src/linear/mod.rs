@@ -252,14 +252,7 @@ fn host_linear<B: Backend>(
     }
     let read = |tensor: FloatTensor<B>| -> (Vec<usize>, Vec<f64>) {
         let shape = tensor.shape().to_vec();
-        let data = try_read_sync(B::float_into_data(tensor))
-            .and_then(Result::ok)
-            .map(|data| {
-                data.convert::<f64>()
-                    .try_to_vec::<f64>()
-                    .unwrap_or_default()
-            })
-            .unwrap_or_default();
+        let data = read_f64::<B>(tensor).unwrap_or_default();
         (shape, data)
     };
     let ((x_shape, x), (w_shape, w)) = (read(x), read(w));
@@ -279,14 +272,18 @@ fn host_linear<B: Backend>(
     )
 }
 
+/// `tensor`'s values as f64, `None` where it cannot be read back.
+fn read_f64<B: Backend>(tensor: FloatTensor<B>) -> Option<Vec<f64>> {
+    try_read_sync(B::float_into_data(tensor))
+        .and_then(Result::ok)
+        .and_then(|data| data.convert::<f64>().try_to_vec::<f64>().ok())
+}
+
 /// The default body of `greedy`: the logits read back, [`greedy_reference`], the tokens uploaded.
 fn host_greedy<B: Backend>(logits: FloatTensor<B>) -> IntTensor<B> {
     let device = logits.device();
     let (rows, vocab) = (logits.shape()[0], logits.shape()[1]);
-    let values = try_read_sync(B::float_into_data(logits))
-        .and_then(Result::ok)
-        .and_then(|data| data.convert::<f64>().try_to_vec::<f64>().ok())
-        .unwrap_or_default();
+    let values = read_f64::<B>(logits).unwrap_or_default();
     // An empty row's token is 0, as the kernel's (and an unreadable input gives 0s, not a panic).
     let tokens = if vocab > 0 && values.len() == rows * vocab {
         greedy_reference(&values, vocab)
@@ -307,12 +304,7 @@ fn host_rope<B: Backend>(
     let (device, dtype) = (y.device(), y.dtype());
     let dims = y.shape().to_vec();
     let angles = Some([cos.shape().to_vec(), sin.shape().to_vec()]);
-    let read = |tensor: FloatTensor<B>| -> Vec<f64> {
-        try_read_sync(B::float_into_data(tensor))
-            .and_then(Result::ok)
-            .and_then(|data| data.convert::<f64>().try_to_vec::<f64>().ok())
-            .unwrap_or_default()
-    };
+    let read = |tensor: FloatTensor<B>| read_f64::<B>(tensor).unwrap_or_default();
     let values = match <[usize; 2]>::try_from(dims.as_slice()) {
         Ok(dims) if rope_fits(shape, dims, angles) => {
             rope_reference(&read(y), &read(cos), &read(sin), dims[1], shape)
@@ -333,10 +325,7 @@ fn host_swiglu<B: Backend>(y: FloatTensor<B>) -> FloatTensor<B> {
     ];
     let values = match <[usize; 2]>::try_from(dims.as_slice()) {
         Ok([tokens, width]) if width % 2 == 0 => {
-            let read = try_read_sync(B::float_into_data(y))
-                .and_then(Result::ok)
-                .and_then(|data| data.convert::<f64>().try_to_vec::<f64>().ok())
-                .unwrap_or_else(|| vec![f64::NAN; tokens * width]);
+            let read = read_f64::<B>(y).unwrap_or_else(|| vec![f64::NAN; tokens * width]);
             swiglu_reference(&read)
         }
         _ => vec![f64::NAN; out[0] * out[1]],
@@ -351,10 +340,7 @@ fn host_rms_norm<B: Backend>(x: FloatTensor<B>, eps: f64) -> FloatTensor<B> {
     let dims = x.shape().to_vec();
     let values = match <[usize; 2]>::try_from(dims.as_slice()) {
         Ok([tokens, width]) => {
-            let read = try_read_sync(B::float_into_data(x))
-                .and_then(Result::ok)
-                .and_then(|data| data.convert::<f64>().try_to_vec::<f64>().ok())
-                .unwrap_or_else(|| vec![f64::NAN; tokens * width]);
+            let read = read_f64::<B>(x).unwrap_or_else(|| vec![f64::NAN; tokens * width]);
             rms_norm_reference(&read, width, eps)
         }
         _ => vec![f64::NAN; dims.iter().product()],
@@ -366,11 +352,15 @@ fn host_rms_norm<B: Backend>(x: FloatTensor<B>, eps: f64) -> FloatTensor<B> {
 pub fn rms_norm_reference(x: &[f64], width: usize, eps: f64) -> Vec<f64> {
     x.chunks(width.max(1))
         .flat_map(|row| {
-            let mean = row.iter().map(|v| v * v).sum::<f64>() / width as f64;
-            let scale = (mean + eps).sqrt();
+            let scale = rms(row, eps);
             row.iter().map(move |v| v / scale)
         })
         .collect()
+}
+
+/// `sqrt(mean(row^2) + eps)`.
+fn rms(row: &[f64], eps: f64) -> f64 {
+    (row.iter().map(|v| v * v).sum::<f64>() / row.len() as f64 + eps).sqrt()
 }
 
 /// SwiGLU on the host: `silu(gate) * up` of each pair `(gate, up)` of `y`, in order.
@@ -455,10 +445,7 @@ pub fn reference(
     }
     for t in 0..tokens {
         let row = &x[t * inner..][..inner];
-        let scale = around.norm_eps.map_or(1.0, |eps| {
-            let mean = row.iter().map(|v| v * v).sum::<f64>() / inner as f64;
-            1.0 / (mean + eps).sqrt()
-        });
+        let scale = around.norm_eps.map_or(1.0, |eps| 1.0 / rms(row, eps));
         let dot = |n: usize| -> f64 {
             let dot: f64 = row
                 .iter()
