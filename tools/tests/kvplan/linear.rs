@@ -355,6 +355,18 @@ fn rms_norm_matches_reference(device: &Device, dtype: DType) {
             &what,
         );
     }
+    // Not a matrix: NaN of its shape, no launch.
+    let cube = Tensor::<3>::from_data(TensorData::new(vec![0.5; 12], [2, 3, 2]), (device, dtype));
+    let out = Tensor::<3>::from_dispatch(<Dispatch as LinearBackend>::rms_norm(
+        cube.into_dispatch(),
+        eps,
+    ));
+    assert_eq!(out.dims(), [2, 3, 2], "RMSNorm of a 3-D tensor: shape");
+    let read = out.into_data().convert::<f64>().to_vec::<f64>().unwrap();
+    assert!(
+        read.iter().all(|v| v.is_nan()),
+        "RMSNorm of a 3-D tensor: NaN"
+    );
 }
 
 /// Each row's greedy token against the host's: random logits with the row's largest value
