@@ -34,11 +34,12 @@ const STAGED_FOLD: usize = 64;
 /// Values of a K tile, the rows of a chunk a cube stages in shared memory at a time.
 const TILE: usize = 4096;
 
-/// Tokens up to which a launch stages each chunk's K rows in shared memory (`staged`): read
-/// coalesced, a row by consecutive units, with the chunk's first V values in the same round trip.
-/// With few cubes a cube's chain of dependent loads is the launch's time and the round trip
-/// saved pays; with many, each unit reading its own key's row (no tile, half the registers)
-/// keeps more cubes resident (`benches/RESULTS.md`, session 41).
+/// Tokens (and new rows) up to which a launch stages each chunk's K rows in shared memory
+/// (`staged`): read coalesced, a row by consecutive units, with the chunk's first V values in the
+/// same round trip; a store-and-attend also finds its keys' new rows among the step's slots in
+/// shared memory, not through a claims word. With few cubes a cube's chain of dependent loads is
+/// the launch's time and each round trip saved pays; with many, each unit reading its own key's
+/// row (no tile, half the registers) keeps more cubes resident (`benches/RESULTS.md`, session 41).
 pub const STAGED_TOKENS: usize = 16;
 
 /// Keys of a K tile of heads of `head_dim`: at most a chunk of `units`.
@@ -400,6 +401,8 @@ fn attend_pools<F: Float, S: Int, A: Float>(
 ) {
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     if cube < shape.tokens * shape.heads * SPLITS as u64 {
+        let run = run_words(runs, cube, shape);
+        let q_value = query_value::<F>(q, cube, shape, head_dim);
         // No new rows: the pools stand in for them, never read (`with_new_rows` is false).
         let none = NewRowsShape {
             rows: 0,
@@ -411,9 +414,10 @@ fn attend_pools<F: Float, S: Int, A: Float>(
             base: 1,
             newest: 0,
         };
+        let listed = Shared::<[u64]>::new_slice(1usize);
         attend::<F, S, S, A>(
-            q, k_pool, v_pool, k_pool, v_pool, slots, slots, runs, partials, shape, none, NEW_ROW,
-            cube, head_dim, units, false, planes, staged,
+            q_value, run, &listed, k_pool, v_pool, k_pool, v_pool, slots, slots, partials, shape,
+            none, NEW_ROW, cube, head_dim, units, false, planes, staged,
         );
     }
 }
@@ -453,11 +457,33 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int, A: Float>(
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     let head = cube / SPLITS as u64;
     let t = head / shape.heads;
-    let rows = stored_rows(stored, new_rows);
-    let zero_row = stored_zero_row(stored);
+    // Every load that waits on no other is issued before any is used: with few cubes a launch's
+    // time is its chain of dependent loads (runs and status, then slots, then K/V rows).
+    let run = run_words(runs, cube, shape);
+    let q_value = query_value::<F>(qkv, cube, shape, head_dim);
+    let stored_code = stored[CODE];
+    let stored_zero = stored[FACTS];
+    let stored_first = stored[FACTS + 1];
+    let mut named = 0i64;
+    if t < new_rows.rows {
+        named = i64::cast_from(loc[(t * new_rows.loc_stride) as usize]);
+    }
+    // Staged: the step's slots in shared memory, where each key finds its new row (`listed_row`).
+    let mut listed = Shared::<[u64]>::new_slice(comptime!(if staged { STAGED_TOKENS } else { 1 }));
+    if comptime![staged] {
+        let mut own = 0i64;
+        if (UNIT_POS as u64) < new_rows.rows {
+            own = i64::cast_from(loc[(UNIT_POS as u64 * new_rows.loc_stride) as usize]);
+        }
+        if (UNIT_POS as u64) < new_rows.rows {
+            listed[UNIT_POS as usize] = own as u64;
+        }
+    }
+    let rows = stored_rows(stored_code, stored_first, new_rows);
+    let zero_row = stored_zero_row(stored_code, stored_zero);
     let mut slot = NEW_ROW.runtime();
     if cube % SPLITS as u64 == 0 {
-        slot = store_slot::<L>(loc, rows, shape, zero_row, head, head_dim);
+        slot = store_slot(named, rows, shape, zero_row, head, head_dim);
     }
     // The store's values are loaded now and written last: no key of this launch is read from a
     // pool row it stores (those keys read the new rows), so the store's loads and writes stay
@@ -471,8 +497,8 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int, A: Float>(
     }
     if t < shape.tokens {
         attend::<F, S, u32, A>(
-            qkv, &*kv_pool, &*kv_pool, qkv, qkv, slots, claims, runs, partials, shape, rows,
-            zero_row, cube, head_dim, units, true, planes, staged,
+            q_value, run, &listed, &*kv_pool, &*kv_pool, qkv, qkv, slots, claims, partials, shape,
+            rows, zero_row, cube, head_dim, units, true, planes, staged,
         );
         if comptime![fold] {
             // The pair's last part to arrive folds them all: each part publishes its partial,
@@ -494,39 +520,82 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int, A: Float>(
     }
 }
 
-/// The new rows as the store sees them: an unclear slots' status stores nothing, and every key
-/// is read from the pools as they are.
+/// The new rows as the store sees them (`code` and `first` the slots' status words): an unclear
+/// status stores nothing, and every key is read from the pools as they are.
 #[cube]
-fn stored_rows(stored: &Tensor<i64>, new_rows: NewRowsShape) -> NewRowsShape {
+fn stored_rows(code: i64, first: i64, new_rows: NewRowsShape) -> NewRowsShape {
     let mut rows = new_rows;
     rows.base = 1;
     rows.newest = 0;
-    if stored[CODE] == OK && new_rows.rows > 0 {
+    if code == OK && new_rows.rows > 0 {
         // The check's first clock value (a device word: a replayed step's claims are its own).
-        rows.base = stored[FACTS + 1] as u64;
+        rows.base = first as u64;
         rows.newest = rows.base + new_rows.rows - 1;
     }
     rows
 }
 
-/// Of the rows naming slot 0 (the padding sink) only the last is stored (`FACTS` names it):
-/// that row, or `NEW_ROW` for none.
+/// Of the rows naming slot 0 (the padding sink) only the last is stored (the status word
+/// `FACTS`, `zero`, names it): that row, or `NEW_ROW` for none.
 #[cube]
-fn stored_zero_row(stored: &Tensor<i64>) -> u64 {
+fn stored_zero_row(code: i64, zero: i64) -> u64 {
     let mut row = NEW_ROW.runtime();
-    if stored[CODE] == OK && stored[FACTS] > 0 {
-        row = (stored[FACTS] - 1) as u64;
+    if code == OK && zero > 0 {
+        row = (zero - 1) as u64;
     }
     row
 }
 
-/// The slot unit `UNIT_POS` of head `(t, h)` (flattened) stores new row `t`'s column at: one unit per
-/// column of K/V head `h / groups`, in the group's first query head, on a clear status; else
-/// `NEW_ROW`.
+/// Token `t`'s words of the runs record (cube `((t, h), part)`, flattened), loaded and not yet
+/// used: the check's code, the run's start and count (0 past the tokens).
+#[derive(CubeType, Clone, Copy)]
+struct RunWords {
+    code: i64,
+    start: i64,
+    count: i64,
+}
+
+#[cube]
+fn run_words(runs: &Tensor<i64>, cube: u64, shape: AttentionShape) -> RunWords {
+    let t = cube / SPLITS as u64 / shape.heads;
+    let mut start = 0i64;
+    let mut count = 0i64;
+    if t < shape.tokens {
+        start = runs[STATUS_LEN + t as usize];
+        count = runs[STATUS_LEN + (shape.tokens + t) as usize];
+    }
+    RunWords {
+        code: runs[CODE],
+        start,
+        count,
+    }
+}
+
+/// Dimension `UNIT_POS` of cube `((t, h), part)`'s query row (0 past the tokens and the head).
+#[cube]
+fn query_value<F: Float>(
+    q: &Tensor<F>,
+    cube: u64,
+    shape: AttentionShape,
+    #[comptime] head_dim: usize,
+) -> F {
+    let head = cube / SPLITS as u64;
+    let t = head / shape.heads;
+    let h = head % shape.heads;
+    let mut value = F::new(0.0);
+    if t < shape.tokens && (UNIT_POS as usize) < head_dim {
+        value = q[(t * shape.q_stride + h * head_dim as u64) as usize + UNIT_POS as usize];
+    }
+    value
+}
+
+/// The slot unit `UNIT_POS` of head `(t, h)` (flattened) stores new row `t`'s column at (`named`,
+/// `loc[t]` as loaded): one unit per column of K/V head `h / groups`, in the group's first query
+/// head, on a clear status; else `NEW_ROW`.
 #[cube]
 #[allow(clippy::manual_is_multiple_of)] // CubeCL expands `%`, not `is_multiple_of`
-fn store_slot<L: Int>(
-    loc: &Tensor<L>,
+fn store_slot(
+    named: i64,
     rows: NewRowsShape,
     shape: AttentionShape,
     zero_row: u64,
@@ -541,9 +610,8 @@ fn store_slot<L: Int>(
         && h % shape.groups == 0
         && (UNIT_POS as usize) < head_dim
     {
-        let named = i64::cast_from(loc[(t * rows.loc_stride) as usize]) as u64;
         if named != 0 || t == zero_row {
-            slot = named;
+            slot = named as u64;
         }
     }
     slot
@@ -559,6 +627,26 @@ fn new_row<W: Int>(claims: &Tensor<W>, slot: u64, rows: NewRowsShape, zero_row: 
         let claim = u64::cast_from(claims[slot as usize]);
         if claim >= rows.base && claim <= rows.newest {
             row = rows.newest - claim;
+        }
+    }
+    row
+}
+
+/// `new_row` for a launch of at most `STAGED_TOKENS` new rows, whose slots are `listed` (in shared
+/// memory): the row naming `slot`, found without a claims word's load. On the slots' clear status
+/// no slot but 0 is named twice, so it is the row the claims word names.
+#[cube]
+fn listed_row(listed: &Shared<[u64]>, slot: u64, rows: NewRowsShape, zero_row: u64) -> u64 {
+    let mut row = zero_row;
+    if slot != 0 {
+        row = NEW_ROW;
+        if rows.base <= rows.newest {
+            #[unroll]
+            for r in 0..STAGED_TOKENS {
+                if (r as u64) < rows.rows && listed[r] == slot {
+                    row = r as u64;
+                }
+            }
         }
     }
     row
@@ -643,14 +731,15 @@ fn v_value<F: Float, A: Float>(
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn attend<F: Float, S: Int, W: Int, A: Float>(
-    q: &Tensor<F>,
+    q_value: F,
+    run: RunWords,
+    listed: &Shared<[u64]>,
     k_pool: &Tensor<F>,
     v_pool: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
     slots: &Tensor<S>,
     claims: &Tensor<W>,
-    runs: &Tensor<i64>,
     partials: &mut Tensor<A>,
     shape: AttentionShape,
     rows: NewRowsShape,
@@ -664,26 +753,20 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
 ) {
     let head = cube / SPLITS as u64;
     let part = cube % SPLITS as u64;
-    let t = head / shape.heads;
     let h = head % shape.heads;
     let chunk = units as u64;
     let u = UNIT_POS as usize;
     // On the runs' failed check no key is read (no run is walked) and the output is NaN.
-    let clear = runs[CODE] == OK;
+    let clear = run.code == OK;
     let mut q_row = Shared::<[A]>::new_slice(head_dim);
     let mut scores = Shared::<[A]>::new_slice(units);
     let mut key_rows = Shared::<[u64]>::new_slice(units);
     let mut maxima = Shared::<[A]>::new_slice(comptime!(units / PLANE));
-    let q_base = (t * shape.q_stride + h * head_dim as u64) as usize;
     if u < head_dim {
-        q_row[u] = A::cast_from(q[q_base + u]);
+        q_row[u] = A::cast_from(q_value);
     }
-    let start = runs[STATUS_LEN + t as usize] as u64;
-    let count = select(
-        clear,
-        runs[STATUS_LEN + (shape.tokens + t) as usize] as u64,
-        0u64,
-    );
+    let start = run.start as u64;
+    let count = select(clear, run.count as u64, 0u64);
     let kv_column = (h / shape.groups) * head_dim as u64;
     // In A, not an f32 constant: f64 attention keeps f64's precision.
     let scale = A::new(1.0) / A::cast_from(head_dim as u32).sqrt();
@@ -716,7 +799,11 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
                     as u64;
             let mut row = NEW_ROW.runtime();
             if comptime![with_new_rows] {
-                row = new_row::<W>(claims, slot, rows, zero_row);
+                if comptime![staged] {
+                    row = listed_row(listed, slot, rows, zero_row);
+                } else {
+                    row = new_row::<W>(claims, slot, rows, zero_row);
+                }
             }
             if row == NEW_ROW {
                 k_rows[u] = slot * shape.k_stride + kv_column;

@@ -390,7 +390,7 @@ pub(crate) fn store_and_attend(
             head_dim,
             units,
             planes,
-            tokens <= STAGED_TOKENS,
+            tokens.max(new) <= STAGED_TOKENS,
             fold,
             dtypes,
         );
