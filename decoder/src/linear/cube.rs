@@ -9,14 +9,16 @@ use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
 use super::kernel::{
-    GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS, NORM_UNITS, PLANE_COLUMNS, PLANES,
-    ROPE_UNITS, RopeScalarsLaunch, VECTOR_PLANES, greedy_kernel, linear_kernel,
-    linear_vector_kernel, rms_norm_kernel, rope_kernel, swiglu_kernel,
+    BLOCK_PLANES, BLOCK_ROWS, GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS,
+    NORM_UNITS, PLANE_COLUMNS, PLANES, ROPE_UNITS, RopeScalarsLaunch, VECTOR_PLANES, greedy_kernel,
+    linear_block_kernel, linear_kernel, linear_vector_kernel, rms_norm_kernel, rope_kernel,
+    swiglu_kernel,
 };
 use super::{Around, RopeShape};
 
-/// One launch: a cube for each `columns` output columns and each block of up to `MAX_ROWS`
-/// tokens (the fewest rows a cube that holds every token, below that).
+/// One launch: up to `MAX_TOKENS` tokens a cube for each `columns` output columns and each block
+/// of up to `MAX_ROWS` tokens (the fewest rows a cube that holds every token, below that); past
+/// them a cube for each `BLOCK_PLANES` planes' columns and each block of `BLOCK_ROWS` tokens.
 pub(super) fn linear(
     x: CubeTensor,
     w: CubeTensor,
@@ -58,6 +60,46 @@ pub(super) fn linear(
     let planes = properties.features.plane.contains(Plane::Ops)
         && properties.hardware.plane_size_min == LANES as u32
         && properties.hardware.plane_size_max == LANES as u32;
+    if tokens > super::MAX_TOKENS {
+        let vector = vector_size(&x, &w, inner);
+        let shape = linear_shape(
+            [tokens as u64, outputs as u64, (inner / vector) as u64],
+            [&x, &w, &residual, &cos],
+            vector as u64,
+            &around,
+        );
+        let column_cubes = outputs.div_ceil(PLANE_COLUMNS * BLOCK_PLANES);
+        let cubes = grid(column_cubes, tokens.div_ceil(BLOCK_ROWS));
+        let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
+        let dtypes = kernel_dtypes(x.dtype);
+        let client = x.client.clone();
+        // SAFETY: as `linear_kernel` below, in vectors of `vector` values: rows and strides are
+        // whole vectors (`vector_size`), loads past `tokens`, `outputs` or `inner` skipped.
+        unsafe {
+            linear_block_kernel::launch_unchecked(
+                &client,
+                cubes,
+                CubeDim::new_2d(LANES as u32, BLOCK_PLANES as u32),
+                address,
+                vector,
+                x.into_tensor_arg(),
+                w.into_tensor_arg(),
+                residual.into_tensor_arg(),
+                cos.into_tensor_arg(),
+                sin.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                shape,
+                around.norm_eps.unwrap_or(0.0) as f32,
+                around.norm_eps.is_some(),
+                around.swiglu,
+                around.add,
+                around.rope.is_some(),
+                planes,
+                dtypes,
+            );
+        }
+        return out;
+    }
     if super::vector_kernel(outputs, inner) {
         let vector = vector_size(&x, &w, inner);
         let vectors = (inner / vector) as u64;

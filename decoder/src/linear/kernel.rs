@@ -606,6 +606,194 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     }
 }
 
+/// Tokens of a `linear_block_kernel` cube: its block (more tokens, more cubes along z).
+pub const BLOCK_ROWS: usize = 32;
+/// Planes of a `linear_block_kernel` cube.
+pub const BLOCK_PLANES: usize = 4;
+/// Tokens of a block whose inputs a lane loads together before it adds them.
+const BLOCK_LOADS: usize = 8;
+
+/// The projection for blocks of `BLOCK_ROWS` tokens (the steps past `MAX_TOKENS`), laid out so a
+/// weight is read once a block and the sums fold in few exchanges: each plane makes
+/// `PLANE_COLUMNS` columns of the cube's block, lane `l` reading vectors `l, l + LANES, ..` of
+/// the weight rows and of every token's input, each vector's products added in order into one
+/// sum a (token, column). The plane's 64 sums then fold by halves, each exchange handing half of a
+/// lane's sums to the lane `mask` away (62 exchanges, where a plane sum a value takes 320), until
+/// lane `l` holds the pair of the block's token `l`. The exchanges are plane
+/// shuffles with `planes` (planes exactly `LANES` wide: CUDA), else staged in shared memory: the
+/// same sums in the same order. A token's value does not depend on the other tokens of its block.
+#[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::too_many_arguments)]
+pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
+    x: &Tensor<Vector<F, N>>,
+    w: &Tensor<Vector<F, N>>,
+    residual: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
+    out: &mut Tensor<F>,
+    shape: LinearShape,
+    eps: f32,
+    #[comptime] norm: bool,
+    #[comptime] swiglu: bool,
+    #[comptime] add: bool,
+    #[comptime] rope: bool,
+    #[comptime] planes: bool,
+    #[define(F, A)] _dtypes: [ElemType; 2],
+) {
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    let first_column = (cube * BLOCK_PLANES as u64 + plane as u64) * PLANE_COLUMNS as u64;
+    let first_row = CUBE_POS_Z as u64 * BLOCK_ROWS as u64;
+    let columns = comptime!(PLANE_COLUMNS);
+    let mut sums = Array::<A>::new(BLOCK_ROWS * columns);
+    let mut squares = Array::<A>::new(BLOCK_ROWS);
+    #[unroll]
+    for j in 0..BLOCK_ROWS * columns {
+        sums[j] = A::new(0.0);
+    }
+    #[unroll]
+    for r in 0..BLOCK_ROWS {
+        squares[r] = A::new(0.0);
+    }
+    let mut w_rows = Array::<usize>::new(columns);
+    #[unroll]
+    for c in 0..columns {
+        w_rows[c] = ((first_column + c as u64) * shape.w_stride) as usize;
+    }
+    let vectors = shape.inner as usize;
+    let mut weights = Array::<Vector<A, N>>::new(columns);
+    let mut inputs = Array::<Vector<A, N>>::new(BLOCK_LOADS);
+    let mut k = lane;
+    while k < vectors {
+        #[unroll]
+        for c in 0..columns {
+            weights[c] = Vector::new(A::new(0.0));
+            if first_column + (c as u64) < shape.outputs {
+                weights[c] = Vector::<A, N>::cast_from(w[w_rows[c] + k]);
+            }
+        }
+        // The block's inputs `BLOCK_LOADS` tokens at a time: their loads in flight together.
+        #[unroll]
+        for group in 0..BLOCK_ROWS / BLOCK_LOADS {
+            #[unroll]
+            for i in 0..BLOCK_LOADS {
+                let row = first_row + comptime!(group * BLOCK_LOADS + i) as u64;
+                inputs[i] = Vector::new(A::new(0.0));
+                if row < shape.tokens {
+                    inputs[i] = Vector::<A, N>::cast_from(x[(row * shape.x_stride) as usize + k]);
+                }
+            }
+            #[unroll]
+            for i in 0..BLOCK_LOADS {
+                let r = comptime!(group * BLOCK_LOADS + i);
+                let value = inputs[i];
+                #[unroll]
+                for e in 0..N::value() {
+                    let input = value.extract(e);
+                    if comptime![norm] {
+                        squares[r] += input * input;
+                    }
+                    #[unroll]
+                    for c in 0..columns {
+                        sums[r * columns + c] += input * weights[c].extract(e);
+                    }
+                }
+            }
+        }
+        k += LANES;
+    }
+    let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {
+        1
+    } else {
+        BLOCK_PLANES * LANES * BLOCK_ROWS
+    }));
+    fold_halves::<A>(
+        &mut sums,
+        &mut staged,
+        lane,
+        plane,
+        BLOCK_ROWS * columns,
+        planes,
+    );
+    if comptime![norm] {
+        fold_halves::<A>(&mut squares, &mut staged, lane, plane, BLOCK_ROWS, planes);
+    }
+    let row = first_row + lane as u64;
+    #[unroll]
+    for c in 0..columns {
+        let column = first_column + c as u64;
+        if row < shape.tokens && column < shape.outputs {
+            let around = Finish::<A> {
+                squares: squares[0],
+                elements: shape.inner * N::value() as u64,
+                row,
+                column,
+            };
+            finish::<F, A>(
+                sums[c],
+                sums[comptime!(c ^ 1)],
+                around,
+                shape,
+                eps,
+                residual,
+                cos,
+                sin,
+                out,
+                norm,
+                add,
+                rope,
+                swiglu,
+            );
+        }
+    }
+}
+
+/// A plane's `values` (`len` a lane, a multiple of `LANES`) folded by halves: at each of five
+/// levels a lane keeps the half its bit of `mask` picks, adds the partner's (`lane ^ mask`) values
+/// of that half and hands over the other (the upper half where its bit is set); then lane `l`'s
+/// first `len / LANES` values are the plane's sums of values `l * len / LANES ..`. Every sum is the same tree whatever its
+/// index (an add is the same either way round). Without `planes` the hand-over goes through
+/// `staged` (`BLOCK_PLANES * LANES * len / 2` values).
+#[cube]
+fn fold_halves<A: Float>(
+    values: &mut Array<A>,
+    staged: &mut Shared<[A]>,
+    lane: usize,
+    plane: usize,
+    #[comptime] len: usize,
+    #[comptime] planes: bool,
+) {
+    #[unroll]
+    for level in 0..5u32 {
+        let half = comptime!(len >> (level + 1));
+        let mask = comptime!(LANES >> (level + 1));
+        let upper = (lane & mask) != 0;
+        if comptime![planes] {
+            #[unroll]
+            for i in 0..half {
+                let kept = select(upper, values[half + i], values[i]);
+                let given = select(upper, values[i], values[half + i]);
+                values[i] = kept + plane_shuffle_xor(given, mask as u32);
+            }
+        } else {
+            let mine = (plane * LANES + lane) * half;
+            let partner = (plane * LANES + (lane ^ mask)) * half;
+            #[unroll]
+            for i in 0..half {
+                staged[mine + i] = select(upper, values[i], values[half + i]);
+            }
+            sync_cube();
+            #[unroll]
+            for i in 0..half {
+                let kept = select(upper, values[half + i], values[i]);
+                values[i] = kept + staged[partner + i];
+            }
+            sync_cube();
+        }
+    }
+}
+
 /// Each plane's lanes' `totals` folded in shared memory in a fixed tree (lane 0's ends as
 /// `((l0 + l16) + (l8 + l24)) + ..`, as a plane sum by halves), the sums handed back to every lane
 /// of the plane (where planes are not fixed at `LANES` lanes).
