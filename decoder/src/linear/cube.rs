@@ -60,47 +60,12 @@ pub(super) fn linear(
     let planes = properties.features.plane.contains(Plane::Ops)
         && properties.hardware.plane_size_min == LANES as u32
         && properties.hardware.plane_size_max == LANES as u32;
-    if tokens > super::MAX_TOKENS {
-        let vector = vector_size(&x, &w, inner);
-        let shape = linear_shape(
-            [tokens as u64, outputs as u64, (inner / vector) as u64],
-            [&x, &w, &residual, &cos],
-            vector as u64,
-            &around,
-        );
-        let column_cubes = outputs.div_ceil(PLANE_COLUMNS * BLOCK_PLANES);
-        let cubes = grid(column_cubes, tokens.div_ceil(BLOCK_ROWS));
-        let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
-        let dtypes = kernel_dtypes(x.dtype);
-        let client = x.client.clone();
-        // SAFETY: as `linear_kernel` below, in vectors of `vector` values: rows and strides are
-        // whole vectors (`vector_size`), loads past `tokens`, `outputs` or `inner` skipped.
-        unsafe {
-            linear_block_kernel::launch_unchecked(
-                &client,
-                cubes,
-                CubeDim::new_2d(LANES as u32, BLOCK_PLANES as u32),
-                address,
-                vector,
-                x.into_tensor_arg(),
-                w.into_tensor_arg(),
-                residual.into_tensor_arg(),
-                cos.into_tensor_arg(),
-                sin.into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                shape,
-                around.norm_eps.unwrap_or(0.0) as f32,
-                around.norm_eps.is_some(),
-                around.swiglu,
-                around.add,
-                around.rope.is_some(),
-                planes,
-                dtypes,
-            );
-        }
-        return out;
-    }
-    if super::vector_kernel(outputs, inner) {
+    let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
+    let dtypes = kernel_dtypes(x.dtype);
+    let client = x.client.clone();
+    let eps = around.norm_eps.unwrap_or(0.0) as f32;
+    let block = tokens > super::MAX_TOKENS;
+    if block || super::vector_kernel(outputs, inner) {
         let vector = vector_size(&x, &w, inner);
         let vectors = (inner / vector) as u64;
         let shape = linear_shape(
@@ -109,41 +74,74 @@ pub(super) fn linear(
             vector as u64,
             &around,
         );
-        // Vectors a lane loads of a row at once: the row in the fewest rounds of at most
-        // `MAX_ROUND`, shared out evenly.
-        let per_lane = (vectors as usize).div_ceil(LANES).max(1);
-        let round = per_lane.div_ceil(per_lane.div_ceil(MAX_ROUND));
-        let column_cubes = outputs.div_ceil(PLANE_COLUMNS * VECTOR_PLANES);
-        let cubes = grid(column_cubes, tokens.div_ceil(rows));
-        let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
-        let dtypes = kernel_dtypes(x.dtype);
-        let client = x.client.clone();
-        // SAFETY: as `linear_kernel` below, in vectors of `vector` values: rows and strides are
-        // whole vectors (`vector_size`), loads past `tokens`, `outputs` or `inner` skipped.
-        unsafe {
-            linear_vector_kernel::launch_unchecked(
-                &client,
-                cubes,
-                CubeDim::new_2d(LANES as u32, VECTOR_PLANES as u32),
-                address,
-                vector,
-                x.into_tensor_arg(),
-                w.into_tensor_arg(),
-                residual.into_tensor_arg(),
-                cos.into_tensor_arg(),
-                sin.into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                shape,
-                around.norm_eps.unwrap_or(0.0) as f32,
-                rows,
-                round,
-                around.norm_eps.is_some(),
-                around.swiglu,
-                around.add,
-                around.rope.is_some(),
-                planes,
-                dtypes,
-            );
+        let args = (
+            x.into_tensor_arg(),
+            w.into_tensor_arg(),
+            residual.into_tensor_arg(),
+            cos.into_tensor_arg(),
+            sin.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+        );
+        if block {
+            let column_cubes = outputs.div_ceil(PLANE_COLUMNS * BLOCK_PLANES);
+            // SAFETY: as `linear_kernel` below, in vectors of `vector` values: rows and strides
+            // are whole vectors (`vector_size`), loads past `tokens`, `outputs` or `inner`
+            // skipped.
+            unsafe {
+                linear_block_kernel::launch_unchecked(
+                    &client,
+                    grid(column_cubes, tokens.div_ceil(BLOCK_ROWS)),
+                    CubeDim::new_2d(LANES as u32, BLOCK_PLANES as u32),
+                    address,
+                    vector,
+                    args.0,
+                    args.1,
+                    args.2,
+                    args.3,
+                    args.4,
+                    args.5,
+                    shape,
+                    eps,
+                    around.norm_eps.is_some(),
+                    around.swiglu,
+                    around.add,
+                    around.rope.is_some(),
+                    planes,
+                    dtypes,
+                );
+            }
+        } else {
+            // Vectors a lane loads of a row at once: the row in the fewest rounds of at most
+            // `MAX_ROUND`, shared out evenly.
+            let per_lane = (vectors as usize).div_ceil(LANES).max(1);
+            let round = per_lane.div_ceil(per_lane.div_ceil(MAX_ROUND));
+            let column_cubes = outputs.div_ceil(PLANE_COLUMNS * VECTOR_PLANES);
+            // SAFETY: as the block kernel's above.
+            unsafe {
+                linear_vector_kernel::launch_unchecked(
+                    &client,
+                    grid(column_cubes, tokens.div_ceil(rows)),
+                    CubeDim::new_2d(LANES as u32, VECTOR_PLANES as u32),
+                    address,
+                    vector,
+                    args.0,
+                    args.1,
+                    args.2,
+                    args.3,
+                    args.4,
+                    args.5,
+                    shape,
+                    eps,
+                    rows,
+                    round,
+                    around.norm_eps.is_some(),
+                    around.swiglu,
+                    around.add,
+                    around.rope.is_some(),
+                    planes,
+                    dtypes,
+                );
+            }
         }
         return out;
     }
@@ -167,9 +165,6 @@ pub(super) fn linear(
     let column_cubes = outputs.div_ceil(columns);
     let cubes = grid(column_cubes, tokens.div_ceil(rows));
     let dim = CubeDim::new_2d(LANES as u32, PLANES as u32);
-    let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
-    let dtypes = kernel_dtypes(x.dtype);
-    let client = x.client.clone();
     // SAFETY: every read is inside `x`, `w` and `residual` (rows of unit column stride at the row
     // strides given; loads past `tokens`, `outputs` or `inner` are skipped), each output written
     // by one unit.
@@ -186,7 +181,7 @@ pub(super) fn linear(
             sin.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             shape,
-            around.norm_eps.unwrap_or(0.0) as f32,
+            eps,
             rows,
             columns,
             unroll,
