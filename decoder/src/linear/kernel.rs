@@ -656,11 +656,16 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     for r in 0..BLOCK_ROWS {
         squares[r] = A::new(0.0);
     }
+    // Every load unguarded (a guarded load waits before the next is issued): a column or token
+    // past the end reads the last one's, whose sums nothing stores.
     let mut w_rows = Array::<usize>::new(columns);
     #[unroll]
     for c in 0..columns {
-        w_rows[c] = ((first_column + c as u64) * shape.w_stride) as usize;
+        let column = first_column + c as u64;
+        let column = select(column < shape.outputs, column, shape.outputs - 1);
+        w_rows[c] = (column * shape.w_stride) as usize;
     }
+    let last_row = shape.tokens - 1;
     let vectors = shape.inner as usize;
     let mut weights = Array::<Vector<A, N>>::new(columns);
     let mut inputs = Array::<Vector<A, N>>::new(BLOCK_LOADS);
@@ -668,10 +673,7 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     while k < vectors {
         #[unroll]
         for c in 0..columns {
-            weights[c] = Vector::new(A::new(0.0));
-            if first_column + (c as u64) < shape.outputs {
-                weights[c] = Vector::<A, N>::cast_from(w[w_rows[c] + k]);
-            }
+            weights[c] = Vector::<A, N>::cast_from(w[w_rows[c] + k]);
         }
         // The block's inputs `BLOCK_LOADS` tokens at a time: their loads in flight together.
         #[unroll]
@@ -679,10 +681,8 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
             #[unroll]
             for i in 0..BLOCK_LOADS {
                 let row = first_row + comptime!(group * BLOCK_LOADS + i) as u64;
-                inputs[i] = Vector::new(A::new(0.0));
-                if row < shape.tokens {
-                    inputs[i] = Vector::<A, N>::cast_from(x[(row * shape.x_stride) as usize + k]);
-                }
+                let row = select(row < last_row, row, last_row);
+                inputs[i] = Vector::<A, N>::cast_from(x[(row * shape.x_stride) as usize + k]);
             }
             #[unroll]
             for i in 0..BLOCK_LOADS {
