@@ -16,19 +16,16 @@ use burn_core::backend::{
 };
 use burn_core::tensor::{DType, FloatDType, Tensor};
 
-/// Tokens up to which a projection runs the step kernels (a cube's or a plane's columns of up to
-/// eight tokens); past them the block kernel (blocks of 32 tokens) up to [`MAX_BLOCK_TOKENS`].
+/// Tokens up to which a projection runs the extension's kernels (a cube's or a plane's columns of
+/// up to eight tokens); more take Burn's matmul, which measured faster there
+/// (`KVPLAN_PROJECTION_MAX_TOKENS` raises it: `Knobs`).
 pub const MAX_TOKENS: usize = 16;
-
-/// Tokens up to which a projection runs the extension's kernels; more (a prefill) take Burn's
-/// matmul, whose tiles pay off there (`KVPLAN_PROJECTION_MAX_TOKENS` overrides it: `Knobs`).
-pub const MAX_BLOCK_TOKENS: usize = 64;
 
 /// The benchmark knobs, read once from the environment (where the kernels and Burn's matmul
 /// cross depends on the device):
-/// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's op takes
-///   ([`MAX_BLOCK_TOKENS`]; 16 gives every step past [`MAX_TOKENS`] to Burn's matmul, as before
-///   the block kernel);
+/// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's op takes ([`MAX_TOKENS`]);
+///   past [`MAX_TOKENS`] it runs the block kernel (blocks of 32 tokens), whose first form
+///   measured slower than Burn's matmul at 32 tokens (`benches/RESULTS.md`, session 42);
 /// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`);
 /// - `KVPLAN_PROJECTION_VECTOR=N`: the most values a load of the vector kernel takes (16 bytes'
 ///   worth by default: 8 in bf16, whose sums then hold twice f32's registers).
@@ -47,7 +44,7 @@ fn knobs() -> &'static Knobs {
         Knobs {
             max_tokens: var("KVPLAN_PROJECTION_MAX_TOKENS")
                 .and_then(|value| value.parse().ok())
-                .unwrap_or(MAX_BLOCK_TOKENS),
+                .unwrap_or(MAX_TOKENS),
             kernel: match var("KVPLAN_PROJECTION_KERNEL").as_deref() {
                 Some("cube") => Some(false),
                 Some("vector") => Some(true),
@@ -147,7 +144,7 @@ pub trait LinearBackend: Backend {
     }
 
     /// RoPE of `y`'s first `shape.rotated` columns (`y` `[tokens, width]`), the rest as they are:
-    /// the steps past [`MAX_BLOCK_TOKENS`], whose projection is Burn's matmul, in one launch.
+    /// the steps past [`MAX_TOKENS`], whose projection is Burn's matmul, in one launch.
     #[fusion(meta = |y, _cos, _sin, _shape| TensorSpec::new(y.shape.clone(), y.dtype))]
     fn rope(
         y: FloatTensor<Self>,
@@ -159,7 +156,7 @@ pub trait LinearBackend: Backend {
     }
 
     /// `silu(gate) * up` of each column pair `(2i, 2i + 1)` of `y` `[tokens, 2 * half]`, as
-    /// `[tokens, half]`: the steps past [`MAX_BLOCK_TOKENS`], whose gate/up projection is Burn's
+    /// `[tokens, half]`: the steps past [`MAX_TOKENS`], whose gate/up projection is Burn's
     /// matmul, in one launch (NaN for an odd width).
     #[fusion(meta = |y| TensorSpec::new([y.shape[0], y.shape[1] / 2].into(), y.dtype))]
     fn swiglu(y: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -167,7 +164,7 @@ pub trait LinearBackend: Backend {
     }
 
     /// `x / rms(x)` of each row of `x` `[tokens, width]` (`rms(x) = sqrt(mean(x^2) + eps)`, in
-    /// f32 for half precision): the steps past [`MAX_BLOCK_TOKENS`], whose projection is Burn's matmul,
+    /// f32 for half precision): the steps past [`MAX_TOKENS`], whose projection is Burn's matmul,
     /// in one launch where Burn's ops take a reduce and an elementwise kernel.
     #[fusion(meta = |x, _eps| TensorSpec::new(x.shape.clone(), x.dtype))]
     fn rms_norm(x: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
@@ -518,7 +515,7 @@ pub struct Rope {
 }
 
 /// `[residual +] (x [/ rms(x)]) w^T` on `x`'s device: the extension's one launch up to
-/// [`MAX_BLOCK_TOKENS`] tokens on a GPU, Burn's ops past them and on Flex. Shapes are the model's own
+/// [`MAX_TOKENS`] tokens on a GPU, Burn's ops past them and on Flex. Shapes are the model's own
 /// (checked at load), so nothing here fails.
 pub fn linear(
     x: Tensor<2>,
@@ -547,7 +544,7 @@ pub fn linear(
 }
 
 /// `silu(gate) * up` of `(x [/ rms(x)]) w^T`'s column pairs (`w`'s rows gate, up, gate, ..:
-/// `[tokens, outputs / 2]`), on `x`'s device: the extension's one launch up to [`MAX_BLOCK_TOKENS`]
+/// `[tokens, outputs / 2]`), on `x`'s device: the extension's one launch up to [`MAX_TOKENS`]
 /// tokens on a GPU, Burn's matmul and the `swiglu` op past them and on Flex.
 pub fn linear_swiglu(x: Tensor<2>, w: &Weight, norm_eps: Option<f64>) -> Tensor<2> {
     if !extension_op(&x) {
@@ -572,7 +569,7 @@ pub fn linear_swiglu(x: Tensor<2>, w: &Weight, norm_eps: Option<f64>) -> Tensor<
 }
 
 /// `(x [/ rms(x)]) w^T` with RoPE of its first `rope.shape.rotated` columns, on `x`'s device: the
-/// extension's one launch up to [`MAX_BLOCK_TOKENS`] tokens on a GPU, Burn's ops past them and on Flex.
+/// extension's one launch up to [`MAX_TOKENS`] tokens on a GPU, Burn's ops past them and on Flex.
 pub fn linear_rope(x: Tensor<2>, w: &Weight, rope: &Rope, norm_eps: Option<f64>) -> Tensor<2> {
     if !extension_op(&x) {
         let y = normed(x, norm_eps).matmul(w.columns.clone());
