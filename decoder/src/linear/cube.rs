@@ -9,10 +9,10 @@ use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
 use super::kernel::{
-    BLOCK_PLANES, BLOCK_ROWS, GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS,
-    NORM_UNITS, PLANE_COLUMNS, PLANES, ROPE_UNITS, RopeScalarsLaunch, VECTOR_PLANES, greedy_kernel,
-    linear_block_kernel, linear_kernel, linear_vector_kernel, rms_norm_kernel, rope_kernel,
-    swiglu_kernel,
+    BLOCK_PLANES, BLOCK_ROUNDS, BLOCK_ROWS, GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND,
+    MAX_ROWS, NORM_UNITS, PLANE_COLUMNS, PLANES, ROPE_UNITS, RopeScalarsLaunch, VECTOR_PLANES,
+    greedy_kernel, linear_block_kernel, linear_kernel, linear_vector_kernel, rms_norm_kernel,
+    rope_kernel, swiglu_kernel,
 };
 use super::{Around, RopeShape};
 
@@ -84,6 +84,12 @@ pub(super) fn linear(
         );
         if block {
             let column_cubes = outputs.div_ceil(PLANE_COLUMNS * BLOCK_PLANES);
+            // Parts of at most `BLOCK_ROUNDS` rounds of a plane's loads each, up to the knob's
+            // most; where planes fold in shared memory two at most, so its buffer stays small.
+            let most = if planes { super::most_splits() } else { 2 };
+            let splits = (vectors as usize)
+                .div_ceil(BLOCK_ROUNDS * LANES)
+                .clamp(1, most.max(1));
             // SAFETY: as `linear_kernel` below, in vectors of `vector` values: rows and strides
             // are whole vectors (`vector_size`), loads past `tokens`, `outputs` or `inner`
             // skipped.
@@ -91,7 +97,7 @@ pub(super) fn linear(
                 linear_block_kernel::launch_unchecked(
                     &client,
                     grid(column_cubes, tokens.div_ceil(BLOCK_ROWS)),
-                    CubeDim::new_2d(LANES as u32, BLOCK_PLANES as u32),
+                    CubeDim::new_2d(LANES as u32, (BLOCK_PLANES * splits) as u32),
                     address,
                     vector,
                     args.0,
@@ -107,6 +113,7 @@ pub(super) fn linear(
                     around.add,
                     around.rope.is_some(),
                     planes,
+                    splits,
                     dtypes,
                 );
             }

@@ -608,20 +608,25 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
 
 /// Tokens of a `linear_block_kernel` cube: its block (more tokens, more cubes along z).
 pub const BLOCK_ROWS: usize = 32;
-/// Planes of a `linear_block_kernel` cube.
+/// Column pairs of a `linear_block_kernel` cube (a plane each, times its parts of the rows).
 pub const BLOCK_PLANES: usize = 4;
 /// Tokens of a block whose inputs a lane loads together before it adds them.
 const BLOCK_LOADS: usize = 8;
+/// The most rounds of loads (a vector of a row each lane) a part of a row takes: longer rows are
+/// split into more parts, a plane each.
+pub const BLOCK_ROUNDS: usize = 4;
 
 /// The projection for blocks of `BLOCK_ROWS` tokens (the steps past `MAX_TOKENS`), laid out so a
-/// weight is read once a block and the sums fold in few exchanges: each plane makes
-/// `PLANE_COLUMNS` columns of the cube's block, lane `l` reading vectors `l, l + LANES, ..` of
-/// the weight rows and of every token's input, each vector's products added in order into one
+/// weight is read once a block and the sums fold in few exchanges: a cube makes `BLOCK_PLANES`
+/// pairs of columns (`PLANE_COLUMNS`) of its block, each pair's rows split in `splits` parts, a
+/// plane a part; lane `l` of part `p` reads vectors `p * LANES + l`, then every `splits * LANES`-th,
+/// of the weight rows and of every token's input, each vector's products added in order into one
 /// sum a (token, column). The plane's 64 sums then fold by halves, each exchange handing half of a
 /// lane's sums to the lane `mask` away (62 exchanges, where a plane sum a value takes 320), until
-/// lane `l` holds the pair of the block's token `l`. The exchanges are plane
-/// shuffles with `planes` (planes exactly `LANES` wide: CUDA), else staged in shared memory: the
-/// same sums in the same order. A token's value does not depend on the other tokens of its block.
+/// lane `l` holds the pair of the block's token `l`; the parts add in order. The exchanges are
+/// plane shuffles with `planes` (planes exactly `LANES` wide: CUDA), else staged in shared memory
+/// (`splits` at most 2 there): the same sums in the same order. A token's value does not depend
+/// on the other tokens of its block.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
@@ -638,12 +643,16 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     #[comptime] add: bool,
     #[comptime] rope: bool,
     #[comptime] planes: bool,
+    #[comptime] splits: usize,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
+    // Plane `pair + BLOCK_PLANES * part` sums part `part` of the rows of column pair `pair`.
+    let pair = plane % BLOCK_PLANES;
+    let part = plane / BLOCK_PLANES;
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
-    let first_column = (cube * BLOCK_PLANES as u64 + plane as u64) * PLANE_COLUMNS as u64;
+    let first_column = (cube * BLOCK_PLANES as u64 + pair as u64) * PLANE_COLUMNS as u64;
     let first_row = CUBE_POS_Z as u64 * BLOCK_ROWS as u64;
     let columns = comptime!(PLANE_COLUMNS);
     let mut sums = Array::<A>::new(BLOCK_ROWS * columns);
@@ -669,7 +678,7 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     let vectors = shape.inner as usize;
     let mut weights = Array::<Vector<A, N>>::new(columns);
     let mut inputs = Array::<Vector<A, N>>::new(BLOCK_LOADS);
-    let mut k = lane;
+    let mut k = part * LANES + lane;
     while k < vectors {
         #[unroll]
         for c in 0..columns {
@@ -701,12 +710,13 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
                 }
             }
         }
-        k += LANES;
+        k += splits * LANES;
     }
+    // The folds' hand-over without `planes`, then the parts' sums (three a lane).
     let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {
-        1
+        splits * BLOCK_PLANES * LANES * 3
     } else {
-        BLOCK_PLANES * LANES * BLOCK_ROWS
+        splits * BLOCK_PLANES * LANES * BLOCK_ROWS
     }));
     fold_halves::<A>(
         &mut sums,
@@ -719,11 +729,28 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     if comptime![norm] {
         fold_halves::<A>(&mut squares, &mut staged, lane, plane, BLOCK_ROWS, planes);
     }
+    // The parts' sums added in part order by the first part's planes.
+    if comptime![splits > 1] {
+        let at = (plane * LANES + lane) * 3;
+        staged[at] = sums[0];
+        staged[at + 1] = sums[1];
+        staged[at + 2] = squares[0];
+        sync_cube();
+        if part == 0 {
+            #[unroll]
+            for other in 1..splits {
+                let at = ((other * BLOCK_PLANES + pair) * LANES + lane) * 3;
+                sums[0] += staged[at];
+                sums[1] += staged[at + 1];
+                squares[0] += staged[at + 2];
+            }
+        }
+    }
     let row = first_row + lane as u64;
     #[unroll]
     for c in 0..columns {
         let column = first_column + c as u64;
-        if row < shape.tokens && column < shape.outputs {
+        if part == 0 && row < shape.tokens && column < shape.outputs {
             let around = Finish::<A> {
                 squares: squares[0],
                 elements: shape.inner * N::value() as u64,

@@ -26,11 +26,15 @@ pub const MAX_TOKENS: usize = 16;
 /// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's op takes ([`MAX_TOKENS`]);
 ///   past [`MAX_TOKENS`] it runs the block kernel (blocks of 32 tokens), whose first form
 ///   measured slower than Burn's matmul at 32 tokens (`benches/RESULTS.md`, session 42);
+/// - `KVPLAN_PROJECTION_BLOCK_SPLITS=N`: the most parts the block kernel splits each row into, a
+///   plane each (4 by default; 1: a plane walks the whole row);
 /// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`);
 /// - `KVPLAN_PROJECTION_VECTOR=N`: the most values a load of the vector kernel takes (16 bytes'
 ///   worth by default: 8 in bf16, whose sums then hold twice f32's registers).
 struct Knobs {
     max_tokens: usize,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    most_splits: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     kernel: Option<bool>,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
@@ -45,6 +49,10 @@ fn knobs() -> &'static Knobs {
             max_tokens: var("KVPLAN_PROJECTION_MAX_TOKENS")
                 .and_then(|value| value.parse().ok())
                 .unwrap_or(MAX_TOKENS),
+            most_splits: var("KVPLAN_PROJECTION_BLOCK_SPLITS")
+                .and_then(|value| value.parse().ok())
+                .unwrap_or(4usize)
+                .clamp(1, 8),
             kernel: match var("KVPLAN_PROJECTION_KERNEL").as_deref() {
                 Some("cube") => Some(false),
                 Some("vector") => Some(true),
@@ -57,6 +65,12 @@ fn knobs() -> &'static Knobs {
 
 fn max_tokens() -> usize {
     knobs().max_tokens
+}
+
+/// The most parts the block kernel splits each row into (`KVPLAN_PROJECTION_BLOCK_SPLITS`).
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+fn most_splits() -> usize {
+    knobs().most_splits
 }
 
 /// Whether a projection of `x` runs the extension's op: up to `max_tokens()` tokens, on a device

@@ -175,7 +175,15 @@ fn wide_matches_reference(device: &Device, dtype: DType) {
     let mut rng = Rng::new(0x711E);
     let tolerance = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
     let pairs = HEAD_DIM / 2;
-    for (tokens, inner, outputs) in [(17, 70, 12), (33, 64, 130), (40, 37, 9), (64, 100, 64)] {
+    // 600 values a row: the block kernel splits each row into parts, a plane each.
+    let shapes = [
+        (17, 70, 12),
+        (33, 64, 130),
+        (40, 37, 9),
+        (64, 100, 64),
+        (33, 600, 20),
+    ];
+    for (tokens, inner, outputs) in shapes {
         let mut random = |len| rounded(random(&mut rng, len), dtype);
         let x = random(tokens * inner);
         let wide = random(outputs * (inner + 3));
