@@ -609,10 +609,9 @@ fn store_slot(
         && t < rows.rows
         && h % shape.groups == 0
         && (UNIT_POS as usize) < head_dim
+        && (named != 0 || t == zero_row)
     {
-        if named != 0 || t == zero_row {
-            slot = named as u64;
-        }
+        slot = named as u64;
     }
     slot
 }
