@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-builds|decode-prompts|decode-check|decode-dtypes|gputime|ncu-decode|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|wrap|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-builds|decode-prompts|decode-check|decode-dtypes|gputime|ncu-decode|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
 set -uo pipefail
 BIN=${BIN:-/tmp/kvplan-bin/kvplan}
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -41,6 +41,17 @@ export KVPLAN_CONFORMANCE_DIR="$PWD/tests/data"
 for part in "$@"; do
   case "$part" in
     stage) ;; # the binaries are unpacked above
+    wrap)
+      # Named builds that are another build with knobs set, for `decode-builds`: WRAPS holds
+      # `NAME=BUILD:VAR=VALUE,VAR=VALUE` entries (e.g. `b16=blk3:KVPLAN_PROJECTION_MAX_TOKENS=16`).
+      for entry in ${WRAPS:-}; do
+        name=${entry%%=*}; rest=${entry#*=}; build=${rest%%:*}; vars=${rest#*:}
+        printf '#!/bin/sh\nexec env %s /tmp/kvplan-bin/kvplan-%s "$@"\n' "${vars//,/ }" "$build" \
+          > "/tmp/kvplan-bin/kvplan-$name"
+        chmod +x "/tmp/kvplan-bin/kvplan-$name"
+        echo "wrap $name: $(tail -1 "/tmp/kvplan-bin/kvplan-$name")"
+      done
+      ;;
     tests)
       # The integration tests on the CUDA suites (fused and unfused).
       # The capture test alone: CUDA's global capture mode refuses other threads' syncs meanwhile.
