@@ -470,14 +470,9 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int, A: Float>(
     }
     // Staged: the step's slots in shared memory, where each key finds its new row (`listed_row`).
     let mut listed = Shared::<[u64]>::new_slice(comptime!(if staged { STAGED_TOKENS } else { 1 }));
-    if comptime![staged] {
-        let mut own = 0i64;
-        if (UNIT_POS as u64) < new_rows.rows {
-            own = i64::cast_from(loc[(UNIT_POS as u64 * new_rows.loc_stride) as usize]);
-        }
-        if (UNIT_POS as u64) < new_rows.rows {
-            listed[UNIT_POS as usize] = own as u64;
-        }
+    if comptime![staged] && (UNIT_POS as u64) < new_rows.rows {
+        let own = i64::cast_from(loc[(UNIT_POS as u64 * new_rows.loc_stride) as usize]);
+        listed[UNIT_POS as usize] = own as u64;
     }
     let rows = stored_rows(stored_code, stored_first, new_rows);
     let zero_row = stored_zero_row(stored_code, stored_zero);
