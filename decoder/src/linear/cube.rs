@@ -90,9 +90,10 @@ pub(super) fn linear(
             let splits = (vectors as usize)
                 .div_ceil(BLOCK_ROUNDS * LANES)
                 .clamp(1, most.max(1));
-            // SAFETY: as `linear_kernel` below, in vectors of `vector` values: rows and strides
-            // are whole vectors (`vector_size`), loads past `tokens`, `outputs` or `inner`
-            // skipped.
+            // SAFETY: in vectors of `vector` values, rows and strides whole vectors
+            // (`vector_size`): a lane reads vectors below `inner` of rows below `tokens` and
+            // `outputs` (one past the end reads the last; both are at least 1 here), each output
+            // written by one lane.
             unsafe {
                 linear_block_kernel::launch_unchecked(
                     &client,
@@ -123,7 +124,9 @@ pub(super) fn linear(
             let per_lane = (vectors as usize).div_ceil(LANES).max(1);
             let round = per_lane.div_ceil(per_lane.div_ceil(MAX_ROUND));
             let column_cubes = outputs.div_ceil(PLANE_COLUMNS * VECTOR_PLANES);
-            // SAFETY: as the block kernel's above.
+            // SAFETY: as `linear_kernel` below, in vectors of `vector` values: rows and strides
+            // are whole vectors (`vector_size`), loads past `tokens`, `outputs` or `inner`
+            // skipped.
             unsafe {
                 linear_vector_kernel::launch_unchecked(
                     &client,
