@@ -465,7 +465,8 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int, A: Float>(
     let stored_zero = stored[FACTS];
     let stored_first = stored[FACTS + 1];
     let mut named = 0i64;
-    if t < new_rows.rows {
+    // Only a pair's first part stores.
+    if cube % SPLITS as u64 == 0 && t < new_rows.rows {
         named = i64::cast_from(loc[(t * new_rows.loc_stride) as usize]);
     }
     // Staged: the step's slots in shared memory, where each key finds its new row (`listed_row`).

@@ -86,10 +86,10 @@ pub(super) fn linear(
             let column_cubes = outputs.div_ceil(PLANE_COLUMNS * BLOCK_PLANES);
             // Parts of at most `BLOCK_ROUNDS` rounds of a plane's loads each, up to the knob's
             // most; where planes fold in shared memory two at most, so its buffer stays small.
-            let most = if planes { super::most_splits() } else { 2 };
+            let most = if planes { 8 } else { 2 }.min(super::most_splits());
             let splits = (vectors as usize)
                 .div_ceil(BLOCK_ROUNDS * LANES)
-                .clamp(1, most.max(1));
+                .clamp(1, most);
             // SAFETY: in vectors of `vector` values, rows and strides whole vectors
             // (`vector_size`): a lane reads vectors below `inner` of rows below `tokens` and
             // `outputs` (one past the end reads the last; both are at least 1 here), each output
