@@ -14,21 +14,11 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from hf_model import load
 
 directory, file = sys.argv[1], sys.argv[2]
 new = int(sys.argv[3]) if len(sys.argv) > 3 else 128
-tok = AutoTokenizer.from_pretrained(directory, gguf_file=file)
-tok.padding_side = "left"
-if tok.pad_token is None:
-    tok.pad_token = tok.eos_token
-model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, torch_dtype=torch.float32)
-model = model.cuda().eval()
-prompts = [line.strip() for line in open("benches/prompts.txt") if line.strip()]
-texts = [
-    tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-    for p in prompts
-]
+tok, model, texts = load(directory, file)
 
 
 MODES = {

@@ -4,7 +4,7 @@
 # machine. Logs go to $OUT; stdout ends with the tables.
 # The model travels in parts (over one call's 64 MiB): `scripts/pack-gpu.sh` also splits it into
 # gpu/model.part-*; carry one part per call with `stage`, they are joined in /tmp/kvplan-bin.
-# Usage: scripts/gpu.sh [stage|wrap|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-builds|decode-prompts|decode-check|decode-dtypes|gputime|ncu-decode|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
+# Usage: scripts/gpu.sh [stage|wrap|tests|checks|wide|sanitize|fuzz|canary|plan|gather|host|host-ab|extension|ab|ncu-ab|nocupti|unfused|decode|decode-ab|decode-builds|decode-prompts|decode-check|peers-build|peers|peers-hf|decode-dtypes|gputime|ncu-decode|sanitize-graphs|profile-ab|repeat|repeat-ab|anchor|profile]...
 set -uo pipefail
 BIN=${BIN:-/tmp/kvplan-bin/kvplan}
 TESTS=/tmp/kvplan-bin/kvplan-tests
@@ -149,7 +149,8 @@ for part in "$@"; do
       # correctness only, so no warm-up; every step drafts (--spec-max-tokens 0). Compiled kernels
       # kept between the runs (keyed by build).
       [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
-      for dtype in ${DTYPES:-f64 f32}; do
+      # DTYPES set empty: the injected faults only.
+      for dtype in ${DTYPES-f64 f32}; do
         for spec in off ngram self; do
           "$BIN" generate --backend cuda --no-warm-up --dtype "$dtype" --spec "$spec" --spec-max-tokens 0 --max-new-tokens 48 --json --limit 6 \
             --file benches/prompts.txt > "$OUT/parity-$dtype-$spec.jsonl" 2> "$OUT/parity-$dtype-$spec.err"
@@ -221,6 +222,50 @@ PY
           row=$((row + 1))
         done
       done
+      ;;
+    peers-build)
+      # llama.cpp built for CUDA (gpu/llama-src.tar.xz: llama-cpp-python 0.3.36's vendor/llama.cpp,
+      # pruned as ../shared/anchors/decoder-h100.md says) in the background: it builds while the
+      # next calls run (keep each call's gap under the machine's 30 s idle release).
+      mkdir -p /tmp/llama
+      [ -d /tmp/llama/llama.cpp ] || xz -dc gpu/llama-src.tar.xz | tar x -C /tmp/llama
+      (cd /tmp/llama/llama.cpp && setsid nohup bash -c "cmake -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        && cmake --build build -j ${JOBS:-12} --target llama-bench llama-batched-bench; echo rc=\$?" \
+        > /tmp/llama/build.log 2>&1 < /dev/null &)
+      echo "llama.cpp build started"
+      ;;
+    peers)
+      # kvplan beside llama.cpp (CUDA, the same Q4_1 GGUF) in one call: llama-bench's tg128 (batch 1)
+      # and llama-batched-bench's S_TG (batches 1, 8, 32; 32-token prompts), then kvplan's
+      # tokens/s at BATCHES (128 new tokens on benches/prompts.txt, after warm-up), spec off and
+      # n-gram k=10. Waits for `peers-build` (PEERS_WAIT seconds at most).
+      for _ in $(seq $((${PEERS_WAIT:-300} / 5))); do grep -q '^rc=' /tmp/llama/build.log 2>/dev/null && break; sleep 5; done
+      tail -2 /tmp/llama/build.log
+      bin=/tmp/llama/llama.cpp/build/bin
+      "$bin/llama-bench" -m "$MODEL" -p 0 -n 128 -ngl 99 -r 5 2>"$OUT/llama-bench.err" | tee "$OUT/llama-bench.txt"
+      "$bin/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 -npp 32 -ntg 128 -npl 1,8,32 -ngl 99 \
+        > "$OUT/llama-batched.txt" 2>&1
+      grep -E "^\|" "$OUT/llama-batched.txt"
+      [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
+      for bs in ${BATCHES:-1 8 32}; do
+        limit=$bs; [ "$bs" = 1 ] && limit=4
+        for spec in ${SPECS:-off ngram}; do
+          log="$OUT/peers-kvplan-$spec-$bs"
+          timeout "${RUN_TIMEOUT:-0}" "$BIN" generate --backend cuda --spec "$spec" --draft-tokens 10 --batch "$bs" --limit "$limit" \
+            --max-new-tokens 128 --ignore-eos --json --file benches/prompts.txt > "$log.jsonl" 2> "$log.err"
+          echo "kvplan,$spec,$bs,$(grep -h '^generate: [0-9]* requests' "$log.err" | cut -c1-150)"
+          if grep -q '^graphs:' "$log.err"; then echo "ERROR: kvplan,$spec,$bs: a capture fell back"; fi
+        done
+      done
+      ;;
+    peers-hf)
+      # transformers with a static cache and generate's compile (CUDA graphs), f32, on the same
+      # GGUF and prompts (carry gpu/whl: the gguf wheel).
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site gpu/whl/*.whl
+      PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benches/hf_graphs.py /tmp/kvplan-bin SmolLM2-135M-Instruct.Q4_1.gguf 128 \
+        2>"$OUT/hf-graphs.err" | tee "$OUT/hf-graphs.csv"
+      tail -4 "$OUT/hf-graphs.err"
       ;;
     decode-prompts)
       # N-gram (k = K, 10 by default) against spec off prompt by prompt at batch 1 (graphs on):

@@ -16,7 +16,7 @@ use super::kernel::{
 };
 use super::{Around, RopeShape};
 
-/// One launch: up to `MAX_TOKENS` tokens a cube for each `columns` output columns and each block
+/// One launch: up to `STEP_TOKENS` tokens a cube for each `columns` output columns and each block
 /// of up to `MAX_ROWS` tokens (the fewest rows a cube that holds every token, below that); past
 /// them a cube for each `BLOCK_PLANES` planes' columns and each block of `BLOCK_ROWS` tokens.
 pub(super) fn linear(
@@ -64,7 +64,7 @@ pub(super) fn linear(
     let dtypes = kernel_dtypes(x.dtype);
     let client = x.client.clone();
     let eps = around.norm_eps.unwrap_or(0.0) as f32;
-    let block = tokens > super::MAX_TOKENS;
+    let block = tokens > super::STEP_TOKENS;
     if block || super::vector_kernel(outputs, inner) {
         let vector = vector_size(&x, &w, inner);
         let vectors = (inner / vector) as u64;

@@ -616,7 +616,7 @@ const BLOCK_LOADS: usize = 8;
 /// split into more parts, a plane each.
 pub const BLOCK_ROUNDS: usize = 4;
 
-/// The projection for blocks of `BLOCK_ROWS` tokens (the steps past `MAX_TOKENS`), laid out so a
+/// The projection for blocks of `BLOCK_ROWS` tokens (the steps past `STEP_TOKENS`), laid out so a
 /// weight is read once a block and the sums fold in few exchanges: a cube makes `BLOCK_PLANES`
 /// pairs of columns (`PLANE_COLUMNS`) of its block, each pair's rows split in `splits` parts, a
 /// plane a part; lane `l` of part `p` reads vectors `p * LANES + l`, then every `splits * LANES`-th,

@@ -16,16 +16,21 @@ use burn_core::backend::{
 };
 use burn_core::tensor::{DType, FloatDType, Tensor};
 
-/// Tokens up to which a projection runs the extension's kernels (a cube's or a plane's columns of
-/// up to eight tokens); more take Burn's matmul, which measured faster there
-/// (`KVPLAN_PROJECTION_MAX_TOKENS` raises it: `Knobs`).
-pub const MAX_TOKENS: usize = 16;
+/// Tokens up to which a projection runs the extension's kernels; more (a prefill, a wide verify
+/// window) take Burn's matmul (`KVPLAN_PROJECTION_MAX_TOKENS` moves it: `Knobs`).
+pub const MAX_TOKENS: usize = 64;
+
+/// Tokens up to which the extension's kernels make each token's values alone (a cube's or a
+/// plane's columns of up to eight tokens: a token's bits are the same at every count up to
+/// here, so a verify window and a plain step agree); past it the block kernel takes blocks of 32
+/// tokens, a weight read once a block, which serves batch 32 1.9x faster than Burn's matmul
+/// (`benches/RESULTS.md`, session 43).
+pub const STEP_TOKENS: usize = 16;
 
 /// The benchmark knobs, read once from the environment (where the kernels and Burn's matmul
 /// cross depends on the device):
-/// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's op takes ([`MAX_TOKENS`]);
-///   past [`MAX_TOKENS`] it runs the block kernel (blocks of 32 tokens), whose first form
-///   measured slower than Burn's matmul at 32 tokens (`benches/RESULTS.md`, session 42);
+/// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's op takes ([`MAX_TOKENS`];
+///   16: Burn's matmul past the step kernels, as before the block kernel);
 /// - `KVPLAN_PROJECTION_BLOCK_SPLITS=N`: the most parts the block kernel splits each row into, a
 ///   plane each (4 by default; 1: a plane walks the whole row);
 /// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`);

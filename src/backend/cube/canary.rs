@@ -305,7 +305,11 @@ pub(crate) fn canary_verify(
     let ring = writable(canary.ring);
     let counters = writable(canary.counters);
     let entries = plan.slot_indices.shape()[0];
-    let cubes = resident_cubes(&buffer, entries, 4, CUBES_PER_SM);
+    // A staged cube walks its entries a cube's worth at a time, each pass a chain of staging
+    // rounds: one entry a unit makes a step's live entries one pass (four a unit took two passes
+    // of 8 cubes for batch 8's ~2,000 entries: 65 us a step, `benches/RESULTS.md`, session 43).
+    let per_unit = if bound.features.stage_words > 0 { 1 } else { 4 };
+    let cubes = resident_cubes(&buffer, entries, per_unit, CUBES_PER_SM);
     let (cube_count, cubes) = grid(cubes);
     let shape = CanaryShapeLaunch::new(
         canary.num_slots as u64,
