@@ -7,6 +7,8 @@
 # into gpu/bin021.xz, for `scripts/gpu.sh ab`.
 # `scripts/pack-gpu.sh model` also splits the model into gpu/model.part-* (one part per call);
 # `model-xz` compresses it into gpu/mx.part-aa (carried with a binary) and gpu/mx.part-ab.
+# `scripts/pack-gpu.sh peers` also packs llama.cpp's sources and the gguf wheel (`scripts/gpu.sh
+# peers-build peers peers-hf`).
 # `scripts/pack-gpu.sh old REV` also builds REV's `kvplan` into gpu/binold.xz (a worktree sharing
 # target-cuda, so only the workspace's own crates build again), for `scripts/gpu.sh decode-ab`.
 set -euo pipefail
@@ -69,6 +71,22 @@ while [ $# -gt 0 ]; do
             head -c 30000000 gpu/model.xz > gpu/mx.part-aa
             tail -c +30000001 gpu/model.xz > gpu/mx.part-ab
             rm gpu/model.xz
+            ;;
+        peers)
+            # The peers' sources for `scripts/gpu.sh peers-build peers peers-hf`: llama.cpp as
+            # llama-cpp-python 0.3.36 vendors it, pruned to what its CUDA build needs (4.5 MB), and
+            # the gguf wheel transformers reads the GGUF with.
+            work=$(mktemp -d)
+            python3 -m pip download -q --no-deps -d gpu/whl gguf==0.19.0
+            url=$(curl -s -H "Accept: application/vnd.pypi.simple.v1+json" https://pypi.org/simple/llama-cpp-python/ |
+                python3 -c "import json, sys; print(next(f['url'] for f in json.load(sys.stdin)['files'] if f['filename'] == 'llama_cpp_python-0.3.36.tar.gz'))")
+            curl -sL "$url" | tar xz -C "$work"
+            vendor="$work/llama_cpp_python-0.3.36/vendor"
+            (cd "$vendor/llama.cpp" && rm -rf models docs media tools/ui benches tests conversion gguf-py &&
+                cd ggml/src && rm -rf ggml-sycl ggml-vulkan ggml-opencl ggml-hexagon ggml-metal ggml-et ggml-cann \
+                    ggml-musa ggml-hip ggml-openvino ggml-webgpu ggml-zdnn ggml-zendnn ggml-virtgpu)
+            tar cf - -C "$vendor" llama.cpp | xz -9 -T2 > gpu/llama-src.tar.xz
+            rm -rf "$work"
             ;;
     esac
 done
