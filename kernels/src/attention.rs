@@ -269,8 +269,12 @@ pub fn attention_check_kernel<S: Int, A: Int, C: Int>(
 /// by part: cube `((t, h), part)` (flattened over a 2-D grid) writes the partial of its part of
 /// token `t`'s keys for query head `h`: the softmax of `q[t, h] . K[slot] / sqrt(head_dim)`
 /// relative to the part's max, applied to their V rows. Unit `u` scores key `u` of each chunk of
-/// `units` keys and accumulates dimension `u`. `attention_combine_kernel` folds the parts.
+/// `units` keys and accumulates dimension `u`. With `group` above 1 a cube takes `group` query
+/// heads of one K/V head (the launch's cubes are `group` times fewer): their keys' rows are read
+/// once for all of them, each head's partial the same bits. `attention_combine_kernel` folds the
+/// parts.
 #[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::too_many_arguments)]
 pub fn attention_kv_kernel<F: Float, S: Int, A: Float>(
     q: &Tensor<F>,
     kv_pool: &Tensor<F>,
@@ -282,11 +286,45 @@ pub fn attention_kv_kernel<F: Float, S: Int, A: Float>(
     #[comptime] units: usize,
     #[comptime] planes: bool,
     #[comptime] staged: bool,
+    #[comptime] group: usize,
     #[define(F, S, A)] _dtypes: [ElemType; 3],
 ) {
     attend_pools::<F, S, A>(
-        q, kv_pool, kv_pool, slots, runs, partials, shape, head_dim, units, planes, staged,
+        q, kv_pool, kv_pool, slots, runs, partials, shape, head_dim, units, planes, staged, group,
     );
+}
+
+/// Cube `((t, h), part)` (flattened) of the first of the `group` query heads launch cube `cube`
+/// attends: cube `((t, k), part)` takes query heads `k * group ..` (`group` 1: the cube itself).
+#[cube]
+fn group_cube(cube: u64, shape: AttentionShape, #[comptime] group: usize) -> u64 {
+    let mut first = cube;
+    if comptime![group > 1] {
+        let part = cube % SPLITS as u64;
+        let pair = cube / SPLITS as u64;
+        let per_token = shape.heads / group as u64;
+        let t = pair / per_token;
+        let h = (pair % per_token) * group as u64;
+        first = (t * shape.heads + h) * SPLITS as u64 + part;
+    }
+    first
+}
+
+/// Dimension `UNIT_POS` of the query rows of the `group` heads from cube `cube`'s.
+#[cube]
+fn query_values<F: Float>(
+    q: &Tensor<F>,
+    cube: u64,
+    shape: AttentionShape,
+    #[comptime] head_dim: usize,
+    #[comptime] group: usize,
+) -> Array<F> {
+    let mut values = Array::<F>::new(group);
+    #[unroll]
+    for g in 0..group {
+        values[g] = query_value::<F>(q, cube + (g * SPLITS) as u64, shape, head_dim);
+    }
+    values
 }
 
 /// Folds the parts' partials of cube `(t, h)` in order into `out[t, h]`: zeros for a token
@@ -398,11 +436,13 @@ fn attend_pools<F: Float, S: Int, A: Float>(
     #[comptime] units: usize,
     #[comptime] planes: bool,
     #[comptime] staged: bool,
+    #[comptime] group: usize,
 ) {
-    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
-    if cube < shape.tokens * shape.heads * SPLITS as u64 {
+    let launched = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    if launched < shape.tokens * (shape.heads / group as u64) * SPLITS as u64 {
+        let cube = group_cube(launched, shape, group);
         let run = run_words(runs, cube, shape);
-        let q_value = query_value::<F>(q, cube, shape, head_dim);
+        let q_values = query_values::<F>(q, cube, shape, head_dim, group);
         // No new rows: the pools stand in for them, never read (`with_new_rows` is false).
         let none = NewRowsShape {
             rows: 0,
@@ -416,8 +456,8 @@ fn attend_pools<F: Float, S: Int, A: Float>(
         };
         let listed = Shared::<[u64]>::new_slice(1usize);
         attend::<F, S, S, A>(
-            q_value, run, &listed, k_pool, v_pool, k_pool, v_pool, slots, slots, partials, shape,
-            none, NEW_ROW, cube, head_dim, units, false, planes, staged,
+            &q_values, run, &listed, k_pool, v_pool, k_pool, v_pool, slots, slots, partials, shape,
+            none, NEW_ROW, cube, head_dim, units, false, planes, staged, group,
         );
     }
 }
@@ -429,7 +469,9 @@ fn attend_pools<F: Float, S: Int, A: Float>(
 /// query head, its part is the first and the slots' status is clear (of the rows naming slot 0
 /// only the last, as the store does). With `fold` (a device whose storage sync reaches other cubes),
 /// the last of a pair's parts to count itself in `arrivals[pair]` folds them into `out` as
-/// `attention_combine_kernel` would (the same bits), else that kernel does after. A key
+/// `attention_combine_kernel` would (the same bits), else that kernel does after; a cube of
+/// `group` query heads (as `attention_kv_kernel`'s) stores for its K/V head and counts itself in
+/// its first head's pair, and the last to arrive folds every head of the group. A key
 /// whose slot this store claims reads the new row instead of the pool (whose rows other cubes are
 /// writing), so the output is the attention over the pool after the store, bit for bit.
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -452,15 +494,20 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int, A: Float>(
     #[comptime] planes: bool,
     #[comptime] staged: bool,
     #[comptime] fold: bool,
+    #[comptime] group: usize,
     #[define(F, S, L, A)] _dtypes: [ElemType; 4],
 ) {
-    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
+    let cube = group_cube(
+        CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64,
+        shape,
+        group,
+    );
     let head = cube / SPLITS as u64;
     let t = head / shape.heads;
     // Every load that waits on no other is issued before any is used: with few cubes a launch's
     // time is its chain of dependent loads (runs and status, then slots, then K/V rows).
     let run = run_words(runs, cube, shape);
-    let q_value = query_value::<F>(qkv, cube, shape, head_dim);
+    let q_values = query_values::<F>(qkv, cube, shape, head_dim, group);
     let stored_code = stored[CODE];
     let stored_zero = stored[FACTS];
     let stored_first = stored[FACTS + 1];
@@ -493,8 +540,8 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int, A: Float>(
     }
     if t < shape.tokens {
         attend::<F, S, u32, A>(
-            q_value, run, &listed, &*kv_pool, &*kv_pool, qkv, qkv, slots, claims, partials, shape,
-            rows, zero_row, cube, head_dim, units, true, planes, staged,
+            &q_values, run, &listed, &*kv_pool, &*kv_pool, qkv, qkv, slots, claims, partials,
+            shape, rows, zero_row, cube, head_dim, units, true, planes, staged, group,
         );
         if comptime![fold] {
             // The pair's last part to arrive folds them all: each part publishes its partial,
@@ -506,7 +553,18 @@ pub fn store_attention_kv_kernel<F: Float, S: Int, L: Int, A: Float>(
             }
             sync_storage();
             if *arrived % SPLITS as u32 == SPLITS as u32 - 1 {
-                fold_parts::<F, A>(&*partials, runs, out, shape, head, head_dim, units);
+                #[unroll]
+                for g in 0..group {
+                    fold_parts::<F, A>(
+                        &*partials,
+                        runs,
+                        out,
+                        shape,
+                        head + g as u64,
+                        head_dim,
+                        units,
+                    );
+                }
             }
         }
     }
@@ -647,11 +705,12 @@ fn listed_row(listed: &Shared<[u64]>, slot: u64, rows: NewRowsShape, zero_row: u
     row
 }
 
-/// `q_row . tile[at .. at + head_dim]`, in the dimensions' order (a K row as the pool holds it:
-/// the same bits as `dot`).
+/// `q_row[q_at ..] . tile[at .. at + head_dim]`, in the dimensions' order (a K row as the pool
+/// holds it: the same bits as `dot_heads`).
 #[cube]
 fn dot_shared<A: Float>(
     q_row: &Shared<[A]>,
+    q_at: usize,
     tile: &Shared<[A]>,
     at: usize,
     #[comptime] head_dim: usize,
@@ -659,30 +718,39 @@ fn dot_shared<A: Float>(
     let mut sum = A::new(0.0);
     #[unroll]
     for e in 0..head_dim {
-        sum += q_row[e] * tile[at + e];
+        sum += q_row[q_at + e] * tile[at + e];
     }
     sum
 }
 
-/// `q_row .` the K row at `at` (a new row's where `at` is marked `NEW_ROW`), in the dimensions'
-/// order.
+/// Each of `group` query rows (`q_row`, one after another) `.` the K row at `at` (a new row's
+/// where `at` is marked `NEW_ROW`), in the dimensions' order, into `sums`: each value of the row
+/// loaded once for the group.
 #[cube]
-fn dot<F: Float, A: Float>(
+fn dot_heads<F: Float, A: Float>(
     q_row: &Shared<[A]>,
     k_pool: &Tensor<F>,
     k: &Tensor<F>,
     at: u64,
+    sums: &mut Array<A>,
     #[comptime] head_dim: usize,
     #[comptime] with_new_rows: bool,
-) -> A {
-    let mut sum = A::new(0.0);
-    // Unrolled: every load of the row is issued before the sums wait on them (the order of the
+    #[comptime] group: usize,
+) {
+    #[unroll]
+    for g in 0..group {
+        sums[g] = A::new(0.0);
+    }
+    // Unrolled: every load of the row is issued before the sums wait on them (the order of each
     // sum is the dimensions' all the same).
     #[unroll]
     for e in 0..head_dim {
-        sum += q_row[e] * A::cast_from(row_value::<F>(k_pool, k, at + e as u64, with_new_rows));
+        let value = A::cast_from(row_value::<F>(k_pool, k, at + e as u64, with_new_rows));
+        #[unroll]
+        for g in 0..group {
+            sums[g] += q_row[g * head_dim + e] * value;
+        }
     }
-    sum
 }
 
 /// Element `at` of a K or V row: of the step's new rows `new` where `at` is marked `NEW_ROW`,
@@ -723,10 +791,15 @@ fn v_value<F: Float, A: Float>(
     A::cast_from(value)
 }
 
+/// The part `cube % SPLITS` of token `t`'s keys for `group` query heads of one K/V head: cube
+/// `cube`'s head (flattened `(t, h)`, `cube / SPLITS`) and the `group - 1` after it, whose
+/// queries are `q_values`; each head's partial is written where its own cube's would be. The
+/// chunk's K rows, slots and V values are read once for the group; each head's scores, max, sums
+/// and weighted V row are computed as for it alone (the same bits whatever the group).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn attend<F: Float, S: Int, W: Int, A: Float>(
-    q_value: F,
+    q_values: &Array<F>,
     run: RunWords,
     listed: &Shared<[u64]>,
     k_pool: &Tensor<F>,
@@ -745,29 +818,42 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
     #[comptime] with_new_rows: bool,
     #[comptime] planes: bool,
     #[comptime] staged: bool,
+    #[comptime] group: usize,
 ) {
     let head = cube / SPLITS as u64;
     let part = cube % SPLITS as u64;
     let h = head % shape.heads;
     let chunk = units as u64;
     let u = UNIT_POS as usize;
+    let plane_count = comptime!(units / PLANE);
     // On the runs' failed check no key is read (no run is walked) and the output is NaN.
     let clear = run.code == OK;
-    let mut q_row = Shared::<[A]>::new_slice(head_dim);
-    let mut scores = Shared::<[A]>::new_slice(units);
+    let mut q_row = Shared::<[A]>::new_slice(comptime!(group * head_dim));
+    let mut scores = Shared::<[A]>::new_slice(comptime!(group * units));
     let mut key_rows = Shared::<[u64]>::new_slice(units);
-    let mut maxima = Shared::<[A]>::new_slice(comptime!(units / PLANE));
+    let mut maxima = Shared::<[A]>::new_slice(comptime!(group * plane_count));
     if u < head_dim {
-        q_row[u] = A::cast_from(q_value);
+        #[unroll]
+        for g in 0..group {
+            q_row[g * head_dim + u] = A::cast_from(q_values[g]);
+        }
     }
     let start = run.start as u64;
     let count = select(clear, run.count as u64, 0u64);
     let kv_column = (h / shape.groups) * head_dim as u64;
     // In A, not an f32 constant: f64 attention keeps f64's precision.
     let scale = A::new(1.0) / A::cast_from(head_dim as u32).sqrt();
-    let mut max = A::new(0.0);
-    let mut sum = A::new(0.0);
-    let mut acc = A::new(0.0);
+    let mut max = Array::<A>::new(group);
+    let mut sum = Array::<A>::new(group);
+    let mut acc = Array::<A>::new(group);
+    let mut next_max = Array::<A>::new(group);
+    let mut dots = Array::<A>::new(group);
+    #[unroll]
+    for g in 0..group {
+        max[g] = A::new(0.0);
+        sum[g] = A::new(0.0);
+        acc[g] = A::new(0.0);
+    }
     sync_cube();
     // This part's keys: whole chunks, fixed by the token's key count alone.
     let per = part_chunks(count, units) * chunk;
@@ -820,7 +906,7 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
             }
             // The K rows a tile at a time: each row read by consecutive units into shared
             // memory (rows `head_dim + 1` apart: a key's unit reads its row without bank
-            // conflicts), then each key's unit takes its score from the tile.
+            // conflicts), then each key's unit takes its scores from the tile.
             let mut tile_first = 0u32;
             while tile_first < keys {
                 let in_tile = select(
@@ -852,7 +938,11 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
                 let unit = u as u32;
                 if unit >= tile_first && unit < tile_first + in_tile {
                     let at = ((unit - tile_first) * (head_dim as u32 + 1)) as usize;
-                    scores[u] = dot_shared::<A>(&q_row, &tile, at, head_dim) * scale;
+                    #[unroll]
+                    for g in 0..group {
+                        scores[g * units + u] =
+                            dot_shared::<A>(&q_row, g * head_dim, &tile, at, head_dim) * scale;
+                    }
                 }
                 sync_cube();
                 tile_first += per_tile as u32;
@@ -860,51 +950,82 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
         } else {
             // Each key's unit reads its own row.
             if (u as u32) < keys {
-                scores[u] =
-                    dot::<F, A>(&q_row, k_pool, k, k_rows[u], head_dim, with_new_rows) * scale;
+                dot_heads::<F, A>(
+                    &q_row,
+                    k_pool,
+                    k,
+                    k_rows[u],
+                    &mut dots,
+                    head_dim,
+                    with_new_rows,
+                    group,
+                );
+                #[unroll]
+                for g in 0..group {
+                    scores[g * units + u] = dots[g] * scale;
+                }
             }
             sync_cube();
         }
-        // Every unit keeps the same running max and sum (the chunk's scores are shared).
-        let mut chunk_max = scores[0];
+        // Every unit keeps each head's same running max and sum (the chunk's scores are shared).
+        let mut chunk_max = Array::<A>::new(group);
+        #[unroll]
+        for g in 0..group {
+            chunk_max[g] = scores[g * units];
+        }
         if comptime![planes] {
             // Each plane's max, then the planes' (a max is the same whatever its order).
-            let own = select((u as u32) < keys, scores[u], scores[0]);
-            let top = plane_max(own);
-            if u % PLANE == 0 {
-                maxima[u / PLANE] = top;
+            #[unroll]
+            for g in 0..group {
+                let own = select((u as u32) < keys, scores[g * units + u], chunk_max[g]);
+                let top = plane_max(own);
+                if u % PLANE == 0 {
+                    maxima[g * plane_count + u / PLANE] = top;
+                }
             }
             sync_cube();
             #[unroll]
-            for p in 0..comptime!(units / PLANE) {
-                if maxima[p] > chunk_max {
-                    chunk_max = maxima[p];
+            for g in 0..group {
+                #[unroll]
+                for p in 0..plane_count {
+                    if maxima[g * plane_count + p] > chunk_max[g] {
+                        chunk_max[g] = maxima[g * plane_count + p];
+                    }
                 }
             }
         } else {
-            let mut j = 1u32;
-            while j < keys {
-                let score = scores[j as usize];
-                if score > chunk_max {
-                    chunk_max = score;
+            #[unroll]
+            for g in 0..group {
+                let mut j = 1u32;
+                while j < keys {
+                    let score = scores[g * units + j as usize];
+                    if score > chunk_max[g] {
+                        chunk_max[g] = score;
+                    }
+                    j += 1;
                 }
-                j += 1;
             }
         }
-        let mut next_max = chunk_max;
-        if first > begin && max > chunk_max {
-            next_max = max;
+        #[unroll]
+        for g in 0..group {
+            next_max[g] = chunk_max[g];
+            if first > begin && max[g] > chunk_max[g] {
+                next_max[g] = max[g];
+            }
+            let rescale = select(first > begin, (max[g] - next_max[g]).exp(), A::new(1.0));
+            sum[g] *= rescale;
+            acc[g] *= rescale;
         }
-        let rescale = select(first > begin, (max - next_max).exp(), A::new(1.0));
-        sum *= rescale;
-        acc *= rescale;
-        // Each key's weight once, by its own unit, in place of its score (every unit has read
-        // the scores it needs: the max is taken).
+        // Each key's weights once, by its own unit, in place of its scores (every unit has read
+        // the scores it needs: the maxima are taken).
         if comptime![!planes] {
             sync_cube();
         }
         if (u as u32) < keys {
-            scores[u] = (scores[u] - next_max).exp();
+            #[unroll]
+            for g in 0..group {
+                scores[g * units + u] = (scores[g * units + u] - next_max[g]).exp();
+            }
         }
         sync_cube();
         // `fold` keys at a time (staged: the first group loaded above): their V loads are in
@@ -930,25 +1051,34 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
             #[unroll]
             for i in 0..fold {
                 if j + (i as u32) < keys {
-                    let weight = scores[j as usize + i];
-                    sum += weight;
-                    acc += weight * values[i];
+                    #[unroll]
+                    for g in 0..group {
+                        let weight = scores[g * units + j as usize + i];
+                        sum[g] += weight;
+                        acc[g] += weight * values[i];
+                    }
                 }
             }
             j += fold as u32;
         }
-        max = next_max;
+        #[unroll]
+        for g in 0..group {
+            max[g] = next_max[g];
+        }
         first += chunk;
         sync_cube();
     }
     if begin < end {
-        let at = cube as usize * (head_dim + 2);
-        if u == 0 {
-            partials[at] = max;
-            partials[at + 1] = sum;
-        }
-        if u < head_dim {
-            partials[at + 2 + u] = acc;
+        #[unroll]
+        for g in 0..group {
+            let at = (cube as usize + g * SPLITS) * (head_dim + 2);
+            if u == 0 {
+                partials[at] = max[g];
+                partials[at + 1] = sum[g];
+            }
+            if u < head_dim {
+                partials[at + 2 + u] = acc[g];
+            }
         }
     }
 }

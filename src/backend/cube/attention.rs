@@ -152,6 +152,16 @@ fn sizes(q: &CubeTensor, kv_pool: &CubeTensor, heads: usize) -> [usize; 5] {
     [tokens, q_cols, head_dim, groups, kv_pool.shape()[0]]
 }
 
+/// Query heads an attention cube takes: every query head of a K/V head under
+/// `KVPLAN_ATTENTION_GROUPED=1` (each key's K and V rows read once for them, a third of the cubes
+/// for SmolLM2's 3; a benchmark's knob until measured on a GPU), else one. The bits are the same.
+fn cube_heads(groups: usize) -> usize {
+    static GROUPED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let grouped = *GROUPED
+        .get_or_init(|| std::env::var("KVPLAN_ATTENTION_GROUPED").is_ok_and(|value| value == "1"));
+    if grouped { groups.max(1) } else { 1 }
+}
+
 /// The attention's output, uninitialised: `q`'s shape and dtype, contiguous.
 fn empty_out(q: &CubeTensor) -> CubeTensor {
     empty_device_contiguous_dtype(q.client.clone(), q.device.clone(), q.shape(), q.dtype)
@@ -191,7 +201,8 @@ pub(crate) fn paged_attention(
     });
     let dtypes = [storage(&q), storage(&slots), storage(&partials)];
     let units = attention_units(head_dim);
-    let (cubes, _) = grid(tokens * heads * SPLITS);
+    let group = cube_heads(groups);
+    let (cubes, _) = grid(tokens * heads / group * SPLITS);
     let client = q.client.clone();
     let dim = CubeDim::new_1d(units as u32);
     let planes = fixed_planes(&q, PLANE as u32);
@@ -215,6 +226,7 @@ pub(crate) fn paged_attention(
             units,
             planes,
             tokens <= STAGED_TOKENS,
+            group,
             dtypes,
         );
     }
@@ -301,7 +313,8 @@ pub(crate) fn store_and_attend(
     let q = columns(qkv.clone(), q_cols);
     let [tokens, _, head_dim, groups, pool_rows] = sizes(&q, &kv_pool, heads);
     let new = rows.loc.shape()[0];
-    let cubes = tokens.max(new) * heads * SPLITS;
+    let group = cube_heads(groups);
+    let cubes = tokens.max(new) * heads / group * SPLITS;
     let partials = empty_partials(&q, tokens * heads, head_dim);
     let address = address_type(
         [
@@ -392,6 +405,7 @@ pub(crate) fn store_and_attend(
             planes,
             tokens.max(new) <= STAGED_TOKENS,
             fold,
+            group,
             dtypes,
         );
     }
