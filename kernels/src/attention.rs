@@ -310,7 +310,8 @@ fn group_cube(cube: u64, shape: AttentionShape, #[comptime] group: usize) -> u64
     first
 }
 
-/// Dimension `UNIT_POS` of the query rows of the `group` heads from cube `cube`'s.
+/// Dimension `UNIT_POS` of the query rows of cube `((t, h), part)`'s head and the `group - 1`
+/// after it (0 past the tokens and the head).
 #[cube]
 fn query_values<F: Float>(
     q: &Tensor<F>,
@@ -319,10 +320,17 @@ fn query_values<F: Float>(
     #[comptime] head_dim: usize,
     #[comptime] group: usize,
 ) -> Array<F> {
+    let head = cube / SPLITS as u64;
+    let t = head / shape.heads;
+    let h = head % shape.heads;
     let mut values = Array::<F>::new(group);
     #[unroll]
     for g in 0..group {
-        values[g] = query_value::<F>(q, cube + (g * SPLITS) as u64, shape, head_dim);
+        values[g] = F::new(0.0);
+        if t < shape.tokens && (UNIT_POS as usize) < head_dim {
+            let at = t * shape.q_stride + (h + g as u64) * head_dim as u64;
+            values[g] = q[at as usize + UNIT_POS as usize];
+        }
     }
     values
 }
@@ -623,24 +631,6 @@ fn run_words(runs: &Tensor<i64>, cube: u64, shape: AttentionShape) -> RunWords {
         start,
         count,
     }
-}
-
-/// Dimension `UNIT_POS` of cube `((t, h), part)`'s query row (0 past the tokens and the head).
-#[cube]
-fn query_value<F: Float>(
-    q: &Tensor<F>,
-    cube: u64,
-    shape: AttentionShape,
-    #[comptime] head_dim: usize,
-) -> F {
-    let head = cube / SPLITS as u64;
-    let t = head / shape.heads;
-    let h = head % shape.heads;
-    let mut value = F::new(0.0);
-    if t < shape.tokens && (UNIT_POS as usize) < head_dim {
-        value = q[(t * shape.q_stride + h * head_dim as u64) as usize + UNIT_POS as usize];
-    }
-    value
 }
 
 /// The slot unit `UNIT_POS` of head `(t, h)` (flattened) stores new row `t`'s column at (`named`,

@@ -23,7 +23,7 @@ pub const MAX_TOKENS: usize = 64;
 /// Tokens up to which the extension's kernels make each token's values alone (a cube's or a
 /// plane's columns of up to eight tokens: a token's bits are the same at every count up to
 /// here, so a verify window and a plain step agree); past it the block kernel takes blocks of 32
-/// tokens, a weight read once a block, which serves batch 32 1.9x faster than Burn's matmul
+/// tokens, a weight read once a block, which serves batch 32 1.2-1.9x faster than Burn's matmul
 /// (`benches/RESULTS.md`, session 43).
 pub const STEP_TOKENS: usize = 16;
 
