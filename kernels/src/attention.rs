@@ -377,22 +377,17 @@ fn fold_parts<F: Float, A: Float>(
         let per = part_chunks(count, units);
         let width = head_dim + 2;
         let first = pair as usize * SPLITS * width;
-        // Every part's values loaded at once (one round trip, not one a part), then folded in
-        // order.
+        // Every part's values loaded at once, unguarded (one round trip, not one a part; a part
+        // without keys wrote nothing and is not folded), then folded in order.
         let mut scores = Array::<A>::new(SPLITS);
         let mut sums = Array::<A>::new(SPLITS);
         let mut accs = Array::<A>::new(SPLITS);
         #[unroll]
         for part in 0..SPLITS {
-            scores[part] = A::new(0.0);
-            sums[part] = A::new(0.0);
-            accs[part] = A::new(0.0);
-            if part == 0 || (part as u64) * per * (units as u64) < count {
-                let at = first + part * width;
-                scores[part] = partials[at];
-                sums[part] = partials[at + 1];
-                accs[part] = partials[at + 2 + u];
-            }
+            let at = first + part * width;
+            scores[part] = partials[at];
+            sums[part] = partials[at + 1];
+            accs[part] = partials[at + 2 + u];
         }
         let mut max = scores[0];
         let mut sum = sums[0];
@@ -744,7 +739,8 @@ fn dot_heads<F: Float, A: Float>(
 }
 
 /// Element `at` of a K or V row: of the step's new rows `new` where `at` is marked `NEW_ROW`,
-/// else of the pool.
+/// else of the pool. Both are read, unguarded (a guarded load waits before the next is issued):
+/// the one not named reads its first value. Only a launch with keys reads, so neither is empty.
 #[cube]
 fn row_value<F: Float>(
     pool: &Tensor<F>,
@@ -753,18 +749,18 @@ fn row_value<F: Float>(
     #[comptime] with_new_rows: bool,
 ) -> F {
     if comptime![with_new_rows] {
-        if at >= NEW_ROW {
-            new[(at - NEW_ROW) as usize]
-        } else {
-            pool[at as usize]
-        }
+        let fresh = at >= NEW_ROW;
+        let in_new = select(fresh, at, NEW_ROW) - NEW_ROW;
+        let in_pool = select(fresh, 0u64, at);
+        let (new_value, pool_value) = (new[in_new as usize], pool[in_pool as usize]);
+        select(fresh, new_value, pool_value)
     } else {
         pool[at as usize]
     }
 }
 
-/// Dimension `u` of the V row at `at` (a new row's where `at` is marked `NEW_ROW`); 0 past the
-/// head, whose units keep no output.
+/// Dimension `u` of the V row at `at` (a new row's where `at` is marked `NEW_ROW`), read
+/// unguarded: past the head, whose units keep no output, the row's last.
 #[cube]
 fn v_value<F: Float, A: Float>(
     v_pool: &Tensor<F>,
@@ -774,11 +770,8 @@ fn v_value<F: Float, A: Float>(
     #[comptime] head_dim: usize,
     #[comptime] with_new_rows: bool,
 ) -> A {
-    let mut value = F::new(0.0);
-    if u < head_dim {
-        value = row_value::<F>(v_pool, v, at + u as u64, with_new_rows);
-    }
-    A::cast_from(value)
+    let e = select(u < head_dim, u, head_dim - 1);
+    A::cast_from(row_value::<F>(v_pool, v, at + e as u64, with_new_rows))
 }
 
 /// The part `cube % SPLITS` of token `t`'s keys for `group` query heads of one K/V head: cube
@@ -886,13 +879,12 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
         }
         if comptime![staged] {
             sync_cube();
-            // The first keys' V values, in flight with the K rows' loads below.
+            // The first keys' V values, in flight with the K rows' loads below (unguarded: past
+            // the chunk's keys a unit reads its last key's, which no sum adds).
             #[unroll]
             for i in 0..fold {
-                values[i] = A::new(0.0);
-                if (i as u32) < keys {
-                    values[i] = v_value::<F, A>(v_pool, v, key_rows[i], u, head_dim, with_new_rows);
-                }
+                let key = select((i as u32) < keys, i as u32, keys - 1) as usize;
+                values[i] = v_value::<F, A>(v_pool, v, key_rows[key], u, head_dim, with_new_rows);
             }
             // The K rows a tile at a time: each row read by consecutive units into shared
             // memory (rows `head_dim + 1` apart: a key's unit reads its row without bank
@@ -904,16 +896,16 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
                     keys - tile_first,
                     per_tile as u32,
                 );
+                // Unguarded loads: past the tile's values a unit reads its last, not staged.
                 let mut staged_values = Array::<F>::new(loads);
+                let last = in_tile * head_dim as u32 - 1;
                 #[unroll]
                 for i in 0..loads {
                     let e = (i * units) as u32 + u as u32;
-                    staged_values[i] = F::new(0.0);
-                    if e < in_tile * head_dim as u32 {
-                        let key = e / head_dim as u32;
-                        let at = k_rows[(tile_first + key) as usize] + (e % head_dim as u32) as u64;
-                        staged_values[i] = row_value::<F>(k_pool, k, at, with_new_rows);
-                    }
+                    let e = select(e < last, e, last);
+                    let key = e / head_dim as u32;
+                    let at = k_rows[(tile_first + key) as usize] + (e % head_dim as u32) as u64;
+                    staged_values[i] = row_value::<F>(k_pool, k, at, with_new_rows);
                 }
                 #[unroll]
                 for i in 0..loads {
@@ -1023,19 +1015,12 @@ fn attend<F: Float, S: Int, W: Int, A: Float>(
         let mut j = 0u32;
         while j < keys {
             if j > 0 || comptime![!staged] {
+                // Unguarded: past the chunk's keys a unit reads its last key's, which no sum adds.
                 #[unroll]
                 for i in 0..fold {
-                    values[i] = A::new(0.0);
-                    if j + (i as u32) < keys {
-                        values[i] = v_value::<F, A>(
-                            v_pool,
-                            v,
-                            key_rows[j as usize + i],
-                            u,
-                            head_dim,
-                            with_new_rows,
-                        );
-                    }
+                    let key = select(j + (i as u32) < keys, j + i as u32, keys - 1) as usize;
+                    values[i] =
+                        v_value::<F, A>(v_pool, v, key_rows[key], u, head_dim, with_new_rows);
                 }
             }
             #[unroll]

@@ -92,28 +92,26 @@ pub fn linear_kernel<F: Float, A: Float>(
     let step = (UNITS * unroll) as u64;
     let mut k = (plane * LANES + lane) as u64;
     while k < shape.inner {
-        // Every load of the round first, then the sums in column order.
+        // Every load of the round first, then the sums in column order. The loads are unguarded
+        // (a guarded load waits before the next is issued): past the row's end a unit reads its
+        // last value and adds zero; a column or token past the end reads the last one's, whose
+        // sums nothing stores.
         #[unroll]
         for i in 0..unroll {
             let at = k + (i * UNITS) as u64;
             let inside = at < shape.inner;
+            let read = select(inside, at, shape.inner - 1);
             #[unroll]
             for c in 0..columns {
-                let column = first_column + c as u64;
-                weights[i * columns + c] = A::new(0.0);
-                if inside && column < shape.outputs {
-                    weights[i * columns + c] =
-                        A::cast_from(w[(column * shape.w_stride + at) as usize]);
-                }
+                let column = last_at_most(first_column + c as u64, shape.outputs);
+                let weight = A::cast_from(w[(column * shape.w_stride + read) as usize]);
+                weights[i * columns + c] = select(inside, weight, A::new(0.0));
             }
             #[unroll]
             for r in 0..rows {
-                let row = first_row + r as u64;
-                inputs[i * rows + r] = A::new(0.0);
-                if inside && row < shape.tokens {
-                    let at = (row * shape.x_stride + at) as usize;
-                    inputs[i * rows + r] = A::cast_from(x[at]);
-                }
+                let row = last_at_most(first_row + r as u64, shape.tokens);
+                let input = A::cast_from(x[(row * shape.x_stride + read) as usize]);
+                inputs[i * rows + r] = select(inside, input, A::new(0.0));
             }
         }
         #[unroll]
@@ -184,6 +182,13 @@ pub fn linear_kernel<F: Float, A: Float>(
             );
         }
     }
+}
+
+/// `index` where it is below `count`, else the last index (`count - 1`; `count` at least 1): an
+/// unguarded read's row or column.
+#[cube]
+fn last_at_most(index: u64, count: u64) -> u64 {
+    select(index < count, index, count - 1)
 }
 
 /// Where an output value goes: its token's input's sum of squares over `elements` values, its
@@ -402,13 +407,12 @@ pub fn greedy_kernel<F: Float>(
         let mut loaded = Array::<F>::new(unroll);
         let mut k = u as u64;
         while k < vocab {
+            // Unguarded loads, in flight together: past the end a unit reads the last logit,
+            // which the picks below skip.
             #[unroll]
             for i in 0..unroll {
-                let at = k + (i * GREEDY_UNITS) as u64;
-                loaded[i] = F::new(0.0);
-                if at < vocab {
-                    loaded[i] = logits[(base + at) as usize];
-                }
+                let at = last_at_most(k + (i * GREEDY_UNITS) as u64, vocab);
+                loaded[i] = logits[(base + at) as usize];
             }
             #[unroll]
             for i in 0..unroll {
@@ -495,48 +499,51 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     for r in 0..rows {
         squares[r] = Vector::new(A::new(0.0));
     }
-    // Each weight row's and input row's first vector (a column or row past the end reads none).
+    // Each weight row's and input row's first vector. Every load is unguarded (a guarded load
+    // waits before the next is issued): a column or token past the end reads the last one's,
+    // whose sums nothing stores; past the row's end a lane reads its last vector and adds nothing.
     let mut w_rows = Array::<usize>::new(columns);
     #[unroll]
     for c in 0..columns {
-        w_rows[c] = ((first_column + c as u64) * shape.w_stride) as usize;
+        w_rows[c] =
+            (last_at_most(first_column + c as u64, shape.outputs) * shape.w_stride) as usize;
     }
     let mut x_rows = Array::<usize>::new(rows);
     #[unroll]
     for r in 0..rows {
-        x_rows[r] = ((first_row + r as u64) * shape.x_stride) as usize;
+        x_rows[r] = (last_at_most(first_row + r as u64, shape.tokens) * shape.x_stride) as usize;
     }
     let vectors = shape.inner as usize;
     let mut weights = Array::<Vector<A, N>>::new(round * columns);
+    let mut inputs = Array::<Vector<A, N>>::new(round);
     let mut k = lane;
     while k < vectors {
-        // The round's weight loads first, then each token's input and its sums.
+        // The round's weight loads first, then each token's inputs and their sums.
         #[unroll]
         for i in 0..round {
-            let at = k + i * LANES;
+            let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
             #[unroll]
             for c in 0..columns {
-                weights[i * columns + c] = Vector::new(A::new(0.0));
-                if at < vectors && first_column + (c as u64) < shape.outputs {
-                    weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
-                }
+                weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
             }
         }
         #[unroll]
         for r in 0..rows {
-            if first_row + (r as u64) < shape.tokens {
-                #[unroll]
-                for i in 0..round {
-                    let at = k + i * LANES;
-                    if at < vectors {
-                        let value = Vector::<A, N>::cast_from(x[x_rows[r] + at]);
-                        if comptime![norm] {
-                            squares[r] += value * value;
-                        }
-                        #[unroll]
-                        for c in 0..columns {
-                            sums[r * columns + c] += value * weights[i * columns + c];
-                        }
+            #[unroll]
+            for i in 0..round {
+                let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
+                inputs[i] = Vector::<A, N>::cast_from(x[x_rows[r] + at]);
+            }
+            #[unroll]
+            for i in 0..round {
+                if k + i * LANES < vectors {
+                    let value = inputs[i];
+                    if comptime![norm] {
+                        squares[r] += value * value;
+                    }
+                    #[unroll]
+                    for c in 0..columns {
+                        sums[r * columns + c] += value * weights[i * columns + c];
                     }
                 }
             }
