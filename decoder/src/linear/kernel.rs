@@ -73,6 +73,7 @@ pub fn linear_kernel<F: Float, A: Float>(
     #[comptime] add: bool,
     #[comptime] rope: bool,
     #[comptime] planes: bool,
+    #[comptime] guarded: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -92,10 +93,10 @@ pub fn linear_kernel<F: Float, A: Float>(
     let step = (UNITS * unroll) as u64;
     let mut k = (plane * LANES + lane) as u64;
     while k < shape.inner {
-        // Every load of the round first, then the sums in column order. The loads are unguarded
-        // (a guarded load waits before the next is issued): past the row's end a unit reads its
-        // last value and adds zero; a column or token past the end reads the last one's, whose
-        // sums nothing stores.
+        // Every load of the round first, then the sums in column order. Unguarded loads (a
+        // guarded load waits before the next is issued): past the row's end a unit reads its last
+        // value and adds zero; a column or token past the end reads the last one's, whose sums
+        // nothing stores.
         #[unroll]
         for i in 0..unroll {
             let at = k + (i * UNITS) as u64;
@@ -103,15 +104,33 @@ pub fn linear_kernel<F: Float, A: Float>(
             let read = select(inside, at, shape.inner - 1);
             #[unroll]
             for c in 0..columns {
-                let column = last_at_most(first_column + c as u64, shape.outputs);
-                let weight = A::cast_from(w[(column * shape.w_stride + read) as usize]);
-                weights[i * columns + c] = select(inside, weight, A::new(0.0));
+                let column = first_column + c as u64;
+                if comptime![guarded] {
+                    weights[i * columns + c] = A::new(0.0);
+                    if inside && column < shape.outputs {
+                        weights[i * columns + c] =
+                            A::cast_from(w[(column * shape.w_stride + at) as usize]);
+                    }
+                } else {
+                    let column = last_at_most(column, shape.outputs);
+                    let weight = A::cast_from(w[(column * shape.w_stride + read) as usize]);
+                    weights[i * columns + c] = select(inside, weight, A::new(0.0));
+                }
             }
             #[unroll]
             for r in 0..rows {
-                let row = last_at_most(first_row + r as u64, shape.tokens);
-                let input = A::cast_from(x[(row * shape.x_stride + read) as usize]);
-                inputs[i * rows + r] = select(inside, input, A::new(0.0));
+                let row = first_row + r as u64;
+                if comptime![guarded] {
+                    inputs[i * rows + r] = A::new(0.0);
+                    if inside && row < shape.tokens {
+                        inputs[i * rows + r] =
+                            A::cast_from(x[(row * shape.x_stride + at) as usize]);
+                    }
+                } else {
+                    let row = last_at_most(row, shape.tokens);
+                    let input = A::cast_from(x[(row * shape.x_stride + read) as usize]);
+                    inputs[i * rows + r] = select(inside, input, A::new(0.0));
+                }
             }
         }
         #[unroll]
@@ -481,6 +500,7 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     #[comptime] add: bool,
     #[comptime] rope: bool,
     #[comptime] planes: bool,
+    #[comptime] guarded: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -524,26 +544,52 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
             let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
             #[unroll]
             for c in 0..columns {
-                weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
+                if comptime![guarded] {
+                    weights[i * columns + c] = Vector::new(A::new(0.0));
+                    if k + i * LANES < vectors {
+                        weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
+                    }
+                } else {
+                    weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
+                }
             }
         }
         #[unroll]
         for r in 0..rows {
-            #[unroll]
-            for i in 0..round {
-                let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
-                inputs[i] = Vector::<A, N>::cast_from(x[x_rows[r] + at]);
-            }
-            #[unroll]
-            for i in 0..round {
-                if k + i * LANES < vectors {
-                    let value = inputs[i];
-                    if comptime![norm] {
-                        squares[r] += value * value;
-                    }
+            if comptime![guarded] {
+                // Each load under its guard, its sums after it.
+                if first_row + (r as u64) < shape.tokens {
                     #[unroll]
-                    for c in 0..columns {
-                        sums[r * columns + c] += value * weights[i * columns + c];
+                    for i in 0..round {
+                        if k + i * LANES < vectors {
+                            let value = Vector::<A, N>::cast_from(x[x_rows[r] + k + i * LANES]);
+                            if comptime![norm] {
+                                squares[r] += value * value;
+                            }
+                            #[unroll]
+                            for c in 0..columns {
+                                sums[r * columns + c] += value * weights[i * columns + c];
+                            }
+                        }
+                    }
+                }
+            } else {
+                #[unroll]
+                for i in 0..round {
+                    let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
+                    inputs[i] = Vector::<A, N>::cast_from(x[x_rows[r] + at]);
+                }
+                #[unroll]
+                for i in 0..round {
+                    if k + i * LANES < vectors {
+                        let value = inputs[i];
+                        if comptime![norm] {
+                            squares[r] += value * value;
+                        }
+                        #[unroll]
+                        for c in 0..columns {
+                            sums[r * columns + c] += value * weights[i * columns + c];
+                        }
                     }
                 }
             }

@@ -152,14 +152,26 @@ fn sizes(q: &CubeTensor, kv_pool: &CubeTensor, heads: usize) -> [usize; 5] {
     [tokens, q_cols, head_dim, groups, kv_pool.shape()[0]]
 }
 
-/// Query heads an attention cube takes: every query head of a K/V head under
-/// `KVPLAN_ATTENTION_GROUPED=1` (each key's K and V rows read once for them, a third of the cubes
-/// for SmolLM2's 3; a benchmark's knob until measured on a GPU), else one. The bits are the same.
-fn cube_heads(groups: usize) -> usize {
-    static GROUPED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let grouped = *GROUPED
-        .get_or_init(|| std::env::var("KVPLAN_ATTENTION_GROUPED").is_ok_and(|value| value == "1"));
-    if grouped { groups.max(1) } else { 1 }
+/// Query heads an attention cube takes for a launch of `tokens` (and new rows): past
+/// `STAGED_TOKENS` (many cubes) every query head of a K/V head, each key's K and V rows read once
+/// for them (a third of the cubes for SmolLM2's 3: batch 32 1.12x faster on an H100, RESULTS
+/// session 44); up to it one, whose cubes' chains of loads are shorter (batch 1 1.17x faster).
+/// `KVPLAN_ATTENTION_GROUPED=1` groups every launch, `=0` none. The bits are the same.
+fn cube_heads(groups: usize, tokens: usize) -> usize {
+    static GROUPED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let knob =
+        *GROUPED.get_or_init(
+            || match std::env::var("KVPLAN_ATTENTION_GROUPED").as_deref() {
+                Ok("1") => Some(true),
+                Ok("0") => Some(false),
+                _ => None,
+            },
+        );
+    if knob.unwrap_or(tokens > STAGED_TOKENS) {
+        groups.max(1)
+    } else {
+        1
+    }
 }
 
 /// The attention's output, uninitialised: `q`'s shape and dtype, contiguous.
@@ -201,7 +213,7 @@ pub(crate) fn paged_attention(
     });
     let dtypes = [storage(&q), storage(&slots), storage(&partials)];
     let units = attention_units(head_dim);
-    let group = cube_heads(groups);
+    let group = cube_heads(groups, tokens);
     let (cubes, _) = grid(tokens * heads / group * SPLITS);
     let client = q.client.clone();
     let dim = CubeDim::new_1d(units as u32);
@@ -313,7 +325,7 @@ pub(crate) fn store_and_attend(
     let q = columns(qkv.clone(), q_cols);
     let [tokens, _, head_dim, groups, pool_rows] = sizes(&q, &kv_pool, heads);
     let new = rows.loc.shape()[0];
-    let group = cube_heads(groups);
+    let group = cube_heads(groups, tokens.max(new));
     let cubes = tokens.max(new) * heads / group * SPLITS;
     let partials = empty_partials(&q, tokens * heads, head_dim);
     let address = address_type(
