@@ -10,9 +10,9 @@ use cubecl::prelude::*;
 
 use super::kernel::{
     BLOCK_PLANES, BLOCK_ROUNDS, BLOCK_ROWS, GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND,
-    NORM_UNITS, PLANE_COLUMNS, PLANES, ROPE_UNITS, RopeScalarsLaunch, VECTOR_PLANES, greedy_kernel,
-    linear_block_kernel, linear_kernel, linear_vector_kernel, rms_norm_kernel, rope_kernel,
-    swiglu_kernel,
+    MAX_ROWS, NORM_UNITS, PLANE_COLUMNS, PLANES, ROPE_UNITS, RopeScalarsLaunch, VECTOR_PLANES,
+    greedy_kernel, linear_block_kernel, linear_kernel, linear_vector_kernel, rms_norm_kernel,
+    rope_kernel, swiglu_kernel,
 };
 use super::{Around, RopeShape};
 
@@ -55,7 +55,7 @@ pub(super) fn linear(
     if tokens == 0 || outputs == 0 {
         return out;
     }
-    let rows = tokens.next_power_of_two().min(super::most_rows());
+    let rows = tokens.next_power_of_two().min(MAX_ROWS);
     let guarded = super::guarded(rows);
     let properties = x.client.properties();
     let planes = properties.features.plane.contains(Plane::Ops)

@@ -52,8 +52,10 @@ pub struct LinearShape {
 /// columns `(2i, 2i + 1)` of a head below `rotated` is rotated by its token's angle of pair `i`
 /// (`cos`, `sin`: `[tokens, pairs]`); with `swiglu`, each pair gives `silu(2i) * (2i + 1)` as
 /// column `i` of `out` (`[tokens, outputs / 2]`). A pair needs `columns` even. A unit loads
-/// `unroll` of its columns at once before it adds them. With `planes` (planes exactly `LANES`
-/// wide: CUDA) the lanes fold by plane sums, else in shared memory.
+/// `unroll` of its columns at once before it adds them; with `guarded` each load waits on its
+/// bounds' branch, else past the end it reads the last value (adding zero, or storing nothing).
+/// With `planes` (planes exactly `LANES` wide: CUDA) the lanes fold by plane sums, else in shared
+/// memory.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_kernel<F: Float, A: Float>(
@@ -481,7 +483,7 @@ pub const MAX_ROUND: usize = 8;
 /// matrix is a round trip or two of wide loads. Lane `l` sums vectors `l, l + LANES, ..` of a row
 /// in order into a vector, then its values in order, then the lanes fold (`plane_sum`, else in
 /// shared memory): a token's value is the same bits whatever else is in the launch. `w`, `x` and
-/// the strides are in vectors; the rest as `linear_kernel`.
+/// the strides are in vectors; the rest (`guarded` too) as `linear_kernel`.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(

@@ -36,10 +36,8 @@ pub const STEP_TOKENS: usize = 16;
 /// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`);
 /// - `KVPLAN_PROJECTION_VECTOR=N`: the most values a load of the vector kernel takes (16 bytes'
 ///   worth by default: 8 in bf16, whose sums then hold twice f32's registers);
-/// - `KVPLAN_PROJECTION_ROWS=N`: the most tokens a step kernel's cube (or plane) makes its columns
-///   for (`kernel::MAX_ROWS` by default; fewer: more cubes along z, each reading the weights);
 /// - `KVPLAN_PROJECTION_GUARDED_ROWS=N`: from this many tokens a cube, the step kernels' loads
-///   wait on their guards (`GUARDED_ROWS`).
+///   wait on their guards ([`GUARDED_ROWS`]; 16: none do).
 struct Knobs {
     max_tokens: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
@@ -49,13 +47,13 @@ struct Knobs {
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     vector: Option<usize>,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
-    rows: usize,
-    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     guarded_rows: usize,
 }
 
-/// Tokens a step kernel's cube from which its loads wait on their guards: with fewer, each load
-/// is issued unguarded (past the end it reads the last value), all in flight together.
+/// Tokens of a step kernel's cube from which its loads wait on their guards. With fewer each
+/// load is issued unguarded (past the end it reads the last value), all in flight together
+/// (batch 1's projections 1.1x faster on an H100); from 4 tokens unguarded loads measured 1.29x
+/// slower at batch 8 (`benches/RESULTS.md`, session 44).
 pub const GUARDED_ROWS: usize = 4;
 
 fn knobs() -> &'static Knobs {
@@ -76,11 +74,6 @@ fn knobs() -> &'static Knobs {
                 _ => None,
             },
             vector: var("KVPLAN_PROJECTION_VECTOR").and_then(|value| value.parse().ok()),
-            rows: var("KVPLAN_PROJECTION_ROWS")
-                .and_then(|value| value.parse::<usize>().ok())
-                .map_or(kernel::MAX_ROWS, |rows| {
-                    rows.clamp(1, kernel::MAX_ROWS).next_power_of_two()
-                }),
             guarded_rows: var("KVPLAN_PROJECTION_GUARDED_ROWS")
                 .and_then(|value| value.parse().ok())
                 .unwrap_or(GUARDED_ROWS),
@@ -90,12 +83,6 @@ fn knobs() -> &'static Knobs {
 
 fn max_tokens() -> usize {
     knobs().max_tokens
-}
-
-/// The most tokens a step kernel's cube takes (`KVPLAN_PROJECTION_ROWS`).
-#[cfg(any(feature = "vulkan", feature = "cuda"))]
-fn most_rows() -> usize {
-    knobs().rows
 }
 
 /// Whether a step kernel's cube of `rows` tokens guards its loads
