@@ -57,6 +57,7 @@ pub(super) fn linear(
     }
     let rows = tokens.next_power_of_two().min(MAX_ROWS);
     let guarded = super::guarded(rows);
+    let free_weights = super::free_weights();
     let properties = x.client.properties();
     let planes = properties.features.plane.contains(Plane::Ops)
         && properties.hardware.plane_size_min == LANES as u32
@@ -151,6 +152,7 @@ pub(super) fn linear(
                     around.rope.is_some(),
                     planes,
                     guarded,
+                    free_weights,
                     dtypes,
                 );
             }
@@ -203,6 +205,7 @@ pub(super) fn linear(
             around.rope.is_some(),
             planes,
             guarded,
+            free_weights,
             dtypes,
         );
     }

@@ -53,7 +53,8 @@ pub struct LinearShape {
 /// (`cos`, `sin`: `[tokens, pairs]`); with `swiglu`, each pair gives `silu(2i) * (2i + 1)` as
 /// column `i` of `out` (`[tokens, outputs / 2]`). A pair needs `columns` even. A unit loads
 /// `unroll` of its columns at once before it adds them; with `guarded` each load waits on its
-/// bounds' branch, else past the end it reads the last value (adding zero, or storing nothing).
+/// bounds' branch (the inputs' only, with `free_weights`), else past the end it reads the last
+/// value (adding zero, or storing nothing).
 /// With `planes` (planes exactly `LANES` wide: CUDA) the lanes fold by plane sums, else in shared
 /// memory.
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -76,6 +77,7 @@ pub fn linear_kernel<F: Float, A: Float>(
     #[comptime] rope: bool,
     #[comptime] planes: bool,
     #[comptime] guarded: bool,
+    #[comptime] free_weights: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -107,7 +109,7 @@ pub fn linear_kernel<F: Float, A: Float>(
             #[unroll]
             for c in 0..columns {
                 let column = first_column + c as u64;
-                if comptime![guarded] {
+                if comptime![guarded && !free_weights] {
                     weights[i * columns + c] = A::new(0.0);
                     if inside && column < shape.outputs {
                         weights[i * columns + c] =
@@ -483,7 +485,7 @@ pub const MAX_ROUND: usize = 8;
 /// matrix is a round trip or two of wide loads. Lane `l` sums vectors `l, l + LANES, ..` of a row
 /// in order into a vector, then its values in order, then the lanes fold (`plane_sum`, else in
 /// shared memory): a token's value is the same bits whatever else is in the launch. `w`, `x` and
-/// the strides are in vectors; the rest (`guarded` too) as `linear_kernel`.
+/// the strides are in vectors; the rest (`guarded`, `free_weights` too) as `linear_kernel`.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
@@ -503,6 +505,7 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     #[comptime] rope: bool,
     #[comptime] planes: bool,
     #[comptime] guarded: bool,
+    #[comptime] free_weights: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -546,7 +549,7 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
             let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
             #[unroll]
             for c in 0..columns {
-                if comptime![guarded] {
+                if comptime![guarded && !free_weights] {
                     weights[i * columns + c] = Vector::new(A::new(0.0));
                     if k + i * LANES < vectors {
                         weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);

@@ -37,7 +37,9 @@ pub const STEP_TOKENS: usize = 16;
 /// - `KVPLAN_PROJECTION_VECTOR=N`: the most values a load of the vector kernel takes (16 bytes'
 ///   worth by default: 8 in bf16, whose sums then hold twice f32's registers);
 /// - `KVPLAN_PROJECTION_GUARDED_ROWS=N`: from this many tokens a cube, the step kernels' loads
-///   wait on their guards ([`GUARDED_ROWS`]; 16: none do).
+///   wait on their guards ([`GUARDED_ROWS`]; 16: none do);
+/// - `KVPLAN_PROJECTION_FREE_WEIGHTS=1`: there, the weights' loads are issued unguarded all the
+///   same (only the inputs' wait): a candidate for batch 8, not yet measured.
 struct Knobs {
     max_tokens: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
@@ -48,6 +50,8 @@ struct Knobs {
     vector: Option<usize>,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     guarded_rows: usize,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    free_weights: bool,
 }
 
 /// Tokens of a step kernel's cube from which its loads wait on their guards. With fewer each
@@ -77,6 +81,7 @@ fn knobs() -> &'static Knobs {
             guarded_rows: var("KVPLAN_PROJECTION_GUARDED_ROWS")
                 .and_then(|value| value.parse().ok())
                 .unwrap_or(GUARDED_ROWS),
+            free_weights: var("KVPLAN_PROJECTION_FREE_WEIGHTS").is_some_and(|value| value == "1"),
         }
     })
 }
@@ -90,6 +95,13 @@ fn max_tokens() -> usize {
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
 fn guarded(rows: usize) -> bool {
     rows >= knobs().guarded_rows
+}
+
+/// Whether a guarded step kernel issues its weights' loads unguarded
+/// (`KVPLAN_PROJECTION_FREE_WEIGHTS`).
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+fn free_weights() -> bool {
+    knobs().free_weights
 }
 
 /// The most parts the block kernel splits each row into (`KVPLAN_PROJECTION_BLOCK_SPLITS`).
