@@ -15,6 +15,6 @@ export KVPLAN_REQUIRE_VULKAN=1
 # lavapipe wants a runtime dir; without one it only prints a warning.
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}"
 cargo test --release --workspace "$@"
-# The attention with a cube for each K/V head's query heads (`KVPLAN_ATTENTION_GROUPED=1`, a
-# benchmark's knob until measured on a GPU): the same tests, the same bits.
+# The attention with a cube for each K/V head's query heads in every launch
+# (`KVPLAN_ATTENTION_GROUPED=1`; by default only past 16 tokens): the same tests, the same bits.
 KVPLAN_ATTENTION_GROUPED=1 cargo test --release --workspace "$@" --test kvplan -- attention paged
