@@ -54,9 +54,8 @@ pub struct LinearShape {
 /// column `i` of `out` (`[tokens, outputs / 2]`). A pair needs `columns` even. A unit loads
 /// `unroll` of its columns at once before it adds them; with `guarded` each load waits on its
 /// bounds' branch (the inputs' only, with `free_weights`), else past the end it reads the last
-/// value (adding zero, or storing nothing).
-/// With `planes` (planes exactly `LANES` wide: CUDA) the lanes fold by plane sums, else in shared
-/// memory.
+/// value (adding zero, or storing nothing). With `planes` (planes exactly `LANES` wide: CUDA) the
+/// lanes fold by plane sums, else in shared memory.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_kernel<F: Float, A: Float>(
@@ -97,9 +96,9 @@ pub fn linear_kernel<F: Float, A: Float>(
     let step = (UNITS * unroll) as u64;
     let mut k = (plane * LANES + lane) as u64;
     while k < shape.inner {
-        // Every load of the round first, then the sums in column order. Unguarded loads (a
-        // guarded load waits before the next is issued): past the row's end a unit reads its last
-        // value and adds zero; a column or token past the end reads the last one's, whose sums
+        // Every load of the round first, then the sums in column order. An unguarded load (a
+        // guarded one waits before the next is issued) past the row's end reads the row's last
+        // value and adds zero; past the last column or token it reads the last one's, whose sums
         // nothing stores.
         #[unroll]
         for i in 0..unroll {
@@ -524,9 +523,9 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     for r in 0..rows {
         squares[r] = Vector::new(A::new(0.0));
     }
-    // Each weight row's and input row's first vector. Every load is unguarded (a guarded load
-    // waits before the next is issued): a column or token past the end reads the last one's,
-    // whose sums nothing stores; past the row's end a lane reads its last vector and adds nothing.
+    // Each weight row's and input row's first vector. An unguarded load (a guarded one waits
+    // before the next is issued) past the last column or token reads the last one's, whose sums
+    // nothing stores; past the row's end a lane reads its last vector and adds nothing.
     let mut w_rows = Array::<usize>::new(columns);
     #[unroll]
     for c in 0..columns {
