@@ -9,10 +9,10 @@ use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
 use super::kernel::{
-    BLOCK_PLANES, BLOCK_ROUNDS, BLOCK_ROWS, GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND,
-    MAX_ROWS, NORM_UNITS, PLANE_COLUMNS, PLANES, ROPE_UNITS, RopeScalarsLaunch, VECTOR_PLANES,
-    greedy_kernel, linear_block_kernel, linear_kernel, linear_vector_kernel, rms_norm_kernel,
-    rope_kernel, swiglu_kernel,
+    BLOCK_PLANES, BLOCK_ROWS, GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS,
+    NORM_UNITS, PLANE_COLUMNS, PLANES, ROPE_UNITS, RopeScalarsLaunch, VECTOR_PLANES, greedy_kernel,
+    linear_block_kernel, linear_kernel, linear_vector_kernel, rms_norm_kernel, rope_kernel,
+    swiglu_kernel,
 };
 use super::{Around, RopeShape};
 
@@ -86,11 +86,11 @@ pub(super) fn linear(
         );
         if block {
             let column_cubes = outputs.div_ceil(PLANE_COLUMNS * BLOCK_PLANES);
-            // Parts of at most `BLOCK_ROUNDS` rounds of a plane's loads each, up to the knob's
+            // Parts of at most `block_rounds()` rounds of a plane's loads each, up to the knob's
             // most; where planes fold in shared memory two at most, so its buffer stays small.
             let most = if planes { 8 } else { 2 }.min(super::most_splits());
             let splits = (vectors as usize)
-                .div_ceil(BLOCK_ROUNDS * LANES)
+                .div_ceil(super::block_rounds() * LANES)
                 .clamp(1, most);
             // SAFETY: in vectors of `vector` values, rows and strides whole vectors
             // (`vector_size`): a lane reads vectors below `inner` of rows below `tokens` and

@@ -33,6 +33,8 @@ pub const STEP_TOKENS: usize = 16;
 ///   16: Burn's matmul past the step kernels, as before the block kernel);
 /// - `KVPLAN_PROJECTION_BLOCK_SPLITS=N`: the most parts the block kernel splits each row into, a
 ///   plane each (4 by default; 1: a plane walks the whole row);
+/// - `KVPLAN_PROJECTION_BLOCK_ROUNDS=N`: the most rounds of loads a part of the block kernel takes
+///   (`kernel::BLOCK_ROUNDS` by default; fewer: more parts, more planes a cube; not yet measured);
 /// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`);
 /// - `KVPLAN_PROJECTION_VECTOR=N`: the most values a load of the vector kernel takes (16 bytes'
 ///   worth by default: 8 in bf16, whose sums then hold twice f32's registers);
@@ -44,6 +46,8 @@ struct Knobs {
     max_tokens: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     most_splits: usize,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    block_rounds: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     kernel: Option<bool>,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
@@ -72,6 +76,10 @@ fn knobs() -> &'static Knobs {
                 .and_then(|value| value.parse().ok())
                 .unwrap_or(4usize)
                 .clamp(1, 8),
+            block_rounds: var("KVPLAN_PROJECTION_BLOCK_ROUNDS")
+                .and_then(|value| value.parse().ok())
+                .unwrap_or(kernel::BLOCK_ROUNDS)
+                .clamp(1, kernel::BLOCK_ROUNDS),
             kernel: match var("KVPLAN_PROJECTION_KERNEL").as_deref() {
                 Some("cube") => Some(false),
                 Some("vector") => Some(true),
@@ -95,6 +103,12 @@ fn max_tokens() -> usize {
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
 fn guarded(rows: usize) -> bool {
     rows >= knobs().guarded_rows
+}
+
+/// The most rounds of loads a part of the block kernel takes (`KVPLAN_PROJECTION_BLOCK_ROUNDS`).
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+fn block_rounds() -> usize {
+    knobs().block_rounds
 }
 
 /// Whether a guarded step kernel issues its weights' loads unguarded
