@@ -70,6 +70,16 @@ pub(super) fn linear(
     if block || super::vector_kernel(outputs, inner) {
         let vector = vector_size(&x, &w, inner);
         let vectors = (inner / vector) as u64;
+        // The vector kernel's tokens' inputs staged in shared memory
+        // (`KVPLAN_PROJECTION_STAGE_INPUTS`) where they are several, fit 32 KiB and one round of
+        // a lane's loads covers a row.
+        let fits =
+            rows * inner * x.dtype.size() <= 32 * 1024 && vectors as usize <= MAX_ROUND * LANES;
+        let staged = if super::stage_inputs() && rows > 1 && fits {
+            vectors as usize
+        } else {
+            0
+        };
         let shape = linear_shape(
             [tokens as u64, outputs as u64, vectors],
             [&x, &w, &residual, &cos],
@@ -153,6 +163,7 @@ pub(super) fn linear(
                     planes,
                     guarded,
                     free_weights,
+                    staged,
                     dtypes,
                 );
             }

@@ -484,7 +484,9 @@ pub const MAX_ROUND: usize = 8;
 /// matrix is a round trip or two of wide loads. Lane `l` sums vectors `l, l + LANES, ..` of a row
 /// in order into a vector, then its values in order, then the lanes fold (`plane_sum`, else in
 /// shared memory): a token's value is the same bits whatever else is in the launch. `w`, `x` and
-/// the strides are in vectors; the rest (`guarded`, `free_weights` too) as `linear_kernel`.
+/// the strides are in vectors; the rest (`guarded`, `free_weights` too) as `linear_kernel`. With
+/// `staged` (the rows' vectors, `inner`; 0: not staged) the cube first copies its tokens' inputs
+/// to shared memory and the sums read them there.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
@@ -505,6 +507,7 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     #[comptime] planes: bool,
     #[comptime] guarded: bool,
     #[comptime] free_weights: bool,
+    #[comptime] staged: usize,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -540,33 +543,94 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     let vectors = shape.inner as usize;
     let mut weights = Array::<Vector<A, N>>::new(round * columns);
     let mut inputs = Array::<Vector<A, N>>::new(round);
-    let mut k = lane;
-    while k < vectors {
-        // The round's weight loads first, then each token's inputs and their sums.
+    // Staged (one round covers a row: the launcher's condition): the weights' loads, then every
+    // token's input row copied to shared memory, each unit's loads in flight together (a token
+    // past the end reads the last one's), then the sums, which wait on no round trip a token (a
+    // token's loads behind its guard took one).
+    let mut tile = Shared::<[Vector<F, N>]>::new_slice(comptime!(rows * staged.max(1)));
+    if comptime![staged > 0] {
         #[unroll]
         for i in 0..round {
-            let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
+            let at = select(lane + i * LANES < vectors, lane + i * LANES, vectors - 1);
             #[unroll]
             for c in 0..columns {
-                if comptime![guarded && !free_weights] {
-                    weights[i * columns + c] = Vector::new(A::new(0.0));
-                    if k + i * LANES < vectors {
-                        weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
+                weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
+            }
+        }
+        let values = comptime!(rows * staged);
+        let units = comptime!(LANES * VECTOR_PLANES);
+        let unit = plane * LANES + lane;
+        #[unroll]
+        for j in 0..comptime!(values.div_ceil(units)) {
+            let at = select(j * units + unit < values, j * units + unit, values - 1);
+            let row = last_at_most(first_row + (at / staged) as u64, shape.tokens);
+            tile[at] = x[(row * shape.x_stride) as usize + at % staged];
+        }
+        sync_cube();
+        #[unroll]
+        for r in 0..rows {
+            #[unroll]
+            for i in 0..round {
+                if lane + i * LANES < vectors {
+                    let value = Vector::<A, N>::cast_from(tile[r * staged + lane + i * LANES]);
+                    if comptime![norm] {
+                        squares[r] += value * value;
                     }
-                } else {
-                    weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
+                    #[unroll]
+                    for c in 0..columns {
+                        sums[r * columns + c] += value * weights[i * columns + c];
+                    }
                 }
             }
         }
-        #[unroll]
-        for r in 0..rows {
-            if comptime![guarded] {
-                // Each load under its guard, its sums after it.
-                if first_row + (r as u64) < shape.tokens {
+    } else {
+        let mut k = lane;
+        while k < vectors {
+            // The round's weight loads first, then each token's inputs and their sums.
+            #[unroll]
+            for i in 0..round {
+                let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
+                #[unroll]
+                for c in 0..columns {
+                    if comptime![guarded && !free_weights] {
+                        weights[i * columns + c] = Vector::new(A::new(0.0));
+                        if k + i * LANES < vectors {
+                            weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
+                        }
+                    } else {
+                        weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
+                    }
+                }
+            }
+            #[unroll]
+            for r in 0..rows {
+                if comptime![guarded] {
+                    // Each load under its guard, its sums after it.
+                    if first_row + (r as u64) < shape.tokens {
+                        #[unroll]
+                        for i in 0..round {
+                            if k + i * LANES < vectors {
+                                let value = Vector::<A, N>::cast_from(x[x_rows[r] + k + i * LANES]);
+                                if comptime![norm] {
+                                    squares[r] += value * value;
+                                }
+                                #[unroll]
+                                for c in 0..columns {
+                                    sums[r * columns + c] += value * weights[i * columns + c];
+                                }
+                            }
+                        }
+                    }
+                } else {
+                    #[unroll]
+                    for i in 0..round {
+                        let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
+                        inputs[i] = Vector::<A, N>::cast_from(x[x_rows[r] + at]);
+                    }
                     #[unroll]
                     for i in 0..round {
                         if k + i * LANES < vectors {
-                            let value = Vector::<A, N>::cast_from(x[x_rows[r] + k + i * LANES]);
+                            let value = inputs[i];
                             if comptime![norm] {
                                 squares[r] += value * value;
                             }
@@ -577,28 +641,9 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
                         }
                     }
                 }
-            } else {
-                #[unroll]
-                for i in 0..round {
-                    let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
-                    inputs[i] = Vector::<A, N>::cast_from(x[x_rows[r] + at]);
-                }
-                #[unroll]
-                for i in 0..round {
-                    if k + i * LANES < vectors {
-                        let value = inputs[i];
-                        if comptime![norm] {
-                            squares[r] += value * value;
-                        }
-                        #[unroll]
-                        for c in 0..columns {
-                            sums[r * columns + c] += value * weights[i * columns + c];
-                        }
-                    }
-                }
             }
+            k += round * LANES;
         }
-        k += round * LANES;
     }
     // Each lane's vectors summed in order, then the plane's lanes.
     let values = comptime!(rows * columns + if norm { rows } else { 0 });

@@ -41,7 +41,10 @@ pub const STEP_TOKENS: usize = 16;
 /// - `KVPLAN_PROJECTION_GUARDED_ROWS=N`: from this many tokens a cube, the step kernels' loads
 ///   wait on their guards ([`GUARDED_ROWS`]; 16: none do);
 /// - `KVPLAN_PROJECTION_FREE_WEIGHTS=1`: there, the weights' loads are issued unguarded all the
-///   same (only the inputs' wait): a candidate for batch 8, not yet measured.
+///   same (only the inputs' wait): a candidate for batch 8, not yet measured;
+/// - `KVPLAN_PROJECTION_STAGE_INPUTS=1`: the vector kernel's cube copies its tokens' inputs to
+///   shared memory first, in one round trip, where its sums otherwise wait on one a token (its
+///   offline SASS): batch 8's other candidate, not yet measured.
 struct Knobs {
     max_tokens: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
@@ -56,6 +59,8 @@ struct Knobs {
     guarded_rows: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     free_weights: bool,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    stage_inputs: bool,
 }
 
 /// Tokens of a step kernel's cube from which its loads wait on their guards. With fewer each
@@ -90,6 +95,7 @@ fn knobs() -> &'static Knobs {
                 .and_then(|value| value.parse().ok())
                 .unwrap_or(GUARDED_ROWS),
             free_weights: var("KVPLAN_PROJECTION_FREE_WEIGHTS").is_some_and(|value| value == "1"),
+            stage_inputs: var("KVPLAN_PROJECTION_STAGE_INPUTS").is_some_and(|value| value == "1"),
         }
     })
 }
@@ -103,6 +109,13 @@ fn max_tokens() -> usize {
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
 fn guarded(rows: usize) -> bool {
     rows >= knobs().guarded_rows
+}
+
+/// Whether the vector kernel stages its tokens' inputs in shared memory
+/// (`KVPLAN_PROJECTION_STAGE_INPUTS`).
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+fn stage_inputs() -> bool {
+    knobs().stage_inputs
 }
 
 /// The most rounds of loads a part of the block kernel takes (`KVPLAN_PROJECTION_BLOCK_ROUNDS`).
