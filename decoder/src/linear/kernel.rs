@@ -572,13 +572,16 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
             for i in 0..round {
                 if lane + i * LANES < vectors {
                     let value = Vector::<A, N>::cast_from(tile[r * staged + lane + i * LANES]);
-                    if comptime![norm] {
-                        squares[r] += value * value;
-                    }
-                    #[unroll]
-                    for c in 0..columns {
-                        sums[r * columns + c] += value * weights[i * columns + c];
-                    }
+                    add_input::<A, N>(
+                        value,
+                        &weights,
+                        &mut sums,
+                        &mut squares,
+                        r,
+                        i,
+                        columns,
+                        norm,
+                    );
                 }
             }
         }
@@ -610,13 +613,16 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
                         for i in 0..round {
                             if k + i * LANES < vectors {
                                 let value = Vector::<A, N>::cast_from(x[x_rows[r] + k + i * LANES]);
-                                if comptime![norm] {
-                                    squares[r] += value * value;
-                                }
-                                #[unroll]
-                                for c in 0..columns {
-                                    sums[r * columns + c] += value * weights[i * columns + c];
-                                }
+                                add_input::<A, N>(
+                                    value,
+                                    &weights,
+                                    &mut sums,
+                                    &mut squares,
+                                    r,
+                                    i,
+                                    columns,
+                                    norm,
+                                );
                             }
                         }
                     }
@@ -629,14 +635,16 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
                     #[unroll]
                     for i in 0..round {
                         if k + i * LANES < vectors {
-                            let value = inputs[i];
-                            if comptime![norm] {
-                                squares[r] += value * value;
-                            }
-                            #[unroll]
-                            for c in 0..columns {
-                                sums[r * columns + c] += value * weights[i * columns + c];
-                            }
+                            add_input::<A, N>(
+                                inputs[i],
+                                &weights,
+                                &mut sums,
+                                &mut squares,
+                                r,
+                                i,
+                                columns,
+                                norm,
+                            );
                         }
                     }
                 }
@@ -704,6 +712,29 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
                 );
             }
         }
+    }
+}
+
+/// Token `r`'s input `value` (of round `i`) into the vector kernel's sums: its square, then its
+/// product with each column's weight.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_input<A: Float, N: Size>(
+    value: Vector<A, N>,
+    weights: &Array<Vector<A, N>>,
+    sums: &mut Array<Vector<A, N>>,
+    squares: &mut Array<Vector<A, N>>,
+    #[comptime] r: usize,
+    #[comptime] i: usize,
+    #[comptime] columns: usize,
+    #[comptime] norm: bool,
+) {
+    if comptime![norm] {
+        squares[r] += value * value;
+    }
+    #[unroll]
+    for c in 0..columns {
+        sums[r * columns + c] += value * weights[i * columns + c];
     }
 }
 
