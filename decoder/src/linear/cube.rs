@@ -56,8 +56,10 @@ pub(super) fn linear(
         return out;
     }
     let rows = tokens.next_power_of_two().min(MAX_ROWS);
-    let guarded = super::guarded(rows);
-    let free_weights = super::free_weights();
+    let knobs = super::knobs();
+    let guarded = rows >= knobs.guarded_rows;
+    // Only a guarded kernel reads it: one kernel, not two, for the unguarded.
+    let free_weights = guarded && knobs.free_weights;
     let properties = x.client.properties();
     let planes = properties.features.plane.contains(Plane::Ops)
         && properties.hardware.plane_size_min == LANES as u32
@@ -75,7 +77,7 @@ pub(super) fn linear(
         // a lane's loads covers a row.
         let fits =
             rows * inner * x.dtype.size() <= 32 * 1024 && vectors as usize <= MAX_ROUND * LANES;
-        let staged = if super::stage_inputs() && rows > 1 && fits {
+        let staged = if knobs.stage_inputs && rows > 1 && fits {
             vectors as usize
         } else {
             0
@@ -96,11 +98,11 @@ pub(super) fn linear(
         );
         if block {
             let column_cubes = outputs.div_ceil(PLANE_COLUMNS * BLOCK_PLANES);
-            // Parts of at most `block_rounds()` rounds of a plane's loads each, up to the knob's
+            // Parts of at most `block_rounds` rounds of a plane's loads each, up to the knob's
             // most; where planes fold in shared memory two at most, so its buffer stays small.
-            let most = if planes { 8 } else { 2 }.min(super::most_splits());
+            let most = if planes { 8 } else { 2 }.min(knobs.most_splits);
             let splits = (vectors as usize)
-                .div_ceil(super::block_rounds() * LANES)
+                .div_ceil(knobs.block_rounds * LANES)
                 .clamp(1, most);
             // SAFETY: in vectors of `vector` values, rows and strides whole vectors
             // (`vector_size`): a lane reads vectors below `inner` of rows below `tokens` and

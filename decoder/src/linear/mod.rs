@@ -104,39 +104,6 @@ fn max_tokens() -> usize {
     knobs().max_tokens
 }
 
-/// Whether a step kernel's cube of `rows` tokens guards its loads
-/// (`KVPLAN_PROJECTION_GUARDED_ROWS`).
-#[cfg(any(feature = "vulkan", feature = "cuda"))]
-fn guarded(rows: usize) -> bool {
-    rows >= knobs().guarded_rows
-}
-
-/// Whether the vector kernel stages its tokens' inputs in shared memory
-/// (`KVPLAN_PROJECTION_STAGE_INPUTS`).
-#[cfg(any(feature = "vulkan", feature = "cuda"))]
-fn stage_inputs() -> bool {
-    knobs().stage_inputs
-}
-
-/// The most rounds of loads a part of the block kernel takes (`KVPLAN_PROJECTION_BLOCK_ROUNDS`).
-#[cfg(any(feature = "vulkan", feature = "cuda"))]
-fn block_rounds() -> usize {
-    knobs().block_rounds
-}
-
-/// Whether a guarded step kernel issues its weights' loads unguarded
-/// (`KVPLAN_PROJECTION_FREE_WEIGHTS`).
-#[cfg(any(feature = "vulkan", feature = "cuda"))]
-fn free_weights() -> bool {
-    knobs().free_weights
-}
-
-/// The most parts the block kernel splits each row into (`KVPLAN_PROJECTION_BLOCK_SPLITS`).
-#[cfg(any(feature = "vulkan", feature = "cuda"))]
-fn most_splits() -> usize {
-    knobs().most_splits
-}
-
 /// Whether a projection of `x` runs the extension's op: up to `max_tokens()` tokens, on a device
 /// with its kernels. Flex's op is the host reference, which reads every weight back a call (20x
 /// slower than Burn's matmul there: `benches/RESULTS.md`, session 39), so Flex takes Burn's ops.
