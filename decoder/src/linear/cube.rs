@@ -129,6 +129,7 @@ pub(super) fn linear(
                     around.rope.is_some(),
                     planes,
                     splits,
+                    knobs.early_operands,
                     dtypes,
                 );
             }
@@ -166,6 +167,7 @@ pub(super) fn linear(
                     guarded,
                     free_weights,
                     staged,
+                    knobs.early_operands,
                     dtypes,
                 );
             }
@@ -219,6 +221,7 @@ pub(super) fn linear(
             planes,
             guarded,
             free_weights,
+            knobs.early_operands,
             dtypes,
         );
     }

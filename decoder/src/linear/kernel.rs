@@ -77,6 +77,7 @@ pub fn linear_kernel<F: Float, A: Float>(
     #[comptime] planes: bool,
     #[comptime] guarded: bool,
     #[comptime] free_weights: bool,
+    #[comptime] early: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -84,6 +85,19 @@ pub fn linear_kernel<F: Float, A: Float>(
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     let first_column = cube * columns as u64;
     let first_row = CUBE_POS_Z as u64 * rows as u64;
+    // Unit `j` writes value `j` (token `j / columns`, column `j % columns`): its operands first.
+    let j = plane * LANES + lane;
+    let loaded = early_operands::<F, A>(
+        first_row + (j / columns) as u64,
+        first_column + (j % columns) as u64,
+        shape,
+        residual,
+        cos,
+        sin,
+        add,
+        rope,
+        early,
+    );
     // The values a unit sums: each (token, column)'s dot product, then each token's squares.
     let values = comptime!(rows * columns + if norm { rows } else { 0 });
     let mut sums = Array::<A>::new(values);
@@ -171,8 +185,6 @@ pub fn linear_kernel<F: Float, A: Float>(
         }
     }
     sync_cube();
-    // Unit `j` writes value `j`: token `j / columns`, column `j % columns`.
-    let j = plane * LANES + lane;
     if j < rows * columns {
         let r = j / columns;
         let row = first_row + r as u64;
@@ -197,9 +209,13 @@ pub fn linear_kernel<F: Float, A: Float>(
                 row,
                 column,
             };
+            let operands = if comptime![early] {
+                loaded.clone()
+            } else {
+                operands::<F, A>(row, column, shape, residual, cos, sin, add, rope)
+            };
             finish::<F, A>(
-                value, partner, around, shape, eps, residual, cos, sin, out, norm, add, rope,
-                swiglu,
+                value, partner, around, operands, shape, eps, out, norm, add, rope, swiglu,
             );
         }
     }
@@ -222,6 +238,75 @@ struct Finish<F: Float> {
     column: u64,
 }
 
+/// The values an output's finish reads besides its sums: its residual and its RoPE angle's cosine
+/// and sine (0 where not read).
+#[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone))]
+struct Operands<F: Float> {
+    residual: F,
+    cos: F,
+    sin: F,
+}
+
+/// The operands of output `(row, column)`, loaded before the sums so their round trip overlaps
+/// the weights' instead of following the fold; a row or column past the end reads the last one's
+/// (nothing stores it).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn operands<F: Float, A: Float>(
+    row: u64,
+    column: u64,
+    shape: LinearShape,
+    residual: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
+    #[comptime] add: bool,
+    #[comptime] rope: bool,
+) -> Operands<A> {
+    let row = last_at_most(row, shape.tokens);
+    let column = last_at_most(column, shape.outputs);
+    let mut operands = Operands::<A> {
+        residual: A::new(0.0),
+        cos: A::new(0.0),
+        sin: A::new(0.0),
+    };
+    if comptime![add] {
+        operands.residual = A::cast_from(residual[(row * shape.residual_stride + column) as usize]);
+    }
+    if comptime![rope] {
+        let pair = (column % (2 * shape.pairs)) / 2;
+        let angle = (row * shape.angle_stride + pair) as usize;
+        operands.cos = A::cast_from(cos[angle]);
+        operands.sin = A::cast_from(sin[angle]);
+    }
+    operands
+}
+
+/// `operands` where `early` (loaded before the sums), else zeros (loaded at the finish).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn early_operands<F: Float, A: Float>(
+    row: u64,
+    column: u64,
+    shape: LinearShape,
+    residual: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
+    #[comptime] add: bool,
+    #[comptime] rope: bool,
+    #[comptime] early: bool,
+) -> Operands<A> {
+    if comptime![early] {
+        operands::<F, A>(row, column, shape, residual, cos, sin, add, rope)
+    } else {
+        Operands::<A> {
+            residual: A::new(0.0),
+            cos: A::new(0.0),
+            sin: A::new(0.0),
+        }
+    }
+}
+
 /// Output `(row, column)` from its dot product `value` (and its RoPE partner's): divided by the
 /// input's RMS, turned, the residual added, in `A`; stored as `F`.
 #[cube]
@@ -230,11 +315,9 @@ fn finish<F: Float, A: Float>(
     value: A,
     partner: A,
     at: Finish<A>,
+    operands: Operands<A>,
     shape: LinearShape,
     eps: f32,
-    residual: &Tensor<F>,
-    cos: &Tensor<F>,
-    sin: &Tensor<F>,
     out: &mut Tensor<F>,
     #[comptime] norm: bool,
     #[comptime] add: bool,
@@ -254,15 +337,12 @@ fn finish<F: Float, A: Float>(
         if column < shape.rotated {
             // `(a, b)` -> `(a cos - b sin, b cos + a sin)`: the even column takes the first, the
             // odd one the second.
-            let pair = (column % (2 * shape.pairs)) / 2;
-            let angle = (row * shape.angle_stride + pair) as usize;
-            let sine = A::cast_from(sin[angle]);
-            let turn = select(column % 2 == 0, -sine, sine);
-            value = value * A::cast_from(cos[angle]) + partner * turn;
+            let turn = select(column % 2 == 0, -operands.sin, operands.sin);
+            value = value * operands.cos + partner * turn;
         }
     }
     if comptime![add] {
-        value += A::cast_from(residual[(row * shape.residual_stride + column) as usize]);
+        value += operands.residual;
     }
     if comptime![swiglu] {
         // The pair's even column writes `silu(gate) * up`; the odd one nothing.
@@ -507,6 +587,7 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     #[comptime] guarded: bool,
     #[comptime] free_weights: bool,
     #[comptime] staged: usize,
+    #[comptime] early: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -515,6 +596,18 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     let first_column = (cube * VECTOR_PLANES as u64 + plane as u64) * PLANE_COLUMNS as u64;
     let first_row = CUBE_POS_Z as u64 * rows as u64;
     let columns = comptime!(PLANE_COLUMNS);
+    // Lane `j` writes value `j` (token `j / columns`, column `j % columns`): its operands first.
+    let loaded = early_operands::<F, A>(
+        first_row + (lane / columns) as u64,
+        first_column + (lane % columns) as u64,
+        shape,
+        residual,
+        cos,
+        sin,
+        add,
+        rope,
+        early,
+    );
     let mut sums = Array::<Vector<A, N>>::new(rows * columns);
     let mut squares = Array::<Vector<A, N>>::new(rows);
     #[unroll]
@@ -695,15 +788,18 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
                     row,
                     column,
                 };
+                let operands = if comptime![early] {
+                    loaded.clone()
+                } else {
+                    operands::<F, A>(row, column, shape, residual, cos, sin, add, rope)
+                };
                 finish::<F, A>(
                     totals[j],
                     totals[comptime!(j ^ 1)],
                     around,
+                    operands,
                     shape,
                     eps,
-                    residual,
-                    cos,
-                    sin,
                     out,
                     norm,
                     add,
@@ -776,6 +872,7 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     #[comptime] rope: bool,
     #[comptime] planes: bool,
     #[comptime] splits: usize,
+    #[comptime] early: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -787,6 +884,30 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     let first_column = (cube * BLOCK_PLANES as u64 + pair as u64) * PLANE_COLUMNS as u64;
     let first_row = CUBE_POS_Z as u64 * BLOCK_ROWS as u64;
     let columns = comptime!(PLANE_COLUMNS);
+    // Lane `l` writes token `l`'s pair of columns: their operands first.
+    let row = first_row + lane as u64;
+    let even = early_operands::<F, A>(
+        row,
+        first_column,
+        shape,
+        residual,
+        cos,
+        sin,
+        add,
+        rope,
+        early,
+    );
+    let odd = early_operands::<F, A>(
+        row,
+        first_column + 1,
+        shape,
+        residual,
+        cos,
+        sin,
+        add,
+        rope,
+        early,
+    );
     let mut sums = Array::<A>::new(BLOCK_ROWS * columns);
     let mut squares = Array::<A>::new(BLOCK_ROWS);
     #[unroll]
@@ -878,7 +999,6 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
             }
         }
     }
-    let row = first_row + lane as u64;
     #[unroll]
     for c in 0..columns {
         let column = first_column + c as u64;
@@ -889,15 +1009,20 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
                 row,
                 column,
             };
+            let operands = if comptime![!early] {
+                operands::<F, A>(row, column, shape, residual, cos, sin, add, rope)
+            } else if comptime![c == 0] {
+                even.clone()
+            } else {
+                odd.clone()
+            };
             finish::<F, A>(
                 sums[c],
                 sums[comptime!(c ^ 1)],
                 around,
+                operands,
                 shape,
                 eps,
-                residual,
-                cos,
-                sin,
                 out,
                 norm,
                 add,

@@ -44,7 +44,9 @@ pub const STEP_TOKENS: usize = 16;
 ///   same (only the inputs' wait): a candidate for batch 8, not yet measured;
 /// - `KVPLAN_PROJECTION_STAGE_INPUTS=1`: the vector kernel's cube copies its tokens' inputs to
 ///   shared memory first, in one round trip, where its sums otherwise wait on one a token (its
-///   offline SASS): batch 8's other candidate, not yet measured.
+///   offline SASS): batch 8's other candidate, not yet measured;
+/// - `KVPLAN_PROJECTION_EARLY_OPERANDS=1`: the projections' residual and RoPE angles are loaded
+///   before the sums, not after the fold (a round trip off each launch's chain; not yet measured).
 struct Knobs {
     max_tokens: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
@@ -61,6 +63,8 @@ struct Knobs {
     free_weights: bool,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     stage_inputs: bool,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    early_operands: bool,
 }
 
 /// Tokens of a step kernel's cube from which its loads wait on their guards. With fewer each
@@ -96,6 +100,8 @@ fn knobs() -> &'static Knobs {
                 .unwrap_or(GUARDED_ROWS),
             free_weights: var("KVPLAN_PROJECTION_FREE_WEIGHTS").is_some_and(|value| value == "1"),
             stage_inputs: var("KVPLAN_PROJECTION_STAGE_INPUTS").is_some_and(|value| value == "1"),
+            early_operands: var("KVPLAN_PROJECTION_EARLY_OPERANDS")
+                .is_some_and(|value| value == "1"),
         }
     })
 }
