@@ -9,7 +9,7 @@ use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
 use super::kernel::{
-    BLOCK_PLANES, BLOCK_ROWS, GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS,
+    BLOCK_PLANES, BLOCK_VALUES, GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS,
     NORM_UNITS, PLANE_COLUMNS, PLANES, ROPE_UNITS, RopeScalarsLaunch, VECTOR_PLANES, greedy_kernel,
     linear_block_kernel, linear_kernel, linear_vector_kernel, rms_norm_kernel, rope_kernel,
     swiglu_kernel,
@@ -18,7 +18,8 @@ use super::{Around, RopeShape};
 
 /// One launch: up to `STEP_TOKENS` tokens a cube for each `columns` output columns and each block
 /// of up to `MAX_ROWS` tokens (the fewest rows a cube that holds every token, below that); past
-/// them a cube for each `BLOCK_PLANES` planes' columns and each block of `BLOCK_ROWS` tokens.
+/// them a cube for each `BLOCK_PLANES` planes' columns and each block of `BLOCK_VALUES / columns`
+/// tokens.
 pub(super) fn linear(
     x: CubeTensor,
     w: CubeTensor,
@@ -97,7 +98,8 @@ pub(super) fn linear(
             out.clone().into_tensor_arg(),
         );
         if block {
-            let column_cubes = outputs.div_ceil(PLANE_COLUMNS * BLOCK_PLANES);
+            let columns = knobs.block_columns;
+            let column_cubes = outputs.div_ceil(columns * BLOCK_PLANES);
             // Parts of at most `block_rounds` rounds of a plane's loads each, up to the knob's
             // most; where planes fold in shared memory two at most, so its buffer stays small.
             let most = if planes { 8 } else { 2 }.min(knobs.most_splits);
@@ -111,7 +113,7 @@ pub(super) fn linear(
             unsafe {
                 linear_block_kernel::launch_unchecked(
                     &client,
-                    grid(column_cubes, tokens.div_ceil(BLOCK_ROWS)),
+                    grid(column_cubes, tokens.div_ceil(BLOCK_VALUES / columns)),
                     CubeDim::new_2d(LANES as u32, (BLOCK_PLANES * splits) as u32),
                     address,
                     vector,
@@ -129,6 +131,7 @@ pub(super) fn linear(
                     around.rope.is_some(),
                     planes,
                     splits,
+                    columns,
                     knobs.early_operands,
                     dtypes,
                 );

@@ -834,9 +834,12 @@ fn add_input<A: Float, N: Size>(
     }
 }
 
-/// Tokens of a `linear_block_kernel` cube: its block (more tokens, more cubes along z).
-pub const BLOCK_ROWS: usize = 32;
-/// Column pairs of a `linear_block_kernel` cube (a plane each, times its parts of the rows).
+/// Sums a lane of `linear_block_kernel` keeps: a (token, column) each, two a lane once folded.
+pub const BLOCK_VALUES: usize = 2 * LANES;
+/// Columns a plane of `linear_block_kernel` makes by default: its block is then
+/// `BLOCK_VALUES / columns` tokens (more tokens, more cubes along z).
+pub const BLOCK_COLUMNS: usize = 2;
+/// Planes of a `linear_block_kernel` cube, each its own columns (times its parts of the rows).
 pub const BLOCK_PLANES: usize = 4;
 /// Tokens of a block whose inputs a lane loads together before it adds them.
 const BLOCK_LOADS: usize = 8;
@@ -844,17 +847,20 @@ const BLOCK_LOADS: usize = 8;
 /// split into more parts, a plane each.
 pub const BLOCK_ROUNDS: usize = 4;
 
-/// The projection for blocks of `BLOCK_ROWS` tokens (the steps past `STEP_TOKENS`), laid out so a
-/// weight is read once a block and the sums fold in few exchanges: a cube makes `BLOCK_PLANES`
-/// pairs of columns (`PLANE_COLUMNS`) of its block, each pair's rows split in `splits` parts, a
-/// plane a part; lane `l` of part `p` reads vectors `p * LANES + l`, then every `splits * LANES`-th,
-/// of the weight rows and of every token's input, each vector's products added in order into one
-/// sum a (token, column). The plane's 64 sums then fold by halves, each exchange handing half of a
-/// lane's sums to the lane `mask` away (62 exchanges, where a plane sum a value takes 320), until
-/// lane `l` holds the pair of the block's token `l`; the parts add in order. The exchanges are
-/// plane shuffles with `planes` (planes exactly `LANES` wide: CUDA), else staged in shared memory
-/// (`splits` at most 2 there): the same sums in the same order. A token's value does not depend
-/// on the other tokens of its block.
+/// The projection for blocks of `BLOCK_VALUES / columns` tokens (the steps past `STEP_TOKENS`),
+/// laid out so a weight is read once a block and the sums fold in few exchanges: a cube makes
+/// `BLOCK_PLANES` runs of `columns` columns of its block, each run's rows split in `splits` parts,
+/// a plane a part; lane `l` of part `p` reads vectors `p * LANES + l`, then every
+/// `splits * LANES`-th, of the weight rows and of every token's input, each vector's products
+/// added in order into one sum a (token, column). More columns a plane: each input load feeds
+/// more sums (the inputs, reread for every run of columns, are most of a launch's loads), the
+/// weights are read once for each of more blocks. The plane's 64 sums then fold by halves, each
+/// exchange handing half of a lane's sums to the lane `mask` away (62 exchanges, where a plane
+/// sum a value takes 320), until lane `l` holds sums `2l` and `2l + 1` (a pair of columns of
+/// token `2l / columns`); the parts add in order. The exchanges are plane shuffles with `planes`
+/// (planes exactly `LANES` wide: CUDA), else staged in shared memory (`splits` at most 2 there):
+/// the same sums in the same order. A token's value does not depend on the other tokens of its
+/// block.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
@@ -872,23 +878,25 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     #[comptime] rope: bool,
     #[comptime] planes: bool,
     #[comptime] splits: usize,
+    #[comptime] columns: usize,
     #[comptime] early: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
-    // Plane `pair + BLOCK_PLANES * part` sums part `part` of the rows of column pair `pair`.
-    let pair = plane % BLOCK_PLANES;
+    let rows = comptime!(BLOCK_VALUES / columns);
+    // Plane `run + BLOCK_PLANES * part` sums part `part` of the rows of column run `run`.
+    let run = plane % BLOCK_PLANES;
     let part = plane / BLOCK_PLANES;
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
-    let first_column = (cube * BLOCK_PLANES as u64 + pair as u64) * PLANE_COLUMNS as u64;
-    let first_row = CUBE_POS_Z as u64 * BLOCK_ROWS as u64;
-    let columns = comptime!(PLANE_COLUMNS);
-    // Lane `l` writes token `l`'s pair of columns: their operands first.
-    let row = first_row + lane as u64;
+    let first_column = (cube * BLOCK_PLANES as u64 + run as u64) * columns as u64;
+    let first_row = CUBE_POS_Z as u64 * rows as u64;
+    // Lane `l` writes sums `2l`, `2l + 1` (token `2l / columns`): their operands first.
+    let row = first_row + ((2 * lane) / columns) as u64;
+    let pair_column = first_column + ((2 * lane) % columns) as u64;
     let even = early_operands::<F, A>(
         row,
-        first_column,
+        pair_column,
         shape,
         residual,
         cos,
@@ -899,7 +907,7 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     );
     let odd = early_operands::<F, A>(
         row,
-        first_column + 1,
+        pair_column + 1,
         shape,
         residual,
         cos,
@@ -908,14 +916,14 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
         rope,
         early,
     );
-    let mut sums = Array::<A>::new(BLOCK_ROWS * columns);
-    let mut squares = Array::<A>::new(BLOCK_ROWS);
+    let mut sums = Array::<A>::new(BLOCK_VALUES);
+    let mut squares = Array::<A>::new(rows);
     #[unroll]
-    for j in 0..BLOCK_ROWS * columns {
+    for j in 0..BLOCK_VALUES {
         sums[j] = A::new(0.0);
     }
     #[unroll]
-    for r in 0..BLOCK_ROWS {
+    for r in 0..rows {
         squares[r] = A::new(0.0);
     }
     // Every load unguarded (the guarded form measured 2.9x slower: RESULTS, session 42): a column
@@ -923,11 +931,9 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     let mut w_rows = Array::<usize>::new(columns);
     #[unroll]
     for c in 0..columns {
-        let column = first_column + c as u64;
-        let column = select(column < shape.outputs, column, shape.outputs - 1);
+        let column = last_at_most(first_column + c as u64, shape.outputs);
         w_rows[c] = (column * shape.w_stride) as usize;
     }
-    let last_row = shape.tokens - 1;
     let vectors = shape.inner as usize;
     let mut weights = Array::<Vector<A, N>>::new(columns);
     let mut inputs = Array::<Vector<A, N>>::new(BLOCK_LOADS);
@@ -939,12 +945,12 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
         }
         // The block's inputs `BLOCK_LOADS` tokens at a time: their loads in flight together.
         #[unroll]
-        for group in 0..BLOCK_ROWS / BLOCK_LOADS {
+        for group in 0..rows / BLOCK_LOADS {
             #[unroll]
             for i in 0..BLOCK_LOADS {
-                let row = first_row + comptime!(group * BLOCK_LOADS + i) as u64;
-                let row = select(row < last_row, row, last_row);
-                inputs[i] = Vector::<A, N>::cast_from(x[(row * shape.x_stride) as usize + k]);
+                let token = first_row + comptime!(group * BLOCK_LOADS + i) as u64;
+                let token = last_at_most(token, shape.tokens);
+                inputs[i] = Vector::<A, N>::cast_from(x[(token * shape.x_stride) as usize + k]);
             }
             #[unroll]
             for i in 0..BLOCK_LOADS {
@@ -969,18 +975,11 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {
         splits * BLOCK_PLANES * LANES * 3
     } else {
-        splits * BLOCK_PLANES * LANES * BLOCK_ROWS
+        splits * BLOCK_PLANES * LANES * BLOCK_VALUES / 2
     }));
-    fold_halves::<A>(
-        &mut sums,
-        &mut staged,
-        lane,
-        plane,
-        BLOCK_ROWS * columns,
-        planes,
-    );
+    fold_halves::<A>(&mut sums, &mut staged, lane, plane, BLOCK_VALUES, planes);
     if comptime![norm] {
-        fold_halves::<A>(&mut squares, &mut staged, lane, plane, BLOCK_ROWS, planes);
+        fold_halves::<A>(&mut squares, &mut staged, lane, plane, rows, planes);
     }
     // The parts' sums added in part order by the first part's planes.
     if comptime![splits > 1] {
@@ -992,7 +991,7 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
         if part == 0 {
             #[unroll]
             for other in 1..splits {
-                let at = ((other * BLOCK_PLANES + pair) * LANES + lane) * 3;
+                let at = ((other * BLOCK_PLANES + run) * LANES + lane) * 3;
                 sums[0] += staged[at];
                 sums[1] += staged[at + 1];
                 squares[0] += staged[at + 2];
@@ -1000,8 +999,8 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
         }
     }
     #[unroll]
-    for c in 0..columns {
-        let column = first_column + c as u64;
+    for c in 0..PLANE_COLUMNS {
+        let column = pair_column + c as u64;
         if part == 0 && row < shape.tokens && column < shape.outputs {
             let around = Finish::<A> {
                 squares: squares[0],
@@ -1033,12 +1032,14 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     }
 }
 
-/// A plane's `values` (`len` a lane, a multiple of `LANES`) folded by halves: at each of five
-/// levels a lane keeps the half its bit of `mask` picks, adds the partner's (`lane ^ mask`) values
-/// of that half and hands over the other (the upper half where its bit is set); then lane `l`'s
-/// first `len / LANES` values are the plane's sums of values `l * len / LANES ..`. Every sum is the same tree whatever its
-/// index (an add is the same either way round). Without `planes` the hand-over goes through
-/// `staged` (`BLOCK_PLANES * LANES * len / 2` values).
+/// A plane's `values` (`len` a lane, a power of two up to `2 * LANES`) folded by halves: at each
+/// of five levels a lane keeps the half its bit of `mask` picks, adds the partner's
+/// (`lane ^ mask`) values of that half and hands over the other (the upper half where its bit is
+/// set); once a lane holds one value the levels left add the partner's whole. Then lane `l`'s
+/// first `max(len / LANES, 1)` values are the plane's sums of values `l * len / LANES ..` (of
+/// value `l * len / LANES` rounded down). Every sum is the same tree whatever its index (an add
+/// is the same either way round). Without `planes` the hand-over goes through `staged`
+/// (`BLOCK_PLANES * LANES * len / 2` values).
 #[cube]
 fn fold_halves<A: Float>(
     values: &mut Array<A>,
@@ -1053,7 +1054,18 @@ fn fold_halves<A: Float>(
         let half = comptime!(len >> (level + 1));
         let mask = comptime!(LANES >> (level + 1));
         let upper = (lane & mask) != 0;
-        if comptime![planes] {
+        if comptime![half == 0] {
+            if comptime![planes] {
+                let value = values[0];
+                values[0] = value + plane_shuffle_xor(value, mask as u32);
+            } else {
+                let value = values[0];
+                staged[plane * LANES + lane] = value;
+                sync_cube();
+                values[0] = value + staged[plane * LANES + (lane ^ mask)];
+                sync_cube();
+            }
+        } else if comptime![planes] {
             #[unroll]
             for i in 0..half {
                 let kept = select(upper, values[half + i], values[i]);

@@ -45,6 +45,9 @@ pub const STEP_TOKENS: usize = 16;
 /// - `KVPLAN_PROJECTION_STAGE_INPUTS=1`: the vector kernel's cube copies its tokens' inputs to
 ///   shared memory first, in one round trip, where its sums otherwise wait on one a token (its
 ///   offline SASS): batch 8's other candidate, not yet measured;
+/// - `KVPLAN_PROJECTION_BLOCK_COLUMNS=N` (2, 4 or 8): the columns a plane of the block kernel makes
+///   (`kernel::BLOCK_COLUMNS` by default), its block `64 / N` tokens: more columns, fewer loads
+///   of the inputs (not yet measured);
 /// - `KVPLAN_PROJECTION_EARLY_OPERANDS=1`: the projections' residual and RoPE angles are loaded
 ///   before the sums, not after the fold (a round trip off each launch's chain; not yet measured).
 struct Knobs {
@@ -63,6 +66,8 @@ struct Knobs {
     free_weights: bool,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     stage_inputs: bool,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    block_columns: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     early_operands: bool,
 }
@@ -100,6 +105,11 @@ fn knobs() -> &'static Knobs {
                 .unwrap_or(GUARDED_ROWS),
             free_weights: var("KVPLAN_PROJECTION_FREE_WEIGHTS").is_some_and(|value| value == "1"),
             stage_inputs: var("KVPLAN_PROJECTION_STAGE_INPUTS").is_some_and(|value| value == "1"),
+            block_columns: match var("KVPLAN_PROJECTION_BLOCK_COLUMNS").as_deref() {
+                Some("4") => 4,
+                Some("8") => 8,
+                _ => kernel::BLOCK_COLUMNS,
+            },
             early_operands: var("KVPLAN_PROJECTION_EARLY_OPERANDS")
                 .is_some_and(|value| value == "1"),
         }
