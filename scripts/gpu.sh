@@ -398,6 +398,7 @@ PY
         rep="$OUT/ncu-decode-$bs"
         KVPLAN_NO_CUPTI=1 ncu --clock-control none --section SpeedOfLight --section LaunchStats \
           --section Occupancy --section WarpStateStats --section InstructionStats --section SourceCounters \
+          --section MemoryWorkloadAnalysis \
           -k regex:"${NCU_KERNELS:-store_attention|attention_combine|linear_kernel}" --launch-skip "${NCU_SKIP:-900}" \
           --launch-count "${NCU_COUNT:-6}" -o "$rep" -f "$BIN" generate --backend cuda --no-warm-up --graphs off \
           --spec off --batch "$bs" --limit "$bs" --max-new-tokens 24 --ignore-eos --file benches/prompts.txt \
@@ -410,7 +411,10 @@ import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 head = rows[0]
 want = ["Kernel Name", "gpu__time_duration.sum", "launch__grid_size", "launch__registers_per_thread",
-        "smsp__inst_executed.sum", "sm__warps_active.avg.pct_of_peak_sustained_active"]
+        "smsp__inst_executed.sum", "sm__warps_active.avg.pct_of_peak_sustained_active",
+        "l1tex__t_sector_hit_rate.pct", "lts__t_sector_hit_rate.pct",
+        "l1tex__throughput.avg.pct_of_peak_sustained_active", "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed"]
 for r in rows[2:]:
     d = dict(zip(head, r))
     stalls = sorted(((float(v.replace(",", "")), k.split("issue_stalled_")[1].split("_per")[0])

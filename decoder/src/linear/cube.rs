@@ -65,6 +65,8 @@ pub(super) fn linear(
     let planes = properties.features.plane.contains(Plane::Ops)
         && properties.hardware.plane_size_min == LANES as u32
         && properties.hardware.plane_size_max == LANES as u32;
+    // Plane shuffles fold the step kernels' sums by halves (`KVPLAN_PROJECTION_FOLD_HALVES`).
+    let halves = planes && knobs.fold_halves;
     let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
     let dtypes = kernel_dtypes(x.dtype);
     let client = x.client.clone();
@@ -171,6 +173,7 @@ pub(super) fn linear(
                     free_weights,
                     staged,
                     knobs.early_operands,
+                    halves,
                     dtypes,
                 );
             }
@@ -225,6 +228,7 @@ pub(super) fn linear(
             guarded,
             free_weights,
             knobs.early_operands,
+            halves,
             dtypes,
         );
     }

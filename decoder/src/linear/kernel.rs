@@ -78,6 +78,7 @@ pub fn linear_kernel<F: Float, A: Float>(
     #[comptime] guarded: bool,
     #[comptime] free_weights: bool,
     #[comptime] early: bool,
+    #[comptime] halves: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -167,7 +168,27 @@ pub fn linear_kernel<F: Float, A: Float>(
     }
     // Each plane's sums, then the planes' in order.
     let mut planes_sums = Shared::<[A]>::new_slice(PLANES * values);
-    if comptime![planes] {
+    if comptime![halves] {
+        // Lane `l` ends with sum `l * len / LANES` (and its token's squares): the first lane of
+        // each value's run hands it over.
+        let len = comptime!(rows * columns);
+        let mut squares = Array::<A>::new(rows);
+        #[unroll]
+        for r in 0..rows {
+            squares[r] = sums[len + r];
+        }
+        let mut unused = Shared::<[A]>::new_slice(1usize);
+        fold_halves::<A>(&mut sums, &mut unused, lane, plane, len, true);
+        if (lane * len) % LANES == 0 {
+            planes_sums[plane * values + (lane * len) / LANES] = sums[0];
+        }
+        if comptime![norm] {
+            fold_halves::<A>(&mut squares, &mut unused, lane, plane, rows, true);
+            if (lane * rows) % LANES == 0 {
+                planes_sums[plane * values + len + (lane * rows) / LANES] = squares[0];
+            }
+        }
+    } else if comptime![planes] {
         #[unroll]
         for j in 0..values {
             let total = plane_sum(sums[j]);
@@ -588,6 +609,7 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     #[comptime] free_weights: bool,
     #[comptime] staged: usize,
     #[comptime] early: bool,
+    #[comptime] halves: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -596,10 +618,17 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     let first_column = (cube * VECTOR_PLANES as u64 + plane as u64) * PLANE_COLUMNS as u64;
     let first_row = CUBE_POS_Z as u64 * rows as u64;
     let columns = comptime!(PLANE_COLUMNS);
-    // Lane `j` writes value `j` (token `j / columns`, column `j % columns`): its operands first.
+    // Lane `j` writes value `j` (token `j / columns`, column `j % columns`), or with `halves` lane
+    // `j * LANES / len` (the first of value `j`'s run after the fold): its operands first.
+    let len = comptime!(rows * PLANE_COLUMNS);
+    let written = if comptime![halves] {
+        (lane * len) / LANES
+    } else {
+        lane
+    };
     let loaded = early_operands::<F, A>(
-        first_row + (lane / columns) as u64,
-        first_column + (lane % columns) as u64,
+        first_row + (written / columns) as u64,
+        first_column + (written % columns) as u64,
         shape,
         residual,
         cos,
@@ -762,50 +791,89 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
         }
         totals[j] = total;
     }
-    if comptime![planes] {
+    if comptime![halves] {
+        // Lane `l` ends with sum `l * len / LANES` and its token's squares; its RoPE or SwiGLU
+        // partner's run is `LANES / len` lanes away.
+        let mut squares = Array::<A>::new(rows);
         #[unroll]
-        for j in 0..values {
-            totals[j] = plane_sum(totals[j]);
+        for r in 0..rows {
+            if comptime![norm] {
+                squares[r] = totals[len + r];
+            } else {
+                squares[r] = A::new(0.0);
+            }
+        }
+        let mut unused = Shared::<[A]>::new_slice(1usize);
+        fold_halves::<A>(&mut totals, &mut unused, lane, plane, len, true);
+        if comptime![norm] {
+            fold_halves::<A>(&mut squares, &mut unused, lane, plane, rows, true);
+        }
+        let value = totals[0];
+        let partner = plane_shuffle_xor(value, comptime!((LANES / len) as u32));
+        let row = first_row + (written / columns) as u64;
+        let column = first_column + (written % columns) as u64;
+        if (lane * len) % LANES == 0 && row < shape.tokens && column < shape.outputs {
+            let around = Finish::<A> {
+                squares: squares[0],
+                elements: shape.inner * N::value() as u64,
+                row,
+                column,
+            };
+            let operands = if comptime![early] {
+                loaded.clone()
+            } else {
+                operands::<F, A>(row, column, shape, residual, cos, sin, add, rope)
+            };
+            finish::<F, A>(
+                value, partner, around, operands, shape, eps, out, norm, add, rope, swiglu,
+            );
         }
     } else {
-        fold_lanes::<A>(&mut totals, lane, plane, VECTOR_PLANES, values);
-    }
-    // Lane `j` writes value `j`: token `j / columns`, column `j % columns`.
-    #[unroll]
-    for j in 0..rows * columns {
-        if lane == j {
-            let r = comptime!(j / columns);
-            let row = first_row + r as u64;
-            let column = first_column + comptime!(j % columns) as u64;
-            if row < shape.tokens && column < shape.outputs {
-                let mut squares = A::new(0.0);
-                if comptime![norm] {
-                    squares = totals[rows * columns + r];
+        if comptime![planes] {
+            #[unroll]
+            for j in 0..values {
+                totals[j] = plane_sum(totals[j]);
+            }
+        } else {
+            fold_lanes::<A>(&mut totals, lane, plane, VECTOR_PLANES, values);
+        }
+        // Lane `j` writes value `j`: token `j / columns`, column `j % columns`.
+        #[unroll]
+        for j in 0..rows * columns {
+            if lane == j {
+                let r = comptime!(j / columns);
+                let row = first_row + r as u64;
+                let column = first_column + comptime!(j % columns) as u64;
+                if row < shape.tokens && column < shape.outputs {
+                    let mut squares = A::new(0.0);
+                    if comptime![norm] {
+                        squares = totals[rows * columns + r];
+                    }
+                    let around = Finish::<A> {
+                        squares,
+                        elements: shape.inner * N::value() as u64,
+                        row,
+                        column,
+                    };
+                    let operands = if comptime![early] {
+                        loaded.clone()
+                    } else {
+                        operands::<F, A>(row, column, shape, residual, cos, sin, add, rope)
+                    };
+                    finish::<F, A>(
+                        totals[j],
+                        totals[comptime!(j ^ 1)],
+                        around,
+                        operands,
+                        shape,
+                        eps,
+                        out,
+                        norm,
+                        add,
+                        rope,
+                        swiglu,
+                    );
                 }
-                let around = Finish::<A> {
-                    squares,
-                    elements: shape.inner * N::value() as u64,
-                    row,
-                    column,
-                };
-                let operands = if comptime![early] {
-                    loaded.clone()
-                } else {
-                    operands::<F, A>(row, column, shape, residual, cos, sin, add, rope)
-                };
-                finish::<F, A>(
-                    totals[j],
-                    totals[comptime!(j ^ 1)],
-                    around,
-                    operands,
-                    shape,
-                    eps,
-                    out,
-                    norm,
-                    add,
-                    rope,
-                    swiglu,
-                );
             }
         }
     }

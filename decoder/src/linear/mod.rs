@@ -49,7 +49,10 @@ pub const STEP_TOKENS: usize = 16;
 ///   (`kernel::BLOCK_COLUMNS` by default), its block `64 / N` tokens: more columns, fewer loads
 ///   of the inputs (not yet measured);
 /// - `KVPLAN_PROJECTION_EARLY_OPERANDS=1`: the projections' residual and RoPE angles are loaded
-///   before the sums, not after the fold (a round trip off each launch's chain; not yet measured).
+///   before the sums, not after the fold (a round trip off each launch's chain; not yet measured);
+/// - `KVPLAN_PROJECTION_FOLD_HALVES=1`: the step kernels' planes fold their sums by halves (as
+///   the block kernel's), not a plane sum each (at 8 tokens a cube 40 plane sums of five shuffles
+///   each; not yet measured).
 struct Knobs {
     max_tokens: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
@@ -70,6 +73,8 @@ struct Knobs {
     block_columns: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     early_operands: bool,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    fold_halves: bool,
 }
 
 /// Tokens of a step kernel's cube from which its loads wait on their guards. With fewer each
@@ -112,6 +117,7 @@ fn knobs() -> &'static Knobs {
             },
             early_operands: var("KVPLAN_PROJECTION_EARLY_OPERANDS")
                 .is_some_and(|value| value == "1"),
+            fold_halves: var("KVPLAN_PROJECTION_FOLD_HALVES").is_some_and(|value| value == "1"),
         }
     })
 }
