@@ -65,8 +65,8 @@ pub(super) fn linear(
     let planes = properties.features.plane.contains(Plane::Ops)
         && properties.hardware.plane_size_min == LANES as u32
         && properties.hardware.plane_size_max == LANES as u32;
-    // Plane shuffles fold the step kernels' sums by halves (`KVPLAN_PROJECTION_FOLD_HALVES`).
-    let halves = planes && knobs.fold_halves;
+    // The step kernels' sums folded by halves (`KVPLAN_PROJECTION_FOLD_HALVES`).
+    let halves = knobs.fold_halves;
     let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
     let dtypes = kernel_dtypes(x.dtype);
     let client = x.client.clone();
@@ -174,6 +174,7 @@ pub(super) fn linear(
                     staged,
                     knobs.early_operands,
                     halves,
+                    knobs.butterfly,
                     dtypes,
                 );
             }
@@ -229,6 +230,7 @@ pub(super) fn linear(
             free_weights,
             knobs.early_operands,
             halves,
+            knobs.butterfly,
             dtypes,
         );
     }

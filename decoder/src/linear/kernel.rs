@@ -79,6 +79,7 @@ pub fn linear_kernel<F: Float, A: Float>(
     #[comptime] free_weights: bool,
     #[comptime] early: bool,
     #[comptime] halves: bool,
+    #[comptime] butterfly: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -175,15 +176,24 @@ pub fn linear_kernel<F: Float, A: Float>(
         let mut squares = Array::<A>::new(rows);
         #[unroll]
         for r in 0..rows {
-            squares[r] = sums[len + r];
+            if comptime![norm] {
+                squares[r] = sums[len + r];
+            } else {
+                squares[r] = A::new(0.0);
+            }
         }
-        let mut unused = Shared::<[A]>::new_slice(1usize);
-        fold_halves::<A>(&mut sums, &mut unused, lane, plane, len, true);
+        // The hand-over without `planes`.
+        let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {
+            1
+        } else {
+            PLANES * LANES * len.max(2) / 2
+        }));
+        fold_halves::<A>(&mut sums, &mut staged, lane, plane, len, planes);
         if (lane * len) % LANES == 0 {
             planes_sums[plane * values + (lane * len) / LANES] = sums[0];
         }
         if comptime![norm] {
-            fold_halves::<A>(&mut squares, &mut unused, lane, plane, rows, true);
+            fold_halves::<A>(&mut squares, &mut staged, lane, plane, rows, planes);
             if (lane * rows) % LANES == 0 {
                 planes_sums[plane * values + len + (lane * rows) / LANES] = squares[0];
             }
@@ -191,7 +201,11 @@ pub fn linear_kernel<F: Float, A: Float>(
     } else if comptime![planes] {
         #[unroll]
         for j in 0..values {
-            let total = plane_sum(sums[j]);
+            let total = if comptime![butterfly] {
+                butterfly_sum::<A>(sums[j])
+            } else {
+                plane_sum(sums[j])
+            };
             if lane == 0 {
                 planes_sums[plane * values + j] = total;
             }
@@ -240,6 +254,19 @@ pub fn linear_kernel<F: Float, A: Float>(
             );
         }
     }
+}
+
+/// `plane_sum` as cubecl computes it (lanes `1, 2, 4, 8, 16` apart in turn: the same bits), its
+/// levels unrolled: cubecl's loops over the runtime plane width, each sum's shuffles a chain of
+/// its own.
+#[cube]
+fn butterfly_sum<A: Float>(value: A) -> A {
+    let mut total = value;
+    #[unroll]
+    for level in 0..5u32 {
+        total += plane_shuffle_xor(total, comptime!(1u32 << level));
+    }
+    total
 }
 
 /// `index` where it is below `count`, else the last index (`count - 1`; `count` at least 1): an
@@ -610,6 +637,7 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     #[comptime] staged: usize,
     #[comptime] early: bool,
     #[comptime] halves: bool,
+    #[comptime] butterfly: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -803,13 +831,24 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
                 squares[r] = A::new(0.0);
             }
         }
-        let mut unused = Shared::<[A]>::new_slice(1usize);
-        fold_halves::<A>(&mut totals, &mut unused, lane, plane, len, true);
+        // The hand-over without `planes`.
+        let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {
+            1
+        } else {
+            VECTOR_PLANES * LANES * len / 2
+        }));
+        fold_halves::<A>(&mut totals, &mut staged, lane, plane, len, planes);
         if comptime![norm] {
-            fold_halves::<A>(&mut squares, &mut unused, lane, plane, rows, true);
+            fold_halves::<A>(&mut squares, &mut staged, lane, plane, rows, planes);
         }
         let value = totals[0];
-        let partner = plane_shuffle_xor(value, comptime!((LANES / len) as u32));
+        let partner = if comptime![planes] {
+            plane_shuffle_xor(value, comptime!((LANES / len) as u32))
+        } else {
+            staged[plane * LANES + lane] = value;
+            sync_cube();
+            staged[plane * LANES + (lane ^ comptime!(LANES / len))]
+        };
         let row = first_row + (written / columns) as u64;
         let column = first_column + (written % columns) as u64;
         if (lane * len) % LANES == 0 && row < shape.tokens && column < shape.outputs {
@@ -832,7 +871,11 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
         if comptime![planes] {
             #[unroll]
             for j in 0..values {
-                totals[j] = plane_sum(totals[j]);
+                totals[j] = if comptime![butterfly] {
+                    butterfly_sum::<A>(totals[j])
+                } else {
+                    plane_sum(totals[j])
+                };
             }
         } else {
             fold_lanes::<A>(&mut totals, lane, plane, VECTOR_PLANES, values);
@@ -905,8 +948,10 @@ fn add_input<A: Float, N: Size>(
 /// Sums a lane of `linear_block_kernel` keeps: a (token, column) each, two a lane once folded.
 pub const BLOCK_VALUES: usize = 2 * LANES;
 /// Columns a plane of `linear_block_kernel` makes by default: its block is then
-/// `BLOCK_VALUES / columns` tokens (more tokens, more cubes along z).
-pub const BLOCK_COLUMNS: usize = 2;
+/// `BLOCK_VALUES / columns` tokens (more tokens, more cubes along z). Batch 32 measured 1.24x
+/// faster at 8 than at 2 (the inputs, reread for every plane's columns, were most of the loads:
+/// `benches/RESULTS.md`, session 45).
+pub const BLOCK_COLUMNS: usize = 8;
 /// Planes of a `linear_block_kernel` cube, each its own columns (times its parts of the rows).
 pub const BLOCK_PLANES: usize = 4;
 /// Tokens of a block whose inputs a lane loads together before it adds them.

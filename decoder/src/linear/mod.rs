@@ -46,13 +46,14 @@ pub const STEP_TOKENS: usize = 16;
 ///   shared memory first, in one round trip, where its sums otherwise wait on one a token (its
 ///   offline SASS): batch 8's other candidate, not yet measured;
 /// - `KVPLAN_PROJECTION_BLOCK_COLUMNS=N` (2, 4 or 8): the columns a plane of the block kernel makes
-///   (`kernel::BLOCK_COLUMNS` by default), its block `64 / N` tokens: more columns, fewer loads
-///   of the inputs (not yet measured);
+///   (`kernel::BLOCK_COLUMNS`, 8, by default), its block `64 / N` tokens;
 /// - `KVPLAN_PROJECTION_EARLY_OPERANDS=1`: the projections' residual and RoPE angles are loaded
 ///   before the sums, not after the fold (a round trip off each launch's chain; not yet measured);
 /// - `KVPLAN_PROJECTION_FOLD_HALVES=1`: the step kernels' planes fold their sums by halves (as
 ///   the block kernel's), not a plane sum each (at 8 tokens a cube 40 plane sums of five shuffles
-///   each; not yet measured).
+///   each; not yet measured);
+/// - `KVPLAN_PROJECTION_BUTTERFLY=1`: where they fold by plane sums, the sums' shuffles are
+///   unrolled (the same bits; cubecl's `plane_sum` loops over the runtime plane width).
 struct Knobs {
     max_tokens: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
@@ -75,6 +76,8 @@ struct Knobs {
     early_operands: bool,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     fold_halves: bool,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    butterfly: bool,
 }
 
 /// Tokens of a step kernel's cube from which its loads wait on their guards. With fewer each
@@ -111,13 +114,14 @@ fn knobs() -> &'static Knobs {
             free_weights: var("KVPLAN_PROJECTION_FREE_WEIGHTS").is_some_and(|value| value == "1"),
             stage_inputs: var("KVPLAN_PROJECTION_STAGE_INPUTS").is_some_and(|value| value == "1"),
             block_columns: match var("KVPLAN_PROJECTION_BLOCK_COLUMNS").as_deref() {
+                Some("2") => 2,
                 Some("4") => 4,
-                Some("8") => 8,
                 _ => kernel::BLOCK_COLUMNS,
             },
             early_operands: var("KVPLAN_PROJECTION_EARLY_OPERANDS")
                 .is_some_and(|value| value == "1"),
             fold_halves: var("KVPLAN_PROJECTION_FOLD_HALVES").is_some_and(|value| value == "1"),
+            butterfly: var("KVPLAN_PROJECTION_BUTTERFLY").is_some_and(|value| value == "1"),
         }
     })
 }
