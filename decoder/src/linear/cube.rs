@@ -59,8 +59,6 @@ pub(super) fn linear(
     let rows = tokens.next_power_of_two().min(MAX_ROWS);
     let knobs = super::knobs();
     let guarded = rows >= knobs.guarded_rows;
-    // Only a guarded kernel reads it: one kernel, not two, for the unguarded.
-    let free_weights = guarded && knobs.free_weights;
     let properties = x.client.properties();
     let planes = properties.features.plane.contains(Plane::Ops)
         && properties.hardware.plane_size_min == LANES as u32
@@ -134,7 +132,6 @@ pub(super) fn linear(
                     planes,
                     splits,
                     columns,
-                    knobs.early_operands,
                     dtypes,
                 );
             }
@@ -170,9 +167,7 @@ pub(super) fn linear(
                     around.rope.is_some(),
                     planes,
                     guarded,
-                    free_weights,
                     staged,
-                    knobs.early_operands,
                     halves,
                     knobs.butterfly,
                     dtypes,
@@ -227,8 +222,6 @@ pub(super) fn linear(
             around.rope.is_some(),
             planes,
             guarded,
-            free_weights,
-            knobs.early_operands,
             halves,
             knobs.butterfly,
             dtypes,

@@ -53,7 +53,7 @@ pub struct LinearShape {
 /// (`cos`, `sin`: `[tokens, pairs]`); with `swiglu`, each pair gives `silu(2i) * (2i + 1)` as
 /// column `i` of `out` (`[tokens, outputs / 2]`). A pair needs `columns` even. A unit loads
 /// `unroll` of its columns at once before it adds them; with `guarded` each load waits on its
-/// bounds' branch (the inputs' only, with `free_weights`), else past the end it reads the last
+/// bounds' branch, else past the end it reads the last
 /// value (adding zero, or storing nothing). With `planes` (planes exactly `LANES` wide: CUDA) the
 /// lanes fold by plane sums, else in shared memory.
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -76,8 +76,6 @@ pub fn linear_kernel<F: Float, A: Float>(
     #[comptime] rope: bool,
     #[comptime] planes: bool,
     #[comptime] guarded: bool,
-    #[comptime] free_weights: bool,
-    #[comptime] early: bool,
     #[comptime] halves: bool,
     #[comptime] butterfly: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
@@ -87,19 +85,8 @@ pub fn linear_kernel<F: Float, A: Float>(
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     let first_column = cube * columns as u64;
     let first_row = CUBE_POS_Z as u64 * rows as u64;
-    // Unit `j` writes value `j` (token `j / columns`, column `j % columns`): its operands first.
+    // Unit `j` writes value `j`: token `j / columns`, column `j % columns`.
     let j = plane * LANES + lane;
-    let loaded = early_operands::<F, A>(
-        first_row + (j / columns) as u64,
-        first_column + (j % columns) as u64,
-        shape,
-        residual,
-        cos,
-        sin,
-        add,
-        rope,
-        early,
-    );
     // The values a unit sums: each (token, column)'s dot product, then each token's squares.
     let values = comptime!(rows * columns + if norm { rows } else { 0 });
     let mut sums = Array::<A>::new(values);
@@ -123,7 +110,7 @@ pub fn linear_kernel<F: Float, A: Float>(
             #[unroll]
             for c in 0..columns {
                 let column = first_column + c as u64;
-                if comptime![guarded && !free_weights] {
+                if comptime![guarded] {
                     weights[i * columns + c] = A::new(0.0);
                     if inside && column < shape.outputs {
                         weights[i * columns + c] =
@@ -244,11 +231,7 @@ pub fn linear_kernel<F: Float, A: Float>(
                 row,
                 column,
             };
-            let operands = if comptime![early] {
-                loaded.clone()
-            } else {
-                operands::<F, A>(row, column, shape, residual, cos, sin, add, rope)
-            };
+            let operands = operands::<F, A>(row, column, shape, residual, cos, sin, add, rope);
             finish::<F, A>(
                 value, partner, around, operands, shape, eps, out, norm, add, rope, swiglu,
             );
@@ -296,9 +279,7 @@ struct Operands<F: Float> {
     sin: F,
 }
 
-/// The operands of output `(row, column)`, loaded before the sums so their round trip overlaps
-/// the weights' instead of following the fold; a row or column past the end reads the last one's
-/// (nothing stores it).
+/// The operands of output `(row, column)` (inside the output).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn operands<F: Float, A: Float>(
@@ -328,31 +309,6 @@ fn operands<F: Float, A: Float>(
         operands.sin = A::cast_from(sin[angle]);
     }
     operands
-}
-
-/// `operands` where `early` (loaded before the sums), else zeros (loaded at the finish).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn early_operands<F: Float, A: Float>(
-    row: u64,
-    column: u64,
-    shape: LinearShape,
-    residual: &Tensor<F>,
-    cos: &Tensor<F>,
-    sin: &Tensor<F>,
-    #[comptime] add: bool,
-    #[comptime] rope: bool,
-    #[comptime] early: bool,
-) -> Operands<A> {
-    if comptime![early] {
-        operands::<F, A>(row, column, shape, residual, cos, sin, add, rope)
-    } else {
-        Operands::<A> {
-            residual: A::new(0.0),
-            cos: A::new(0.0),
-            sin: A::new(0.0),
-        }
-    }
 }
 
 /// Output `(row, column)` from its dot product `value` (and its RoPE partner's): divided by the
@@ -611,7 +567,7 @@ pub const MAX_ROUND: usize = 8;
 /// matrix is a round trip or two of wide loads. Lane `l` sums vectors `l, l + LANES, ..` of a row
 /// in order into a vector, then its values in order, then the lanes fold (`plane_sum`, else in
 /// shared memory): a token's value is the same bits whatever else is in the launch. `w`, `x` and
-/// the strides are in vectors; the rest (`guarded`, `free_weights` too) as `linear_kernel`. With
+/// the strides are in vectors; the rest (`guarded` too) as `linear_kernel`. With
 /// `staged` (the rows' vectors, `inner`; 0: not staged) the cube first copies its tokens' inputs
 /// to shared memory and the sums read them there.
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -633,9 +589,7 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     #[comptime] rope: bool,
     #[comptime] planes: bool,
     #[comptime] guarded: bool,
-    #[comptime] free_weights: bool,
     #[comptime] staged: usize,
-    #[comptime] early: bool,
     #[comptime] halves: bool,
     #[comptime] butterfly: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
@@ -647,24 +601,13 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     let first_row = CUBE_POS_Z as u64 * rows as u64;
     let columns = comptime!(PLANE_COLUMNS);
     // Lane `j` writes value `j` (token `j / columns`, column `j % columns`), or with `halves` lane
-    // `j * LANES / len` (the first of value `j`'s run after the fold): its operands first.
+    // `j * LANES / len` (the first of value `j`'s run after the fold).
     let len = comptime!(rows * PLANE_COLUMNS);
     let written = if comptime![halves] {
         (lane * len) / LANES
     } else {
         lane
     };
-    let loaded = early_operands::<F, A>(
-        first_row + (written / columns) as u64,
-        first_column + (written % columns) as u64,
-        shape,
-        residual,
-        cos,
-        sin,
-        add,
-        rope,
-        early,
-    );
     let mut sums = Array::<Vector<A, N>>::new(rows * columns);
     let mut squares = Array::<Vector<A, N>>::new(rows);
     #[unroll]
@@ -744,7 +687,7 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
                 let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
                 #[unroll]
                 for c in 0..columns {
-                    if comptime![guarded && !free_weights] {
+                    if comptime![guarded] {
                         weights[i * columns + c] = Vector::new(A::new(0.0));
                         if k + i * LANES < vectors {
                             weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
@@ -858,11 +801,7 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
                 row,
                 column,
             };
-            let operands = if comptime![early] {
-                loaded.clone()
-            } else {
-                operands::<F, A>(row, column, shape, residual, cos, sin, add, rope)
-            };
+            let operands = operands::<F, A>(row, column, shape, residual, cos, sin, add, rope);
             finish::<F, A>(
                 value, partner, around, operands, shape, eps, out, norm, add, rope, swiglu,
             );
@@ -898,11 +837,8 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
                         row,
                         column,
                     };
-                    let operands = if comptime![early] {
-                        loaded.clone()
-                    } else {
-                        operands::<F, A>(row, column, shape, residual, cos, sin, add, rope)
-                    };
+                    let operands =
+                        operands::<F, A>(row, column, shape, residual, cos, sin, add, rope);
                     finish::<F, A>(
                         totals[j],
                         totals[comptime!(j ^ 1)],
@@ -992,7 +928,6 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     #[comptime] planes: bool,
     #[comptime] splits: usize,
     #[comptime] columns: usize,
-    #[comptime] early: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -1004,31 +939,9 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     let first_column = (cube * BLOCK_PLANES as u64 + run as u64) * columns as u64;
     let first_row = CUBE_POS_Z as u64 * rows as u64;
-    // Lane `l` writes sums `2l`, `2l + 1` (token `2l / columns`): their operands first.
+    // Lane `l` writes sums `2l`, `2l + 1`: token `2l / columns`, a pair of its columns.
     let row = first_row + ((2 * lane) / columns) as u64;
     let pair_column = first_column + ((2 * lane) % columns) as u64;
-    let even = early_operands::<F, A>(
-        row,
-        pair_column,
-        shape,
-        residual,
-        cos,
-        sin,
-        add,
-        rope,
-        early,
-    );
-    let odd = early_operands::<F, A>(
-        row,
-        pair_column + 1,
-        shape,
-        residual,
-        cos,
-        sin,
-        add,
-        rope,
-        early,
-    );
     let mut sums = Array::<A>::new(BLOCK_VALUES);
     let mut squares = Array::<A>::new(rows);
     #[unroll]
@@ -1121,13 +1034,7 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
                 row,
                 column,
             };
-            let operands = if comptime![!early] {
-                operands::<F, A>(row, column, shape, residual, cos, sin, add, rope)
-            } else if comptime![c == 0] {
-                even.clone()
-            } else {
-                odd.clone()
-            };
+            let operands = operands::<F, A>(row, column, shape, residual, cos, sin, add, rope);
             finish::<F, A>(
                 sums[c],
                 sums[comptime!(c ^ 1)],

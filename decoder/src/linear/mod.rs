@@ -34,21 +34,18 @@ pub const STEP_TOKENS: usize = 16;
 /// - `KVPLAN_PROJECTION_BLOCK_SPLITS=N`: the most parts the block kernel splits each row into, a
 ///   plane each (4 by default; 1: a plane walks the whole row);
 /// - `KVPLAN_PROJECTION_BLOCK_ROUNDS=N`: the most rounds of loads a part of the block kernel takes
-///   (`kernel::BLOCK_ROUNDS` by default; fewer: more parts, more planes a cube; not yet measured);
+///   (`kernel::BLOCK_ROUNDS` by default; fewer: more parts, more planes a cube; 2 measured 1.07x at
+///   batch 32 with 2 columns a plane, not yet with 8);
 /// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`);
 /// - `KVPLAN_PROJECTION_VECTOR=N`: the most values a load of the vector kernel takes (16 bytes'
 ///   worth by default: 8 in bf16, whose sums then hold twice f32's registers);
 /// - `KVPLAN_PROJECTION_GUARDED_ROWS=N`: from this many tokens a cube, the step kernels' loads
 ///   wait on their guards ([`GUARDED_ROWS`]; 16: none do);
-/// - `KVPLAN_PROJECTION_FREE_WEIGHTS=1`: there, the weights' loads are issued unguarded all the
-///   same (only the inputs' wait): a candidate for batch 8, not yet measured;
 /// - `KVPLAN_PROJECTION_STAGE_INPUTS=1`: the vector kernel's cube copies its tokens' inputs to
 ///   shared memory first, in one round trip, where its sums otherwise wait on one a token (its
-///   offline SASS): batch 8's other candidate, not yet measured;
+///   offline SASS; batch 8 measured 1.015x, one run);
 /// - `KVPLAN_PROJECTION_BLOCK_COLUMNS=N` (2, 4 or 8): the columns a plane of the block kernel makes
 ///   (`kernel::BLOCK_COLUMNS`, 8, by default), its block `64 / N` tokens;
-/// - `KVPLAN_PROJECTION_EARLY_OPERANDS=1`: the projections' residual and RoPE angles are loaded
-///   before the sums, not after the fold (a round trip off each launch's chain; not yet measured);
 /// - `KVPLAN_PROJECTION_FOLD_HALVES=1`: the step kernels' planes fold their sums by halves (as
 ///   the block kernel's), not a plane sum each (at 8 tokens a cube 40 plane sums of five shuffles
 ///   each; not yet measured);
@@ -67,13 +64,9 @@ struct Knobs {
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     guarded_rows: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
-    free_weights: bool,
-    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     stage_inputs: bool,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     block_columns: usize,
-    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
-    early_operands: bool,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     fold_halves: bool,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
@@ -111,15 +104,12 @@ fn knobs() -> &'static Knobs {
             guarded_rows: var("KVPLAN_PROJECTION_GUARDED_ROWS")
                 .and_then(|value| value.parse().ok())
                 .unwrap_or(GUARDED_ROWS),
-            free_weights: var("KVPLAN_PROJECTION_FREE_WEIGHTS").is_some_and(|value| value == "1"),
             stage_inputs: var("KVPLAN_PROJECTION_STAGE_INPUTS").is_some_and(|value| value == "1"),
             block_columns: match var("KVPLAN_PROJECTION_BLOCK_COLUMNS").as_deref() {
                 Some("2") => 2,
                 Some("4") => 4,
                 _ => kernel::BLOCK_COLUMNS,
             },
-            early_operands: var("KVPLAN_PROJECTION_EARLY_OPERANDS")
-                .is_some_and(|value| value == "1"),
             fold_halves: var("KVPLAN_PROJECTION_FOLD_HALVES").is_some_and(|value| value == "1"),
             butterfly: var("KVPLAN_PROJECTION_BUTTERFLY").is_some_and(|value| value == "1"),
         }
