@@ -160,29 +160,19 @@ pub fn linear_kernel<F: Float, A: Float>(
         // Lane `l` ends with sum `l * len / LANES` (and its token's squares): the first lane of
         // each value's run hands it over.
         let len = comptime!(rows * columns);
-        let mut squares = Array::<A>::new(rows);
-        #[unroll]
-        for r in 0..rows {
-            if comptime![norm] {
-                squares[r] = sums[len + r];
-            } else {
-                squares[r] = A::new(0.0);
-            }
-        }
         // The hand-over without `planes`.
         let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {
             1
         } else {
             PLANES * LANES * len.max(2) / 2
         }));
-        fold_halves::<A>(&mut sums, &mut staged, lane, plane, len, planes);
+        let squares = fold_step::<A>(&mut sums, &mut staged, lane, plane, len, rows, norm, planes);
         if (lane * len) % LANES == 0 {
             planes_sums[plane * values + (lane * len) / LANES] = sums[0];
         }
         if comptime![norm] {
-            fold_halves::<A>(&mut squares, &mut staged, lane, plane, rows, planes);
             if (lane * rows) % LANES == 0 {
-                planes_sums[plane * values + len + (lane * rows) / LANES] = squares[0];
+                planes_sums[plane * values + len + (lane * rows) / LANES] = squares;
             }
         }
     } else if comptime![planes] {
@@ -231,9 +221,9 @@ pub fn linear_kernel<F: Float, A: Float>(
                 row,
                 column,
             };
-            let operands = operands::<F, A>(row, column, shape, residual, cos, sin, add, rope);
             finish::<F, A>(
-                value, partner, around, operands, shape, eps, out, norm, add, rope, swiglu,
+                value, partner, around, shape, eps, residual, cos, sin, out, norm, add, rope,
+                swiglu,
             );
         }
     }
@@ -269,48 +259,6 @@ struct Finish<F: Float> {
     column: u64,
 }
 
-/// The values an output's finish reads besides its sums: its residual and its RoPE angle's cosine
-/// and sine (0 where not read).
-#[derive(CubeType, Clone, Copy)]
-#[expand(derive(Clone))]
-struct Operands<F: Float> {
-    residual: F,
-    cos: F,
-    sin: F,
-}
-
-/// The operands of output `(row, column)` (inside the output).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn operands<F: Float, A: Float>(
-    row: u64,
-    column: u64,
-    shape: LinearShape,
-    residual: &Tensor<F>,
-    cos: &Tensor<F>,
-    sin: &Tensor<F>,
-    #[comptime] add: bool,
-    #[comptime] rope: bool,
-) -> Operands<A> {
-    let row = last_at_most(row, shape.tokens);
-    let column = last_at_most(column, shape.outputs);
-    let mut operands = Operands::<A> {
-        residual: A::new(0.0),
-        cos: A::new(0.0),
-        sin: A::new(0.0),
-    };
-    if comptime![add] {
-        operands.residual = A::cast_from(residual[(row * shape.residual_stride + column) as usize]);
-    }
-    if comptime![rope] {
-        let pair = (column % (2 * shape.pairs)) / 2;
-        let angle = (row * shape.angle_stride + pair) as usize;
-        operands.cos = A::cast_from(cos[angle]);
-        operands.sin = A::cast_from(sin[angle]);
-    }
-    operands
-}
-
 /// Output `(row, column)` from its dot product `value` (and its RoPE partner's): divided by the
 /// input's RMS, turned, the residual added, in `A`; stored as `F`.
 #[cube]
@@ -319,9 +267,11 @@ fn finish<F: Float, A: Float>(
     value: A,
     partner: A,
     at: Finish<A>,
-    operands: Operands<A>,
     shape: LinearShape,
     eps: f32,
+    residual: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
     out: &mut Tensor<F>,
     #[comptime] norm: bool,
     #[comptime] add: bool,
@@ -341,12 +291,15 @@ fn finish<F: Float, A: Float>(
         if column < shape.rotated {
             // `(a, b)` -> `(a cos - b sin, b cos + a sin)`: the even column takes the first, the
             // odd one the second.
-            let turn = select(column % 2 == 0, -operands.sin, operands.sin);
-            value = value * operands.cos + partner * turn;
+            let pair = (column % (2 * shape.pairs)) / 2;
+            let angle = (row * shape.angle_stride + pair) as usize;
+            let sine = A::cast_from(sin[angle]);
+            let turn = select(column % 2 == 0, -sine, sine);
+            value = value * A::cast_from(cos[angle]) + partner * turn;
         }
     }
     if comptime![add] {
-        value += operands.residual;
+        value += A::cast_from(residual[(row * shape.residual_stride + column) as usize]);
     }
     if comptime![swiglu] {
         // The pair's even column writes `silu(gate) * up`; the odd one nothing.
@@ -765,25 +718,22 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     if comptime![halves] {
         // Lane `l` ends with sum `l * len / LANES` and its token's squares; its RoPE or SwiGLU
         // partner's run is `LANES / len` lanes away.
-        let mut squares = Array::<A>::new(rows);
-        #[unroll]
-        for r in 0..rows {
-            if comptime![norm] {
-                squares[r] = totals[len + r];
-            } else {
-                squares[r] = A::new(0.0);
-            }
-        }
         // The hand-over without `planes`.
         let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {
             1
         } else {
             VECTOR_PLANES * LANES * len / 2
         }));
-        fold_halves::<A>(&mut totals, &mut staged, lane, plane, len, planes);
-        if comptime![norm] {
-            fold_halves::<A>(&mut squares, &mut staged, lane, plane, rows, planes);
-        }
+        let squares = fold_step::<A>(
+            &mut totals,
+            &mut staged,
+            lane,
+            plane,
+            len,
+            rows,
+            norm,
+            planes,
+        );
         let value = totals[0];
         let partner = if comptime![planes] {
             plane_shuffle_xor(value, comptime!((LANES / len) as u32))
@@ -796,14 +746,14 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
         let column = first_column + (written % columns) as u64;
         if (lane * len) % LANES == 0 && row < shape.tokens && column < shape.outputs {
             let around = Finish::<A> {
-                squares: squares[0],
+                squares,
                 elements: shape.inner * N::value() as u64,
                 row,
                 column,
             };
-            let operands = operands::<F, A>(row, column, shape, residual, cos, sin, add, rope);
             finish::<F, A>(
-                value, partner, around, operands, shape, eps, out, norm, add, rope, swiglu,
+                value, partner, around, shape, eps, residual, cos, sin, out, norm, add, rope,
+                swiglu,
             );
         }
     } else {
@@ -837,15 +787,15 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
                         row,
                         column,
                     };
-                    let operands =
-                        operands::<F, A>(row, column, shape, residual, cos, sin, add, rope);
                     finish::<F, A>(
                         totals[j],
                         totals[comptime!(j ^ 1)],
                         around,
-                        operands,
                         shape,
                         eps,
+                        residual,
+                        cos,
+                        sin,
                         out,
                         norm,
                         add,
@@ -1034,14 +984,15 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
                 row,
                 column,
             };
-            let operands = operands::<F, A>(row, column, shape, residual, cos, sin, add, rope);
             finish::<F, A>(
                 sums[c],
                 sums[comptime!(c ^ 1)],
                 around,
-                operands,
                 shape,
                 eps,
+                residual,
+                cos,
+                sin,
                 out,
                 norm,
                 add,
@@ -1050,6 +1001,36 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
             );
         }
     }
+}
+
+/// A step kernel's `len` sums a lane (`values[..len]`) folded by halves, lane `l` ending with sum
+/// `l * len / LANES` in `values[0]`; with `norm`, its `rows` tokens' squares after them folded the
+/// same way: lane `l`'s token's, returned (0 without).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fold_step<A: Float>(
+    values: &mut Array<A>,
+    staged: &mut Shared<[A]>,
+    lane: usize,
+    plane: usize,
+    #[comptime] len: usize,
+    #[comptime] rows: usize,
+    #[comptime] norm: bool,
+    #[comptime] planes: bool,
+) -> A {
+    let mut squares = Array::<A>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        squares[r] = A::new(0.0);
+        if comptime![norm] {
+            squares[r] = values[len + r];
+        }
+    }
+    fold_halves::<A>(values, staged, lane, plane, len, planes);
+    if comptime![norm] {
+        fold_halves::<A>(&mut squares, staged, lane, plane, rows, planes);
+    }
+    squares[0]
 }
 
 /// A plane's `values` (`len` a lane, a power of two up to `2 * LANES`) folded by halves: at each
