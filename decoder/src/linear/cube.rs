@@ -169,7 +169,6 @@ pub(super) fn linear(
                     guarded,
                     staged,
                     halves,
-                    knobs.butterfly,
                     dtypes,
                 );
             }
@@ -223,7 +222,6 @@ pub(super) fn linear(
             planes,
             guarded,
             halves,
-            knobs.butterfly,
             dtypes,
         );
     }

@@ -77,7 +77,6 @@ pub fn linear_kernel<F: Float, A: Float>(
     #[comptime] planes: bool,
     #[comptime] guarded: bool,
     #[comptime] halves: bool,
-    #[comptime] butterfly: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -178,11 +177,7 @@ pub fn linear_kernel<F: Float, A: Float>(
     } else if comptime![planes] {
         #[unroll]
         for j in 0..values {
-            let total = if comptime![butterfly] {
-                butterfly_sum::<A>(sums[j])
-            } else {
-                plane_sum(sums[j])
-            };
+            let total = plane_sum(sums[j]);
             if lane == 0 {
                 planes_sums[plane * values + j] = total;
             }
@@ -227,19 +222,6 @@ pub fn linear_kernel<F: Float, A: Float>(
             );
         }
     }
-}
-
-/// `plane_sum` as cubecl computes it (lanes `1, 2, 4, 8, 16` apart in turn: the same bits), its
-/// levels unrolled: cubecl's loops over the runtime plane width, each sum's shuffles a chain of
-/// its own.
-#[cube]
-fn butterfly_sum<A: Float>(value: A) -> A {
-    let mut total = value;
-    #[unroll]
-    for level in 0..5u32 {
-        total += plane_shuffle_xor(total, comptime!(1u32 << level));
-    }
-    total
 }
 
 /// `index` where it is below `count`, else the last index (`count - 1`; `count` at least 1): an
@@ -544,7 +526,6 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     #[comptime] guarded: bool,
     #[comptime] staged: usize,
     #[comptime] halves: bool,
-    #[comptime] butterfly: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -760,11 +741,7 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
         if comptime![planes] {
             #[unroll]
             for j in 0..values {
-                totals[j] = if comptime![butterfly] {
-                    butterfly_sum::<A>(totals[j])
-                } else {
-                    plane_sum(totals[j])
-                };
+                totals[j] = plane_sum(totals[j]);
             }
         } else {
             fold_lanes::<A>(&mut totals, lane, plane, VECTOR_PLANES, values);

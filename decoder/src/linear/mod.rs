@@ -48,9 +48,7 @@ pub const STEP_TOKENS: usize = 16;
 ///   (`kernel::BLOCK_COLUMNS`, 8, by default), its block `64 / N` tokens;
 /// - `KVPLAN_PROJECTION_FOLD_HALVES=1`: the step kernels' planes fold their sums by halves (as
 ///   the block kernel's), not a plane sum each (at 8 tokens a cube 40 plane sums of five shuffles
-///   each; not yet measured);
-/// - `KVPLAN_PROJECTION_BUTTERFLY=1`: where they fold by plane sums, the sums' shuffles are
-///   unrolled (the same bits; cubecl's `plane_sum` loops over the runtime plane width).
+///   each: 200 shuffles where halves take 40, offline PTX; not yet measured).
 struct Knobs {
     max_tokens: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
@@ -69,8 +67,6 @@ struct Knobs {
     block_columns: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     fold_halves: bool,
-    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
-    butterfly: bool,
 }
 
 /// Tokens of a step kernel's cube from which its loads wait on their guards. With fewer each
@@ -111,7 +107,6 @@ fn knobs() -> &'static Knobs {
                 _ => kernel::BLOCK_COLUMNS,
             },
             fold_halves: var("KVPLAN_PROJECTION_FOLD_HALVES").is_some_and(|value| value == "1"),
-            butterfly: var("KVPLAN_PROJECTION_BUTTERFLY").is_some_and(|value| value == "1"),
         }
     })
 }
