@@ -55,7 +55,8 @@ pub struct LinearShape {
 /// `unroll` of its columns at once before it adds them; with `guarded` each load waits on its
 /// bounds' branch, else past the end it reads the last
 /// value (adding zero, or storing nothing). With `planes` (planes exactly `LANES` wide: CUDA) the
-/// lanes fold by plane sums, else in shared memory.
+/// lanes fold by plane sums, else in shared memory; with `halves` by halves, as
+/// `linear_block_kernel`'s (plane shuffles with `planes`, else through shared memory).
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_kernel<F: Float, A: Float>(
@@ -84,8 +85,6 @@ pub fn linear_kernel<F: Float, A: Float>(
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     let first_column = cube * columns as u64;
     let first_row = CUBE_POS_Z as u64 * rows as u64;
-    // Unit `j` writes value `j`: token `j / columns`, column `j % columns`.
-    let j = plane * LANES + lane;
     // The values a unit sums: each (token, column)'s dot product, then each token's squares.
     let values = comptime!(rows * columns + if norm { rows } else { 0 });
     let mut sums = Array::<A>::new(values);
@@ -192,6 +191,8 @@ pub fn linear_kernel<F: Float, A: Float>(
         }
     }
     sync_cube();
+    // Unit `j` writes value `j`: token `j / columns`, column `j % columns`.
+    let j = plane * LANES + lane;
     if j < rows * columns {
         let r = j / columns;
         let row = first_row + r as u64;
@@ -504,7 +505,7 @@ pub const MAX_ROUND: usize = 8;
 /// shared memory): a token's value is the same bits whatever else is in the launch. `w`, `x` and
 /// the strides are in vectors; the rest (`guarded` too) as `linear_kernel`. With
 /// `staged` (the rows' vectors, `inner`; 0: not staged) the cube first copies its tokens' inputs
-/// to shared memory and the sums read them there.
+/// to shared memory and the sums read them there; `halves` as `linear_kernel`'s.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
@@ -534,14 +535,6 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     let first_column = (cube * VECTOR_PLANES as u64 + plane as u64) * PLANE_COLUMNS as u64;
     let first_row = CUBE_POS_Z as u64 * rows as u64;
     let columns = comptime!(PLANE_COLUMNS);
-    // Lane `j` writes value `j` (token `j / columns`, column `j % columns`), or with `halves` lane
-    // `j * LANES / len` (the first of value `j`'s run after the fold).
-    let len = comptime!(rows * PLANE_COLUMNS);
-    let written = if comptime![halves] {
-        (lane * len) / LANES
-    } else {
-        lane
-    };
     let mut sums = Array::<Vector<A, N>>::new(rows * columns);
     let mut squares = Array::<Vector<A, N>>::new(rows);
     #[unroll]
@@ -697,8 +690,10 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
         totals[j] = total;
     }
     if comptime![halves] {
-        // Lane `l` ends with sum `l * len / LANES` and its token's squares; its RoPE or SwiGLU
-        // partner's run is `LANES / len` lanes away.
+        // Lane `l` ends with sum `l * len / LANES` and its token's squares, and the first lane of
+        // each sum's run writes it; its RoPE or SwiGLU partner's run is `LANES / len` lanes away.
+        let len = comptime!(rows * columns);
+        let written = (lane * len) / LANES;
         // The hand-over without `planes`.
         let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {
             1
