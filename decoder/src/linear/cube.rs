@@ -63,8 +63,6 @@ pub(super) fn linear(
     let planes = properties.features.plane.contains(Plane::Ops)
         && properties.hardware.plane_size_min == LANES as u32
         && properties.hardware.plane_size_max == LANES as u32;
-    // The step kernels' sums folded by halves (`KVPLAN_PROJECTION_FOLD_HALVES`).
-    let halves = knobs.fold_halves;
     let address = address_type(&[&x, &w, &residual, &cos, &sin, &out]);
     let dtypes = kernel_dtypes(x.dtype);
     let client = x.client.clone();
@@ -168,7 +166,7 @@ pub(super) fn linear(
                     planes,
                     guarded,
                     staged,
-                    halves,
+                    knobs.fold_halves,
                     dtypes,
                 );
             }
@@ -221,7 +219,7 @@ pub(super) fn linear(
             around.rope.is_some(),
             planes,
             guarded,
-            halves,
+            knobs.fold_halves,
             dtypes,
         );
     }
