@@ -67,7 +67,7 @@ pub(super) fn linear(
     let dtypes = kernel_dtypes(x.dtype);
     let client = x.client.clone();
     let eps = around.norm_eps.unwrap_or(0.0) as f32;
-    let block = tokens > super::STEP_TOKENS;
+    let block = tokens > knobs.step_tokens;
     if block || super::vector_kernel(outputs, inner) {
         let vector = vector_size(&x, &w, inner);
         let vectors = (inner / vector) as u64;

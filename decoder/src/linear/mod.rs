@@ -46,6 +46,8 @@ pub const STEP_TOKENS: usize = 16;
 ///   offline SASS; batch 8 measured 1.015x, one run);
 /// - `KVPLAN_PROJECTION_BLOCK_COLUMNS=N` (2, 4 or 8): the columns a plane of the block kernel makes
 ///   (`kernel::BLOCK_COLUMNS`, 8, by default), its block `64 / N` tokens;
+/// - `KVPLAN_PROJECTION_STEP_TOKENS=N`: the block kernel takes steps past `N` tokens
+///   ([`STEP_TOKENS`] by default; a token's bits then differ between steps either side of `N`);
 /// - `KVPLAN_PROJECTION_FOLD_HALVES=1`: the step kernels' planes fold their sums by halves (as
 ///   the block kernel's), not a plane sum each (at 8 tokens a cube 40 plane sums of five shuffles
 ///   each: 200 shuffles where halves take 40, offline PTX; not yet measured).
@@ -67,6 +69,8 @@ struct Knobs {
     block_columns: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     fold_halves: bool,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    step_tokens: usize,
 }
 
 /// Tokens of a step kernel's cube from which its loads wait on their guards. With fewer each
@@ -107,6 +111,9 @@ fn knobs() -> &'static Knobs {
                 _ => kernel::BLOCK_COLUMNS,
             },
             fold_halves: var("KVPLAN_PROJECTION_FOLD_HALVES").is_some_and(|value| value == "1"),
+            step_tokens: var("KVPLAN_PROJECTION_STEP_TOKENS")
+                .and_then(|value| value.parse().ok())
+                .unwrap_or(STEP_TOKENS),
         }
     })
 }
