@@ -19,8 +19,9 @@ cargo test --release --workspace "$@"
 # (`KVPLAN_ATTENTION_GROUPED=1`; by default only past 16 tokens): the same tests, the same bits.
 KVPLAN_ATTENTION_GROUPED=1 cargo test --release --workspace "$@" --test kvplan -- attention paged
 # The projections' other layouts, candidates on a GPU (`decoder/src/linear/mod.rs`'s knobs): the
-# step kernels' halves fold with the block kernel's 2 columns a plane, then staged inputs with 4.
-KVPLAN_PROJECTION_FOLD_HALVES=1 KVPLAN_PROJECTION_BLOCK_COLUMNS=2 \
+# block kernel at every token count with 2 columns a plane (a token's bits the same at any count
+# there too), then staged inputs with 4.
+KVPLAN_PROJECTION_STEP_TOKENS=0 KVPLAN_PROJECTION_BLOCK_COLUMNS=2 \
     cargo test --release --workspace "$@" --test kvplan -- decoder_projection
 KVPLAN_PROJECTION_STAGE_INPUTS=1 KVPLAN_PROJECTION_BLOCK_COLUMNS=4 \
     cargo test --release --workspace "$@" --test kvplan -- decoder_projection

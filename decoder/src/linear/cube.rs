@@ -166,7 +166,6 @@ pub(super) fn linear(
                     planes,
                     guarded,
                     staged,
-                    knobs.fold_halves,
                     dtypes,
                 );
             }
@@ -219,7 +218,6 @@ pub(super) fn linear(
             around.rope.is_some(),
             planes,
             guarded,
-            knobs.fold_halves,
             dtypes,
         );
     }

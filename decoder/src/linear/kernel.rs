@@ -55,8 +55,7 @@ pub struct LinearShape {
 /// `unroll` of its columns at once before it adds them; with `guarded` each load waits on its
 /// bounds' branch, else past the end it reads the last
 /// value (adding zero, or storing nothing). With `planes` (planes exactly `LANES` wide: CUDA) the
-/// lanes fold by plane sums, else in shared memory; with `halves` by halves, as
-/// `linear_block_kernel`'s (plane shuffles with `planes`, else through shared memory).
+/// lanes fold by plane sums, else in shared memory.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_kernel<F: Float, A: Float>(
@@ -77,7 +76,6 @@ pub fn linear_kernel<F: Float, A: Float>(
     #[comptime] rope: bool,
     #[comptime] planes: bool,
     #[comptime] guarded: bool,
-    #[comptime] halves: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -154,26 +152,7 @@ pub fn linear_kernel<F: Float, A: Float>(
     }
     // Each plane's sums, then the planes' in order.
     let mut planes_sums = Shared::<[A]>::new_slice(PLANES * values);
-    if comptime![halves] {
-        // Lane `l` ends with sum `l * len / LANES` (and its token's squares): the first lane of
-        // each value's run hands it over.
-        let len = comptime!(rows * columns);
-        // The hand-over without `planes`.
-        let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {
-            1
-        } else {
-            PLANES * LANES * len.max(2) / 2
-        }));
-        let squares = fold_step::<A>(&mut sums, &mut staged, lane, plane, len, rows, norm, planes);
-        if (lane * len) % LANES == 0 {
-            planes_sums[plane * values + (lane * len) / LANES] = sums[0];
-        }
-        if comptime![norm] {
-            if (lane * rows) % LANES == 0 {
-                planes_sums[plane * values + len + (lane * rows) / LANES] = squares;
-            }
-        }
-    } else if comptime![planes] {
+    if comptime![planes] {
         #[unroll]
         for j in 0..values {
             let total = plane_sum(sums[j]);
@@ -505,7 +484,7 @@ pub const MAX_ROUND: usize = 8;
 /// shared memory): a token's value is the same bits whatever else is in the launch. `w`, `x` and
 /// the strides are in vectors; the rest (`guarded` too) as `linear_kernel`. With
 /// `staged` (the rows' vectors, `inner`; 0: not staged) the cube first copies its tokens' inputs
-/// to shared memory and the sums read them there; `halves` as `linear_kernel`'s.
+/// to shared memory and the sums read them there.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
@@ -526,7 +505,6 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
     #[comptime] planes: bool,
     #[comptime] guarded: bool,
     #[comptime] staged: usize,
-    #[comptime] halves: bool,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -689,92 +667,47 @@ pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
         }
         totals[j] = total;
     }
-    if comptime![halves] {
-        // Lane `l` ends with sum `l * len / LANES` and its token's squares, and the first lane of
-        // each sum's run writes it; its RoPE or SwiGLU partner's run is `LANES / len` lanes away.
-        let len = comptime!(rows * columns);
-        let written = (lane * len) / LANES;
-        // The hand-over without `planes`.
-        let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {
-            1
-        } else {
-            VECTOR_PLANES * LANES * len / 2
-        }));
-        let squares = fold_step::<A>(
-            &mut totals,
-            &mut staged,
-            lane,
-            plane,
-            len,
-            rows,
-            norm,
-            planes,
-        );
-        let value = totals[0];
-        let partner = if comptime![planes] {
-            plane_shuffle_xor(value, comptime!((LANES / len) as u32))
-        } else {
-            staged[plane * LANES + lane] = value;
-            sync_cube();
-            staged[plane * LANES + (lane ^ comptime!(LANES / len))]
-        };
-        let row = first_row + (written / columns) as u64;
-        let column = first_column + (written % columns) as u64;
-        if (lane * len) % LANES == 0 && row < shape.tokens && column < shape.outputs {
-            let around = Finish::<A> {
-                squares,
-                elements: shape.inner * N::value() as u64,
-                row,
-                column,
-            };
-            finish::<F, A>(
-                value, partner, around, shape, eps, residual, cos, sin, out, norm, add, rope,
-                swiglu,
-            );
+    if comptime![planes] {
+        #[unroll]
+        for j in 0..values {
+            totals[j] = plane_sum(totals[j]);
         }
     } else {
-        if comptime![planes] {
-            #[unroll]
-            for j in 0..values {
-                totals[j] = plane_sum(totals[j]);
-            }
-        } else {
-            fold_lanes::<A>(&mut totals, lane, plane, VECTOR_PLANES, values);
-        }
-        // Lane `j` writes value `j`: token `j / columns`, column `j % columns`.
-        #[unroll]
-        for j in 0..rows * columns {
-            if lane == j {
-                let r = comptime!(j / columns);
-                let row = first_row + r as u64;
-                let column = first_column + comptime!(j % columns) as u64;
-                if row < shape.tokens && column < shape.outputs {
-                    let mut squares = A::new(0.0);
-                    if comptime![norm] {
-                        squares = totals[rows * columns + r];
-                    }
-                    let around = Finish::<A> {
-                        squares,
-                        elements: shape.inner * N::value() as u64,
-                        row,
-                        column,
-                    };
-                    finish::<F, A>(
-                        totals[j],
-                        totals[comptime!(j ^ 1)],
-                        around,
-                        shape,
-                        eps,
-                        residual,
-                        cos,
-                        sin,
-                        out,
-                        norm,
-                        add,
-                        rope,
-                        swiglu,
-                    );
+        fold_lanes::<A>(&mut totals, lane, plane, VECTOR_PLANES, values);
+    }
+    // Lane `j` writes value `j`: token `j / columns`, column `j % columns`.
+    #[unroll]
+    for j in 0..rows * columns {
+        if lane == j {
+            let r = comptime!(j / columns);
+            let row = first_row + r as u64;
+            let column = first_column + comptime!(j % columns) as u64;
+            if row < shape.tokens && column < shape.outputs {
+                let mut squares = A::new(0.0);
+                if comptime![norm] {
+                    squares = totals[rows * columns + r];
                 }
+                let around = Finish::<A> {
+                    squares,
+                    elements: shape.inner * N::value() as u64,
+                    row,
+                    column,
+                };
+                finish::<F, A>(
+                    totals[j],
+                    totals[comptime!(j ^ 1)],
+                    around,
+                    shape,
+                    eps,
+                    residual,
+                    cos,
+                    sin,
+                    out,
+                    norm,
+                    add,
+                    rope,
+                    swiglu,
+                );
             }
         }
     }
@@ -973,36 +906,6 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
             );
         }
     }
-}
-
-/// A step kernel's `len` sums a lane (`values[..len]`) folded by halves, lane `l` ending with sum
-/// `l * len / LANES` in `values[0]`; with `norm`, its `rows` tokens' squares after them folded the
-/// same way: lane `l`'s token's, returned (0 without).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn fold_step<A: Float>(
-    values: &mut Array<A>,
-    staged: &mut Shared<[A]>,
-    lane: usize,
-    plane: usize,
-    #[comptime] len: usize,
-    #[comptime] rows: usize,
-    #[comptime] norm: bool,
-    #[comptime] planes: bool,
-) -> A {
-    let mut squares = Array::<A>::new(rows);
-    #[unroll]
-    for r in 0..rows {
-        squares[r] = A::new(0.0);
-        if comptime![norm] {
-            squares[r] = values[len + r];
-        }
-    }
-    fold_halves::<A>(values, staged, lane, plane, len, planes);
-    if comptime![norm] {
-        fold_halves::<A>(&mut squares, staged, lane, plane, rows, planes);
-    }
-    squares[0]
 }
 
 /// A plane's `values` (`len` a lane, a power of two up to `2 * LANES`) folded by halves: at each

@@ -47,10 +47,8 @@ pub const STEP_TOKENS: usize = 16;
 /// - `KVPLAN_PROJECTION_BLOCK_COLUMNS=N` (2, 4 or 8): the columns a plane of the block kernel makes
 ///   (`kernel::BLOCK_COLUMNS`, 8, by default), its block `64 / N` tokens;
 /// - `KVPLAN_PROJECTION_STEP_TOKENS=N`: the block kernel takes steps past `N` tokens
-///   ([`STEP_TOKENS`] by default; a token's bits then differ between steps either side of `N`);
-/// - `KVPLAN_PROJECTION_FOLD_HALVES=1`: the step kernels' planes fold their sums by halves (as
-///   the block kernel's), not a plane sum each (at 8 tokens a cube 40 plane sums of five shuffles
-///   each: 200 shuffles where halves take 40, offline PTX; not yet measured).
+///   ([`STEP_TOKENS`] by default; a token's bits then differ between steps either side of `N`;
+///   0, the block kernel at every count: batch 8 1.08x, batch 1 0.74x on an H100, session 46).
 struct Knobs {
     max_tokens: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
@@ -67,8 +65,6 @@ struct Knobs {
     stage_inputs: bool,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     block_columns: usize,
-    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
-    fold_halves: bool,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     step_tokens: usize,
 }
@@ -110,7 +106,6 @@ fn knobs() -> &'static Knobs {
                 Some("4") => 4,
                 _ => kernel::BLOCK_COLUMNS,
             },
-            fold_halves: var("KVPLAN_PROJECTION_FOLD_HALVES").is_some_and(|value| value == "1"),
             step_tokens: var("KVPLAN_PROJECTION_STEP_TOKENS")
                 .and_then(|value| value.parse().ok())
                 .unwrap_or(STEP_TOKENS),
