@@ -1,16 +1,30 @@
-"""Compares each decode-builds run's tokens with a baseline build's: `python3 benches/tokens_equal.py BUILD`
-(OUT: the runs' folder). Prints, run by run, the requests whose tokens are equal and where each first parts."""
-import json,sys,glob,os
-out=os.environ.get("OUT","/tmp/kvplan-gpu")
-base=sys.argv[1]
-for f in sorted(glob.glob(f"{out}/builds-*.jsonl")):
-    name=os.path.basename(f)[7:-6]
-    b,spec,bs=name.rsplit("-",2)
-    if b==base: continue
-    ref=f"{out}/builds-{base}-{spec}-{bs}.jsonl"
-    if not os.path.exists(ref): continue
-    A=[json.loads(l)["tokens"] for l in open(ref) if l.strip()]
-    B=[json.loads(l)["tokens"] for l in open(f) if l.strip()]
-    eq=sum(a==b for a,b in zip(A,B))
-    pre=[next((i for i,(x,y) in enumerate(zip(a,b)) if x!=y),len(a)) for a,b in zip(A,B)]
-    print(name,"vs",base,f"equal {eq}/{len(A)}","first diff",pre)
+"""Each `scripts/gpu.sh decode-builds` run's tokens against a baseline build's in the same folder.
+
+Usage: python3 benches/tokens_equal.py BASELINE  (the runs' folder: $OUT, else /tmp/kvplan-gpu)
+Prints, run by run, how many requests' tokens equal the baseline's and where each first differs.
+"""
+import glob
+import json
+import os
+import sys
+
+
+def tokens(path):
+    return [json.loads(line)["tokens"] for line in open(path) if line.strip()]
+
+
+def first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+
+
+folder = os.environ.get("OUT", "/tmp/kvplan-gpu")
+baseline = sys.argv[1]
+for path in sorted(glob.glob(f"{folder}/builds-*.jsonl")):
+    build, spec, batch = os.path.basename(path)[len("builds-"):-len(".jsonl")].rsplit("-", 2)
+    reference = f"{folder}/builds-{baseline}-{spec}-{batch}.jsonl"
+    if build == baseline or not os.path.exists(reference):
+        continue
+    ours, theirs = tokens(path), tokens(reference)
+    equal = sum(a == b for a, b in zip(ours, theirs))
+    parts = [first_difference(a, b) for a, b in zip(ours, theirs)]
+    print(f"{build}-{spec}-{batch} vs {baseline}: equal {equal}/{len(theirs)}, first difference {parts}")
