@@ -19,8 +19,8 @@ cargo test --release --workspace "$@"
 # (`KVPLAN_ATTENTION_GROUPED=1`; by default only past 16 tokens): the same tests, the same bits.
 KVPLAN_ATTENTION_GROUPED=1 cargo test --release --workspace "$@" --test kvplan -- attention paged
 # The projections' other layouts, candidates on a GPU (`decoder/src/linear/mod.rs`'s knobs): the
-# block kernel at every token count with 2 columns a plane (a token's bits the same at any count
-# there too), then staged inputs with 4.
+# block kernel at every token count with 2 columns a plane (blocks of 1 to 32 tokens, a token's
+# bits the same in each), then staged inputs with 4.
 KVPLAN_PROJECTION_STEP_TOKENS=0 KVPLAN_PROJECTION_BLOCK_COLUMNS=2 \
     cargo test --release --workspace "$@" --test kvplan -- decoder_projection
 KVPLAN_PROJECTION_STAGE_INPUTS=1 KVPLAN_PROJECTION_BLOCK_COLUMNS=4 \

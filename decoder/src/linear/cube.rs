@@ -97,6 +97,10 @@ pub(super) fn linear(
         );
         if block {
             let columns = knobs.block_columns;
+            // A block of as many tokens as the step has, up to `BLOCK_VALUES / columns`: a
+            // token's sums are the same whatever its block (the rows' parts and the folds'
+            // order depend on the row's length alone).
+            let block_rows = tokens.next_power_of_two().min(BLOCK_VALUES / columns);
             let column_cubes = outputs.div_ceil(columns * BLOCK_PLANES);
             // Parts of at most `block_rounds` rounds of a plane's loads each, up to the knob's
             // most; where planes fold in shared memory two at most, so its buffer stays small.
@@ -111,7 +115,7 @@ pub(super) fn linear(
             unsafe {
                 linear_block_kernel::launch_unchecked(
                     &client,
-                    grid(column_cubes, tokens.div_ceil(BLOCK_VALUES / columns)),
+                    grid(column_cubes, tokens.div_ceil(block_rows)),
                     CubeDim::new_2d(LANES as u32, (BLOCK_PLANES * splits) as u32),
                     address,
                     vector,
@@ -130,6 +134,7 @@ pub(super) fn linear(
                     planes,
                     splits,
                     columns,
+                    block_rows,
                     dtypes,
                 );
             }

@@ -751,20 +751,21 @@ const BLOCK_LOADS: usize = 8;
 /// split into more parts, a plane each.
 pub const BLOCK_ROUNDS: usize = 4;
 
-/// The projection for blocks of `BLOCK_VALUES / columns` tokens (the steps past `STEP_TOKENS`),
-/// laid out so a weight is read once a block and the sums fold in few exchanges: a cube makes
-/// `BLOCK_PLANES` runs of `columns` columns of its block, each run's rows split in `splits` parts,
-/// a plane a part; lane `l` of part `p` reads vectors `p * LANES + l`, then every
-/// `splits * LANES`-th, of the weight rows and of every token's input, each vector's products
-/// added in order into one sum a (token, column). More columns a plane: each input load feeds
-/// more sums (the inputs, reread for every run of columns, are most of a launch's loads), the
-/// weights are read once for each of more blocks. The plane's 64 sums then fold by halves, each
-/// exchange handing half of a lane's sums to the lane `mask` away (62 exchanges, where a plane
-/// sum a value takes 320), until lane `l` holds sums `2l` and `2l + 1` (a pair of columns of
-/// token `2l / columns`); the parts add in order. The exchanges are plane shuffles with `planes`
-/// (planes exactly `LANES` wide: CUDA), else staged in shared memory (`splits` at most 2 there):
-/// the same sums in the same order. A token's value does not depend on the other tokens of its
-/// block.
+/// The projection for blocks of `rows` tokens (a power of two, at most `BLOCK_VALUES / columns`:
+/// the steps past `STEP_TOKENS`), laid out so a weight is read once a block and the sums fold in
+/// few exchanges: a cube makes `BLOCK_PLANES` runs of `columns` columns of its block, each run's
+/// rows split in `splits` parts, a plane a part; lane `l` of part `p` reads vectors
+/// `p * LANES + l`, then every `splits * LANES`-th, of the weight rows and of every token's
+/// input, each vector's products added in order into one sum a (token, column). More columns a
+/// plane: each input load feeds more sums (the inputs, reread for every run of columns, are most
+/// of a launch's loads), the weights are read once for each of more blocks. The plane's
+/// `rows * columns` sums then fold by halves, each exchange handing half of a lane's sums to the
+/// lane `mask` away (62 exchanges for 64 sums, where a plane sum a value takes 320), until lane
+/// `l` holds sum `l * len / LANES` (and the next where `len` is 64: a pair of columns); the parts
+/// add in order. The exchanges are plane shuffles with `planes` (planes exactly `LANES` wide:
+/// CUDA), else staged in shared memory (`splits` at most 2 there): the same sums in the same
+/// order. A token's value depends neither on the other tokens nor on `rows`: the same bits in
+/// any block.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
@@ -783,24 +784,32 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     #[comptime] planes: bool,
     #[comptime] splits: usize,
     #[comptime] columns: usize,
+    #[comptime] rows: usize,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
-    let rows = comptime!(BLOCK_VALUES / columns);
+    let len = comptime!(rows * columns);
+    let loads = comptime!(if rows < BLOCK_LOADS {
+        rows
+    } else {
+        BLOCK_LOADS
+    });
     // Plane `run + BLOCK_PLANES * part` sums part `part` of the rows of column run `run`.
     let run = plane % BLOCK_PLANES;
     let part = plane / BLOCK_PLANES;
     let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
     let first_column = (cube * BLOCK_PLANES as u64 + run as u64) * columns as u64;
     let first_row = CUBE_POS_Z as u64 * rows as u64;
-    // Lane `l` writes sums `2l`, `2l + 1`: token `2l / columns`, a pair of its columns.
-    let row = first_row + ((2 * lane) / columns) as u64;
-    let pair_column = first_column + ((2 * lane) % columns) as u64;
-    let mut sums = Array::<A>::new(BLOCK_VALUES);
+    // Lane `l` writes sum `s = l * len / LANES` (and `s + 1` where a lane holds two): token
+    // `s / columns`, column `s % columns`.
+    let held = (lane * len) / LANES;
+    let row = first_row + (held / columns) as u64;
+    let pair_column = first_column + (held % columns) as u64;
+    let mut sums = Array::<A>::new(len);
     let mut squares = Array::<A>::new(rows);
     #[unroll]
-    for j in 0..BLOCK_VALUES {
+    for j in 0..len {
         sums[j] = A::new(0.0);
     }
     #[unroll]
@@ -817,7 +826,7 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     }
     let vectors = shape.inner as usize;
     let mut weights = Array::<Vector<A, N>>::new(columns);
-    let mut inputs = Array::<Vector<A, N>>::new(BLOCK_LOADS);
+    let mut inputs = Array::<Vector<A, N>>::new(loads);
     let mut k = part * LANES + lane;
     while k < vectors {
         #[unroll]
@@ -826,16 +835,16 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
         }
         // The block's inputs `BLOCK_LOADS` tokens at a time: their loads in flight together.
         #[unroll]
-        for group in 0..rows / BLOCK_LOADS {
+        for group in 0..rows / loads {
             #[unroll]
-            for i in 0..BLOCK_LOADS {
-                let token = first_row + comptime!(group * BLOCK_LOADS + i) as u64;
+            for i in 0..loads {
+                let token = first_row + comptime!(group * loads + i) as u64;
                 let token = last_at_most(token, shape.tokens);
                 inputs[i] = Vector::<A, N>::cast_from(x[(token * shape.x_stride) as usize + k]);
             }
             #[unroll]
-            for i in 0..BLOCK_LOADS {
-                let r = comptime!(group * BLOCK_LOADS + i);
+            for i in 0..loads {
+                let r = comptime!(group * loads + i);
                 let value = inputs[i];
                 #[unroll]
                 for e in 0..N::value() {
@@ -856,9 +865,9 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {
         splits * BLOCK_PLANES * LANES * 3
     } else {
-        splits * BLOCK_PLANES * LANES * BLOCK_VALUES / 2
+        splits * BLOCK_PLANES * LANES * (len / 2).max(3)
     }));
-    fold_halves::<A>(&mut sums, &mut staged, lane, plane, BLOCK_VALUES, planes);
+    fold_halves::<A>(&mut sums, &mut staged, lane, plane, len, planes);
     if comptime![norm] {
         fold_halves::<A>(&mut squares, &mut staged, lane, plane, rows, planes);
     }
@@ -879,10 +888,24 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
             }
         }
     }
+    if comptime![len < BLOCK_VALUES] {
+        // A lane holds one sum, as the `LANES / len` lanes after it do; its RoPE or SwiGLU
+        // partner's run is that far away. The run's first lane writes it.
+        sums[1] = if comptime![planes] {
+            plane_shuffle_xor(sums[0], comptime!((LANES / len) as u32))
+        } else {
+            sync_cube();
+            staged[plane * LANES + lane] = sums[0];
+            sync_cube();
+            staged[plane * LANES + (lane ^ comptime!(LANES / len))]
+        };
+    }
+    let writes = comptime!(if len < BLOCK_VALUES { 1 } else { PLANE_COLUMNS });
+    let first = (lane * len) % LANES == 0;
     #[unroll]
-    for c in 0..PLANE_COLUMNS {
+    for c in 0..writes {
         let column = pair_column + c as u64;
-        if part == 0 && row < shape.tokens && column < shape.outputs {
+        if part == 0 && first && row < shape.tokens && column < shape.outputs {
             let around = Finish::<A> {
                 squares: squares[0],
                 elements: shape.inner * N::value() as u64,
