@@ -761,8 +761,8 @@ pub const BLOCK_ROUNDS: usize = 4;
 /// of a launch's loads), the weights are read once for each of more blocks. The plane's
 /// `rows * columns` sums then fold by halves, each exchange handing half of a lane's sums to the
 /// lane `mask` away (62 exchanges for 64 sums, where a plane sum a value takes 320), until lane
-/// `l` holds sum `l * len / LANES` (and the next where `len` is 64: a pair of columns); the parts
-/// add in order. The exchanges are plane shuffles with `planes` (planes exactly `LANES` wide:
+/// `l` holds sum `l * rows * columns / LANES` (and the next where they are 64: a pair of
+/// columns); the parts add in order. The exchanges are plane shuffles with `planes` (planes exactly `LANES` wide:
 /// CUDA), else staged in shared memory (`splits` at most 2 there): the same sums in the same
 /// order. A token's value depends neither on the other tokens nor on `rows`: the same bits in
 /// any block.
