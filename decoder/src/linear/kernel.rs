@@ -790,11 +790,8 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let len = comptime!(rows * columns);
-    let loads = comptime!(if rows < BLOCK_LOADS {
-        rows
-    } else {
-        BLOCK_LOADS
-    });
+    // Tokens whose inputs a lane loads together.
+    let loads = comptime!(rows.min(BLOCK_LOADS));
     // Plane `run + BLOCK_PLANES * part` sums part `part` of the rows of column run `run`.
     let run = plane % BLOCK_PLANES;
     let part = plane / BLOCK_PLANES;
@@ -833,7 +830,7 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
         for c in 0..columns {
             weights[c] = Vector::<A, N>::cast_from(w[w_rows[c] + k]);
         }
-        // The block's inputs `BLOCK_LOADS` tokens at a time: their loads in flight together.
+        // The block's inputs `loads` tokens at a time: their loads in flight together.
         #[unroll]
         for group in 0..rows / loads {
             #[unroll]
