@@ -9,10 +9,10 @@ use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
 use super::kernel::{
-    BLOCK_PLANES, BLOCK_VALUES, GREEDY_UNITS, LANES, LinearShapeLaunch, MAX_ROUND, MAX_ROWS,
-    NORM_UNITS, PLANE_COLUMNS, PLANES, ROPE_UNITS, RopeScalarsLaunch, VECTOR_PLANES, greedy_kernel,
-    linear_block_kernel, linear_kernel, linear_vector_kernel, rms_norm_kernel, rope_kernel,
-    swiglu_kernel,
+    BLOCK_COLUMNS, BLOCK_PLANES, BLOCK_VALUES, FEW_COLUMNS, FEW_TOKENS, GREEDY_UNITS, LANES,
+    LinearShapeLaunch, MAX_ROUND, MAX_ROWS, NORM_UNITS, PLANE_COLUMNS, PLANES, ROPE_UNITS,
+    RopeScalarsLaunch, VECTOR_PLANES, block_ahead, greedy_kernel, linear_block_kernel,
+    linear_kernel, linear_vector_kernel, rms_norm_kernel, rope_kernel, swiglu_kernel,
 };
 use super::{Around, RopeShape};
 
@@ -96,7 +96,11 @@ pub(super) fn linear(
             out.clone().into_tensor_arg(),
         );
         if block {
-            let columns = knobs.block_columns;
+            let columns = knobs.block_columns.unwrap_or(if tokens <= FEW_TOKENS {
+                FEW_COLUMNS
+            } else {
+                BLOCK_COLUMNS
+            });
             // A block of as many tokens as the step has, up to `BLOCK_VALUES / columns`: a
             // token's sums are the same whatever its block (the rows' parts and the folds'
             // order depend on the row's length alone).
@@ -108,6 +112,7 @@ pub(super) fn linear(
             let splits = (vectors as usize)
                 .div_ceil(knobs.block_rounds * LANES)
                 .clamp(1, most);
+            let ahead = block_ahead(block_rows, columns, vector, knobs.block_ahead);
             // SAFETY: in vectors of `vector` values, rows and strides whole vectors
             // (`vector_size`): a lane reads vectors below `inner` of rows below `tokens` and
             // `outputs` (one past the end reads the last; both are at least 1 here), each output
@@ -135,6 +140,7 @@ pub(super) fn linear(
                     splits,
                     columns,
                     block_rows,
+                    ahead,
                     dtypes,
                 );
             }

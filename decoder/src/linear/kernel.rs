@@ -738,11 +738,17 @@ fn add_input<A: Float, N: Size>(
 
 /// Sums a lane of `linear_block_kernel` keeps: a (token, column) each, two a lane once folded.
 pub const BLOCK_VALUES: usize = 2 * LANES;
-/// Columns a plane of `linear_block_kernel` makes by default: its block is then
-/// `BLOCK_VALUES / columns` tokens (more tokens, more cubes along z). Batch 32 measured 1.24x
+/// Columns a plane of `linear_block_kernel` makes by default past `FEW_TOKENS` tokens: its block is
+/// then `BLOCK_VALUES / columns` tokens (more tokens, more cubes along z). Batch 32 measured 1.24x
 /// faster at 8 than at 2 (the inputs, reread for every plane's columns, were most of the loads:
 /// `benches/RESULTS.md`, session 45).
 pub const BLOCK_COLUMNS: usize = 8;
+/// Tokens up to which a plane of `linear_block_kernel` makes `FEW_COLUMNS` columns: more cubes for
+/// a step's few sums (batch 8 measured 1.2x faster at 2 than at 8, `benches/RESULTS.md`, session
+/// 47). A token's bits do not depend on its plane's columns.
+pub const FEW_TOKENS: usize = 8;
+/// Columns a plane makes up to `FEW_TOKENS` tokens.
+pub const FEW_COLUMNS: usize = 2;
 /// Planes of a `linear_block_kernel` cube, each its own columns (times its parts of the rows).
 pub const BLOCK_PLANES: usize = 4;
 /// Tokens of a block whose inputs a lane loads together before it adds them.
@@ -750,6 +756,19 @@ const BLOCK_LOADS: usize = 8;
 /// The most rounds of loads (a vector of a row each lane) a part of a row takes: longer rows are
 /// split into more parts, a plane each.
 pub const BLOCK_ROUNDS: usize = 4;
+/// Values a lane of a small block holds in flight: as many of its part's rounds as fit are
+/// loaded together (`block_ahead`).
+const AHEAD_VALUES: usize = 64;
+
+/// Rounds of loads a lane of `linear_block_kernel` issues together for a block of `rows` tokens
+/// and `columns` columns in vectors of `vector` values, at most `most`: where a round's loads are
+/// few (a step of a few tokens), a part's chain of round trips becomes one.
+pub fn block_ahead(rows: usize, columns: usize, vector: usize, most: usize) -> usize {
+    if rows > BLOCK_LOADS {
+        return 1;
+    }
+    (AHEAD_VALUES / ((columns + rows) * vector)).clamp(1, most.clamp(1, BLOCK_ROUNDS))
+}
 
 /// The projection for blocks of `rows` tokens (a power of two, at most `BLOCK_VALUES / columns`:
 /// the steps past `STEP_TOKENS`), laid out so a weight is read once a block and the sums fold in
@@ -785,6 +804,7 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     #[comptime] splits: usize,
     #[comptime] columns: usize,
     #[comptime] rows: usize,
+    #[comptime] ahead: usize,
     #[define(F, A)] _dtypes: [ElemType; 2],
 ) {
     let lane = UNIT_POS_X as usize;
@@ -822,41 +842,85 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
         w_rows[c] = (column * shape.w_stride) as usize;
     }
     let vectors = shape.inner as usize;
-    let mut weights = Array::<Vector<A, N>>::new(columns);
-    let mut inputs = Array::<Vector<A, N>>::new(loads);
+    let stride = splits * LANES;
+    let mut weights = Array::<Vector<A, N>>::new(comptime!(columns * ahead));
+    let mut inputs =
+        Array::<Vector<A, N>>::new(comptime!(if ahead > 1 { rows * ahead } else { loads }));
     let mut k = part * LANES + lane;
     while k < vectors {
-        #[unroll]
-        for c in 0..columns {
-            weights[c] = Vector::<A, N>::cast_from(w[w_rows[c] + k]);
-        }
-        // The block's inputs `loads` tokens at a time: their loads in flight together.
-        #[unroll]
-        for group in 0..rows / loads {
+        if comptime![ahead > 1] {
+            // A small block's `ahead` rounds' loads in flight together (unguarded: past the row a
+            // lane reads its last vector, which no sum adds), then added round by round: the
+            // same sums in the same order as one round at a time.
             #[unroll]
-            for i in 0..loads {
-                let token = first_row + comptime!(group * loads + i) as u64;
-                let token = last_at_most(token, shape.tokens);
-                inputs[i] = Vector::<A, N>::cast_from(x[(token * shape.x_stride) as usize + k]);
+            for a in 0..ahead {
+                let at = last_at_most((k + a * stride) as u64, vectors as u64) as usize;
+                #[unroll]
+                for c in 0..columns {
+                    weights[a * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
+                }
+                #[unroll]
+                for i in 0..rows {
+                    let token = last_at_most(first_row + i as u64, shape.tokens);
+                    inputs[a * rows + i] =
+                        Vector::<A, N>::cast_from(x[(token * shape.x_stride) as usize + at]);
+                }
             }
             #[unroll]
-            for i in 0..loads {
-                let r = comptime!(group * loads + i);
-                let value = inputs[i];
-                #[unroll]
-                for e in 0..N::value() {
-                    let input = value.extract(e);
-                    if comptime![norm] {
-                        squares[r] += input * input;
-                    }
+            for a in 0..ahead {
+                if k + a * stride < vectors {
                     #[unroll]
-                    for c in 0..columns {
-                        sums[r * columns + c] += input * weights[c].extract(e);
+                    for r in 0..rows {
+                        let value = inputs[a * rows + r];
+                        #[unroll]
+                        for e in 0..N::value() {
+                            let input = value.extract(e);
+                            if comptime![norm] {
+                                squares[r] += input * input;
+                            }
+                            #[unroll]
+                            for c in 0..columns {
+                                sums[r * columns + c] +=
+                                    input * weights[a * columns + c].extract(e);
+                            }
+                        }
                     }
                 }
             }
+            k += ahead * stride;
+        } else {
+            #[unroll]
+            for c in 0..columns {
+                weights[c] = Vector::<A, N>::cast_from(w[w_rows[c] + k]);
+            }
+            // The block's inputs `loads` tokens at a time: their loads in flight together.
+            #[unroll]
+            for group in 0..rows / loads {
+                #[unroll]
+                for i in 0..loads {
+                    let token = first_row + comptime!(group * loads + i) as u64;
+                    let token = last_at_most(token, shape.tokens);
+                    inputs[i] = Vector::<A, N>::cast_from(x[(token * shape.x_stride) as usize + k]);
+                }
+                #[unroll]
+                for i in 0..loads {
+                    let r = comptime!(group * loads + i);
+                    let value = inputs[i];
+                    #[unroll]
+                    for e in 0..N::value() {
+                        let input = value.extract(e);
+                        if comptime![norm] {
+                            squares[r] += input * input;
+                        }
+                        #[unroll]
+                        for c in 0..columns {
+                            sums[r * columns + c] += input * weights[c].extract(e);
+                        }
+                    }
+                }
+            }
+            k += stride;
         }
-        k += splits * LANES;
     }
     // The folds' hand-over without `planes`, then the parts' sums (three a lane).
     let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {

@@ -45,7 +45,10 @@ pub const STEP_TOKENS: usize = 16;
 ///   shared memory first, in one round trip, where its sums otherwise wait on one a token (its
 ///   offline SASS; batch 8 measured 1.015x, one run);
 /// - `KVPLAN_PROJECTION_BLOCK_COLUMNS=N` (2, 4 or 8): the columns a plane of the block kernel makes
-///   (`kernel::BLOCK_COLUMNS`, 8, by default), its block `64 / N` tokens;
+///   at every count (by default `kernel::FEW_COLUMNS` up to `kernel::FEW_TOKENS` tokens, then
+///   `kernel::BLOCK_COLUMNS`), its block `64 / N` tokens;
+/// - `KVPLAN_PROJECTION_BLOCK_AHEAD=N`: the most rounds of loads a lane of the block kernel issues
+///   together (`kernel::block_ahead`; 1: a round at a time);
 /// - `KVPLAN_PROJECTION_STEP_TOKENS=N`: the block kernel takes steps past `N` tokens
 ///   ([`STEP_TOKENS`] by default; a token's bits then differ between steps either side of `N`;
 ///   0, the block kernel at every count: batch 8 1.08x, batch 1 0.74x on an H100, session 46).
@@ -64,7 +67,9 @@ struct Knobs {
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     stage_inputs: bool,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
-    block_columns: usize,
+    block_columns: Option<usize>,
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    block_ahead: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     step_tokens: usize,
 }
@@ -102,13 +107,17 @@ fn knobs() -> &'static Knobs {
                 .unwrap_or(GUARDED_ROWS),
             stage_inputs: var("KVPLAN_PROJECTION_STAGE_INPUTS").is_some_and(|value| value == "1"),
             block_columns: match var("KVPLAN_PROJECTION_BLOCK_COLUMNS").as_deref() {
-                Some("2") => 2,
-                Some("4") => 4,
-                _ => kernel::BLOCK_COLUMNS,
+                Some("2") => Some(2),
+                Some("4") => Some(4),
+                Some("8") => Some(8),
+                _ => None,
             },
+            block_ahead: var("KVPLAN_PROJECTION_BLOCK_AHEAD")
+                .and_then(|value| value.parse().ok())
+                .unwrap_or(kernel::BLOCK_ROUNDS),
             step_tokens: var("KVPLAN_PROJECTION_STEP_TOKENS")
                 .and_then(|value| value.parse().ok())
-                .unwrap_or(STEP_TOKENS),
+                .unwrap_or(0),
         }
     })
 }

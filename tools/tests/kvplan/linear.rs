@@ -650,7 +650,7 @@ fn matches_reference_in(device: &Device, dtype: DType) {
                 // Each token alone: the same bits as in the batch (the step kernels' sums for
                 // one token never depend on the others, so a verify window and a plain step
                 // agree; the block kernel takes wider steps, Flex runs Burn's matmul).
-                if tokens <= STEP_TOKENS && !flex {
+                if tokens <= MAX_TOKENS && !flex {
                     for t in [0, tokens / 2, tokens - 1] {
                         let row = inputs.token(t).run(after, norm_eps);
                         let bits =
