@@ -18,10 +18,10 @@ cargo test --release --workspace "$@"
 # The attention with a cube for each K/V head's query heads in every launch
 # (`KVPLAN_ATTENTION_GROUPED=1`; by default only past 16 tokens): the same tests, the same bits.
 KVPLAN_ATTENTION_GROUPED=1 cargo test --release --workspace "$@" --test kvplan -- attention paged
-# The projections' other layouts, candidates on a GPU (`decoder/src/linear/mod.rs`'s knobs): the
-# block kernel at every token count with 2 columns a plane (blocks of 1 to 32 tokens, a token's
-# bits the same in each), then staged inputs with 4.
-KVPLAN_PROJECTION_STEP_TOKENS=0 KVPLAN_PROJECTION_BLOCK_COLUMNS=2 \
+# The projection's other layouts, candidates on a GPU (`decoder/src/linear/mod.rs`'s knobs): 3
+# rounds of loads together where a block is small (a part's rounds in batches of 3 and fewer),
+# then 4 columns a plane at every count; a token's bits the same in each.
+KVPLAN_PROJECTION_BLOCK_AHEAD=3 \
     cargo test --release --workspace "$@" --test kvplan -- decoder_projection
-KVPLAN_PROJECTION_STAGE_INPUTS=1 KVPLAN_PROJECTION_BLOCK_COLUMNS=4 \
+KVPLAN_PROJECTION_BLOCK_COLUMNS=4 \
     cargo test --release --workspace "$@" --test kvplan -- decoder_projection

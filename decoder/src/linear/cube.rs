@@ -10,16 +10,13 @@ use cubecl::prelude::*;
 
 use super::kernel::{
     BLOCK_COLUMNS, BLOCK_PLANES, BLOCK_VALUES, FEW_COLUMNS, FEW_TOKENS, GREEDY_UNITS, LANES,
-    LinearShapeLaunch, MAX_ROUND, MAX_ROWS, NORM_UNITS, PLANE_COLUMNS, PLANES, ROPE_UNITS,
-    RopeScalarsLaunch, VECTOR_PLANES, block_ahead, greedy_kernel, linear_block_kernel,
-    linear_kernel, linear_vector_kernel, rms_norm_kernel, rope_kernel, swiglu_kernel,
+    LinearShapeLaunch, NORM_UNITS, ROPE_UNITS, RopeScalarsLaunch, block_ahead, greedy_kernel,
+    linear_block_kernel, rms_norm_kernel, rope_kernel, swiglu_kernel,
 };
 use super::{Around, RopeShape};
 
-/// One launch: up to `STEP_TOKENS` tokens a cube for each `columns` output columns and each block
-/// of up to `MAX_ROWS` tokens (the fewest rows a cube that holds every token, below that); past
-/// them a cube for each `BLOCK_PLANES` planes' columns and each block of `BLOCK_VALUES / columns`
-/// tokens.
+/// One launch of `linear_block_kernel`: a cube for each `BLOCK_PLANES` planes' columns and each
+/// block of up to `BLOCK_VALUES / columns` tokens.
 pub(super) fn linear(
     x: CubeTensor,
     w: CubeTensor,
@@ -56,9 +53,7 @@ pub(super) fn linear(
     if tokens == 0 || outputs == 0 {
         return out;
     }
-    let rows = tokens.next_power_of_two().min(MAX_ROWS);
     let knobs = super::knobs();
-    let guarded = rows >= knobs.guarded_rows;
     let properties = x.client.properties();
     let planes = properties.features.plane.contains(Plane::Ops)
         && properties.hardware.plane_size_min == LANES as u32
@@ -67,151 +62,38 @@ pub(super) fn linear(
     let dtypes = kernel_dtypes(x.dtype);
     let client = x.client.clone();
     let eps = around.norm_eps.unwrap_or(0.0) as f32;
-    let block = tokens > knobs.step_tokens;
-    if block || super::vector_kernel(outputs, inner) {
-        let vector = vector_size(&x, &w, inner);
-        let vectors = (inner / vector) as u64;
-        // The vector kernel's tokens' inputs staged in shared memory
-        // (`KVPLAN_PROJECTION_STAGE_INPUTS`) where they are several, fit 32 KiB and one round of
-        // a lane's loads covers a row.
-        let fits =
-            rows * inner * x.dtype.size() <= 32 * 1024 && vectors as usize <= MAX_ROUND * LANES;
-        let staged = if knobs.stage_inputs && rows > 1 && fits {
-            vectors as usize
-        } else {
-            0
-        };
-        let shape = linear_shape(
-            [tokens as u64, outputs as u64, vectors],
-            [&x, &w, &residual, &cos],
-            vector as u64,
-            &around,
-        );
-        let args = (
-            x.into_tensor_arg(),
-            w.into_tensor_arg(),
-            residual.into_tensor_arg(),
-            cos.into_tensor_arg(),
-            sin.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-        );
-        if block {
-            let columns = knobs.block_columns.unwrap_or(if tokens <= FEW_TOKENS {
-                FEW_COLUMNS
-            } else {
-                BLOCK_COLUMNS
-            });
-            // A block of as many tokens as the step has, up to `BLOCK_VALUES / columns`: a
-            // token's sums are the same whatever its block (the rows' parts and the folds'
-            // order depend on the row's length alone).
-            let block_rows = tokens.next_power_of_two().min(BLOCK_VALUES / columns);
-            let column_cubes = outputs.div_ceil(columns * BLOCK_PLANES);
-            // Parts of at most `block_rounds` rounds of a plane's loads each, up to the knob's
-            // most; where planes fold in shared memory two at most, so its buffer stays small.
-            let most = if planes { 8 } else { 2 }.min(knobs.most_splits);
-            let splits = (vectors as usize)
-                .div_ceil(knobs.block_rounds * LANES)
-                .clamp(1, most);
-            let ahead = block_ahead(block_rows, columns, vector, knobs.block_ahead);
-            // SAFETY: in vectors of `vector` values, rows and strides whole vectors
-            // (`vector_size`): a lane reads vectors below `inner` of rows below `tokens` and
-            // `outputs` (one past the end reads the last; both are at least 1 here), each output
-            // written by one lane.
-            unsafe {
-                linear_block_kernel::launch_unchecked(
-                    &client,
-                    grid(column_cubes, tokens.div_ceil(block_rows)),
-                    CubeDim::new_2d(LANES as u32, (BLOCK_PLANES * splits) as u32),
-                    address,
-                    vector,
-                    args.0,
-                    args.1,
-                    args.2,
-                    args.3,
-                    args.4,
-                    args.5,
-                    shape,
-                    eps,
-                    around.norm_eps.is_some(),
-                    around.swiglu,
-                    around.add,
-                    around.rope.is_some(),
-                    planes,
-                    splits,
-                    columns,
-                    block_rows,
-                    ahead,
-                    dtypes,
-                );
-            }
-        } else {
-            // Vectors a lane loads of a row at once: the row in the fewest rounds of at most
-            // `MAX_ROUND`, shared out evenly.
-            let per_lane = (vectors as usize).div_ceil(LANES).max(1);
-            let round = per_lane.div_ceil(per_lane.div_ceil(MAX_ROUND));
-            let column_cubes = outputs.div_ceil(PLANE_COLUMNS * VECTOR_PLANES);
-            // SAFETY: as `linear_kernel` below, in vectors of `vector` values: rows and strides
-            // are whole vectors (`vector_size`), loads past `tokens`, `outputs` or `inner`
-            // skipped.
-            unsafe {
-                linear_vector_kernel::launch_unchecked(
-                    &client,
-                    grid(column_cubes, tokens.div_ceil(rows)),
-                    CubeDim::new_2d(LANES as u32, VECTOR_PLANES as u32),
-                    address,
-                    vector,
-                    args.0,
-                    args.1,
-                    args.2,
-                    args.3,
-                    args.4,
-                    args.5,
-                    shape,
-                    eps,
-                    rows,
-                    round,
-                    around.norm_eps.is_some(),
-                    around.swiglu,
-                    around.add,
-                    around.rope.is_some(),
-                    planes,
-                    guarded,
-                    staged,
-                    dtypes,
-                );
-            }
-        }
-        return out;
-    }
-    // Columns a cube: each input load feeds that many sums. Where the lanes fold in shared memory
-    // one, so the fold's buffer stays small.
-    let columns = match (planes, rows) {
-        // RoPE and SwiGLU take pairs of adjacent columns: both in one cube.
-        (false, _) if around.rope.is_some() || around.swiglu => 2,
-        (false, _) => 1,
-        (true, 1 | 2) => 2,
-        (true, _) => 4,
-    };
-    // A unit's loads in flight at once: a round covers 1,024 (or 2,048) columns of a row.
-    let unroll = if rows <= 2 { 8 } else { 4 };
+    let vector = vector_size(&x, &w, inner);
+    let vectors = inner / vector;
     let shape = linear_shape(
-        [tokens as u64, outputs as u64, inner as u64],
+        [tokens as u64, outputs as u64, vectors as u64],
         [&x, &w, &residual, &cos],
-        1,
+        vector as u64,
         &around,
     );
-    let column_cubes = outputs.div_ceil(columns);
-    let cubes = grid(column_cubes, tokens.div_ceil(rows));
-    let dim = CubeDim::new_2d(LANES as u32, PLANES as u32);
-    // SAFETY: every read is inside `x`, `w` and `residual` (rows of unit column stride at the row
-    // strides given; loads past `tokens`, `outputs` or `inner` are skipped), each output written
-    // by one unit.
+    // A token's sums are the same whatever its block and its plane's columns (the rows' parts and
+    // the folds' order depend on the row's length alone), so both may follow the count.
+    let columns = knobs.block_columns.unwrap_or(if tokens <= FEW_TOKENS {
+        FEW_COLUMNS
+    } else {
+        BLOCK_COLUMNS
+    });
+    let block_rows = tokens.next_power_of_two().min(BLOCK_VALUES / columns);
+    let column_cubes = outputs.div_ceil(columns * BLOCK_PLANES);
+    // Parts of at most `block_rounds` rounds of a plane's loads each, up to the knob's most; where
+    // planes fold in shared memory two at most, so its buffer stays small.
+    let most = if planes { 8 } else { 2 }.min(knobs.most_splits);
+    let splits = vectors.div_ceil(knobs.block_rounds * LANES).clamp(1, most);
+    let ahead = block_ahead(block_rows, columns, vector, knobs.block_ahead);
+    // SAFETY: in vectors of `vector` values, rows and strides whole vectors (`vector_size`): a
+    // lane reads vectors below `inner` of rows below `tokens` and `outputs` (one past the end
+    // reads the last; both are at least 1 here), each output written by one lane.
     unsafe {
-        linear_kernel::launch_unchecked(
+        linear_block_kernel::launch_unchecked(
             &client,
-            cubes,
-            dim,
+            grid(column_cubes, tokens.div_ceil(block_rows)),
+            CubeDim::new_2d(LANES as u32, (BLOCK_PLANES * splits) as u32),
             address,
+            vector,
             x.into_tensor_arg(),
             w.into_tensor_arg(),
             residual.into_tensor_arg(),
@@ -220,15 +102,15 @@ pub(super) fn linear(
             out.clone().into_tensor_arg(),
             shape,
             eps,
-            rows,
-            columns,
-            unroll,
             around.norm_eps.is_some(),
             around.swiglu,
             around.add,
             around.rope.is_some(),
             planes,
-            guarded,
+            splits,
+            columns,
+            block_rows,
+            ahead,
             dtypes,
         );
     }
@@ -470,7 +352,7 @@ fn vector_size(x: &CubeTensor, w: &CubeTensor, inner: usize) -> usize {
     };
     [16 / size, 8 / size, 4 / size, 2 / size, 1]
         .into_iter()
-        .find(|&vector| vector >= 1 && vector <= super::most_vector() && fits(vector))
+        .find(|&vector| vector >= 1 && fits(vector))
         .unwrap_or(1)
 }
 

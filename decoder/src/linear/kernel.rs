@@ -1,25 +1,16 @@
-//! The projection kernel for a step's few tokens: `out = [residual +] (x [/ rms(x)]) W^T`, over
-//! weights kept as `[out, in]` rows.
+//! The projection kernel for a step's tokens: `out = [residual +] (x [/ rms(x)]) W^T`, over
+//! weights kept as `[out, in]` rows (`linear_block_kernel`), and the launches that ride beside
+//! it past `MAX_TOKENS` (RoPE, SwiGLU, RMSNorm) and after it (the greedy token).
 //!
-//! A cube makes a few output columns for a block of up to `MAX_ROWS` tokens, its `UNITS` units
-//! sharing out each weight row: unit `g` reads columns `g, g + UNITS, ..` of the cube's weight rows
-//! (coalesced) and of each token's input, a round of loads in flight at once, so a row takes one
-//! or two round trips and a projection has a cube for every few columns. Each plane's lanes fold
-//! their sums, then the planes' sums add in plane order. A token's value is the same sums in the
-//! same order whatever else is in the launch: a row is the same bits alone or in a verify window.
-//! Sums are kept in an accumulator type `A` (f32 for half-precision weights and activations,
-//! else their own) and rounded to `F` once, on the store.
+//! A token's value is the same sums in the same order whatever else is in the launch: a row is
+//! the same bits alone or in a verify window. Sums are kept in an accumulator type `A` (f32 for
+//! half-precision weights and activations, else their own) and rounded to `F` once, on the
+//! store.
 
 use cubecl::prelude::*;
 
 /// Units of a plane.
 pub const LANES: usize = 32;
-/// Planes of a cube.
-pub const PLANES: usize = 8;
-/// Units of a cube, all on the cube's columns.
-const UNITS: usize = LANES * PLANES;
-/// The most tokens a cube makes its columns for (more tokens: more cubes along y).
-pub const MAX_ROWS: usize = 8;
 
 /// Scalars of one projection.
 #[derive(CubeType, CubeLaunch, Clone, Copy)]
@@ -43,165 +34,6 @@ pub struct LinearShape {
     pub pairs: u64,
     /// Row stride of `cos` and `sin`.
     pub angle_stride: u64,
-}
-
-/// Cube `(c, b)` (`c` flattened over x and y) makes output columns `c * columns ..` of tokens
-/// `b * rows ..` (`b` on z). With `norm`,
-/// each token's dot products are divided by its input's RMS (`sqrt(mean(x^2) + eps)`: an RMSNorm
-/// whose weight is folded into `w`); with `add`, `residual` is added; with `rope`, each pair of
-/// columns `(2i, 2i + 1)` of a head below `rotated` is rotated by its token's angle of pair `i`
-/// (`cos`, `sin`: `[tokens, pairs]`); with `swiglu`, each pair gives `silu(2i) * (2i + 1)` as
-/// column `i` of `out` (`[tokens, outputs / 2]`). A pair needs `columns` even. A unit loads
-/// `unroll` of its columns at once before it adds them; with `guarded` each load waits on its
-/// bounds' branch, else past the end it reads the last
-/// value (adding zero, or storing nothing). With `planes` (planes exactly `LANES` wide: CUDA) the
-/// lanes fold by plane sums, else in shared memory.
-#[cube(launch_unchecked, address_type = "dynamic")]
-#[allow(clippy::too_many_arguments)]
-pub fn linear_kernel<F: Float, A: Float>(
-    x: &Tensor<F>,
-    w: &Tensor<F>,
-    residual: &Tensor<F>,
-    cos: &Tensor<F>,
-    sin: &Tensor<F>,
-    out: &mut Tensor<F>,
-    shape: LinearShape,
-    eps: f32,
-    #[comptime] rows: usize,
-    #[comptime] columns: usize,
-    #[comptime] unroll: usize,
-    #[comptime] norm: bool,
-    #[comptime] swiglu: bool,
-    #[comptime] add: bool,
-    #[comptime] rope: bool,
-    #[comptime] planes: bool,
-    #[comptime] guarded: bool,
-    #[define(F, A)] _dtypes: [ElemType; 2],
-) {
-    let lane = UNIT_POS_X as usize;
-    let plane = UNIT_POS_Y as usize;
-    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
-    let first_column = cube * columns as u64;
-    let first_row = CUBE_POS_Z as u64 * rows as u64;
-    // The values a unit sums: each (token, column)'s dot product, then each token's squares.
-    let values = comptime!(rows * columns + if norm { rows } else { 0 });
-    let mut sums = Array::<A>::new(values);
-    #[unroll]
-    for j in 0..values {
-        sums[j] = A::new(0.0);
-    }
-    let mut weights = Array::<A>::new(unroll * columns);
-    let mut inputs = Array::<A>::new(unroll * rows);
-    let step = (UNITS * unroll) as u64;
-    let mut k = (plane * LANES + lane) as u64;
-    while k < shape.inner {
-        // Every load of the round first, then the sums in column order. An unguarded load past
-        // the row's end reads the row's last value and adds zero; past the last column or token
-        // it reads the last one's, whose sums nothing stores.
-        #[unroll]
-        for i in 0..unroll {
-            let at = k + (i * UNITS) as u64;
-            let inside = at < shape.inner;
-            let read = select(inside, at, shape.inner - 1);
-            #[unroll]
-            for c in 0..columns {
-                let column = first_column + c as u64;
-                if comptime![guarded] {
-                    weights[i * columns + c] = A::new(0.0);
-                    if inside && column < shape.outputs {
-                        weights[i * columns + c] =
-                            A::cast_from(w[(column * shape.w_stride + at) as usize]);
-                    }
-                } else {
-                    let column = last_at_most(column, shape.outputs);
-                    let weight = A::cast_from(w[(column * shape.w_stride + read) as usize]);
-                    weights[i * columns + c] = select(inside, weight, A::new(0.0));
-                }
-            }
-            #[unroll]
-            for r in 0..rows {
-                let row = first_row + r as u64;
-                if comptime![guarded] {
-                    inputs[i * rows + r] = A::new(0.0);
-                    if inside && row < shape.tokens {
-                        inputs[i * rows + r] =
-                            A::cast_from(x[(row * shape.x_stride + at) as usize]);
-                    }
-                } else {
-                    let row = last_at_most(row, shape.tokens);
-                    let input = A::cast_from(x[(row * shape.x_stride + read) as usize]);
-                    inputs[i * rows + r] = select(inside, input, A::new(0.0));
-                }
-            }
-        }
-        #[unroll]
-        for i in 0..unroll {
-            #[unroll]
-            for r in 0..rows {
-                let value = inputs[i * rows + r];
-                if comptime![norm] {
-                    sums[rows * columns + r] += value * value;
-                }
-                #[unroll]
-                for c in 0..columns {
-                    sums[r * columns + c] += value * weights[i * columns + c];
-                }
-            }
-        }
-        k += step;
-    }
-    // Each plane's sums, then the planes' in order.
-    let mut planes_sums = Shared::<[A]>::new_slice(PLANES * values);
-    if comptime![planes] {
-        #[unroll]
-        for j in 0..values {
-            let total = plane_sum(sums[j]);
-            if lane == 0 {
-                planes_sums[plane * values + j] = total;
-            }
-        }
-    } else {
-        fold_lanes::<A>(&mut sums, lane, plane, PLANES, values);
-        if lane == 0 {
-            #[unroll]
-            for j in 0..values {
-                planes_sums[plane * values + j] = sums[j];
-            }
-        }
-    }
-    sync_cube();
-    // Unit `j` writes value `j`: token `j / columns`, column `j % columns`.
-    let j = plane * LANES + lane;
-    if j < rows * columns {
-        let r = j / columns;
-        let row = first_row + r as u64;
-        let column = first_column + (j % columns) as u64;
-        if row < shape.tokens && column < shape.outputs {
-            let mut value = A::new(0.0);
-            let mut partner = A::new(0.0);
-            let mut squares = A::new(0.0);
-            #[unroll]
-            for p in 0..PLANES {
-                value += planes_sums[p * values + j];
-                if comptime![rope || swiglu] {
-                    partner += planes_sums[p * values + (j ^ 1)];
-                }
-                if comptime![norm] {
-                    squares += planes_sums[p * values + rows * columns + r];
-                }
-            }
-            let around = Finish::<A> {
-                squares,
-                elements: shape.inner,
-                row,
-                column,
-            };
-            finish::<F, A>(
-                value, partner, around, shape, eps, residual, cos, sin, out, norm, add, rope,
-                swiglu,
-            );
-        }
-    }
 }
 
 /// `index` where it is below `count`, else the last index (`count - 1`; `count` at least 1): an
@@ -468,274 +300,6 @@ pub fn greedy_kernel<F: Float>(
     }
 }
 
-/// Output columns a plane of `linear_vector_kernel` makes (a RoPE pair).
-pub const PLANE_COLUMNS: usize = 2;
-/// Planes of a `linear_vector_kernel` cube.
-pub const VECTOR_PLANES: usize = 2;
-/// The most vectors a lane loads of a weight row in one round (more: another round).
-pub const MAX_ROUND: usize = 8;
-
-/// The projection as `linear_kernel` computes it, laid out for a step's few tokens: each plane
-/// makes `PLANE_COLUMNS` output columns of the cube's block of `rows` tokens on its own (no
-/// cross-plane sums, no barrier), its lanes reading the weight rows in vectors of `N` values,
-/// `round` vectors of each row in flight at once (one or two rounds cover a row), so the whole
-/// matrix is a round trip or two of wide loads. Lane `l` sums vectors `l, l + LANES, ..` of a row
-/// in order into a vector, then its values in order, then the lanes fold (`plane_sum`, else in
-/// shared memory): a token's value is the same bits whatever else is in the launch. `w`, `x` and
-/// the strides are in vectors; the rest (`guarded` too) as `linear_kernel`. With
-/// `staged` (the rows' vectors, `inner`; 0: not staged) the cube first copies its tokens' inputs
-/// to shared memory and the sums read them there.
-#[cube(launch_unchecked, address_type = "dynamic")]
-#[allow(clippy::too_many_arguments)]
-pub fn linear_vector_kernel<F: Float, N: Size, A: Float>(
-    x: &Tensor<Vector<F, N>>,
-    w: &Tensor<Vector<F, N>>,
-    residual: &Tensor<F>,
-    cos: &Tensor<F>,
-    sin: &Tensor<F>,
-    out: &mut Tensor<F>,
-    shape: LinearShape,
-    eps: f32,
-    #[comptime] rows: usize,
-    #[comptime] round: usize,
-    #[comptime] norm: bool,
-    #[comptime] swiglu: bool,
-    #[comptime] add: bool,
-    #[comptime] rope: bool,
-    #[comptime] planes: bool,
-    #[comptime] guarded: bool,
-    #[comptime] staged: usize,
-    #[define(F, A)] _dtypes: [ElemType; 2],
-) {
-    let lane = UNIT_POS_X as usize;
-    let plane = UNIT_POS_Y as usize;
-    let cube = CUBE_POS_Y as u64 * CUBE_COUNT_X as u64 + CUBE_POS_X as u64;
-    let first_column = (cube * VECTOR_PLANES as u64 + plane as u64) * PLANE_COLUMNS as u64;
-    let first_row = CUBE_POS_Z as u64 * rows as u64;
-    let columns = comptime!(PLANE_COLUMNS);
-    let mut sums = Array::<Vector<A, N>>::new(rows * columns);
-    let mut squares = Array::<Vector<A, N>>::new(rows);
-    #[unroll]
-    for j in 0..rows * columns {
-        sums[j] = Vector::new(A::new(0.0));
-    }
-    #[unroll]
-    for r in 0..rows {
-        squares[r] = Vector::new(A::new(0.0));
-    }
-    // Each weight row's and input row's first vector. An unguarded load past the last column or
-    // token reads the last one's, whose sums nothing stores; past the row's end a lane reads its
-    // last vector and adds nothing.
-    let mut w_rows = Array::<usize>::new(columns);
-    #[unroll]
-    for c in 0..columns {
-        w_rows[c] =
-            (last_at_most(first_column + c as u64, shape.outputs) * shape.w_stride) as usize;
-    }
-    let mut x_rows = Array::<usize>::new(rows);
-    #[unroll]
-    for r in 0..rows {
-        x_rows[r] = (last_at_most(first_row + r as u64, shape.tokens) * shape.x_stride) as usize;
-    }
-    let vectors = shape.inner as usize;
-    let mut weights = Array::<Vector<A, N>>::new(round * columns);
-    let mut inputs = Array::<Vector<A, N>>::new(round);
-    // Staged (one round covers a row: the launcher's condition): the weights' loads, then every
-    // token's input row copied to shared memory, each unit's loads in flight together (a token
-    // past the end reads the last one's), then the sums, which wait on no round trip a token (a
-    // token's loads behind its guard took one).
-    let mut tile = Shared::<[Vector<F, N>]>::new_slice(comptime!(rows * staged.max(1)));
-    if comptime![staged > 0] {
-        #[unroll]
-        for i in 0..round {
-            let at = select(lane + i * LANES < vectors, lane + i * LANES, vectors - 1);
-            #[unroll]
-            for c in 0..columns {
-                weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
-            }
-        }
-        let values = comptime!(rows * staged);
-        let units = comptime!(LANES * VECTOR_PLANES);
-        let unit = plane * LANES + lane;
-        #[unroll]
-        for j in 0..comptime!(values.div_ceil(units)) {
-            let at = select(j * units + unit < values, j * units + unit, values - 1);
-            let row = last_at_most(first_row + (at / staged) as u64, shape.tokens);
-            tile[at] = x[(row * shape.x_stride) as usize + at % staged];
-        }
-        sync_cube();
-        #[unroll]
-        for r in 0..rows {
-            #[unroll]
-            for i in 0..round {
-                if lane + i * LANES < vectors {
-                    let value = Vector::<A, N>::cast_from(tile[r * staged + lane + i * LANES]);
-                    add_input::<A, N>(
-                        value,
-                        &weights,
-                        &mut sums,
-                        &mut squares,
-                        r,
-                        i,
-                        columns,
-                        norm,
-                    );
-                }
-            }
-        }
-    } else {
-        let mut k = lane;
-        while k < vectors {
-            // The round's weight loads first, then each token's inputs and their sums.
-            #[unroll]
-            for i in 0..round {
-                let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
-                #[unroll]
-                for c in 0..columns {
-                    if comptime![guarded] {
-                        weights[i * columns + c] = Vector::new(A::new(0.0));
-                        if k + i * LANES < vectors {
-                            weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
-                        }
-                    } else {
-                        weights[i * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
-                    }
-                }
-            }
-            #[unroll]
-            for r in 0..rows {
-                if comptime![guarded] {
-                    // Each load under its guard, its sums after it.
-                    if first_row + (r as u64) < shape.tokens {
-                        #[unroll]
-                        for i in 0..round {
-                            if k + i * LANES < vectors {
-                                let value = Vector::<A, N>::cast_from(x[x_rows[r] + k + i * LANES]);
-                                add_input::<A, N>(
-                                    value,
-                                    &weights,
-                                    &mut sums,
-                                    &mut squares,
-                                    r,
-                                    i,
-                                    columns,
-                                    norm,
-                                );
-                            }
-                        }
-                    }
-                } else {
-                    #[unroll]
-                    for i in 0..round {
-                        let at = select(k + i * LANES < vectors, k + i * LANES, vectors - 1);
-                        inputs[i] = Vector::<A, N>::cast_from(x[x_rows[r] + at]);
-                    }
-                    #[unroll]
-                    for i in 0..round {
-                        if k + i * LANES < vectors {
-                            add_input::<A, N>(
-                                inputs[i],
-                                &weights,
-                                &mut sums,
-                                &mut squares,
-                                r,
-                                i,
-                                columns,
-                                norm,
-                            );
-                        }
-                    }
-                }
-            }
-            k += round * LANES;
-        }
-    }
-    // Each lane's vectors summed in order, then the plane's lanes.
-    let values = comptime!(rows * columns + if norm { rows } else { 0 });
-    let mut totals = Array::<A>::new(values);
-    #[unroll]
-    for j in 0..values {
-        let vector = if j < rows * columns {
-            sums[j]
-        } else {
-            squares[j - rows * columns]
-        };
-        let mut total = A::new(0.0);
-        #[unroll]
-        for e in 0..N::value() {
-            total += vector.extract(e);
-        }
-        totals[j] = total;
-    }
-    if comptime![planes] {
-        #[unroll]
-        for j in 0..values {
-            totals[j] = plane_sum(totals[j]);
-        }
-    } else {
-        fold_lanes::<A>(&mut totals, lane, plane, VECTOR_PLANES, values);
-    }
-    // Lane `j` writes value `j`: token `j / columns`, column `j % columns`.
-    #[unroll]
-    for j in 0..rows * columns {
-        if lane == j {
-            let r = comptime!(j / columns);
-            let row = first_row + r as u64;
-            let column = first_column + comptime!(j % columns) as u64;
-            if row < shape.tokens && column < shape.outputs {
-                let mut squares = A::new(0.0);
-                if comptime![norm] {
-                    squares = totals[rows * columns + r];
-                }
-                let around = Finish::<A> {
-                    squares,
-                    elements: shape.inner * N::value() as u64,
-                    row,
-                    column,
-                };
-                finish::<F, A>(
-                    totals[j],
-                    totals[comptime!(j ^ 1)],
-                    around,
-                    shape,
-                    eps,
-                    residual,
-                    cos,
-                    sin,
-                    out,
-                    norm,
-                    add,
-                    rope,
-                    swiglu,
-                );
-            }
-        }
-    }
-}
-
-/// Token `r`'s input `value` (of round `i`) into the vector kernel's sums: its square, then its
-/// product with each column's weight.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn add_input<A: Float, N: Size>(
-    value: Vector<A, N>,
-    weights: &Array<Vector<A, N>>,
-    sums: &mut Array<Vector<A, N>>,
-    squares: &mut Array<Vector<A, N>>,
-    #[comptime] r: usize,
-    #[comptime] i: usize,
-    #[comptime] columns: usize,
-    #[comptime] norm: bool,
-) {
-    if comptime![norm] {
-        squares[r] += value * value;
-    }
-    #[unroll]
-    for c in 0..columns {
-        sums[r * columns + c] += value * weights[i * columns + c];
-    }
-}
-
 /// Sums a lane of `linear_block_kernel` keeps: a (token, column) each, two a lane once folded.
 pub const BLOCK_VALUES: usize = 2 * LANES;
 /// Columns a plane of `linear_block_kernel` makes by default past `FEW_TOKENS` tokens: its block is
@@ -770,8 +334,8 @@ pub fn block_ahead(rows: usize, columns: usize, vector: usize, most: usize) -> u
     (AHEAD_VALUES / ((columns + rows) * vector)).clamp(1, most.clamp(1, BLOCK_ROUNDS))
 }
 
-/// The projection for blocks of `rows` tokens (a power of two, at most `BLOCK_VALUES / columns`:
-/// the steps past `STEP_TOKENS`), laid out so a weight is read once a block and the sums fold in
+/// The projection for blocks of `rows` tokens (a power of two, at most `BLOCK_VALUES / columns`),
+/// laid out so a weight is read once a block and the sums fold in
 /// few exchanges: a cube makes `BLOCK_PLANES` runs of `columns` columns of its block, each run's
 /// rows split in `splits` parts, a plane a part; lane `l` of part `p` reads vectors
 /// `p * LANES + l`, then every `splits * LANES`-th, of the weight rows and of every token's
@@ -783,8 +347,9 @@ pub fn block_ahead(rows: usize, columns: usize, vector: usize, most: usize) -> u
 /// `l` holds sum `l * rows * columns / LANES` (and the next where they are 64: a pair of
 /// columns); the parts add in order. The exchanges are plane shuffles with `planes` (planes exactly `LANES` wide:
 /// CUDA), else staged in shared memory (`splits` at most 2 there): the same sums in the same
-/// order. A token's value depends neither on the other tokens nor on `rows`: the same bits in
-/// any block.
+/// order. A lane issues `ahead` rounds' loads together (`block_ahead`), added in the same order.
+/// A token's value depends neither on the other tokens nor on `rows`, `columns` or `ahead`: the
+/// same bits in any block.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
@@ -961,7 +526,7 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
             staged[plane * LANES + (lane ^ comptime!(LANES / len))]
         };
     }
-    let writes = comptime!(if len < BLOCK_VALUES { 1 } else { PLANE_COLUMNS });
+    let writes = comptime!(if len < BLOCK_VALUES { 1 } else { 2 });
     let first = (lane * len) % LANES == 0;
     #[unroll]
     for c in 0..writes {
@@ -1047,42 +612,5 @@ fn fold_halves<A: Float>(
             }
             sync_cube();
         }
-    }
-}
-
-/// Each plane's lanes' `totals` folded in shared memory in a fixed tree (lane 0's ends as
-/// `((l0 + l16) + (l8 + l24)) + ..`, as a plane sum by halves), the sums handed back to every lane
-/// of the plane (where planes are not fixed at `LANES` lanes).
-#[cube]
-fn fold_lanes<F: Float>(
-    totals: &mut Array<F>,
-    lane: usize,
-    plane: usize,
-    #[comptime] planes: usize,
-    #[comptime] values: usize,
-) {
-    let mut lanes = Shared::<[F]>::new_slice(planes * values * LANES);
-    let base = plane * values * LANES;
-    #[unroll]
-    for j in 0..values {
-        lanes[base + j * LANES + lane] = totals[j];
-    }
-    #[unroll]
-    for level in 0..5u32 {
-        let half = comptime!(LANES >> (level + 1));
-        sync_cube();
-        if lane < half {
-            #[unroll]
-            for j in 0..values {
-                let at = base + j * LANES + lane;
-                let other = lanes[at + half];
-                lanes[at] += other;
-            }
-        }
-    }
-    sync_cube();
-    #[unroll]
-    for j in 0..values {
-        totals[j] = lanes[base + j * LANES];
     }
 }

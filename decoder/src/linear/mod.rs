@@ -16,42 +16,29 @@ use burn_core::backend::{
 };
 use burn_core::tensor::{DType, FloatDType, Tensor};
 
-/// Tokens up to which a projection runs the extension's kernels; more (a prefill, a wide verify
-/// window) take Burn's matmul (`KVPLAN_PROJECTION_MAX_TOKENS` moves it: `Knobs`).
+/// Tokens up to which a projection runs the extension's kernel; more (a prefill) take Burn's
+/// matmul (`KVPLAN_PROJECTION_MAX_TOKENS` moves it: `Knobs`). Up to here a token's bits are the
+/// same at every count, so a verify window and a plain step agree.
 pub const MAX_TOKENS: usize = 64;
 
-/// Tokens up to which the extension's kernels make each token's values alone (a cube's or a
-/// plane's columns of up to eight tokens: a token's bits are the same at every count up to
-/// here, so a verify window and a plain step agree); past it the block kernel takes blocks of 32
-/// tokens, a weight read once a block, which serves batch 32 1.2-1.9x faster than Burn's matmul
-/// (`benches/RESULTS.md`, session 43).
+/// Tokens a drafting step verifies at most by default (`Options::spec_max_tokens`): wider
+/// windows cost more than their accepted drafts give back.
 pub const STEP_TOKENS: usize = 16;
 
-/// The benchmark knobs, read once from the environment (where the kernels and Burn's matmul
-/// cross depends on the device):
-/// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's op takes ([`MAX_TOKENS`];
-///   16: Burn's matmul past the step kernels, as before the block kernel);
-/// - `KVPLAN_PROJECTION_BLOCK_SPLITS=N`: the most parts the block kernel splits each row into, a
-///   plane each (4 by default; 1: a plane walks the whole row);
-/// - `KVPLAN_PROJECTION_BLOCK_ROUNDS=N`: the most rounds of loads a part of the block kernel takes
-///   (`kernel::BLOCK_ROUNDS` by default; fewer: more parts, more planes a cube; 2 measured 1.07x at
-///   batch 32 with 2 columns a plane, not yet with 8);
-/// - `KVPLAN_PROJECTION_KERNEL=cube|vector`: one kernel for every shape (`vector_kernel`);
-/// - `KVPLAN_PROJECTION_VECTOR=N`: the most values a load of the vector kernel takes (16 bytes'
-///   worth by default: 8 in bf16, whose sums then hold twice f32's registers);
-/// - `KVPLAN_PROJECTION_GUARDED_ROWS=N`: from this many tokens a cube, the step kernels' loads
-///   wait on their guards ([`GUARDED_ROWS`]; 16: none do);
-/// - `KVPLAN_PROJECTION_STAGE_INPUTS=1`: the vector kernel's cube copies its tokens' inputs to
-///   shared memory first, in one round trip, where its sums otherwise wait on one a token (its
-///   offline SASS; batch 8 measured 1.015x, one run);
-/// - `KVPLAN_PROJECTION_BLOCK_COLUMNS=N` (2, 4 or 8): the columns a plane of the block kernel makes
-///   at every count (by default `kernel::FEW_COLUMNS` up to `kernel::FEW_TOKENS` tokens, then
+/// The benchmark knobs, read once from the environment (where the kernel's layouts pay depends
+/// on the device):
+/// - `KVPLAN_PROJECTION_MAX_TOKENS`: the most tokens the extension's op takes ([`MAX_TOKENS`]);
+/// - `KVPLAN_PROJECTION_BLOCK_SPLITS=N`: the most parts the kernel splits each row into, a plane
+///   each (4 by default; 1: a plane walks the whole row);
+/// - `KVPLAN_PROJECTION_BLOCK_ROUNDS=N`: the most rounds of loads a part takes
+///   (`kernel::BLOCK_ROUNDS` by default; fewer: more parts, more planes a cube);
+/// - `KVPLAN_PROJECTION_BLOCK_COLUMNS=N` (2, 4 or 8): the columns a plane makes at every count
+///   (by default `kernel::FEW_COLUMNS` up to `kernel::FEW_TOKENS` tokens, then
 ///   `kernel::BLOCK_COLUMNS`), its block `64 / N` tokens;
-/// - `KVPLAN_PROJECTION_BLOCK_AHEAD=N`: the most rounds of loads a lane of the block kernel issues
-///   together (`kernel::block_ahead`; 1: a round at a time);
-/// - `KVPLAN_PROJECTION_STEP_TOKENS=N`: the block kernel takes steps past `N` tokens
-///   ([`STEP_TOKENS`] by default; a token's bits then differ between steps either side of `N`;
-///   0, the block kernel at every count: batch 8 1.08x, batch 1 0.74x on an H100, session 46).
+/// - `KVPLAN_PROJECTION_BLOCK_AHEAD=N`: the most rounds of loads a lane issues together
+///   (`kernel::block_ahead`; 1: a round at a time).
+///
+/// None changes a token's bits but the splits and rounds (a row's parts).
 struct Knobs {
     max_tokens: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
@@ -59,26 +46,10 @@ struct Knobs {
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     block_rounds: usize,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
-    kernel: Option<bool>,
-    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
-    vector: Option<usize>,
-    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
-    guarded_rows: usize,
-    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
-    stage_inputs: bool,
-    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     block_columns: Option<usize>,
     #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
     block_ahead: usize,
-    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
-    step_tokens: usize,
 }
-
-/// Tokens of a step kernel's cube from which its loads wait on their guards. With fewer each
-/// load is issued unguarded (past the end it reads the last value), all in flight together
-/// (batch 1's projections 1.1x faster on an H100); from 4 tokens unguarded loads measured 1.29x
-/// slower at batch 8 (`benches/RESULTS.md`, session 44).
-pub const GUARDED_ROWS: usize = 4;
 
 fn knobs() -> &'static Knobs {
     static KNOBS: std::sync::OnceLock<Knobs> = std::sync::OnceLock::new();
@@ -96,16 +67,6 @@ fn knobs() -> &'static Knobs {
                 .and_then(|value| value.parse().ok())
                 .unwrap_or(kernel::BLOCK_ROUNDS)
                 .clamp(1, kernel::BLOCK_ROUNDS),
-            kernel: match var("KVPLAN_PROJECTION_KERNEL").as_deref() {
-                Some("cube") => Some(false),
-                Some("vector") => Some(true),
-                _ => None,
-            },
-            vector: var("KVPLAN_PROJECTION_VECTOR").and_then(|value| value.parse().ok()),
-            guarded_rows: var("KVPLAN_PROJECTION_GUARDED_ROWS")
-                .and_then(|value| value.parse().ok())
-                .unwrap_or(GUARDED_ROWS),
-            stage_inputs: var("KVPLAN_PROJECTION_STAGE_INPUTS").is_some_and(|value| value == "1"),
             block_columns: match var("KVPLAN_PROJECTION_BLOCK_COLUMNS").as_deref() {
                 Some("2") => Some(2),
                 Some("4") => Some(4),
@@ -115,9 +76,6 @@ fn knobs() -> &'static Knobs {
             block_ahead: var("KVPLAN_PROJECTION_BLOCK_AHEAD")
                 .and_then(|value| value.parse().ok())
                 .unwrap_or(kernel::BLOCK_ROUNDS),
-            step_tokens: var("KVPLAN_PROJECTION_STEP_TOKENS")
-                .and_then(|value| value.parse().ok())
-                .unwrap_or(0),
         }
     })
 }
@@ -136,22 +94,6 @@ fn extension_op(x: &Tensor<2>) -> bool {
 /// Whether `x` is on a Cube device (not Flex, whose ops the host bodies would read back).
 fn on_gpu(x: &Tensor<2>) -> bool {
     !matches!(x.device().as_dispatch(), DispatchDevice::Flex(_))
-}
-
-/// Whether a projection of `outputs` columns from rows of `inner` runs
-/// `kernel::linear_vector_kernel` (a plane's columns, wide loads) or `kernel::linear_kernel` (a
-/// cube's columns): the first where the columns are many against the row (the gate/up and the
-/// vocabulary's, where it measured faster on an H100; `benches/RESULTS.md`, session 37).
-#[cfg(any(feature = "vulkan", feature = "cuda"))]
-fn vector_kernel(outputs: usize, inner: usize) -> bool {
-    knobs().kernel.unwrap_or(outputs >= 2 * inner)
-}
-
-/// The most values a load of the vector kernel takes (`KVPLAN_PROJECTION_VECTOR`, else any that
-/// fit 16 bytes).
-#[cfg(any(feature = "vulkan", feature = "cuda"))]
-fn most_vector() -> usize {
-    knobs().vector.unwrap_or(usize::MAX)
 }
 
 /// What rides with a projection: an RMSNorm of its input before; a residual, RoPE or SwiGLU

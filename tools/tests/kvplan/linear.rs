@@ -2,8 +2,8 @@
 //! ops; the op's own body, the reference, where a case calls the op), Vulkan and CUDA (the kernel;
 //! f64 where the device's f64 is exact, and f32):
 //! random inputs from a fixed seed, with and without the norm, each of nothing, a residual, RoPE
-//! and SwiGLU after; token counts across the kernels' row blocks, past `STEP_TOKENS` (the block
-//! kernel) and past `MAX_TOKENS` (Burn's ops),
+//! and SwiGLU after; token counts across the kernel's blocks (its plane's columns and its rounds
+//! of loads in flight follow the count) and past `MAX_TOKENS` (Burn's ops),
 //! shapes off every tile multiple, weights whose rows are strided past their width; and each
 //! token's output the same bits alone as beside others. The greedy-token op against its host
 //! reference.
@@ -12,8 +12,8 @@ use burn_core::tensor::{DType, Device, Tensor, TensorData};
 
 use burn_core::backend::{Dispatch, DispatchDevice};
 use kvplan_decoder::linear::{
-    Around, LinearBackend, MAX_TOKENS, Rope, RopeShape, STEP_TOKENS, Weight, greedy, linear,
-    linear_rope, linear_swiglu, reference, rms_norm_reference, rope_reference, swiglu_reference,
+    Around, LinearBackend, MAX_TOKENS, Rope, RopeShape, Weight, greedy, linear, linear_rope,
+    linear_swiglu, reference, rms_norm_reference, rope_reference, swiglu_reference,
 };
 use kvplan_decoder::model::exp_is_64_bit;
 use kvplan_decoder::sample::Rng;
@@ -168,8 +168,8 @@ pub fn matches_reference(device: &Device) {
     }
 }
 
-/// The op itself past `STEP_TOKENS` tokens (the block kernel on a GPU, up to `MAX_TOKENS` in
-/// serving; here past it too) against the reference: every
+/// The op itself at wide steps (the kernel on a GPU, up to `MAX_TOKENS` in serving; here past it
+/// too) against the reference: every
 /// `Around`, several blocks of tokens and of columns with partial ones, weights whose rows are
 /// strided past their width.
 fn wide_matches_reference(device: &Device, dtype: DType) {
@@ -559,11 +559,13 @@ fn matches_reference_in(device: &Device, dtype: DType) {
         (8, 300, 64),
         (11, 129, 31),
         (33, 64, 8),
-        (STEP_TOKENS, 70, 12),
-        (STEP_TOKENS + 5, 70, 12),
+        (16, 70, 12),
+        (21, 70, 12),
         (MAX_TOKENS + 5, 70, 12),
-        // Many columns against the row: the vector kernel (whole and odd vectors, one and two
-        // rounds of loads, every block of rows).
+        // Long rows at a few tokens: a lane's rounds of loads in several batches in flight.
+        (1, 1100, 30),
+        (3, 2052, 20),
+        // Many columns against the row (whole and odd vectors, every block of rows).
         (1, 64, 200),
         (6, 96, 256),
         (8, 1100, 2500),
@@ -647,9 +649,8 @@ fn matches_reference_in(device: &Device, dtype: DType) {
                 if !half_ops || inner <= 128 {
                     assert_close(&got, &expected, tolerance, &what);
                 }
-                // Each token alone: the same bits as in the batch (the step kernels' sums for
-                // one token never depend on the others, so a verify window and a plain step
-                // agree; the block kernel takes wider steps, Flex runs Burn's matmul).
+                // Each token alone: the same bits as in the batch (a token's sums never depend on
+                // the others, so a verify window and a plain step agree; Flex runs Burn's matmul).
                 if tokens <= MAX_TOKENS && !flex {
                     for t in [0, tokens / 2, tokens - 1] {
                         let row = inputs.token(t).run(after, norm_eps);
