@@ -184,15 +184,14 @@ PY
       "$BIN" generate --backend cuda --no-warm-up --dtype bf16 "Who wrote Romeo and Juliet?" 2>&1 | tail -3
       ;;
     decode-dtypes)
-      # Tokens/s of f32 against bf16 (and bf16 with 4-value loads in the vector kernel), spec
-      # off, 128 new tokens, graphs on, after warm-up; BATCHES picks rows.
+      # Tokens/s of f32 against bf16, spec off, 128 new tokens, graphs on, after warm-up;
+      # BATCHES picks rows.
       [ -f cubecl.toml ] || printf '[compilation]\ncache = true\n' > cubecl.toml
       for bs in ${BATCHES:-1 8 32}; do
         limit=$bs; [ "$bs" = 1 ] && limit=4
-        for variant in f32 bf16 bf16-v4; do
-          dtype=${variant%-v4}; knob=X=1; [ "$variant" = bf16-v4 ] && knob=KVPLAN_PROJECTION_VECTOR=4
+        for variant in f32 bf16; do
           log="$OUT/dtypes-$variant-$bs"
-          env "$knob" timeout "${RUN_TIMEOUT:-0}" "$BIN" generate --backend cuda --spec off --dtype "$dtype" --batch "$bs" \
+          timeout "${RUN_TIMEOUT:-0}" "$BIN" generate --backend cuda --spec off --dtype "$variant" --batch "$bs" \
             --limit "$limit" --max-new-tokens 128 --ignore-eos --json --file benches/prompts.txt > "$log.jsonl" 2> "$log.err"
           echo "$variant,$bs,$(grep -h '^generate: [0-9]* requests' "$log.err" | cut -c1-120)"
           if grep -q '^graphs:' "$log.err"; then echo "ERROR: $variant,$bs: a capture fell back"; fi
@@ -399,7 +398,7 @@ PY
         KVPLAN_NO_CUPTI=1 ncu --clock-control none --section SpeedOfLight --section LaunchStats \
           --section Occupancy --section WarpStateStats --section InstructionStats --section SourceCounters \
           --section MemoryWorkloadAnalysis \
-          -k regex:"${NCU_KERNELS:-store_attention|attention_combine|linear_kernel}" --launch-skip "${NCU_SKIP:-900}" \
+          -k regex:"${NCU_KERNELS:-store_attention|attention_combine|linear_block}" --launch-skip "${NCU_SKIP:-900}" \
           --launch-count "${NCU_COUNT:-6}" -o "$rep" -f "$BIN" generate --backend cuda --no-warm-up --graphs off \
           --spec off --batch "$bs" --limit "$bs" --max-new-tokens 24 --ignore-eos --file benches/prompts.txt \
           > "$rep.out" 2>&1
@@ -425,7 +424,7 @@ PY
       done
       ncu -i "$OUT/ncu-decode-1.ncu-rep" -k regex:store_attention --page source --csv --print-source sass \
         > "$OUT/ncu-attention-sass.csv" 2>&1
-      ncu -i "$OUT/ncu-decode-1.ncu-rep" -k regex:linear_kernel --page source --csv --print-source sass \
+      ncu -i "$OUT/ncu-decode-1.ncu-rep" -k regex:linear_block --page source --csv --print-source sass \
         > "$OUT/ncu-linear-sass.csv" 2>&1
       wc -l "$OUT"/ncu-*-sass.csv
       mkdir -p /tmp/kvplan-logs && (cd /tmp/kvplan-logs && rm -f ./*.log &&
