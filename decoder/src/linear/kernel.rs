@@ -436,19 +436,16 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
                 if k + a * stride < vectors {
                     #[unroll]
                     for r in 0..rows {
-                        let value = inputs[a * rows + r];
-                        #[unroll]
-                        for e in 0..N::value() {
-                            let input = value.extract(e);
-                            if comptime![norm] {
-                                squares[r] += input * input;
-                            }
-                            #[unroll]
-                            for c in 0..columns {
-                                sums[r * columns + c] +=
-                                    input * weights[a * columns + c].extract(e);
-                            }
-                        }
+                        add_token::<A, N>(
+                            inputs[a * rows + r],
+                            &weights,
+                            &mut sums,
+                            &mut squares,
+                            comptime!(a * columns),
+                            r,
+                            columns,
+                            norm,
+                        );
                     }
                 }
             }
@@ -469,19 +466,16 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
                 }
                 #[unroll]
                 for i in 0..loads {
-                    let r = comptime!(group * loads + i);
-                    let value = inputs[i];
-                    #[unroll]
-                    for e in 0..N::value() {
-                        let input = value.extract(e);
-                        if comptime![norm] {
-                            squares[r] += input * input;
-                        }
-                        #[unroll]
-                        for c in 0..columns {
-                            sums[r * columns + c] += input * weights[c].extract(e);
-                        }
-                    }
+                    add_token::<A, N>(
+                        inputs[i],
+                        &weights,
+                        &mut sums,
+                        &mut squares,
+                        0usize,
+                        comptime!(group * loads + i),
+                        columns,
+                        norm,
+                    );
                 }
             }
             k += stride;
@@ -553,6 +547,33 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
                 rope,
                 swiglu,
             );
+        }
+    }
+}
+
+/// Token `r`'s input vector `value` into its sums, a value at a time in order: its square (with
+/// `norm`), then its products with the `columns` weight vectors from `weights[first]`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_token<A: Float, N: Size>(
+    value: Vector<A, N>,
+    weights: &Array<Vector<A, N>>,
+    sums: &mut Array<A>,
+    squares: &mut Array<A>,
+    #[comptime] first: usize,
+    #[comptime] r: usize,
+    #[comptime] columns: usize,
+    #[comptime] norm: bool,
+) {
+    #[unroll]
+    for e in 0..N::value() {
+        let input = value.extract(e);
+        if comptime![norm] {
+            squares[r] += input * input;
+        }
+        #[unroll]
+        for c in 0..columns {
+            sums[r * columns + c] += input * weights[first + c].extract(e);
         }
     }
 }
