@@ -491,11 +491,14 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     if comptime![norm] {
         fold_halves::<A>(&mut squares, &mut staged, lane, plane, rows, planes);
     }
-    // The parts' sums added in part order by the first part's planes.
+    // The parts' sums added in part order by the first part's planes (a lane's second sum only
+    // where it holds two: under 64 sums its partner comes after).
     if comptime![splits > 1] {
         let at = (plane * LANES + lane) * 3;
         staged[at] = sums[0];
-        staged[at + 1] = sums[1];
+        if comptime![len >= BLOCK_VALUES] {
+            staged[at + 1] = sums[1];
+        }
         staged[at + 2] = squares[0];
         sync_cube();
         if part == 0 {
@@ -503,7 +506,9 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
             for other in 1..splits {
                 let at = ((other * BLOCK_PLANES + run) * LANES + lane) * 3;
                 sums[0] += staged[at];
-                sums[1] += staged[at + 1];
+                if comptime![len >= BLOCK_VALUES] {
+                    sums[1] += staged[at + 1];
+                }
                 squares[0] += staged[at + 2];
             }
         }
