@@ -18,6 +18,9 @@ cargo test --release --workspace "$@"
 # The attention with a cube for each K/V head's query heads in every launch
 # (`KVPLAN_ATTENTION_GROUPED=1`; by default only past 16 tokens): the same tests, the same bits.
 KVPLAN_ATTENTION_GROUPED=1 cargo test --release --workspace "$@" --test kvplan -- attention paged
+# And no launch staging its K rows in shared memory (`KVPLAN_ATTENTION_STAGED=0`; by default up to
+# 16 tokens): the same tests, the same bits.
+KVPLAN_ATTENTION_STAGED=0 cargo test --release --workspace "$@" --test kvplan -- attention paged
 # The projection's other layouts, candidates on a GPU (`decoder/src/linear/mod.rs`'s knobs): 3
 # rounds of loads together where a block is small (a part's rounds in batches of 3 and fewer),
 # then 4 columns a plane at every count; a token's bits the same in each.

@@ -174,6 +174,21 @@ fn cube_heads(groups: usize, tokens: usize) -> usize {
     }
 }
 
+/// Whether a launch of `tokens` (and new rows) stages each chunk's K rows in shared memory: up to
+/// `STAGED_TOKENS`, where its few cubes' chains of loads are its time (batch 1 1.15x faster on
+/// an H100, RESULTS session 41). `KVPLAN_ATTENTION_STAGED=N` stages up to `N` tokens instead (at
+/// most `STAGED_TOKENS`; 0: none). The bits are the same.
+fn staged(tokens: usize) -> bool {
+    static MOST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let most = *MOST.get_or_init(|| {
+        std::env::var("KVPLAN_ATTENTION_STAGED")
+            .ok()
+            .and_then(|value| value.parse().ok())
+            .map_or(STAGED_TOKENS, |most: usize| most.min(STAGED_TOKENS))
+    });
+    tokens <= most
+}
+
 /// The attention's output, uninitialised: `q`'s shape and dtype, contiguous.
 fn empty_out(q: &CubeTensor) -> CubeTensor {
     empty_device_contiguous_dtype(q.client.clone(), q.device.clone(), q.shape(), q.dtype)
@@ -237,7 +252,7 @@ pub(crate) fn paged_attention(
             head_dim,
             units,
             planes,
-            tokens <= STAGED_TOKENS,
+            staged(tokens),
             group,
             dtypes,
         );
@@ -415,7 +430,7 @@ pub(crate) fn store_and_attend(
             head_dim,
             units,
             planes,
-            tokens.max(new) <= STAGED_TOKENS,
+            staged(tokens.max(new)),
             fold,
             group,
             dtypes,
