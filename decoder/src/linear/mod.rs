@@ -21,7 +21,7 @@ use burn_core::tensor::{DType, FloatDType, Tensor};
 /// same at every count, so a verify window and a plain step agree.
 pub const MAX_TOKENS: usize = 64;
 
-/// Tokens a drafting step verifies at most by default (`Options::spec_max_tokens`): wider
+/// Tokens a drafting step verifies at most by default (`EngineOptions::spec_max_tokens`): wider
 /// windows cost more than their accepted drafts give back.
 pub const STEP_TOKENS: usize = 16;
 
