@@ -115,7 +115,7 @@ impl Default for EngineOptions {
             profile: false,
             repeat: None,
             graphs: false,
-            spec_max_tokens: Some(crate::linear::STEP_TOKENS),
+            spec_max_tokens: Some(crate::linear::VERIFY_TOKENS),
         }
     }
 }

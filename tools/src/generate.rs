@@ -179,7 +179,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         // 0: no bound.
         spec_max_tokens: match args.spec_max_tokens {
             Some(most) => (most > 0).then_some(most),
-            None => (backend != BackendName::Flex).then_some(kvplan_decoder::linear::STEP_TOKENS),
+            None => (backend != BackendName::Flex).then_some(kvplan_decoder::linear::VERIFY_TOKENS),
         },
     };
     let eos = if args.ignore_eos {

@@ -328,9 +328,6 @@ const AHEAD_VALUES: usize = 64;
 /// and `columns` columns in vectors of `vector` values, at most `most`: where a round's loads are
 /// few (a step of a few tokens), a part's chain of round trips becomes one.
 pub fn block_ahead(rows: usize, columns: usize, vector: usize, most: usize) -> usize {
-    if rows > BLOCK_LOADS {
-        return 1;
-    }
     (AHEAD_VALUES / ((columns + rows) * vector)).clamp(1, most.clamp(1, BLOCK_ROUNDS))
 }
 
@@ -409,25 +406,31 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
     let vectors = shape.inner as usize;
     let stride = splits * LANES;
     let mut weights = Array::<Vector<A, N>>::new(comptime!(columns * ahead));
-    let mut inputs =
-        Array::<Vector<A, N>>::new(comptime!(if ahead > 1 { rows * ahead } else { loads }));
+    let mut inputs = Array::<Vector<A, N>>::new(comptime!(loads * ahead));
     let mut k = part * LANES + lane;
     while k < vectors {
-        if comptime![ahead > 1] {
-            // A small block's `ahead` rounds' loads in flight together (unguarded: past the row a
-            // lane reads its last vector, which no sum adds), then added round by round: the
-            // same sums in the same order as one round at a time.
+        // `ahead` rounds' weights, then the block's inputs `loads` tokens at a time, each group's
+        // loads for every round in flight together before they are added (unguarded: past the
+        // row a lane reads its last vector, which no sum adds). A sum adds its rounds in order
+        // whatever `ahead` and `loads` are.
+        #[unroll]
+        for a in 0..ahead {
+            let at = last_at_most((k + a * stride) as u64, vectors as u64) as usize;
+            #[unroll]
+            for c in 0..columns {
+                weights[a * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
+            }
+        }
+        #[unroll]
+        for group in 0..rows / loads {
             #[unroll]
             for a in 0..ahead {
                 let at = last_at_most((k + a * stride) as u64, vectors as u64) as usize;
                 #[unroll]
-                for c in 0..columns {
-                    weights[a * columns + c] = Vector::<A, N>::cast_from(w[w_rows[c] + at]);
-                }
-                #[unroll]
-                for i in 0..rows {
-                    let token = last_at_most(first_row + i as u64, shape.tokens);
-                    inputs[a * rows + i] =
+                for i in 0..loads {
+                    let token = first_row + comptime!(group * loads + i) as u64;
+                    let token = last_at_most(token, shape.tokens);
+                    inputs[a * loads + i] =
                         Vector::<A, N>::cast_from(x[(token * shape.x_stride) as usize + at]);
                 }
             }
@@ -435,51 +438,22 @@ pub fn linear_block_kernel<F: Float, N: Size, A: Float>(
             for a in 0..ahead {
                 if k + a * stride < vectors {
                     #[unroll]
-                    for r in 0..rows {
+                    for i in 0..loads {
                         add_token::<A, N>(
-                            inputs[a * rows + r],
+                            inputs[a * loads + i],
                             &weights,
                             &mut sums,
                             &mut squares,
                             comptime!(a * columns),
-                            r,
+                            comptime!(group * loads + i),
                             columns,
                             norm,
                         );
                     }
                 }
             }
-            k += ahead * stride;
-        } else {
-            #[unroll]
-            for c in 0..columns {
-                weights[c] = Vector::<A, N>::cast_from(w[w_rows[c] + k]);
-            }
-            // The block's inputs `loads` tokens at a time: their loads in flight together.
-            #[unroll]
-            for group in 0..rows / loads {
-                #[unroll]
-                for i in 0..loads {
-                    let token = first_row + comptime!(group * loads + i) as u64;
-                    let token = last_at_most(token, shape.tokens);
-                    inputs[i] = Vector::<A, N>::cast_from(x[(token * shape.x_stride) as usize + k]);
-                }
-                #[unroll]
-                for i in 0..loads {
-                    add_token::<A, N>(
-                        inputs[i],
-                        &weights,
-                        &mut sums,
-                        &mut squares,
-                        0usize,
-                        comptime!(group * loads + i),
-                        columns,
-                        norm,
-                    );
-                }
-            }
-            k += stride;
         }
+        k += ahead * stride;
     }
     // The folds' hand-over without `planes`, then the parts' sums (three a lane).
     let mut staged = Shared::<[A]>::new_slice(comptime!(if planes {

@@ -23,7 +23,7 @@ pub const MAX_TOKENS: usize = 64;
 
 /// Tokens a drafting step verifies at most by default (`EngineOptions::spec_max_tokens`): wider
 /// windows cost more than their accepted drafts give back.
-pub const STEP_TOKENS: usize = 16;
+pub const VERIFY_TOKENS: usize = 16;
 
 /// The benchmark knobs, read once from the environment (where the kernel's layouts pay depends
 /// on the device):
