@@ -13,11 +13,19 @@
 //! 5. `PagedKv::end` with the tokens each request keeps: rejected slots go back, the canary
 //!    records the kept tokens and verifies every committed one, and the violations it reports
 //!    make their requests recompute their caches.
+//!
+//! With graphs, a greedy step whose rows each decode one token (and its drafts) runs 3 to 5 as
+//! one device half: acceptance on the device, `end` keeping every window (the canary records
+//! every token the forward stored), one read of the tokens, kept counts and statuses; each
+//! row's rejected tokens then go back with `PagedKv::truncate`. Its first step of a window
+//! shape runs that device half eagerly (its kernels compiled), the next is captured, the rest
+//! replay.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
+use burn_core::tensor::Bool;
 use burn_core::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 use kvplan::{CanaryConfig, PagedKv, PagedKvConfig, RequestId, StepGraph, StepInputs, StepReport};
 
@@ -87,12 +95,11 @@ pub struct EngineOptions {
     /// steps' rise over the others is the calls' cost in a pipelined step
     /// ([`StepTimes::step_walls`]). `Bookkeeping` is refused: `begin` and `end` cannot run twice.
     pub repeat: Option<OpKind>,
-    /// Replay greedy decode steps as graphs. Without drafts (every row one token) each batch
-    /// size's whole step is captured once after its first eager run (`PagedKv::capture`) and
-    /// replayed after (forward, argmax, kvplan's bookkeeping and the canary inside; one write in,
-    /// one read out). With drafts, each window shape's begin and verify forward
-    /// (`PagedKv::capture_forward`, up to [`VERIFY_GRAPHS`] shapes): one write, one dispatch,
-    /// the tokens read; acceptance and `end` eager.
+    /// Replay greedy decode steps as graphs: each window shape's whole step (every row one
+    /// token and its drafts) is captured once after its first eager run (`PagedKv::capture`)
+    /// and replayed after: forward, argmax, acceptance on the device, kvplan's bookkeeping and
+    /// the canary inside; one write in, one read out. Decode steps without drafts get a graph
+    /// per batch size, verify steps up to [`VERIFY_GRAPHS`] shapes (others run eagerly).
     pub graphs: bool,
     /// A step drafts only while its rows' verify windows (`draft_tokens + 1` each) total at most
     /// this many tokens; past it the step decodes (vLLM's `speculative_disable_by_batch_size`):
@@ -294,25 +301,25 @@ pub struct Engine {
     injected: Option<Reported>,
     /// The end of the last profiled phase.
     lap: Instant,
-    /// Window shapes (each row's window) of greedy steps that ran eagerly (their kernels
-    /// compiled), and their graphs: whole decode steps by batch size, verify forwards by shape.
+    /// Window shapes (each row's window) of greedy steps whose device half ran eagerly (its
+    /// kernels compiled), and their graphs.
     warmed: HashSet<Vec<usize>>,
-    graphs: HashMap<usize, DecodeGraph>,
-    verify_graphs: HashMap<Vec<usize>, VerifyGraph>,
+    graphs: HashMap<Vec<usize>, GreedyGraph>,
 }
 
 /// The most verify-window shapes captured as graphs (each holds its step's buffers, its logits
 /// among them); steps of other shapes run eagerly.
 pub const VERIFY_GRAPHS: usize = 16;
 
-/// A step's forward inside a graph: the target's greedy token after each of its rows, or after
-/// `picked`'s rows only (a verify step's decided rows, fixed by its window shape).
-fn greedy_tokens(
+/// The device half of a greedy step whose rows each decode one token and its drafts, run
+/// eagerly or inside a graph: the forward, the target's token after each window token and,
+/// with drafts, each row's kept count (`accept`), attached for the step's one read.
+fn greedy_step(
     model: &Llama,
     kv: &mut PagedKv,
     inputs: &StepInputs,
-    picked: Option<&Tensor<1, Int>>,
-) -> std::result::Result<Tensor<1, Int>, String> {
+    accept: Option<&Acceptance>,
+) -> std::result::Result<(), String> {
     let layers = model.config().layers;
     let hidden = model
         .forward(
@@ -322,18 +329,82 @@ fn greedy_tokens(
             |layer, qkv| Ok(kv.attend(layer, qkv)?),
         )
         .map_err(|error| error.to_string())?;
-    let hidden = match picked {
-        Some(picked) => hidden.select(0, picked.clone()),
-        None => hidden,
+    let tokens = greedy(model.logits(hidden)).cast(DType::I64);
+    let attached = match accept {
+        Some(accept) => {
+            let kept = accept.kept(inputs.ids.clone(), tokens.clone());
+            Tensor::cat(vec![tokens, kept], 0)
+        }
+        None => tokens,
     };
-    Ok(greedy(model.logits(hidden)))
+    kv.attach(attached).map_err(|error| error.to_string())
 }
 
-/// A captured decode step (or why its forward failed); its tokens come with the step's report.
-type DecodeGraph = StepGraph<'static, std::result::Result<(), String>>;
+/// Greedy acceptance on the device for one window shape (its tables uploaded once, before a
+/// capture: a graph reads stable buffers). A row keeps its input and each draft token up to the
+/// first the target disagrees with, then the target's token there: `1 + accepted` tokens.
+pub(crate) struct Acceptance {
+    /// Each window token's successor in its window (itself for the last).
+    next: Tensor<1, Int>,
+    /// Whether a token has a draft after it to compare (a window's last stops its row).
+    compared: Tensor<1, Bool>,
+    /// Each token's count kept if the row stops after it: its place in its window, plus one.
+    kept_if_stop: Tensor<1, Int>,
+    /// The tokens laid out `[rows, widest]`, a short row padded with its last token (which
+    /// always stops it); `None` where every window is as wide.
+    padded: Option<Tensor<1, Int>>,
+    rows: usize,
+    widest: usize,
+}
 
-/// A captured verify forward (or why it failed): the greedy tokens of its decided rows.
-type VerifyGraph = StepGraph<'static, std::result::Result<Tensor<1, Int>, String>>;
+impl Acceptance {
+    pub(crate) fn new(windows: &[usize], device: &burn_core::tensor::Device) -> Self {
+        let widest = windows.iter().copied().max().unwrap_or(1);
+        let (mut next, mut compared, mut kept_if_stop, mut padded) =
+            (vec![], vec![], vec![], vec![]);
+        let mut offset = 0;
+        for &n in windows {
+            for j in 0..n {
+                let at = (offset + j) as i64;
+                next.push(if j + 1 < n { at + 1 } else { at });
+                compared.push(j + 1 < n);
+                kept_if_stop.push(j as i64 + 1);
+            }
+            padded.extend((0..widest).map(|j| (offset + j.min(n - 1)) as i64));
+            offset += n;
+        }
+        let uniform = windows.iter().all(|&n| n == widest);
+        let bools = TensorData::new(compared, [offset]);
+        Self {
+            next: ints(next.into_iter(), device),
+            compared: Tensor::from_data(bools, device),
+            kept_if_stop: ints(kept_if_stop.into_iter(), device),
+            padded: (!uniform).then(|| ints(padded.into_iter(), device)),
+            rows: windows.len(),
+            widest,
+        }
+    }
+
+    /// Each row's kept count from the window's ids and the target's token after each.
+    pub(crate) fn kept(&self, ids: Tensor<1, Int>, targets: Tensor<1, Int>) -> Tensor<1, Int> {
+        let drafted = ids.cast(DType::I64).select(0, self.next.clone());
+        let agrees = drafted.equal(targets).bool_and(self.compared.clone());
+        // Past any stop, so that the row's least value is where it first stops.
+        let beyond = self.widest as i64 + 1;
+        let stops = self.kept_if_stop.clone().mask_fill(agrees, beyond);
+        let stops = match &self.padded {
+            Some(padded) => stops.select(0, padded.clone()),
+            None => stops,
+        };
+        stops
+            .reshape([self.rows, self.widest])
+            .min_dim(1)
+            .reshape([self.rows])
+    }
+}
+
+/// A captured greedy step (or why its forward failed); its tokens come with the step's report.
+type GreedyGraph = StepGraph<'static, std::result::Result<(), String>>;
 
 impl Engine {
     /// An engine over `model` with an empty cache; `eos` are the token ids that end a request.
@@ -407,7 +478,6 @@ impl Engine {
             lap: Instant::now(),
             warmed: HashSet::new(),
             graphs: HashMap::new(),
-            verify_graphs: HashMap::new(),
             model: Rc::new(model),
             options,
         })
@@ -485,7 +555,6 @@ impl Engine {
     /// The model back, for another engine (its graphs, which hold it, dropped).
     pub fn into_model(mut self) -> Llama {
         self.graphs.clear();
-        self.verify_graphs.clear();
         match Rc::try_unwrap(self.model) {
             Ok(model) => model,
             Err(_) => unreachable!("only the engine's graphs share the model"),
@@ -506,10 +575,9 @@ impl Engine {
         )
     }
 
-    /// Steps captured as graphs ([`EngineOptions::graphs`]): decode steps (one per batch size)
-    /// and verify forwards (one per window shape).
+    /// Steps captured as graphs ([`EngineOptions::graphs`]), one per window shape.
     pub fn graphs(&self) -> usize {
-        self.graphs.len() + self.verify_graphs.len()
+        self.graphs.len()
     }
 
     /// The corruption injected, if any (request, slot, position).
@@ -597,9 +665,15 @@ impl Engine {
             self.draft_self(&mut work, layers, min_confidence)?;
             self.lap("self-speculative drafts");
         }
-        let report = match self.replayed(&work)? {
+        let report = match self.greedy_step(&work)? {
             Some((targets, report)) => {
-                self.accept(&work, targets, on_tokens);
+                let keep = self.accept(&work, targets, on_tokens);
+                // The step kept every window: each row's rejected tokens go back.
+                for (w, &kept) in work.iter().zip(&keep) {
+                    if kept < w.window() {
+                        self.kv.truncate(w.kv, w.start + kept)?;
+                    }
+                }
                 self.lap("graph step");
                 report
             }
@@ -610,9 +684,6 @@ impl Engine {
                 let span = self.clock.start();
                 let report = self.kv.end(&keep);
                 self.clock.stop(span, OpKind::Bookkeeping);
-                if let Some(windows) = self.graph_windows(&work) {
-                    self.warmed.insert(windows);
-                }
                 report?
             }
         };
@@ -641,61 +712,70 @@ impl Engine {
             .then(|| work.iter().map(RowWork::window).collect())
     }
 
-    /// The shape of a step a graph may run once it ran eagerly: `Ok` a whole decode step's batch
-    /// size, `Err` a verify step's windows.
-    fn warmed_shape(&self, work: &[RowWork]) -> Option<std::result::Result<usize, Vec<usize>>> {
-        let windows = self
-            .graph_windows(work)
-            .filter(|windows| self.warmed.contains(windows))?;
-        Some(if windows.iter().all(|&n| n == 1) {
-            Ok(windows.len())
-        } else {
-            Err(windows)
-        })
-    }
-
-    /// A decode step run as a graph: replayed where its batch size has one, captured where that
-    /// size ran eagerly before (`None`: run it eagerly). Each row's next token and the step's
-    /// report, as the eager step's.
-    fn replayed(&mut self, work: &[RowWork]) -> Result<Option<(Vec<Target>, StepReport)>> {
-        let Some(Ok(batch)) = self.warmed_shape(work) else {
+    /// A greedy step graphs may run ([`Self::graph_windows`]; `None`: not one): its device half
+    /// ([`greedy_step`]) run eagerly the first time its window shape comes, captured the next
+    /// (a verify shape while there is room), replayed after. Each row's tokens as accepted on
+    /// the device, and the step's report; every window is kept (the caller truncates).
+    fn greedy_step(&mut self, work: &[RowWork]) -> Result<Option<(Vec<Target>, StepReport)>> {
+        let Some(shape) = self.graph_windows(work) else {
             return Ok(None);
         };
-        let windows: Vec<(RequestId, &[u32])> =
-            work.iter().map(|w| (w.kv, w.input.as_slice())).collect();
-        let replayed = match self.graphs.get_mut(&batch) {
-            Some(graph) => match self.kv.replay(graph, &windows) {
-                Ok((out, report)) => {
+        let tokens: Vec<Vec<u32>> = work
+            .iter()
+            .map(|w| w.input.iter().chain(&w.draft).copied().collect())
+            .collect();
+        let windows: Vec<(RequestId, &[u32])> = work
+            .iter()
+            .zip(&tokens)
+            .map(|(w, tokens)| (w.kv, tokens.as_slice()))
+            .collect();
+        let drafted = shape.iter().any(|&n| n > 1);
+        let device = self.model.device().clone();
+        let accept = || drafted.then(|| Acceptance::new(&shape, &device));
+        let verify_graphs = self.graphs.keys().filter(|s| s.iter().any(|&n| n > 1));
+        let room = !drafted || verify_graphs.count() < VERIFY_GRAPHS;
+        let mut report = None;
+        if let Some(graph) = self.graphs.get_mut(&shape) {
+            match self.kv.replay(graph, &windows) {
+                Ok((out, replayed)) => {
+                    out.clone().map_err(DecoderError::Model)?;
                     self.times.replayed += 1;
-                    Some((out.clone(), report))
+                    report = Some(replayed);
                 }
                 // A pool or the table was replaced (an injected fault): capture again.
-                Err(kvplan::Error::GraphMismatch { .. }) => None,
+                Err(kvplan::Error::GraphMismatch { .. }) => {
+                    self.graphs.remove(&shape);
+                }
                 Err(error) => return Err(error.into()),
-            },
-            None => None,
-        };
-        let (out, report) = match replayed {
-            Some(done) => done,
-            None => {
-                self.graphs.remove(&batch);
+            }
+        }
+        let report = match report {
+            Some(report) => report,
+            None if self.warmed.contains(&shape) && room => {
                 let model = Rc::clone(&self.model);
-                // Each row's next token, attached: read with the step's statuses.
+                let accept = accept();
                 let (graph, report) = self.kv.capture(&windows, move |kv, inputs| {
-                    let tokens = greedy_tokens(&model, kv, inputs, None)?;
-                    kv.attach(tokens).map_err(|error| error.to_string())
+                    greedy_step(&model, kv, inputs, accept.as_ref())
                 })?;
-                let out = self.captured(&graph);
-                self.graphs.insert(batch, graph);
-                (out, report)
+                self.captured(&graph).map_err(DecoderError::Model)?;
+                self.graphs.insert(shape.clone(), graph);
+                report
+            }
+            None => {
+                let span = self.clock.start();
+                let inputs = self.kv.begin(&windows);
+                self.clock.stop(span, OpKind::Bookkeeping);
+                let inputs = inputs?;
+                greedy_step(&self.model, &mut self.kv, &inputs, accept().as_ref())
+                    .map_err(DecoderError::Model)?;
+                let span = self.clock.start();
+                let report = self.kv.end(&shape);
+                self.clock.stop(span, OpKind::Bookkeeping);
+                self.warmed.insert(shape.clone());
+                report?
             }
         };
-        out.map_err(DecoderError::Model)?;
-        let targets = report
-            .attached
-            .iter()
-            .map(|&t| Target::Tokens(vec![t as u32]))
-            .collect();
+        let targets = accepted_targets(&report.attached, &shape)?;
         Ok(Some((targets, report)))
     }
 
@@ -882,10 +962,6 @@ impl Engine {
             .zip(&tokens)
             .map(|(w, tokens)| (w.kv, tokens.as_slice()))
             .collect();
-        if let Some(targets) = self.verify_replayed(work, &windows)? {
-            self.lap("verify graph");
-            return Ok(targets);
-        }
         let layers = self.model.config().layers;
         let hidden = self.forward(&windows, 0..layers)?;
         self.lap("target forward");
@@ -913,52 +989,6 @@ impl Engine {
         Ok(targets)
     }
 
-    /// The verify forward run as a graph of its window shape: replayed where the shape has one,
-    /// captured where it ran eagerly before and there is room (`None`: run it eagerly). The
-    /// step stays open, its forward run, for `end`.
-    fn verify_replayed(
-        &mut self,
-        work: &[RowWork],
-        windows: &[(RequestId, &[u32])],
-    ) -> Result<Option<Vec<Target>>> {
-        let Some(Err(shape)) = self.warmed_shape(work) else {
-            return Ok(None);
-        };
-        let full = self.verify_graphs.len() >= VERIFY_GRAPHS;
-        let replayed = match self.verify_graphs.get_mut(&shape) {
-            Some(graph) => match self.kv.replay_forward(graph, windows) {
-                Ok(out) => {
-                    self.times.replayed += 1;
-                    Some(out.clone())
-                }
-                // A pool or the table was replaced (an injected fault): capture again.
-                Err(kvplan::Error::GraphMismatch { .. }) => None,
-                Err(error) => return Err(error.into()),
-            },
-            None if full => return Ok(None),
-            None => None,
-        };
-        let (picked, counts) = picked_rows(work);
-        let out = match replayed {
-            Some(out) => out,
-            None => {
-                self.verify_graphs.remove(&shape);
-                // Made before the capture: a stable buffer the graph reads.
-                let picked = ints(picked.iter().copied(), self.model.device());
-                let model = Rc::clone(&self.model);
-                let graph = self.kv.capture_forward(windows, move |kv, inputs| {
-                    greedy_tokens(&model, kv, inputs, Some(&picked))
-                })?;
-                let out = self.captured(&graph);
-                self.verify_graphs.insert(shape, graph);
-                out
-            }
-        };
-        let tokens = out.map_err(DecoderError::Model)?;
-        let tokens = self.read_tokens(tokens)?;
-        Ok(Some(greedy_targets(&tokens, &counts)))
-    }
-
     /// Greedy or rejection-sampled acceptance of every row's draft; returns what each row
     /// keeps of its window (the paged KV state's `end` takes it).
     fn accept(
@@ -974,6 +1004,7 @@ impl Engine {
             let target = targets.next().expect("a target per row");
             let mut emitted = match target {
                 Target::Tokens(tokens) => accept_greedy(&w.draft, &tokens),
+                Target::Accepted(tokens) => tokens,
                 Target::Probs(p) => {
                     accept_sampled(&w.draft, w.draft_probs.as_deref(), &p, &mut self.rng)
                 }
@@ -1159,6 +1190,8 @@ enum Target {
     Tokens(Vec<u32>),
     /// Sampling: its distribution there.
     Probs(Vec<Vec<f32>>),
+    /// Greedy, accepted on the device: the row's tokens (its accepted drafts, then the target's).
+    Accepted(Vec<u32>),
 }
 
 /// The rows of a verify forward whose next token is decided (each row's last input token and
@@ -1172,6 +1205,37 @@ fn picked_rows(work: &[RowWork]) -> (Vec<i64>, Vec<usize>) {
         offset += w.window();
     }
     (picked, work.iter().map(|w| w.draft.len() + 1).collect())
+}
+
+/// Each row's tokens from a greedy step's attached ints: the target's token after each window
+/// token (`windows[i]` a row), then with drafts each row's kept count.
+fn accepted_targets(attached: &[i64], windows: &[usize]) -> Result<Vec<Target>> {
+    let total: usize = windows.iter().sum();
+    let drafted = windows.iter().any(|&n| n > 1);
+    let expected = total + if drafted { windows.len() } else { 0 };
+    if attached.len() != expected {
+        return Err(DecoderError::Model(format!(
+            "a greedy step attached {} ints for {expected}",
+            attached.len()
+        )));
+    }
+    let (tokens, kept) = attached.split_at(total);
+    let mut at = 0;
+    let mut targets = Vec::with_capacity(windows.len());
+    for (row, &n) in windows.iter().enumerate() {
+        let keep = if drafted { kept[row] } else { 1 };
+        if !(1..=n as i64).contains(&keep) {
+            return Err(DecoderError::Model(format!(
+                "row {row} kept {keep} tokens of a {n}-token window"
+            )));
+        }
+        let row_tokens = &tokens[at..at + keep as usize];
+        targets.push(Target::Accepted(
+            row_tokens.iter().map(|&t| t as u32).collect(),
+        ));
+        at += n;
+    }
+    Ok(targets)
 }
 
 /// Each row's greedy targets: its `counts[i]` tokens of `tokens`, in order.

@@ -254,7 +254,7 @@ fn corruption_is_caught(device: &Device) {
     }
 }
 
-/// Greedy steps replayed as graphs (decode steps whole, verify steps' forwards) give the eager
+/// Greedy steps replayed as graphs (decode and verify steps whole) give the eager
 /// steps' tokens in every batch mix and drafting mode, and both injected faults are reported
 /// where the eager run reports them.
 fn graphs_change_nothing(device: &Device) {
@@ -273,8 +273,11 @@ fn graphs_change_nothing(device: &Device) {
             assert_eq!(tokens(&graphed), tokens(&eager), "{what}");
             assert!(engine.graphs() > 0, "{what}: steps were captured");
             if drafting != Drafting::Off && max_batch == 1 {
-                // One decode graph at most: the rest are verify forwards.
+                // One decode graph at most: the rest are verify steps, whose drafts were
+                // accepted on the device.
                 assert!(engine.graphs() > 1, "{what}: verify steps were captured");
+                let accepted: usize = graphed.iter().map(|o| o.accepted).sum();
+                assert!(accepted > 0, "{what}: drafts accepted");
             }
         }
     }
@@ -460,6 +463,66 @@ fn corruption_is_caught_flex() {
 fn corruption_is_caught_vulkan() {
     let _device = shared();
     corruption_is_caught(&vulkan());
+}
+
+/// Greedy acceptance on the device keeps what the host's keeps: windows of every width up to
+/// 5 in one step (padded to the widest) and all as wide, drafts agreeing with the target for a
+/// random stretch, then random.
+fn device_acceptance_matches_the_host(device: &Device) {
+    let mut rng = Rng::new(SEED);
+    for uniform in [false, true] {
+        let windows: Vec<usize> = (0..7)
+            .map(|_| {
+                if uniform {
+                    4
+                } else {
+                    1 + (rng.next_u64() % 5) as usize
+                }
+            })
+            .collect();
+        let (mut ids, mut targets, mut expected) = (vec![], vec![], vec![]);
+        for &n in &windows {
+            let agree = (rng.next_u64() % (n as u64 + 1)) as usize;
+            let row_targets: Vec<u32> = (0..n).map(|_| (rng.next_u64() % 4) as u32).collect();
+            let drafts: Vec<u32> = (0..n - 1)
+                .map(|j| {
+                    if j < agree {
+                        row_targets[j]
+                    } else {
+                        (rng.next_u64() % 4) as u32
+                    }
+                })
+                .collect();
+            ids.push(9);
+            ids.extend(&drafts);
+            targets.extend(&row_targets);
+            expected.push(crate::sample::accept_greedy(&drafts, &row_targets).len() as i64);
+        }
+        let upload = |values: &[u32]| {
+            let values: Vec<i64> = values.iter().map(|&v| i64::from(v)).collect();
+            let n = values.len();
+            burn_core::tensor::Tensor::<1, burn_core::tensor::Int>::from_data(
+                burn_core::tensor::TensorData::new(values, [n]),
+                (device, DType::I64),
+            )
+        };
+        let kept =
+            crate::engine::Acceptance::new(&windows, device).kept(upload(&ids), upload(&targets));
+        let kept = kvplan::backend::data_to_i64(&kept.into_data());
+        assert_eq!(kept, expected, "windows {windows:?}");
+    }
+}
+
+#[test]
+fn device_acceptance_matches_the_host_flex() {
+    device_acceptance_matches_the_host(&Device::flex());
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn device_acceptance_matches_the_host_vulkan() {
+    let _device = shared();
+    device_acceptance_matches_the_host(&vulkan());
 }
 
 #[test]

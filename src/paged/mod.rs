@@ -24,9 +24,9 @@
 //! host half (rules, allocators, the record) and a device half (launches only), so
 //! [`PagedKv::capture`] records a decode step's device half with the model's forward inside
 //! (`burn::tensor::capture`) and [`PagedKv::replay`] runs later steps of its shape as one
-//! dispatch. A verify step, whose kept tokens are known only after its forward, captures its
-//! begin and forward alone ([`PagedKv::capture_forward`], [`PagedKv::replay_forward`]) and ends
-//! as an eager step does.
+//! dispatch. A captured step keeps every window; a verify step, whose kept tokens its forward
+//! decides (on the device, inside the graph), gives each request's rejected tokens back after
+//! the replay with [`PagedKv::truncate`].
 
 mod alloc;
 mod padded;
@@ -358,20 +358,12 @@ struct Forwarded {
     inputs: StepInputs,
 }
 
-/// The step between `begin` and `end`.
+/// The step between `begin` and `end`: its requests' parts, its device half (its layers
+/// attend).
 #[derive(Debug)]
 struct OpenStep {
     entries: Vec<Entry>,
-    device: StepDevice,
-}
-
-/// Where an open step's device half stands.
-#[derive(Debug)]
-enum StepDevice {
-    /// Begun: its layers attend.
-    Launched(Launched),
-    /// Its forward ran in a graph ([`PagedKv::replay_forward`]): only `end` is left.
-    Forwarded(Forwarded),
+    device: Launched,
 }
 
 /// A step staged for a graph: its host halves done, what its device half reads.
@@ -620,7 +612,7 @@ impl PagedKv {
                 let inputs = launched.inputs.clone();
                 self.step = Some(OpenStep {
                     entries,
-                    device: StepDevice::Launched(launched),
+                    device: launched,
                 });
                 Ok(inputs)
             }
@@ -820,15 +812,13 @@ impl PagedKv {
     /// `[tokens, query_heads * head_dim]`. Which kernels run is chosen here.
     ///
     /// # Errors
-    /// `StepOrder` (no step open, or its forward replayed), `LayerOutOfRange`, `TensorShape`,
+    /// `StepOrder` (no step open), `LayerOutOfRange`, `TensorShape`,
     /// `TensorDtype`. Nothing changes on an error.
     pub fn attend(&mut self, layer: usize, qkv: Tensor<2>) -> Result<Tensor<2>, Error> {
         let Some(step) = self.step.as_mut() else {
             return Err(step_order("attend", "needs a step begun"));
         };
-        let StepDevice::Launched(launched) = &mut step.device else {
-            return Err(step_order("attend", "the step's forward ran in a graph"));
-        };
+        let launched = &mut step.device;
         if layer >= self.config.layers {
             return Err(Error::LayerOutOfRange {
                 layer,
@@ -920,11 +910,7 @@ impl PagedKv {
         }
         let step = self.step.take().expect("checked above");
         let kept = self.commit(&step.entries, keep);
-        let forwarded = match step.device {
-            StepDevice::Launched(launched) => launched.finish(),
-            StepDevice::Forwarded(forwarded) => forwarded,
-        };
-        let statuses = self.launch_end(forwarded, kept.as_ref())?;
+        let statuses = self.launch_end(step.device.finish(), kept.as_ref())?;
         let packed = self.pack(statuses);
         self.report(&packed)
     }
@@ -1075,7 +1061,9 @@ impl PagedKv {
     /// Captures a whole step as a graph: the step's launches and `forward` (the model's, calling
     /// [`attend`](Self::attend) for each layer) recorded once, for [`replay`](Self::replay) to
     /// run later steps of the same shape as one dispatch (CUDA, wgpu; on Flex a replay runs the
-    /// step again). The step is a decode step: every request keeps its whole window. `forward`
+    /// step again). Every request keeps its whole window (the canary records every token the
+    /// forward stored); a verify step's forward decides what each keeps on the device, and the
+    /// caller gives the rest back with [`truncate`](Self::truncate) after each run. `forward`
     /// reads its inputs from the [`StepInputs`] it is given (stable buffers, refreshed in place
     /// by each replay's one write) and returns its outputs, which the graph rewrites in place.
     ///
@@ -1093,35 +1081,7 @@ impl PagedKv {
         windows: &[(RequestId, &[u32])],
         forward: impl FnMut(&mut PagedKv, &StepInputs) -> T + 'f,
     ) -> Result<(StepGraph<'f, T>, StepReport), Error> {
-        let graph = self.capture_step(windows, forward, false)?;
-        let report = self.read_output(graph.graph.output());
-        Ok((graph, report?))
-    }
-
-    /// Captures a step's begin and `forward` as a graph, for [`replay_forward`](Self::replay_forward):
-    /// a verify step, whose kept tokens are decided from the forward's outputs. As
-    /// [`capture`](Self::capture), except that the step stays open after it (its forward has run:
-    /// [`end`](Self::end) it with what each request keeps, eagerly).
-    ///
-    /// # Errors
-    /// As [`capture`](Self::capture); nothing changes on an error.
-    pub fn capture_forward<'f, T: 'f>(
-        &mut self,
-        windows: &[(RequestId, &[u32])],
-        forward: impl FnMut(&mut PagedKv, &StepInputs) -> T + 'f,
-    ) -> Result<StepGraph<'f, T>, Error> {
-        let graph = self.capture_step(windows, forward, true)?;
-        self.open_forwarded(graph.graph.output())?;
-        Ok(graph)
-    }
-
-    fn capture_step<'f, T: 'f>(
-        &mut self,
-        windows: &[(RequestId, &[u32])],
-        forward: impl FnMut(&mut PagedKv, &StepInputs) -> T + 'f,
-        open: bool,
-    ) -> Result<StepGraph<'f, T>, Error> {
-        let shape = self.stage(windows, open)?;
+        let shape = self.stage(windows)?;
         let target: Rc<Cell<*mut PagedKv>> = Rc::new(Cell::new(std::ptr::null_mut()));
         let kv = target.clone();
         let mut forward = forward;
@@ -1130,7 +1090,7 @@ impl PagedKv {
             // exactly the span of Burn's capture or replay call, and touch it in no other way
             // meanwhile; null otherwise, never dereferenced then.
             let kv = unsafe { &mut *kv.get() };
-            kv.device_step(&mut forward, open)
+            kv.device_step(&mut forward)
         });
         let device = self.device.clone();
         target.set(self);
@@ -1144,14 +1104,15 @@ impl PagedKv {
             unsafe { graph.replay() };
         }
         target.set(std::ptr::null_mut());
-        Ok(StepGraph {
+        let graph = StepGraph {
             graph,
             target,
             shape,
-            open,
             owner: self.instance,
             generation: self.generation,
-        })
+        };
+        let report = self.read_output(graph.graph.output());
+        Ok((graph, report?))
     }
 
     /// Runs a step of `graph`'s shape by replaying it: the step's host values written in place,
@@ -1159,15 +1120,15 @@ impl PagedKv {
     /// step's report, as [`end`](Self::end) with every window kept.
     ///
     /// # Errors
-    /// `GraphMismatch` (another shape, another `PagedKv`, buffers replaced since the capture, a
-    /// graph of [`capture_forward`](Self::capture_forward)); as [`begin`](Self::begin); the step's
-    /// device-checked errors. Nothing changes before the replay on an error.
+    /// `GraphMismatch` (another shape, another `PagedKv`, buffers replaced since the capture);
+    /// as [`begin`](Self::begin); the step's device-checked errors. Nothing changes before the
+    /// replay on an error.
     pub fn replay<'g, T>(
         &mut self,
         graph: &'g mut StepGraph<'_, T>,
         windows: &[(RequestId, &[u32])],
     ) -> Result<(&'g T, StepReport), Error> {
-        self.replay_step(graph, windows, false)?;
+        self.replay_step(graph, windows)?;
         let graph: &'g StepGraph<'_, T> = graph;
         let report = self.read_output(graph.graph.output())?;
         let out = graph
@@ -1176,45 +1137,18 @@ impl PagedKv {
         Ok((out, report))
     }
 
-    /// Runs a step's begin and forward by replaying a graph of
-    /// [`capture_forward`](Self::capture_forward): one write, one dispatch, nothing read back.
-    /// Returns `forward`'s outputs (the graph's buffers); the step is open, its forward run:
-    /// [`end`](Self::end) it.
-    ///
-    /// # Errors
-    /// As [`replay`](Self::replay) (a graph of [`capture`](Self::capture) is a mismatch);
-    /// nothing changes on an error.
-    pub fn replay_forward<'g, T>(
-        &mut self,
-        graph: &'g mut StepGraph<'_, T>,
-        windows: &[(RequestId, &[u32])],
-    ) -> Result<&'g T, Error> {
-        self.replay_step(graph, windows, true)?;
-        let graph: &'g StepGraph<'_, T> = graph;
-        self.open_forwarded(graph.graph.output())?;
-        Ok(graph
-            .output()
-            .expect("open_forwarded returns a failed run's error"))
-    }
-
     fn replay_step<T>(
         &mut self,
         graph: &mut StepGraph<'_, T>,
         windows: &[(RequestId, &[u32])],
-        open: bool,
     ) -> Result<(), Error> {
         if graph.owner != self.instance {
             return Err(Error::GraphMismatch {
                 why: "it was captured on another PagedKv",
             });
         }
-        if graph.open != open {
-            return Err(Error::GraphMismatch {
-                why: "a graph of a whole step replays with replay, of a forward with replay_forward",
-            });
-        }
         let tokens: usize = windows.iter().map(|(_, ids)| ids.len()).sum();
-        // `open` starts the store's clock again (new scratch: a stale graph) below this room.
+        // `begin` starts the store's clock again (new scratch: a stale graph) below this room.
         if graph.generation != self.generation || !self.store.room(CAPTURE_RUNS * tokens as u64) {
             return Err(Error::GraphMismatch {
                 why: "buffers it replays into were replaced since",
@@ -1225,7 +1159,7 @@ impl PagedKv {
                 why: "the step has another shape (requests, tokens, prefix cells to write)",
             });
         }
-        self.stage(windows, open)?;
+        self.stage(windows)?;
         graph.target.set(self);
         // SAFETY: every buffer the graph touched is one of this `PagedKv`'s (the same generation:
         // none replaced), a record of this shape, or pinned by the graph; the host write above
@@ -1239,28 +1173,6 @@ impl PagedKv {
         Ok(())
     }
 
-    /// After a forward graph's run: the staged step open with its forward's device half, for
-    /// `end` (its slots back where the run failed).
-    fn open_forwarded<T>(&mut self, output: &StepOutput<T>) -> Result<(), Error> {
-        let staged = self.staged.take().expect("a graph runs a staged step");
-        match output {
-            Ok((_, DeviceHalf::Open(forwarded))) => {
-                self.step = Some(OpenStep {
-                    entries: staged.entries,
-                    device: StepDevice::Forwarded(forwarded.clone()),
-                });
-                Ok(())
-            }
-            Ok((_, DeviceHalf::Ended(_))) => unreachable!("a forward graph leaves its step open"),
-            Err(error) => {
-                for entry in &staged.entries {
-                    self.slots.release(&entry.slots);
-                }
-                Err(error.clone())
-            }
-        }
-    }
-
     /// The record's shape a step of `windows` has: requests, tokens, shared-prefix cells.
     fn shape_of(&self, windows: &[(RequestId, &[u32])]) -> Result<[usize; 3], Error> {
         let mut unwritten = 0;
@@ -1271,19 +1183,14 @@ impl PagedKv {
         Ok([windows.len(), tokens, unwritten])
     }
 
-    /// The host halves of a graph's step, every window kept unless the step stays `open` (its
-    /// end eager): what its device half reads.
-    fn stage(&mut self, windows: &[(RequestId, &[u32])], open: bool) -> Result<[usize; 3], Error> {
+    /// The host halves of a graph's step, every window kept: what its device half reads.
+    fn stage(&mut self, windows: &[(RequestId, &[u32])]) -> Result<[usize; 3], Error> {
         let shape = self.shape_of(windows)?;
         let (entries, record) = self.open(windows)?;
         self.mark_written(&entries);
         self.attached = None;
-        let kept = if open {
-            None
-        } else {
-            let keep: Vec<usize> = entries.iter().map(|entry| entry.slots.len()).collect();
-            self.commit(&entries, &keep)
-        };
+        let keep: Vec<usize> = entries.iter().map(|entry| entry.slots.len()).collect();
+        let kept = self.commit(&entries, &keep);
         self.staged = Some(StagedStep {
             entries,
             record,
@@ -1292,43 +1199,35 @@ impl PagedKv {
         Ok(shape)
     }
 
-    /// The device half of a staged step, `forward` inside: what a graph records. An `open` step
-    /// stops after the forward.
+    /// The device half of a staged step, `forward` inside: what a graph records.
     fn device_step<T>(
         &mut self,
         forward: &mut dyn FnMut(&mut PagedKv, &StepInputs) -> T,
-        open: bool,
     ) -> StepOutput<T> {
         let staged = self.staged.clone().expect("a graph runs a staged step");
         let launched = self.launch(&staged.record)?;
         let inputs = launched.inputs.clone();
         self.step = Some(OpenStep {
             entries: staged.entries,
-            device: StepDevice::Launched(launched),
+            device: launched,
         });
         let out = forward(self, &inputs);
         let Some(OpenStep {
-            device: StepDevice::Launched(launched),
-            ..
+            device: launched, ..
         }) = self.step.take()
         else {
             // Not reached: inside a captured step `end` is refused and `begin` finds it open.
             return Err(step_order("end", "cannot run inside a captured step"));
         };
-        let forwarded = launched.finish();
-        if open {
-            return Ok((out, DeviceHalf::Open(forwarded)));
-        }
-        let statuses = self.launch_end(forwarded, staged.kept.as_ref())?;
-        Ok((out, DeviceHalf::Ended(self.pack(statuses))))
+        let statuses = self.launch_end(launched.finish(), staged.kept.as_ref())?;
+        Ok((out, self.pack(statuses)))
     }
 
     /// The report of a whole step's graph from its output's statuses.
     fn read_output<T>(&mut self, output: &StepOutput<T>) -> Result<StepReport, Error> {
         self.staged = None;
         match output {
-            Ok((_, DeviceHalf::Ended(packed))) => self.report(packed),
-            Ok((_, DeviceHalf::Open(_))) => unreachable!("a whole step's graph ends its step"),
+            Ok((_, packed)) => self.report(packed),
             Err(error) => Err(error.clone()),
         }
     }
@@ -1527,16 +1426,7 @@ impl PagedKv {
 
 /// What a graph's step returns: the forward's outputs and the step's statuses, or (a forward
 /// graph) what its eager end reads.
-type StepOutput<T> = Result<(T, DeviceHalf), Error>;
-
-/// The device half a graph's run leaves.
-#[derive(Debug, Clone)]
-enum DeviceHalf {
-    /// A whole step: its statuses, packed to read.
-    Ended(Packed),
-    /// A step's begin and forward: the end is left.
-    Open(Forwarded),
-}
+type StepOutput<T> = Result<(T, Packed), Error>;
 
 /// A step's statuses and attached ints in one i64 tensor (`PagedKv::pack`).
 #[derive(Debug, Clone)]
@@ -1549,16 +1439,13 @@ struct Packed {
 }
 type StepClosure<'f, T> = Box<dyn FnMut() -> StepOutput<T> + 'f>;
 
-/// A step's device work, the model's forward inside, captured once by [`PagedKv::capture`] (or
-/// [`PagedKv::capture_forward`]) and replayed by [`PagedKv::replay`] (or
-/// [`PagedKv::replay_forward`]) for later steps of the same shape.
+/// A step's device work, the model's forward inside, captured once by [`PagedKv::capture`] and
+/// replayed by [`PagedKv::replay`] for later steps of the same shape.
 pub struct StepGraph<'f, T> {
     graph: burn_core::tensor::Graph<StepOutput<T>, StepClosure<'f, T>>,
     /// The `PagedKv` the closure runs on, set only while Burn's capture or replay runs.
     target: Rc<Cell<*mut PagedKv>>,
     shape: [usize; 3],
-    /// A graph of `capture_forward`: its step stays open.
-    open: bool,
     owner: u64,
     generation: u64,
 }

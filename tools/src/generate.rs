@@ -35,8 +35,8 @@ pub const USAGE: &str = "usage: kvplan generate [PROMPT ...] [--file FILE] [--ra
   each step phase and prints where the steps' time went. --repeat-ops attention runs each
   layer's store and attention (PagedKv::attend) twice on every other step (benchmarks: the
   steps' difference is what they cost a pipelined step). --graphs on replays greedy decode
-  steps without drafts as graphs (each batch size captured once) and verify steps' forwards
-  (each window shape, up to 16), on by default on CUDA. --spec-max-tokens N: a step drafts only
+  steps as graphs, each window shape's whole step (acceptance on the device) captured once
+  (without drafts each batch size; up to 16 verify shapes), on by default on CUDA. --spec-max-tokens N: a step drafts only
   while its rows' windows (K + 1 each) total at most N tokens (default 16 on a GPU, where wider
   verify steps cost more than their drafts save; 0: no bound, Flex's default). On CUDA and Vulkan the requests are first served once untimed (--no-warm-up: not), which compiles and autotunes every
   step shape.";
@@ -174,7 +174,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         fixed_windows: backend != BackendName::Flex,
         profile: args.profile,
         repeat: args.repeat,
-        // Greedy steps replay as graphs (decode steps whole, verify forwards), by default on CUDA only.
+        // Greedy steps replay as graphs (whole steps, verify steps too), by default on CUDA only.
         graphs: args.graphs.unwrap_or(backend == BackendName::Cuda),
         // 0: no bound.
         spec_max_tokens: match args.spec_max_tokens {

@@ -592,7 +592,7 @@ macro_rules! tensor_suite {
             fn paged_capture() {
                 let _device = crate::common::exclusive();
                 crate::paged::capture(&device());
-                crate::paged::capture_forward(&device());
+                crate::paged::capture_verify(&device());
             }
         }
     };
