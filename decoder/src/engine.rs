@@ -580,6 +580,12 @@ impl Engine {
         self.graphs.len()
     }
 
+    /// Graphs whose capture fell back to running the step again at each replay (always on Flex;
+    /// on a GPU a kernel compiled inside the capture, burn issue 5772).
+    pub fn fallen_back(&self) -> usize {
+        self.graphs.values().filter(|g| !g.is_hardware()).count()
+    }
+
     /// The corruption injected, if any (request, slot, position).
     pub fn injected(&self) -> Option<&Reported> {
         self.injected.as_ref()
@@ -779,14 +785,14 @@ impl Engine {
         Ok(Some((targets, report)))
     }
 
-    /// A graph's first outputs, its capture counted (and a warning where the engine's first
-    /// capture fell back to running its closure).
+    /// A graph's first outputs, its capture counted (and a warning at the engine's first capture
+    /// that fell back to running its closure).
     fn captured<T: Clone>(
         &mut self,
         graph: &StepGraph<'static, std::result::Result<T, String>>,
     ) -> std::result::Result<T, String> {
-        if !graph.is_hardware() && self.graphs() == 0 {
-            eprintln!("graphs: the capture fell back to running each step again");
+        if !graph.is_hardware() && self.fallen_back() == 0 {
+            eprintln!("graphs: a capture fell back to running each step again");
         }
         self.times.captured += 1;
         graph

@@ -254,6 +254,13 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         )?;
     }
     summary(&engine, &outcomes, elapsed.as_secs_f64());
+    if backend != BackendName::Flex && engine.fallen_back() > 0 {
+        return Err(format!(
+            "{} graph captures fell back to running their steps again: these are not replayed \
+             steps' numbers",
+            engine.fallen_back()
+        ));
+    }
     gpu_time(timer, engine.times().steps);
     if args.profile {
         profile(engine.times());
