@@ -274,6 +274,19 @@ impl RowWork {
     fn window(&self) -> usize {
         self.input.len() + self.draft.len()
     }
+
+    /// The window's tokens: the input, then the draft.
+    fn tokens(&self) -> Vec<u32> {
+        self.input.iter().chain(&self.draft).copied().collect()
+    }
+}
+
+/// Each row's window for `PagedKv::begin`, its tokens `tokens[i]`.
+fn step_windows<'a>(work: &[RowWork], tokens: &'a [Vec<u32>]) -> Vec<(RequestId, &'a [u32])> {
+    work.iter()
+        .zip(tokens)
+        .map(|(w, tokens)| (w.kv, tokens.as_slice()))
+        .collect()
 }
 
 /// Violation rows the canary's ring keeps between reads.
@@ -726,15 +739,8 @@ impl Engine {
         let Some(shape) = self.graph_windows(work) else {
             return Ok(None);
         };
-        let tokens: Vec<Vec<u32>> = work
-            .iter()
-            .map(|w| w.input.iter().chain(&w.draft).copied().collect())
-            .collect();
-        let windows: Vec<(RequestId, &[u32])> = work
-            .iter()
-            .zip(&tokens)
-            .map(|(w, tokens)| (w.kv, tokens.as_slice()))
-            .collect();
+        let tokens: Vec<Vec<u32>> = work.iter().map(RowWork::tokens).collect();
+        let windows = step_windows(work, &tokens);
         let drafted = shape.iter().any(|&n| n > 1);
         let device = self.model.device().clone();
         let accept = || drafted.then(|| Acceptance::new(&shape, &device));
@@ -959,15 +965,8 @@ impl Engine {
     /// of the row's last input token and draft tokens (`draft.len() + 1` of them): greedy token ids,
     /// or the target's distributions when sampling.
     fn verify(&mut self, work: &[RowWork]) -> Result<Vec<Target>> {
-        let tokens: Vec<Vec<u32>> = work
-            .iter()
-            .map(|w| w.input.iter().chain(&w.draft).copied().collect())
-            .collect();
-        let windows: Vec<(RequestId, &[u32])> = work
-            .iter()
-            .zip(&tokens)
-            .map(|(w, tokens)| (w.kv, tokens.as_slice()))
-            .collect();
+        let tokens: Vec<Vec<u32>> = work.iter().map(RowWork::tokens).collect();
+        let windows = step_windows(work, &tokens);
         let layers = self.model.config().layers;
         let hidden = self.forward(&windows, 0..layers)?;
         self.lap("target forward");
