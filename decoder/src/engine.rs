@@ -769,7 +769,7 @@ impl Engine {
                 let (graph, report) = self.kv.capture(&windows, move |kv, inputs| {
                     greedy_step(&model, kv, inputs, accept.as_ref())
                 })?;
-                self.captured(&graph).map_err(DecoderError::Model)?;
+                self.captured(&graph)?;
                 self.graphs.insert(shape.clone(), graph);
                 report
             }
@@ -791,20 +791,19 @@ impl Engine {
         Ok(Some((targets, report)))
     }
 
-    /// A graph's first outputs, its capture counted (and a warning at the engine's first capture
-    /// that fell back to running its closure).
-    fn captured<T: Clone>(
-        &mut self,
-        graph: &StepGraph<'static, std::result::Result<T, String>>,
-    ) -> std::result::Result<T, String> {
+    /// A graph's capture counted (and a warning at the engine's first capture that fell back to
+    /// running its closure); its forward's error, if any.
+    fn captured(&mut self, graph: &GreedyGraph) -> Result<()> {
         if !graph.is_hardware() && self.fallen_back() == 0 {
             eprintln!("graphs: a capture fell back to running each step again");
         }
         self.times.captured += 1;
-        graph
-            .output()
-            .cloned()
-            .unwrap_or_else(|| Err("a capture that returned has its output".to_string()))
+        match graph.output() {
+            Some(out) => out.clone().map_err(DecoderError::Model),
+            None => Err(DecoderError::Model(
+                "a capture that returned has its output".to_string(),
+            )),
+        }
     }
 
     /// Each running request's window for this step.
@@ -1190,7 +1189,8 @@ impl Engine {
 }
 
 /// The target's verdict on one row's window.
-enum Target {
+#[derive(Debug, PartialEq)]
+pub(crate) enum Target {
     /// Greedy: the target's token after each decided position.
     Tokens(Vec<u32>),
     /// Sampling: its distribution there.
@@ -1214,7 +1214,7 @@ fn picked_rows(work: &[RowWork]) -> (Vec<i64>, Vec<usize>) {
 
 /// Each row's tokens from a greedy step's attached ints: the target's token after each window
 /// token (`windows[i]` a row), then with drafts each row's kept count.
-fn accepted_targets(attached: &[i64], windows: &[usize]) -> Result<Vec<Target>> {
+pub(crate) fn accepted_targets(attached: &[i64], windows: &[usize]) -> Result<Vec<Target>> {
     let total: usize = windows.iter().sum();
     let drafted = windows.iter().any(|&n| n > 1);
     let expected = total + if drafted { windows.len() } else { 0 };

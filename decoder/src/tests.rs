@@ -513,6 +513,33 @@ fn device_acceptance_matches_the_host(device: &Device) {
     }
 }
 
+/// A greedy step's attached ints become each row's accepted tokens; a count of ints or a kept
+/// count that cannot come from the step is refused, naming it.
+#[test]
+fn accepted_targets_are_checked() {
+    use crate::engine::{Target, accepted_targets};
+    // Windows of 1 and 3: the target's 4 tokens, then the rows' kept counts.
+    let got = accepted_targets(&[7, 4, 5, 6, 1, 2], &[1, 3]).unwrap();
+    let want = vec![Target::Accepted(vec![7]), Target::Accepted(vec![4, 5])];
+    assert_eq!(got, want);
+    // Without drafts, one token a row and no counts.
+    let got = accepted_targets(&[7, 8], &[1, 1]).unwrap();
+    assert_eq!(
+        got,
+        vec![Target::Accepted(vec![7]), Target::Accepted(vec![8])]
+    );
+    let refusal = |attached: &[i64], windows: &[usize]| {
+        accepted_targets(attached, windows).unwrap_err().to_string()
+    };
+    assert!(refusal(&[7, 4, 5, 6, 1], &[1, 3]).contains("attached 5 ints for 6"));
+    assert!(
+        refusal(&[7, 4, 5, 6, 1, 4], &[1, 3]).contains("row 1 kept 4 tokens of a 3-token window")
+    );
+    assert!(
+        refusal(&[7, 4, 5, 6, 0, 2], &[1, 3]).contains("row 0 kept 0 tokens of a 1-token window")
+    );
+}
+
 #[test]
 fn device_acceptance_matches_the_host_flex() {
     device_acceptance_matches_the_host(&Device::flex());

@@ -349,7 +349,7 @@ impl Launched {
 }
 
 /// A step's device half after its forward: its statuses and the record's parts the end reads.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Forwarded {
     statuses: Vec<Status>,
     rows: Tensor<1, Int>,
