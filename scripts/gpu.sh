@@ -268,33 +268,15 @@ PY
       ;;
     peers-gputime)
       # llama.cpp's batch-1 decode kernel by kernel (Nsight Compute, each graph node's duration, clocks
-      # as they run): what its attention takes of a token's GPU time, beside kvplan's `gputime`.
-      # LLAMA_SKIP launches (the load, the warm-up, the first tokens) skipped, LLAMA_COUNT profiled.
+      # and caches as they run): what its attention takes of a token's GPU time, beside kvplan's
+      # `gputime`. LLAMA_SKIP launches (the load, the warm-up, the first tokens) skipped, LLAMA_COUNT
+      # profiled.
       bin=/tmp/llama/llama.cpp/build/bin
-      ncu --clock-control none --metrics gpu__time_duration.sum --launch-skip "${LLAMA_SKIP:-4000}" \
-        --launch-count "${LLAMA_COUNT:-1500}" -o "$OUT/ncu-llama" -f "$bin/llama-bench" -m "$MODEL" -p 0 -n 32 \
-        -ngl 99 -r 1 > "$OUT/ncu-llama.out" 2>&1
+      ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+        --launch-skip "${LLAMA_SKIP:-4000}" --launch-count "${LLAMA_COUNT:-1500}" -o "$OUT/ncu-llama" -f \
+        "$bin/llama-bench" -m "$MODEL" -p 0 -n 32 -ngl 99 -r 1 > "$OUT/ncu-llama.out" 2>&1
       ncu -i "$OUT/ncu-llama.ncu-rep" --page raw --csv --metrics gpu__time_duration.sum > "$OUT/ncu-llama.csv" 2>&1
-      python3 - "$OUT/ncu-llama.csv" <<'PY'
-import csv, sys
-from collections import defaultdict
-rows = list(csv.reader(open(sys.argv[1])))
-head = rows[0]
-time, count = defaultdict(float), defaultdict(int)
-for r in rows[2:]:
-    d = dict(zip(head, r))
-    name = d.get("Kernel Name", "?").split("(")[0].split("<")[0]
-    time[name] += float(d["gpu__time_duration.sum"].replace(",", "")) / 1000  # ns -> us
-    count[name] += 1
-# A token's launches: SmolLM2-135M has 30 layers, one attention launch each.
-tokens = max(1, sum(c for n, c in count.items() if "flash_attn" in n) // 30)
-total = sum(time.values()) / tokens
-print(f"llama.cpp batch 1: {tokens} tokens profiled, {total:.1f} us of kernels a token, "
-      f"{sum(count.values()) / tokens:.0f} launches")
-for name, t in sorted(time.items(), key=lambda kv: -kv[1]):
-    print(f"  {name[:60]:60} {t / tokens:8.1f} us a token ({100 * t / tokens / total:4.1f}%), "
-          f"{count[name] / tokens:5.1f} launches")
-PY
+      python3 benches/ncu_kernels.py "$OUT/ncu-llama.csv"
       ;;
     decode-prompts)
       # N-gram (k = K, 10 by default) against spec off prompt by prompt at batch 1 (graphs on):
