@@ -254,13 +254,7 @@ pub fn main(args: &[String]) -> Result<ExitCode, String> {
         )?;
     }
     summary(&engine, &outcomes, elapsed.as_secs_f64());
-    if backend != BackendName::Flex && engine.fallen_back() > 0 {
-        return Err(format!(
-            "{} graph captures fell back to running their steps again: these are not replayed \
-             steps' numbers",
-            engine.fallen_back()
-        ));
-    }
+    all_replayed(backend, engine.fallen_back())?;
     gpu_time(timer, engine.times().steps);
     if args.profile {
         profile(engine.times());
@@ -675,13 +669,37 @@ fn gpu_time(timer: Option<crate::cupti::KernelTimer>, steps: usize) {
 #[cfg(not(feature = "cuda"))]
 fn gpu_time(_: Option<()>, _: usize) {}
 
+/// On a GPU every captured step must replay as a graph: a capture that fell back reruns its
+/// step eagerly at each replay, so the numbers would not be a replayed step's (Flex always falls
+/// back: it has no graphs).
+fn all_replayed(backend: BackendName, fallen_back: usize) -> Result<(), String> {
+    if backend != BackendName::Flex && fallen_back > 0 {
+        return Err(format!(
+            "{fallen_back} graph captures fell back to running their steps again: these are not \
+             replayed steps' numbers"
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
-    use super::parse;
+    use super::{BackendName, all_replayed, parse};
 
     fn refusal(args: &[&str]) -> String {
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         parse(&args).expect_err("refused")
+    }
+
+    #[test]
+    fn a_capture_that_fell_back_is_refused_on_a_gpu() {
+        assert_eq!(all_replayed(BackendName::Flex, 3), Ok(()));
+        assert_eq!(all_replayed(BackendName::Vulkan, 0), Ok(()));
+        assert_eq!(
+            all_replayed(BackendName::Vulkan, 2).unwrap_err(),
+            "2 graph captures fell back to running their steps again: these are not replayed \
+             steps' numbers"
+        );
     }
 
     #[test]
