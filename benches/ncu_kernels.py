@@ -17,7 +17,10 @@ for r in rows[2:]:
     name = d["Kernel Name"].split("(")[0].split("<")[0].removeprefix("void ")
     time[name] += float(d["gpu__time_duration.sum"].replace(",", "")) * scale
     count[name] += 1
-tokens = max(1, count["flash_attn_ext_vec"]) / LAYERS
+# A token is a layer's attention launch (llama.cpp's flash-attention kernel, whichever variant
+# it picks, not the parts' combine) in each layer.
+attention = sum(c for n, c in count.items() if n.startswith("flash_attn_ext"))
+tokens = max(1, attention) / LAYERS
 total = sum(time.values()) / tokens
 print(
     f"llama.cpp batch 1: {tokens:.1f} tokens profiled, {total:.1f} us of kernels a token, "
